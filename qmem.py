@@ -1,0 +1,1302 @@
+#!/usr/bin/env python3
+"""qmem.py - the portable, offline-first side of the qmem shared memory.
+
+AI coding agents share a memory on a remote Memory Gateway.  qmem.py keeps a
+local SQLite + FTS5 index of it (built from pi session files, the gateway's
+export, and records fetched by id), searches it offline, writes to the gateway
+and queues writes while it is unreachable.  One file, standard library only,
+CPython 3.6+.
+
+  python3 qmem.py import                 index the pi sessions on this machine
+  python3 qmem.py find "circuit breaker" search the local index (offline)
+  python3 qmem.py status                 what the local side knows
+  python3 qmem.py search "..."           semantic search on the gateway,
+                                         local fallback when it is down
+
+Exit codes: 0 done (also a labelled local fallback or a queued write),
+1 operational failure, 2 usage or configuration error, 3 --require-remote
+and the gateway could not be used, 130 interrupted.
+
+Configuration precedence: defaults < config file < environment < flags.
+
+Sections (grep -n '^# ==='): Errors, Utilities, Config, Local store,
+Import, Local search, Status, Command line.
+"""
+import sys
+
+if sys.version_info < (3, 6):  # pragma: no cover - the guard itself
+    sys.exit("qmem: Python 3.6 or newer is required")
+
+import argparse
+import json
+import os
+import re
+import sqlite3
+import time
+
+__version__ = "0.1.0"
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE, EXIT_REMOTE, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+KINDS = ("fact", "decision", "preference", "episode")
+# Record fields as the gateway names them (gateway-api.md, "Record").
+FIELDS = ("text", "kind", "project_id", "scope", "agent_id", "source", "private",
+          "created_at", "updated_at", "expires_at", "supersedes_id",
+          "supersede_reason", "superseded_by", "deleted_at")
+# Records are immutable except for these (gateway-api.md).
+MUTABLE = ("superseded_by", "deleted_at")
+IMMUTABLE = tuple(f for f in FIELDS if f not in MUTABLE and f != "updated_at")
+# How complete a view of a record is; a more complete view wins (design.md).
+VIEW_HIT, VIEW_ARGS, VIEW_FULL = 0, 1, 2
+VIEW_NAMES = {VIEW_HIT: "search hit", VIEW_ARGS: "call arguments", VIEW_FULL: "full record"}
+
+UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+MAX_QUERY_CHARS = 500
+MAX_QUERY_TOKENS = 32
+
+
+# === Errors ==================================================================
+
+class QmemError(Exception):
+    """An expected failure: reported as one line on stderr, never a traceback."""
+    exit_code = EXIT_FAIL
+
+
+class UsageError(QmemError):
+    """The command line asks for something that cannot be done."""
+    exit_code = EXIT_USAGE
+
+
+class ConfigError(QmemError):
+    """The configuration file or environment is unusable."""
+    exit_code = EXIT_USAGE
+
+
+class StoreError(QmemError):
+    """The local database cannot be used."""
+
+
+# === Utilities ===============================================================
+
+_ISO_FAST = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
+
+
+def iso_from_epoch(t):
+    """Epoch seconds -> ISO-8601 UTC with milliseconds ('...T10:15:00.000Z')."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + ".%03dZ" % (int(t * 1000) % 1000)
+
+
+def iso_now():
+    return iso_from_epoch(time.time())
+
+
+def iso_norm(value):
+    """Normalise an ISO-8601 timestamp to UTC '...T..:..:..sssZ', so that strings compare
+    as times. Anything unparseable gives None: a bad date is missing data, not data."""
+    if not isinstance(value, str) or not value:
+        return None
+    if _ISO_FAST.match(value):
+        return value if len(value) == 24 else value[:19] + ".000Z"
+    epoch = parse_iso(value)
+    return None if epoch is None else iso_from_epoch(epoch)
+
+
+def parse_iso(value):
+    """ISO-8601 date or date-time -> epoch seconds, or None. A time without an offset is UTC."""
+    import datetime
+    m = re.match(r"\A(\d{4})-(\d\d)-(\d\d)(?:[T ](\d\d):(\d\d)(?::(\d\d)(?:\.(\d{1,9}))?)?"
+                 r"\s*(Z|z|[+-]\d\d:?\d\d)?)?\Z", value.strip())
+    if not m:
+        return None
+    y, mo, d, hh, mi, ss, frac, tz = m.groups()
+    try:
+        dt = datetime.datetime(int(y), int(mo), int(d), int(hh or 0), int(mi or 0), int(ss or 0),
+                               int((frac or "0")[:6].ljust(6, "0")), tzinfo=datetime.timezone.utc)
+    except ValueError:
+        return None
+    if tz and tz not in ("Z", "z"):
+        sign = 1 if tz[0] == "+" else -1
+        digits = tz[1:].replace(":", "")
+        dt -= sign * datetime.timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+    return dt.timestamp()
+
+
+def mask_secret(key):
+    """'sk-live-0123456789abcd' -> 'sk-…abcd'. Never shows more than four characters."""
+    if not key:
+        return "(not set)"
+    if len(key) < 12:
+        return "…" + "*" * 4
+    return key[:3] + "…" + key[-4:]
+
+
+def atomic_write(path, data, mode=0o600):
+    """Write bytes to path through a temporary file and os.replace; readers never see a
+    torn file. The file gets `mode` (0600: it may hold a secret)."""
+    import tempfile
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.chmod(tmp, mode)
+        except OSError:  # pragma: no cover - filesystems without modes
+            pass
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def warn(message):
+    """A diagnostic on stderr, prefixed as every qmem diagnostic is."""
+    sys.stderr.write("qmem: %s\n" % message)
+
+
+class Progress:
+    """One self-overwriting progress line on stderr, only when stderr is a terminal."""
+
+    def __init__(self, label):
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+        self.last = 0.0
+
+    def update(self, text):
+        now = time.monotonic()
+        if self.enabled and now - self.last > 0.1:
+            self.last = now
+            sys.stderr.write("\r\x1b[Kqmem: %s %s" % (self.label, text))
+            sys.stderr.flush()
+
+    def done(self):
+        if self.enabled and self.last:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def machine_identity():
+    """'hostname (OS name)': what local writes carry as their default source."""
+    host = os.environ.get("COMPUTERNAME") or ""
+    if hasattr(os, "uname"):
+        host = os.uname().nodename or host
+    os_name = ""
+    try:
+        with open("/etc/os-release", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("PRETTY_NAME="):
+                    os_name = line.split("=", 1)[1].strip().strip('"')
+    except OSError:
+        pass
+    if not os_name:
+        import platform
+        os_name = (platform.system() + " " + platform.release()).strip()
+    return "%s (%s)" % (host or "unknown-host", os_name or "unknown OS")
+
+
+# === Config ==================================================================
+
+DEFAULTS = {
+    "url": None,
+    "apiKey": None,
+    "localDbPath": None,
+    "localFallback": True,
+    "offlineQueue": True,
+    "connectTimeoutMs": 15000,
+    "timeoutMs": 30000,
+    "breakerBaseMs": 120000,
+    "breakerMaxMs": 600000,
+    "breakerTripAfter": 3,
+}
+ENV_KEYS = {"url": "QMEM_URL", "apiKey": "QMEM_API_KEY", "localDbPath": "QMEM_SQLITE"}
+
+
+class Config:
+    """The effective configuration: each value and where it came from."""
+
+    def __init__(self, values, sources, path, raw, breaker_path, home):
+        self.values, self.sources, self.path, self.raw = values, sources, path, raw
+        self.breaker_path, self.home = breaker_path, home
+
+    def __getitem__(self, key):
+        return self.values[key]
+
+    @property
+    def db_path(self):
+        return self.values["localDbPath"] or os.path.join(self.home, ".local", "share", "pi-qmem",
+                                                           "qmem.sqlite")
+
+
+def _check_type(key, value, origin):
+    """Validate one config value against the type of its default; return it converted."""
+    default = DEFAULTS[key]
+    if isinstance(default, bool):
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError("%s: %s must be true or false, not %r" % (origin, key, value))
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError("%s: %s must be a whole number, not %r" % (origin, key, value))
+        try:
+            number = int(value)
+        except ValueError:
+            raise ConfigError("%s: %s must be a whole number, not %r" % (origin, key, value))
+        if number <= 0:
+            raise ConfigError("%s: %s must be greater than 0, not %d" % (origin, key, number))
+        return number
+    if value is not None and not isinstance(value, str):
+        raise ConfigError("%s: %s must be a string" % (origin, key))
+    return value or None
+
+
+def load_config(environ=None, overrides=None):
+    """Build the effective config: defaults < config file < environment < flags."""
+    environ = os.environ if environ is None else environ
+    home = environ.get("HOME") or os.path.expanduser("~")
+    path = environ.get("QMEM_CONFIG") or os.path.join(home, ".config", "pi-qmem", "config.json")
+    raw = {}
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        data = None
+    except OSError as e:
+        raise ConfigError("cannot read config file %s: %s" % (path, e.strerror or e))
+    if data is not None:
+        try:
+            raw = json.loads(data.decode("utf-8")) if data.strip() else {}
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ConfigError("config file %s is not valid JSON: %s" % (path, e))
+        if not isinstance(raw, dict):
+            raise ConfigError("config file %s must hold a JSON object" % path)
+    values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
+    for key in DEFAULTS:
+        if key in raw and raw[key] is not None:
+            values[key] = _check_type(key, raw[key], "config file %s" % path)
+            sources[key] = "file"
+    for key, var in ENV_KEYS.items():
+        if environ.get(var):
+            values[key] = _check_type(key, environ[var], "environment %s" % var)
+            sources[key] = "env " + var
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            values[key] = _check_type(key, value, "option")
+            sources[key] = "flag"
+    if values["localDbPath"]:
+        values["localDbPath"] = os.path.expanduser(values["localDbPath"])
+    breaker = environ.get("QMEM_BREAKER_FILE") or os.path.join(home, ".local", "share", "pi-qmem",
+                                                               "breaker.json")
+    return Config(values, sources, path, raw, breaker, home)
+
+
+def session_dirs(environ=None):
+    """Where pi writes its sessions, in pi's own order of precedence (pi-sessions.md §1)."""
+    environ = os.environ if environ is None else environ
+    custom = environ.get("PI_CODING_AGENT_SESSION_DIR")
+    if custom:
+        return [os.path.expanduser(custom)]
+    agent = environ.get("PI_CODING_AGENT_DIR")
+    agent = os.path.expanduser(agent) if agent else os.path.join(
+        environ.get("HOME") or os.path.expanduser("~"), ".pi", "agent")
+    return [os.path.join(agent, "sessions")]
+
+
+# === Local store =============================================================
+
+SCHEMA_VERSION = 1
+_FTS_COLUMNS = "text, project_id, kind"
+
+
+def _m001_initial(conn, fts_tokenizer):
+    """Records, their FTS index, import progress, sync state and the outbox."""
+    _script(conn, """
+    CREATE TABLE records(
+      rid INTEGER PRIMARY KEY,             -- stable key for the FTS index (VACUUM-proof)
+      id TEXT NOT NULL UNIQUE,             -- the gateway id (or the local id until synced)
+      text TEXT NOT NULL DEFAULT '',
+      kind TEXT, project_id TEXT, scope TEXT, agent_id TEXT, source TEXT,
+      private INTEGER NOT NULL DEFAULT 0,
+      created_at TEXT, updated_at TEXT, expires_at TEXT,
+      supersedes_id TEXT, supersede_reason TEXT, superseded_by TEXT, deleted_at TEXT,
+      view INTEGER NOT NULL DEFAULT 0,     -- 0 search hit, 1 call arguments, 2 full record
+      pending INTEGER NOT NULL DEFAULT 0,  -- written here, not yet in shared memory
+      seen_at TEXT                         -- when this machine last saw it
+    );
+    CREATE INDEX records_supersedes ON records(supersedes_id) WHERE supersedes_id IS NOT NULL;
+    CREATE TABLE meta(key TEXT PRIMARY KEY, value TEXT);
+    CREATE TABLE files(
+      path TEXT PRIMARY KEY, size INTEGER NOT NULL, mtime_ns INTEGER NOT NULL,
+      ino INTEGER, offset INTEGER NOT NULL, session_id TEXT, status TEXT NOT NULL);
+    CREATE TABLE open_calls(          -- qmem calls whose result is not in the file yet
+      path TEXT NOT NULL, call_id TEXT NOT NULL, name TEXT NOT NULL, args TEXT, ts TEXT,
+      PRIMARY KEY(path, call_id));
+    CREATE TABLE outbox(
+      rid INTEGER PRIMARY KEY,
+      id TEXT NOT NULL UNIQUE,             -- local id == Idempotency-Key, never changes
+      op TEXT NOT NULL,                    -- store | correct
+      payload TEXT NOT NULL,               -- the request body, frozen at enqueue
+      target TEXT,                         -- correct: the id it supersedes (may be local)
+      state TEXT NOT NULL DEFAULT 'pending'
+        CHECK (state IN ('pending', 'sending', 'synced', 'duplicate', 'failed')),
+      attempts INTEGER NOT NULL DEFAULT 0,
+      next_attempt_at REAL NOT NULL DEFAULT 0,
+      claim_token TEXT, lease_until REAL,
+      created_at REAL NOT NULL, first_sent_at REAL, done_at REAL,
+      gateway_id TEXT, duplicate_of TEXT, last_status INTEGER, last_error TEXT);
+    CREATE INDEX outbox_ready ON outbox(state, next_attempt_at, rid);
+    """)
+    if fts_tokenizer:
+        _create_fts(conn, fts_tokenizer)
+    else:
+        conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', 'none')")
+
+
+def _script(conn, sql):
+    """Run several statements inside the caller's transaction. (executescript() would
+    COMMIT it first.)"""
+    statement = ""
+    for line in sql.splitlines(True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            conn.execute(statement)
+            statement = ""
+
+
+def _create_fts(conn, tokenizer):
+    # No triggers: Store keeps the index in step row by row, which measured three
+    # times faster than the same work done by an AFTER INSERT trigger.
+    conn.execute("CREATE VIRTUAL TABLE records_fts USING fts5(%s, content='records', "
+                 "content_rowid='rid', tokenize='%s')" % (_FTS_COLUMNS, tokenizer))
+    conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', ?)", ("fts5 " + tokenizer,))
+
+
+# Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
+MIGRATIONS = [_m001_initial]
+
+# Tests set this to exercise the LIKE path of a SQLite built without FTS5.
+FORCE_NO_FTS5 = False
+
+
+def fts5_tokenizer():
+    """The best unicode61 tokenizer this SQLite offers, or None without FTS5."""
+    if FORCE_NO_FTS5:
+        return None
+    probe = sqlite3.connect(":memory:")
+    try:
+        for tokenizer in ("unicode61 remove_diacritics 2", "unicode61 remove_diacritics 1"):
+            try:
+                probe.execute("CREATE VIRTUAL TABLE p USING fts5(x, tokenize='%s')" % tokenizer)
+                return tokenizer
+            except sqlite3.OperationalError:
+                continue
+        return None
+    finally:
+        probe.close()
+
+
+def _fold(text):
+    """Accent-folded lower case, for the LIKE search of a SQLite without FTS5."""
+    import unicodedata
+    if text is None:
+        return None
+    decomposed = unicodedata.normalize("NFKD", text)
+    return "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
+
+
+class Store:
+    """The local SQLite database: records, FTS index, import progress, outbox."""
+
+    def __init__(self, path, create=True):
+        self.path = path
+        if not os.path.exists(path):
+            if not create:
+                raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`" % path)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        elif os.path.isfile(path) and os.path.getsize(path) >= 16:
+            with open(path, "rb") as f:
+                if f.read(16) != b"SQLite format 3\x00":
+                    raise StoreError("%s is not a SQLite database; refusing to touch it "
+                                     "(move it aside or set QMEM_SQLITE)" % path)
+        try:
+            # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
+            # the one style that behaves the same on every Python (reliability.md §4.1).
+            self.conn = sqlite3.connect(path, timeout=10, isolation_level=None)
+            self.conn.execute("PRAGMA busy_timeout=10000")
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                self.conn.close()
+                raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); "
+                                 "left untouched: use the newer qmem.py" % (path, version, SCHEMA_VERSION))
+            if version < SCHEMA_VERSION:
+                self._migrate(version)
+            self.conn.execute("PRAGMA synchronous=FULL")
+        except sqlite3.DatabaseError as e:
+            raise StoreError("cannot use local database %s: %s" % (path, e))
+        self.fts = self.meta("fts") != "none"
+        self.conn.create_function("qmem_fold", 1, _fold)
+        self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
+        self.known = None         # bulk load: hashes of every id in the table
+
+    def begin_bulk(self):
+        """Prepare for merging many records: remember which ids exist (so a new one costs
+        no lookup) and, on an empty table, build the FTS index once at the end instead of
+        row by row (measured four times cheaper). The 'fts_pending' mark makes `find`
+        use the LIKE scan until finish_bulk(), even if this process dies first."""
+        self.known = {hash(i) for (i,) in self.conn.execute("SELECT id FROM records")}
+        if self.fts and not self.known:
+            self.defer_index = True
+            with self.transaction():
+                self.set_meta("fts_pending", "1")
+
+    def finish_bulk(self):
+        """Inside a transaction: rebuild the FTS index if a bulk load left it pending."""
+        self.known, self.defer_index = None, False
+        if self.fts and self.meta("fts_pending"):
+            self.conn.execute("INSERT INTO records_fts(records_fts) VALUES('rebuild')")
+            self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
+
+    def _migrate(self, version):
+        if self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
+            warn("%s: WAL journal not available here; concurrent use will be slower" % self.path)
+        tokenizer = fts5_tokenizer() if version == 0 else None
+        if version == 0 and tokenizer is None:
+            warn("this Python's SQLite has no FTS5: local search falls back to a slower LIKE scan")
+        with self.transaction():
+            # Re-read under the write lock: another process may have migrated meanwhile.
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            for n in range(version, SCHEMA_VERSION):
+                if n == 0:
+                    MIGRATIONS[n](self.conn, tokenizer)
+                else:  # pragma: no cover - no later migration yet
+                    MIGRATIONS[n](self.conn)
+            self.conn.execute("PRAGMA user_version=%d" % SCHEMA_VERSION)
+
+    def transaction(self):
+        return _Transaction(self.conn)
+
+    def close(self):
+        self.conn.close()
+
+    def meta(self, key, default=None):
+        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else default
+
+    def set_meta(self, key, value):
+        self.conn.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, value))
+
+    def get(self, record_id):
+        """One record as a dict, or None."""
+        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
+                                % ", ".join(FIELDS), (record_id,))
+        row = cur.fetchone()
+        return _row_dict(cur, row) if row else None
+
+    # What merging needs of the stored row, without reading (and decoding) every column:
+    # the mutable state, and a bit mask of the immutable fields that are missing.
+    _SELECT_FOR_MERGE = "SELECT rid, view, updated_at, superseded_by, deleted_at, %s FROM records WHERE id=?" % (
+        " | ".join("((%s)<<%d)" % ("text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL", n)
+                   for n, f in enumerate(IMMUTABLE)))
+    _INSERT = "INSERT INTO records(id, view, seen_at, %s) VALUES(%s)" % (
+        ", ".join(FIELDS), ", ".join("?" * (len(FIELDS) + 3)))
+
+    def upsert(self, rec, view, seen_at=None):
+        """Merge one view of a record into the index; return 'new', 'updated' or 'same'.
+
+        The merge rule (design.md): never replace known data with missing data; a more
+        complete view wins over a partial one; the mutable fields follow the newest
+        updated_at. `rec` must come from normalize_record()."""
+        row = None
+        if self.known is None or hash(rec["id"]) in self.known:
+            row = self.conn.execute(self._SELECT_FOR_MERGE, (rec["id"],)).fetchone()
+        if row is None:
+            if rec["text"] is None:
+                rec["text"] = ""  # never a NULL text: the index needs a string
+            if rec["private"] is None:
+                rec["private"] = 0
+            try:
+                cur = self.conn.execute(self._INSERT, [rec["id"], view, seen_at] + [rec[f] for f in FIELDS])
+            except sqlite3.IntegrityError:  # another process inserted it since begin_bulk()
+                row = self.conn.execute(self._SELECT_FOR_MERGE, (rec["id"],)).fetchone()
+            else:
+                self._index(cur.lastrowid, rec)
+                if self.known is not None:
+                    self.known.add(hash(rec["id"]))
+                return "new"
+        rowid, old_view, old_updated, old_superseded, old_deleted, missing = row
+        upgrade = view > old_view
+        changes = {}
+        for n, f in enumerate(IMMUTABLE):
+            value = rec[f]
+            if value is not None and (upgrade or missing >> n & 1):
+                changes[f] = value
+        updated = rec["updated_at"]
+        newer = updated is not None and (old_updated is None or updated > old_updated)
+        if newer:
+            changes["updated_at"] = updated
+        for f, old in (("superseded_by", old_superseded), ("deleted_at", old_deleted)):
+            value = rec[f]
+            if value is not None and value != old and (old is None or newer):
+                changes[f] = value
+        if not changes:
+            return "same"
+        if upgrade:
+            changes["view"] = view
+        if seen_at:
+            changes["seen_at"] = seen_at
+        reindex = self.fts and not self.defer_index and (
+            "text" in changes or "project_id" in changes or "kind" in changes)
+        if reindex:
+            old_indexed = self.conn.execute("SELECT text, project_id, kind FROM records WHERE rid=?",
+                                            (rowid,)).fetchone()
+            if old_indexed == (changes.get("text", old_indexed[0]), changes.get("project_id", old_indexed[1]),
+                               changes.get("kind", old_indexed[2])):
+                reindex = False
+        self.conn.execute("UPDATE records SET %s WHERE rid=?" % ", ".join(k + "=?" for k in changes),
+                          list(changes.values()) + [rowid])
+        if reindex:
+            self._unindex(rowid, dict(zip(("text", "project_id", "kind"), old_indexed)))
+            self._index(rowid, dict(zip(("text", "project_id", "kind"), self.conn.execute(
+                "SELECT text, project_id, kind FROM records WHERE rid=?", (rowid,)).fetchone())))
+        return "updated"
+
+    def _index(self, rid, rec):
+        if self.fts and not self.defer_index:
+            self.conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) VALUES(?, ?, ?, ?)",
+                              (rid, rec.get("text") or "", rec.get("project_id"), rec.get("kind")))
+
+    def _unindex(self, rid, old):
+        """Remove a row from the external-content index: FTS5 needs the values it indexed."""
+        if self.fts and not self.defer_index:
+            self.conn.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
+                              "VALUES('delete', ?, ?, ?, ?)",
+                              (rid, old.get("text") or "", old.get("project_id"), old.get("kind")))
+
+    def link_supersessions(self):
+        """Mark every record that some other record corrects as superseded by its newest
+        correction, and let a correction that came without project or kind inherit its
+        target's. Derived from supersedes_id: the order records arrive in never matters."""
+        orphans = self.conn.execute("""
+          SELECT c.id, c.view, t.project_id, t.kind, t.scope FROM records c
+          JOIN records t ON t.id = c.supersedes_id
+          WHERE (c.project_id IS NULL AND t.project_id IS NOT NULL)
+             OR (c.kind IS NULL AND t.kind IS NOT NULL)""").fetchall()
+        for rid, view, project_id, kind, scope in orphans:
+            self.upsert(normalize_record({"id": rid, "project_id": project_id, "kind": kind,
+                                          "scope": scope}), view)
+        return self.conn.execute("""
+          UPDATE records SET superseded_by = (
+              SELECT c.id FROM records c WHERE c.supersedes_id = records.id
+              ORDER BY c.created_at DESC, c.rid DESC LIMIT 1)
+          WHERE superseded_by IS NULL
+            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL)
+        """).rowcount
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error (if SQLite has not already)."""
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def __enter__(self):
+        self.conn.execute("BEGIN IMMEDIATE")
+        return self.conn
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.conn.execute("COMMIT")
+        elif self.conn.in_transaction:
+            self.conn.execute("ROLLBACK")
+        return False
+
+
+def _row_dict(cur, row):
+    rec = dict(zip([d[0] for d in cur.description], row))
+    if "private" in rec and rec["private"] is not None:
+        rec["private"] = bool(rec["private"])
+    if "pending" in rec:
+        rec["pending"] = bool(rec["pending"])
+    return rec
+
+
+_TEXT_FIELDS = tuple(f for f in FIELDS if f != "private" and not f.endswith("_at"))
+_TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
+
+
+def normalize_record(data):
+    """A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
+    when it has no usable id. Unknown fields are ignored; wrong types count as missing."""
+    if not isinstance(data, dict):
+        return None
+    rid = data.get("id")
+    if not isinstance(rid, str) or not rid.strip():
+        return None
+    get = data.get
+    rec = {"id": rid.strip()}
+    for f in _TEXT_FIELDS:
+        value = get(f)
+        rec[f] = value if value.__class__ is str and value else None
+    for f in _TIME_FIELDS:
+        value = get(f)
+        rec[f] = iso_norm(value) if value else None
+    private = get("private")
+    rec["private"] = int(private) if private is True or private is False else None
+    if rec["kind"] is not None:
+        rec["kind"] = rec["kind"].lower()
+    return rec
+
+
+# === Import ==================================================================
+
+class ImportStats:
+    """What an import did, for the summary line and --json."""
+
+    def __init__(self):
+        self.files_scanned = self.files_unchanged = self.files_read = 0
+        self.files_not_sessions = 0
+        self.bytes_read = self.lines_read = self.lines_skipped = self.lines_truncated = 0
+        self.calls = {}
+        self.calls_errored = self.calls_without_result = 0
+        self.records_new = self.records_updated = 0
+        self.newest_entry_at = None
+
+    def as_dict(self):
+        d = dict(self.__dict__)
+        d["calls"] = dict(sorted(self.calls.items()))
+        return d
+
+
+def _text_of(content):
+    """The text blocks of a toolResult content array, joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    return "\n".join(b.get("text", "") for b in content
+                     if isinstance(b, dict) and isinstance(b.get("text"), str))
+
+
+def _json_in_text(text):
+    """A JSON object that makes up the whole text, or None."""
+    stripped = text.strip()
+    if stripped.startswith("{") and stripped.endswith("}"):
+        try:
+            data = json.loads(stripped)
+        except ValueError:
+            return None
+        return data if isinstance(data, dict) else None
+    return None
+
+
+def records_from_call(name, call_args, result):
+    """The (record, view) pairs one qmem tool call with its result tells us.
+
+    The extension's result shapes vary: read the record and id from `details`
+    (record, id, results) first, then JSON in the text, then an id in the text;
+    take the rest from the call's arguments, which `call_args()` returns (it is
+    called only when they are needed: design.md, Import)."""
+    details = result.get("details")
+    details = details if isinstance(details, dict) else {}
+    text = _text_of(result.get("content"))
+    if result.get("isError") and not isinstance(details.get("record"), dict):
+        return []
+    if name == "qmem_search":
+        hits = details.get("results")
+        if not isinstance(hits, list):
+            hits = (_json_in_text(text) or {}).get("results")
+        return [(h, VIEW_HIT) for h in hits or () if isinstance(h, dict)]
+    record = details.get("record")
+    if isinstance(record, dict) and record.get("id"):
+        out = dict(record)
+        view = VIEW_FULL
+    else:
+        from_text = _json_in_text(text) or {}
+        if isinstance(from_text.get("record"), dict):
+            from_text = from_text["record"]
+        rid = details.get("id") if isinstance(details.get("id"), str) else from_text.get("id")
+        if not isinstance(rid, str):
+            m = UUID_RE.search(text)
+            rid = m.group(0) if m else None
+        if not rid:
+            return []
+        if name == "qmem_get" and len(from_text) > 2:
+            return [(from_text, VIEW_FULL)]
+        if name not in ("qmem_store", "qmem_correct"):
+            return []
+        out = dict(from_text)
+        out["id"] = rid
+        view = VIEW_ARGS
+    if name not in ("qmem_store", "qmem_correct") or (
+            view == VIEW_FULL and (name == "qmem_store" or out.get("supersedes_id"))):
+        return [(out, view)]
+    args = call_args()
+    args = args if isinstance(args, dict) else {}
+    for key in FIELDS:
+        if out.get(key) is None and args.get(key) is not None:
+            out[key] = args[key]
+    if name == "qmem_correct":
+        target = details.get("superseded_id") or args.get("id")
+        if isinstance(target, str) and target != out["id"]:
+            if not out.get("supersedes_id"):
+                out["supersedes_id"] = target
+            if not out.get("supersede_reason") and isinstance(args.get("reason"), str):
+                out["supersede_reason"] = args["reason"]
+    return [(out, view)]
+
+
+# toolCall ids in a raw assistant line, found without parsing it: the line is parsed
+# only when a result needs its call's arguments. pi writes a block's keys in this
+# order; a line where the pattern finds nothing is parsed at once instead.
+_CALL_ID_IN_LINE = re.compile(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
+# Records whose full view this run already merged, by id -> what could still change.
+# Bounded, so memory stays flat however large the tree is.
+_SETTLED_MAX = 100000
+# Seconds of import work per transaction: each commit rewrites the pages it touched.
+BATCH_S = 1.0
+
+
+class Importer:
+    """Incremental, streaming import of pi session files into the Store."""
+
+    def __init__(self, store, stats=None):
+        self.store = store
+        self.stats = stats or ImportStats()
+        self.progress = Progress("import")
+        self.batch_started = 0.0
+        self.settled = {}
+
+    def run(self, roots):
+        conn = self.store.conn
+        # The index is derived from the session files and can always be rebuilt, so
+        # its commits skip the fsync; the outbox (the only copy of a write) never does.
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA cache_size=-16384")  # 16 MiB: fewer page reads on big trees
+        files = []
+        for root in roots:
+            for folder, dirs, names in os.walk(root):
+                dirs.sort()
+                files.extend(os.path.join(folder, n) for n in sorted(names) if n.endswith(".jsonl"))
+        known = {row[0]: row[1:] for row in conn.execute(
+            "SELECT path, size, mtime_ns, ino, offset, status FROM files")}
+        bulk = False
+        try:
+            for n, path in enumerate(files):
+                self.stats.files_scanned += 1
+                try:
+                    st = os.stat(path)
+                except OSError as e:
+                    warn("skipped %s: %s" % (path, e.strerror or e))
+                    continue
+                prev = known.get(path)
+                if prev and prev[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
+                    self.stats.files_unchanged += 1
+                    continue
+                if not bulk:
+                    bulk = True
+                    self.store.begin_bulk()
+                offset = 0
+                if prev and prev[2] == st.st_ino and prev[4] == "ok" and prev[3] <= st.st_size:
+                    offset = prev[3]  # the file grew: read on from the last complete line
+                self.progress.update("%d/%d files" % (n + 1, len(files)))
+                self._import_file(path, st, offset)
+                # Commit in batches of about a second: a commit per file would cost more
+                # than the reading. A file's progress row commits with its records.
+                if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
+                    conn.execute("COMMIT")
+            if conn.in_transaction:
+                conn.execute("COMMIT")
+        finally:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            self.progress.done()
+        with self.store.transaction():
+            self.store.finish_bulk()
+            self.store.link_supersessions()
+            self.store.set_meta("last_import_at", iso_now())
+            if self.stats.newest_entry_at and self.stats.newest_entry_at > (
+                    self.store.meta("newest_entry_at") or ""):
+                self.store.set_meta("newest_entry_at", self.stats.newest_entry_at)
+        return self.stats
+
+    def _import_file(self, path, st, offset):
+        stats = self.stats
+        conn = self.store.conn
+        calls = {}  # toolCall id -> (name, arguments, timestamp) or the raw assistant line
+        for call_id, name, args, ts in conn.execute(
+                "SELECT call_id, name, args, ts FROM open_calls WHERE path=?", (path,)):
+            calls[call_id] = (name, json.loads(args) if args else {}, ts)
+        results, session_id, status, pos = [], None, "ok", offset
+        with open(path, "rb") as f:
+            f.seek(offset)
+            if offset == 0:
+                line = f.readline()
+                header = _parse_line(line) if line.endswith(b"\n") else None
+                if header is None or header.get("type") != "session":
+                    status = "not_session"
+                    if not line.endswith(b"\n"):
+                        status = "ok"  # a header still being written: try again next time
+                        stats.lines_truncated += 1
+                else:
+                    session_id = header.get("id")
+                    pos += len(line)
+                    stats.lines_read += 1
+            lines = 0
+            for line in (f if status == "ok" and pos > 0 else ()):
+                if line[-1:] != b"\n":
+                    stats.lines_truncated += 1  # being written: read it next time
+                    break
+                pos += len(line)
+                lines += 1
+                if b"qmem_" not in line:
+                    continue
+                if b'"toolResult"' in line:
+                    entry = _parse_line(line)
+                    msg = entry and entry.get("message")
+                    if not isinstance(msg, dict) or msg.get("role") != "toolResult":
+                        stats.lines_skipped += msg is None
+                        continue
+                    if str(msg.get("toolName", "")).startswith("qmem_"):
+                        results.append((msg, entry.get("timestamp")))
+                elif b'"toolCall"' in line:
+                    ids = _CALL_ID_IN_LINE.findall(line)
+                    for call_id in ids:
+                        calls[call_id.decode("utf-8", "replace")] = line
+                    if not ids:
+                        _add_calls(calls, _parse_line(line))
+            stats.lines_read += lines
+        stats.bytes_read += pos - offset
+        stats.files_read += 1
+        if status != "ok":
+            stats.files_not_sessions += 1
+            warn("skipped %s: not a pi session file (line 1 is not a session header)" % path)
+        if not conn.in_transaction:
+            conn.execute("BEGIN IMMEDIATE")
+            self.batch_started = time.monotonic()
+        for msg, ts in results:
+            name = msg["toolName"]
+            stats.calls[name] = stats.calls.get(name, 0) + 1
+            if msg.get("isError"):
+                stats.calls_errored += 1
+            call_id = msg.get("toolCallId")
+            if call_id not in calls:
+                continue  # a result whose call we never saw: nothing to pair it with
+            seen = iso_norm(ts)
+            if seen and (stats.newest_entry_at is None or seen > stats.newest_entry_at):
+                stats.newest_entry_at = seen
+            call = calls.pop(call_id)
+            def call_args(call=call, call_id=call_id):
+                found = _take_call({call_id: call}, call_id)
+                return found[1] if found else None
+            for data, view in records_from_call(name, call_args, msg):
+                self._merge(data, view, seen)
+        # Calls still waiting for their result are kept: the file may grow.
+        waiting = []
+        for call_id in list(calls):
+            call = _take_call(calls, call_id)
+            if call is not None:
+                waiting.append((path, call_id, call[0], json.dumps(call[1]), call[2]))
+        conn.execute("DELETE FROM open_calls WHERE path=?", (path,))
+        conn.executemany("INSERT INTO open_calls VALUES(?, ?, ?, ?, ?)", waiting)
+        stats.calls_without_result += len(waiting)
+        conn.execute("INSERT OR REPLACE INTO files VALUES(?, ?, ?, ?, ?, ?, ?)", (
+            path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
+
+    def _merge(self, data, view, seen_at):
+        rid = data.get("id")
+        settled = self.settled.get(rid)
+        if settled is not None and view <= VIEW_FULL and settled == (
+                data.get("updated_at") or settled[0], data.get("superseded_by") or settled[1],
+                data.get("deleted_at") or settled[2]):
+            return  # a full view of it is merged already and this one adds nothing
+        rec = normalize_record(data)
+        if rec is None:
+            return
+        outcome = self.store.upsert(rec, view, seen_at)
+        if outcome == "new":
+            self.stats.records_new += 1
+        elif outcome == "updated":
+            self.stats.records_updated += 1
+        if view == VIEW_FULL:
+            if len(self.settled) >= _SETTLED_MAX:
+                self.settled.clear()
+            self.settled[rid] = (data.get("updated_at"), data.get("superseded_by"), data.get("deleted_at"))
+
+
+def _add_calls(calls, entry):
+    """Register the qmem toolCalls of a parsed assistant entry."""
+    msg = entry and entry.get("message")
+    for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
+        if (isinstance(block, dict) and block.get("type") == "toolCall"
+                and isinstance(block.get("id"), str) and str(block.get("name", "")).startswith("qmem_")):
+            calls[block["id"]] = (block["name"], block.get("arguments"), entry.get("timestamp"))
+
+
+def _take_call(calls, call_id):
+    """Remove and return (name, arguments, timestamp) of a qmem toolCall, parsing its
+    assistant line on first use; None when no such call is known."""
+    found = calls.pop(call_id, None)
+    if not isinstance(found, bytes):
+        return found
+    entry = _parse_line(found)
+    msg = entry and entry.get("message")
+    for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
+        if (isinstance(block, dict) and block.get("type") == "toolCall" and block.get("id") == call_id
+                and str(block.get("name", "")).startswith("qmem_")):
+            return block["name"], block.get("arguments"), entry.get("timestamp")
+    return None
+
+
+def _parse_line(line):
+    try:
+        data = json.loads(line)
+    except ValueError:  # also UnicodeDecodeError
+        return None
+    return data if isinstance(data, dict) else None
+
+
+# === Local search ============================================================
+
+_WORD_RE = re.compile(r"\w+")
+
+
+def query_tokens(query):
+    """The words of a user query, as FTS5 would tokenize them (letters and digits)."""
+    return [t for t in _WORD_RE.findall(query[:MAX_QUERY_CHARS]) if t.strip("_")][:MAX_QUERY_TOKENS]
+
+
+def fts_expression(tokens, match_all):
+    """A MATCH expression that can only ever mean 'these words': every token is a quoted
+    string (so AND, NEAR, '-', ':' and column filters are plain words), the last one a
+    prefix, joined by AND (all words) or OR (any word)."""
+    quoted = ['"%s"' % t.replace('"', '""') for t in tokens]
+    quoted[-1] += "*"
+    return (" " if match_all else " OR ").join(quoted)
+
+
+def find_local(store, query, project=None, kind=None, scope=None, limit=10,
+               include_superseded=False, deleted=False, private=False, include_expired=False,
+               highlight=("", "")):
+    """Lexical search of the local index: all words first, then any word.
+    Returns {'match': 'all'|'any'|'none', 'results': [...]}."""
+    tokens = query_tokens(query)
+    if not tokens:
+        return {"match": "none", "results": []}
+    where, params = [], []
+    if not include_superseded:
+        where.append("r.superseded_by IS NULL")
+    where.append("r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL")
+    if not private:
+        where.append("r.private = 0")
+    if not include_expired:
+        where.append("(r.expires_at IS NULL OR r.expires_at > ?)")
+        params.append(iso_now())
+    for column, value in (("project_id", project), ("kind", kind), ("scope", scope)):
+        if value is not None:
+            where.append("r.%s = ?" % column)
+            params.append(value)
+    # While a bulk import builds the index, the LIKE scan gives complete answers.
+    use_fts = store.fts and not store.meta("fts_pending")
+    cols = "r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, " \
+           "r.superseded_by, r.deleted_at, r.private, r.pending"
+    for match_all in (True, False):
+        if not match_all and len(tokens) == 1:
+            break
+        if use_fts:
+            sql = ("SELECT %s, snippet(records_fts, 0, ?, ?, '…', 24) FROM records_fts "
+                   "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
+                   "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5) LIMIT ?" % (cols, " AND ".join(where)))
+            args = [highlight[0], highlight[1], fts_expression(tokens, match_all)] + params + [limit]
+        else:
+            likes = ["(qmem_fold(r.text) LIKE ? ESCAPE '\\' OR qmem_fold(r.project_id) LIKE ? ESCAPE '\\')"
+                     ] * len(tokens)
+            sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
+                cols, (" AND " if match_all else " OR ").join(likes), " AND ".join(where))
+            patterns = []
+            for t in tokens:
+                p = "%" + re.sub(r"([\\%_])", r"\\\1", _fold(t)) + "%"
+                patterns += [p, p]
+            args = patterns + params + [limit]
+        cur = store.conn.execute(sql, args)
+        rows = cur.fetchall()
+        if rows:
+            names = [d[0] for d in cur.description[:-1]]
+            results = []
+            for n, row in enumerate(rows, 1):
+                rec = dict(zip(names, row))
+                rec["private"], rec["pending"] = bool(rec["private"]), bool(rec["pending"])
+                rec["rank"] = n
+                rec["snippet"] = row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens)
+                results.append(rec)
+            return {"match": "all" if match_all else "any", "results": results}
+    return {"match": "none", "results": []}
+
+
+def _plain_snippet(text, tokens, width=160):
+    """A snippet around the first matched word (the LIKE path has no FTS snippet())."""
+    folded = _fold(text)
+    starts = [folded.find(_fold(t)) for t in tokens]
+    starts = [s for s in starts if s >= 0]
+    start = max(0, min(starts) - 40) if starts else 0
+    piece = " ".join(text[start:start + width].split())
+    return ("…" if start else "") + piece + ("…" if start + width < len(text) else "")
+
+
+# === Status ==================================================================
+
+def local_status(store):
+    """Everything the local side knows, as one dict (see `status --json`)."""
+    q = store.conn.execute
+
+    def counts(sql):
+        return {k if k is not None else "(none)": v for k, v in q(sql)}
+
+    r = q("""SELECT count(*), sum(superseded_by IS NOT NULL), sum(deleted_at IS NOT NULL),
+                    sum(private != 0), sum(view = 0), sum(pending != 0) FROM records""").fetchone()
+    total = r[0]
+    records = {"total": total, "superseded": r[1] or 0, "deleted": r[2] or 0, "private": r[3] or 0,
+               "partial_only": r[4] or 0, "pending": r[5] or 0,
+               "by_kind": counts("SELECT kind, count(*) FROM records GROUP BY kind ORDER BY 2 DESC"),
+               "by_project": counts("SELECT project_id, count(*) FROM records GROUP BY project_id "
+                                    "ORDER BY 2 DESC")}
+    outbox = dict.fromkeys(("pending", "sending", "synced", "duplicate", "failed"), 0)
+    outbox.update(counts("SELECT state, count(*) FROM outbox GROUP BY state"))
+    dups = q("""SELECT count(*), coalesce(sum(n), 0) FROM (
+                  SELECT count(*) AS n FROM records WHERE text != '' AND deleted_at IS NULL
+                  GROUP BY lower(trim(text)) HAVING count(DISTINCT id) > 1)""").fetchone()
+    size = sum(os.path.getsize(store.path + s) for s in ("", "-wal") if os.path.exists(store.path + s))
+    files = counts("SELECT status, count(*) FROM files GROUP BY status")
+    return {
+        "source": "local_sqlite",
+        "records": records,
+        "outbox": outbox,
+        "coverage": {"complete": total - records["partial_only"], "search_hit_only": records["partial_only"],
+                     "complete_share": round((total - records["partial_only"]) / total, 4) if total else None},
+        "lag": {"newest_entry_imported_at": store.meta("newest_entry_at"),
+                "last_import_at": store.meta("last_import_at"),
+                "last_pull_at": store.meta("last_pull_at"),
+                "last_flush_at": store.meta("last_flush_at")},
+        "duplicates": {"groups": dups[0], "records": dups[1]},
+        "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0)},
+        "db": {"path": store.path, "bytes": size, "schema_version": SCHEMA_VERSION},
+        "fts": {"available": store.fts, "tokenizer": store.meta("fts")},
+        "machine": machine_identity(),
+    }
+
+
+# === Command line ============================================================
+
+class Context:
+    """What every command needs, built once by main(): config, output mode, the store."""
+
+    def __init__(self, args, config):
+        self.args, self.config = args, config
+        self.json = getattr(args, "json", False)
+        self._store = None
+
+    def store(self, create=True):
+        if self._store is None:
+            self._store = Store(self.config.db_path, create=create)
+        return self._store
+
+    def close(self):
+        if self._store is not None:
+            self._store.close()
+
+
+def emit_json(obj):
+    sys.stdout.write(json.dumps(obj, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def cmd_import(ctx):
+    """Index pi session files (incremental; unchanged files are not read)."""
+    roots = ctx.args.sessions
+    if roots:
+        for root in roots:
+            if not os.path.isdir(root):
+                raise UsageError("--sessions %s: no such directory" % root)
+    else:
+        roots = [d for d in session_dirs() if os.path.isdir(d)]
+        if not roots:
+            looked = ", ".join(session_dirs())
+            if ctx.json:
+                emit_json({"source": "local_sqlite", "looked_in": session_dirs(),
+                           "stats": ImportStats().as_dict()})
+            else:
+                print("no pi sessions found (looked in %s): nothing to import" % looked)
+            return EXIT_OK
+    stats = Importer(ctx.store()).run(roots)
+    if ctx.json:
+        emit_json({"source": "local_sqlite", "looked_in": roots, "stats": stats.as_dict()})
+        return EXIT_OK
+    calls = ", ".join("%s %d" % kv for kv in sorted(stats.calls.items())) or "none"
+    print("import: %d files scanned (%d unchanged, %d read, %.1f MB), %d lines read" % (
+        stats.files_scanned, stats.files_unchanged, stats.files_read, stats.bytes_read / 1e6,
+        stats.lines_read))
+    print("memory calls with a result: %s (%d errored, %d still without a result)" % (
+        calls, stats.calls_errored, stats.calls_without_result))
+    print("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next time)%s" % (
+        stats.records_new, stats.records_updated, stats.lines_skipped, stats.lines_truncated,
+        "; %d files are not pi sessions" % stats.files_not_sessions if stats.files_not_sessions else ""))
+    return EXIT_OK
+
+
+def _color_ok():
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
+def cmd_find(ctx):
+    """Search the local index (lexical, offline)."""
+    a = ctx.args
+    query = " ".join(a.query).strip()
+    if not query:
+        raise UsageError("find needs a query, e.g. qmem.py find \"circuit breaker\"")
+    if a.limit < 1:
+        raise UsageError("--limit must be at least 1")
+    if not os.path.exists(ctx.config.db_path):
+        out = {"match": "none", "results": []}
+        warn("no local index yet at %s: run `qmem.py import` (or `pull`) first" % ctx.config.db_path)
+    else:
+        marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not ctx.json else ("", "")
+        out = find_local(ctx.store(), query, project=a.project, kind=a.kind, scope=a.scope,
+                         limit=a.limit, include_superseded=a.include_superseded, deleted=a.deleted,
+                         private=a.private, include_expired=a.include_expired, highlight=marks)
+    if ctx.json:
+        for r in out["results"]:
+            r.pop("snippet", None)
+        emit_json({"source": "local_sqlite", "degraded": False, "match": out["match"],
+                   "results": out["results"]})
+        return EXIT_OK
+    print_local_results(out, query)
+    return EXIT_OK
+
+
+def print_local_results(out, query, header="local_sqlite · lexical (not semantic)"):
+    results = out["results"]
+    label = {"all": "all words", "any": "partial match (any word)", "none": "no match"}[out["match"]]
+    print("%s · %d result%s · %s" % (header, len(results), "" if len(results) == 1 else "s", label))
+    if out["match"] == "none" and not query_tokens(query):
+        print("(the query has no words to search for)")
+    for r in results:
+        flags = [f for f, on in (("PENDING", r["pending"]), ("superseded", r["superseded_by"]),
+                                 ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
+        print("%s  %s  %s  %s%s  %s" % (
+            r["id"], r["kind"] or "-", r["project_id"] or "-", (r["created_at"] or "-")[:10],
+            "  [" + ", ".join(flags) + "]" if flags else "", " ".join((r["snippet"] or "").split())))
+
+
+def cmd_status(ctx):
+    """Show what the local side knows: records, outbox, coverage, lag, database."""
+    if not os.path.exists(ctx.config.db_path):
+        raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`"
+                         % ctx.config.db_path)
+    st = local_status(ctx.store())
+    if ctx.json:
+        emit_json(st)
+        return EXIT_OK
+    rec, cov, lag = st["records"], st["coverage"], st["lag"]
+    print("records: %d  (superseded %d, deleted %d, private %d, written here and not yet shared %d)" % (
+        rec["total"], rec["superseded"], rec["deleted"], rec["private"], rec["pending"]))
+    print("  by kind: " + (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
+    print("  by project: " + (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
+    share = "%.0f%%" % (100 * cov["complete_share"]) if cov["complete_share"] is not None else "-"
+    print("coverage: %d complete views, %d known only from search hits (%s complete)" % (
+        cov["complete"], cov["search_hit_only"], share))
+    print("outbox: " + ", ".join("%s %d" % kv for kv in st["outbox"].items()))
+    print("duplicates: %d texts stored under more than one id (%d records)" % (
+        st["duplicates"]["groups"], st["duplicates"]["records"]))
+    print("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s" % tuple(
+        lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
+                                    "last_flush_at")))
+    print("session files indexed: %d" % st["sessions"]["files"])
+    print("database: %s (%.1f MB, schema %d); search: %s" % (
+        st["db"]["path"], st["db"]["bytes"] / 1e6, st["db"]["schema_version"],
+        st["fts"]["tokenizer"] if st["fts"]["available"] else "LIKE scan (this SQLite has no FTS5)"))
+    print("this machine: %s" % st["machine"])
+    return EXIT_OK
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with qmem's error format: one line, 'qmem: ' prefix, exit 2."""
+
+    def error(self, message):
+        self.exit(EXIT_USAGE, "qmem: %s (see `%s --help`)\n" % (message, self.prog))
+
+
+def build_parser():
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: a --json given before the subcommand must survive the subparser's default.
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print exactly one JSON document on stdout")
+    p = _Parser(prog="qmem.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", action="store_true", default=False, help=argparse.SUPPRESS)
+    p.add_argument("--db", metavar="PATH", help="local database (overrides localDbPath and QMEM_SQLITE)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for expected errors too")
+    p.add_argument("--version", action="version", version="qmem.py " + __version__)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def command(name, func, **kw):
+        sp = sub.add_parser(name, parents=[common], help=func.__doc__, description=func.__doc__, **kw)
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = command("import", cmd_import)
+    sp.add_argument("--sessions", metavar="DIR", action="append",
+                    help="session folder to import (repeatable; default: pi's own)")
+
+    sp = command("find", cmd_find)
+    sp.add_argument("query", nargs="*", help="words to look for (all must match; the last may be a prefix)")
+    add_filters(sp)
+    sp.add_argument("--limit", type=int, default=10, help="at most this many results (default 10)")
+    sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
+    sp.add_argument("--deleted", action="store_true", help="show only deleted records (tombstones)")
+    sp.add_argument("--private", action="store_true", help="also show private records")
+    sp.add_argument("--include-expired", action="store_true", help="also show expired records")
+
+    command("status", cmd_status)
+    return p
+
+
+def add_filters(sp):
+    sp.add_argument("--project", help="only this project")
+    sp.add_argument("--kind", choices=KINDS, help="only this kind")
+    sp.add_argument("--scope", help="only this scope")
+
+
+def main(argv=None):
+    """Run one qmem command; return its exit code."""
+    args = build_parser().parse_args(argv)
+    ctx = None
+    try:
+        ctx = Context(args, load_config(overrides={"localDbPath": args.db}))
+        return args.func(ctx)
+    except QmemError as e:
+        if args.debug:
+            raise
+        warn(str(e))
+        return e.exit_code
+    except KeyboardInterrupt:
+        warn("interrupted")
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (qmem.py find x | head): not an error worth a word.
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:  # pragma: no cover
+            pass
+        return EXIT_OK
+    finally:
+        if ctx is not None:
+            ctx.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
