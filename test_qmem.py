@@ -260,6 +260,20 @@ class StoreTests(QmemTestCase):
                          qmem.VIEW_FULL)
         self.assertEqual(store.get(UUIDS[0])["deleted_at"], "2026-11-30T10:00:00.000Z")
 
+    def test_interrupted_bulk_load_still_finds_everything_and_is_repaired(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        store.begin_bulk()  # an import into an empty index defers FTS to its end...
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[0], "bulk loaded memory")), qmem.VIEW_FULL)
+        # ...and dies before finish_bulk(): find answers through the LIKE scan meanwhile
+        self.assertEqual(self.find_ids("bulk", "memory"), [UUIDS[0]])
+        os.makedirs(self.sessions)
+        self.ok("import")  # the next import rebuilds the index
+        self.assertIsNone(store.meta("fts_pending"))
+        self.assertEqual(store.conn.execute(
+            "SELECT rowid FROM records_fts WHERE records_fts MATCH 'bulk'").fetchall(), [(1,)])
+
     def test_two_processes_write_at_once(self):
         qmem.Store(self.db).close()
         code = ("import qmem, sys\ns = qmem.Store(sys.argv[1])\nfor i in range(200):\n"
