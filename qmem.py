@@ -662,7 +662,7 @@ class ImportStats:
     def __init__(self):
         self.files_scanned = self.files_unchanged = self.files_read = 0
         self.files_not_sessions = 0
-        self.bytes_read = self.lines_read = self.lines_skipped = self.lines_truncated = 0
+        self.bytes_read = self.lines_examined = self.lines_skipped = self.lines_truncated = 0
         self.calls = {}
         self.calls_errored = self.calls_without_result = 0
         self.records_new = self.records_updated = 0
@@ -759,6 +759,7 @@ _CALL_ID_IN_LINE = re.compile(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
 # Records whose full view this run already merged, by id -> what could still change.
 # Bounded, so memory stays flat however large the tree is.
 _SETTLED_MAX = 100000
+_CHUNK = 1 << 22  # bytes read at a time
 # Seconds of import work per transaction: each commit rewrites the pages it touched.
 BATCH_S = 1.0
 
@@ -847,31 +848,27 @@ class Importer:
                 else:
                     session_id = header.get("id")
                     pos += len(line)
-                    stats.lines_read += 1
-            lines = 0
-            for line in (f if status == "ok" and pos > 0 else ()):
-                if line[-1:] != b"\n":
-                    stats.lines_truncated += 1  # being written: read it next time
+                    stats.lines_examined += 1
+            # Scan big chunks for "qmem_" and cut out only the lines around each hit:
+            # most of a session's bytes are ordinary tool traffic that needs no look.
+            carry = b""
+            while status == "ok" and pos > 0:
+                chunk = f.read(_CHUNK)
+                if not chunk:
                     break
-                pos += len(line)
-                lines += 1
-                if b"qmem_" not in line:
-                    continue
-                if b'"toolResult"' in line:
-                    entry = _parse_line(line)
-                    msg = entry and entry.get("message")
-                    if not isinstance(msg, dict) or msg.get("role") != "toolResult":
-                        stats.lines_skipped += msg is None
-                        continue
-                    if str(msg.get("toolName", "")).startswith("qmem_"):
-                        results.append((msg, entry.get("timestamp")))
-                elif b'"toolCall"' in line:
-                    ids = _CALL_ID_IN_LINE.findall(line)
-                    for call_id in ids:
-                        calls[call_id.decode("utf-8", "replace")] = line
-                    if not ids:
-                        _add_calls(calls, _parse_line(line))
-            stats.lines_read += lines
+                buf = carry + chunk if carry else chunk
+                end = buf.rfind(b"\n") + 1  # the complete lines end here
+                carry = buf[end:]
+                hit = buf.find(b"qmem_", 0, end)
+                while hit != -1:
+                    start = buf.rfind(b"\n", 0, hit) + 1
+                    stop = buf.find(b"\n", hit) + 1
+                    self._scan_line(buf[start:stop], calls, results)
+                    stats.lines_examined += 1
+                    hit = buf.find(b"qmem_", stop, end)
+                pos += end
+            if carry:
+                stats.lines_truncated += 1  # being written: read it next time
         stats.bytes_read += pos - offset
         stats.files_read += 1
         if status != "ok":
@@ -908,6 +905,25 @@ class Importer:
         stats.calls_without_result += len(waiting)
         conn.execute("INSERT OR REPLACE INTO files VALUES(?, ?, ?, ?, ?, ?, ?)", (
             path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
+
+    def _scan_line(self, line, calls, results):
+        """Note a line that mentions qmem_: a tool result to pair, or tool calls."""
+        if b'"toolResult"' in line:
+            entry = _parse_line(line)
+            msg = entry and entry.get("message")
+            if not isinstance(msg, dict) or msg.get("role") != "toolResult":
+                self.stats.lines_skipped += entry is None
+                return
+            if str(msg.get("toolName", "")).startswith("qmem_"):
+                results.append((msg, entry.get("timestamp")))
+        elif b'"toolCall"' in line:
+            ids = _CALL_ID_IN_LINE.findall(line)
+            for call_id in ids:
+                calls[call_id.decode("utf-8", "replace")] = line
+            if not ids:
+                _add_calls(calls, _parse_line(line))
+        elif _parse_line(line) is None:
+            self.stats.lines_skipped += 1
 
     def _merge(self, data, view, seen_at):
         rid = data.get("id")
@@ -1137,9 +1153,9 @@ def cmd_import(ctx):
         emit_json({"source": "local_sqlite", "looked_in": roots, "stats": stats.as_dict()})
         return EXIT_OK
     calls = ", ".join("%s %d" % kv for kv in sorted(stats.calls.items())) or "none"
-    print("import: %d files scanned (%d unchanged, %d read, %.1f MB), %d lines read" % (
+    print("import: %d files scanned (%d unchanged, %d read, %.1f MB); %d lines mentioning qmem_ examined" % (
         stats.files_scanned, stats.files_unchanged, stats.files_read, stats.bytes_read / 1e6,
-        stats.lines_read))
+        stats.lines_examined))
     print("memory calls with a result: %s (%d errored, %d still without a result)" % (
         calls, stats.calls_errored, stats.calls_without_result))
     print("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next time)%s" % (
