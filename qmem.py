@@ -48,7 +48,6 @@ MUTABLE = ("superseded_by", "deleted_at")
 IMMUTABLE = tuple(f for f in FIELDS if f not in MUTABLE and f != "updated_at")
 # How complete a view of a record is; a more complete view wins (design.md).
 VIEW_HIT, VIEW_ARGS, VIEW_FULL = 0, 1, 2
-VIEW_NAMES = {VIEW_HIT: "search hit", VIEW_ARGS: "call arguments", VIEW_FULL: "full record"}
 
 UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 MAX_QUERY_CHARS = 500
