@@ -20,7 +20,7 @@ and the gateway could not be used, 130 interrupted.
 Configuration precedence: defaults < config file < environment < flags.
 
 Sections (grep -n '^# ==='): Errors, Utilities, Config, Local store,
-Import, Local search, Status, Command line.
+Import, Local search, Status, Gateway client, Command line.
 """
 import sys
 
@@ -69,6 +69,11 @@ class UsageError(QmemError):
 class ConfigError(QmemError):
     """The configuration file or environment is unusable."""
     exit_code = EXIT_USAGE
+
+
+class RemoteRequired(QmemError):
+    """--require-remote was given and the gateway could not be used."""
+    exit_code = EXIT_REMOTE
 
 
 class StoreError(QmemError):
@@ -129,9 +134,10 @@ def mask_secret(key):
     return key[:3] + "…" + key[-4:]
 
 
-def atomic_write(path, data, mode=0o600):
+def atomic_write(path, data, mode=0o600, sync=True):
     """Write bytes to path through a temporary file and os.replace; readers never see a
-    torn file. The file gets `mode` (0600: it may hold a secret)."""
+    torn file. The file gets `mode` (0600: it may hold a secret). sync=False skips the
+    fsync, for state that may be lost on power failure (the breaker)."""
     import tempfile
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
@@ -139,8 +145,9 @@ def atomic_write(path, data, mode=0o600):
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
         try:
             os.chmod(tmp, mode)
         except OSError:  # pragma: no cover - filesystems without modes
@@ -212,6 +219,7 @@ DEFAULTS = {
     "breakerBaseMs": 120000,
     "breakerMaxMs": 600000,
     "breakerTripAfter": 3,
+    "caFile": None,
 }
 ENV_KEYS = {"url": "QMEM_URL", "apiKey": "QMEM_API_KEY", "localDbPath": "QMEM_SQLITE"}
 
@@ -1106,6 +1114,615 @@ def local_status(store):
     }
 
 
+# === Gateway client ==========================================================
+#
+# The only code that touches the network. socket, ssl, http.client and threading are
+# imported inside these functions: offline commands never load them, and a call
+# refused by an open breaker returns before any of them is imported.
+
+class GatewayError(QmemError):
+    """The gateway gave no usable answer. `kind` says why, and decides what happens:
+
+    unreachable     could not connect, or no headers within connectTimeoutMs (trips the breaker)
+    ambiguous       5xx, 429, body stalled, cut off or not JSON (retried; trips after N)
+    breaker_open    failed fast: the breaker is open, no network I/O was done
+    auth            401/403: the API key was rejected (breaker untouched)
+    not_configured  no gateway URL or API key
+    tls / protocol  certificate not trusted, a redirect: fix the configuration
+    """
+
+    def __init__(self, kind, message, status=None, retry_in_ms=None):
+        QmemError.__init__(self, message)
+        self.kind, self.status, self.retry_in_ms = kind, status, retry_in_ms
+
+    @property
+    def fallback_ok(self):
+        """May a read be answered from the local index instead?"""
+        return self.kind in ("unreachable", "ambiguous", "breaker_open", "not_configured")
+
+
+class Response:
+    def __init__(self, status, data, headers):
+        self.status, self.data, self.headers = status, data, headers
+
+    def detail(self):
+        """The readable part of an error body (FastAPI's 'detail': a string or a list)."""
+        data = self.data
+        detail = data.get("detail") if isinstance(data, dict) else None
+        if isinstance(detail, list):
+            detail = "; ".join(("%s: %s" % (".".join(str(p) for p in d.get("loc", [])[1:]), d.get("msg"))
+                                if isinstance(d, dict) else str(d)) for d in detail)
+        return str(detail) if detail else "HTTP %d" % self.status
+
+
+MAX_BODY = 32 << 20       # bytes; an endless stream is a failure, not a memory leak
+RETRY_SLEEP_CAP = 10.0    # seconds: a longer Retry-After is reported, not slept
+_PER_ADDRESS_CAP = 7.0    # seconds per resolved address, so IPv4 gets a turn after a dead IPv6
+
+_net = {}  # the socket/ssl classes, built on first use
+
+
+def _net_classes():
+    """Sockets whose every send and receive is bounded by a total deadline
+    (reliability.md §1.3): before each blocking call the timeout is re-armed to the
+    time left, so a gateway trickling one byte at a time cannot stretch the budget."""
+    if _net:
+        return _net
+    import socket
+
+    class Deadline:
+        def __init__(self, seconds, what):
+            self.at, self.seconds, self.what = time.monotonic() + seconds, seconds, what
+
+        def remaining(self):
+            left = self.at - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("%s deadline of %g s exceeded" % (self.what, self.seconds))
+            return left
+
+    class DeadlineMixin:
+        qm_deadline = None
+
+        def _arm(self):
+            if self.qm_deadline is not None:
+                self.settimeout(self.qm_deadline.remaining())
+
+        def recv_into(self, *args):
+            self._arm()
+            return super().recv_into(*args)
+
+        def recv(self, *args):
+            self._arm()
+            return super().recv(*args)
+
+        def sendall(self, *args):  # a total since 3.5
+            self._arm()
+            return super().sendall(*args)
+
+    class DeadlineSocket(DeadlineMixin, socket.socket):
+        pass
+
+    _net.update(socket=socket, Deadline=Deadline, DeadlineMixin=DeadlineMixin, DeadlineSocket=DeadlineSocket)
+    return _net
+
+
+def _resolve(host, port, deadline):
+    """getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
+    (and does not keep the process alive at exit)."""
+    import threading
+    socket, box = _net["socket"], {}
+
+    def work():
+        try:
+            box["r"] = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        except OSError as e:
+            box["e"] = e
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    th.join(deadline.remaining())
+    if th.is_alive():
+        raise socket.timeout("name resolution of %s took longer than %g s" % (host, deadline.seconds))
+    if "e" in box:
+        raise box["e"]
+    return box["r"]
+
+
+def _proxy_for(scheme, host, environ=None):
+    """(host, port) of the proxy the standard variables ask for, or None. Honoured:
+    https_proxy / http_proxy (either case) and no_proxy (suffixes, '*')."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(scheme + "_proxy") or environ.get(scheme.upper() + "_PROXY")
+    if not value:
+        return None
+    no_proxy = environ.get("no_proxy") or environ.get("NO_PROXY") or ""
+    for entry in no_proxy.replace(" ", "").split(","):
+        entry = entry.lstrip(".").lower()
+        if entry == "*" or (entry and (host.lower() == entry or host.lower().endswith("." + entry))):
+            return None
+    from urllib.parse import urlsplit
+    p = urlsplit(value if "://" in value else "http://" + value)
+    if not p.hostname:
+        return None
+    return p.hostname, p.port or 80
+
+
+def normalize_url(url):
+    """'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key."""
+    from urllib.parse import urlsplit
+    p = urlsplit(url.strip())
+    return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
+
+
+def check_url(url):
+    """A gateway URL must be http(s) with a host. Returns it without a trailing slash."""
+    from urllib.parse import urlsplit
+    try:
+        p = urlsplit(url.strip())
+        p.port  # raises ValueError on a bad port
+    except ValueError as e:
+        raise UsageError("invalid gateway URL %r: %s" % (url, e))
+    if p.scheme not in ("http", "https") or not p.hostname:
+        raise UsageError("invalid gateway URL %r: it must look like https://host[:port]" % url)
+    if p.query or p.fragment:
+        raise UsageError("invalid gateway URL %r: no query or fragment, please" % url)
+    return url.strip().rstrip("/")
+
+
+def is_loopback(host):
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def retry_after_seconds(headers, now=None):
+    """Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None."""
+    raw = (headers.get("Retry-After") or "").strip()
+    if not raw:
+        return None
+    if raw.isdigit() and len(raw) <= 10:
+        return float(int(raw))
+    target = _http_date(raw)
+    if target is None:
+        return None
+    ref = _http_date(headers.get("Date") or "")  # the server's clock cancels skew
+    if ref is None:
+        ref = time.time() if now is None else now
+    return max(0.0, target - ref)
+
+
+def _http_date(value):
+    import email.utils
+    import datetime
+    try:
+        dt = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=datetime.timezone.utc)
+    try:
+        return dt.timestamp()
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+class Gateway:
+    """A client for one gateway URL: both auth headers, JSON in and out, two total
+    deadlines, retries of ambiguous failures, and the shared breaker in front.
+    One connection is kept and reused for every call of a command."""
+
+    def __init__(self, config, breaker=None, sleep=time.sleep, retries=2):
+        url, self.key = config["url"], config["apiKey"]
+        if not url:
+            raise GatewayError("not_configured", "no gateway configured: run `qmem.py config url https://…`")
+        if not self.key:
+            raise GatewayError("not_configured", "no API key configured: run `qmem.py config apikey`")
+        from urllib.parse import urlsplit
+        self.url = check_url(url)
+        p = urlsplit(self.url)
+        self.https, self.host, self.base = p.scheme == "https", p.hostname, p.path.rstrip("/")
+        self.port = p.port or (443 if self.https else 80)
+        self.connect_s = config["connectTimeoutMs"] / 1000.0
+        self.body_s = config["timeoutMs"] / 1000.0
+        self.ca_file = config.values.get("caFile")
+        self.breaker = breaker or Breaker.from_config(config)
+        self.sleep, self.retries = sleep, retries
+        self.conn = self.sock = None
+
+    def close(self):
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = self.sock = None
+
+    def call(self, method, path, body=None, idempotency_key=None, retries=None):
+        """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
+        the caller interprets. Everything else raises GatewayError (see its kinds)."""
+        self.breaker.allow()
+        retries = self.retries if retries is None else retries
+        attempt = 0
+        while True:
+            try:
+                resp = self._exchange(method, path, body, idempotency_key)
+            except GatewayError as e:
+                if e.kind == "unreachable":
+                    self.breaker.failure("unreachable", str(e))
+                    raise
+                if e.kind != "ambiguous":
+                    self.breaker.release()
+                    raise
+                failure, delay = e, None
+            else:
+                status = resp.status
+                if 200 <= status < 300 or status in (401, 403) or (400 <= status < 500 and status != 429):
+                    self.breaker.success()
+                    if status in (401, 403):
+                        raise GatewayError("auth", "API key rejected by the gateway (HTTP %d): "
+                                           "set the right one with `qmem.py config apikey`" % status, status)
+                    return resp
+                if 300 <= status < 400:
+                    self.breaker.release()
+                    raise GatewayError("protocol", "the gateway answered with a redirect (HTTP %d to %s): "
+                                       "put the final address in `qmem.py config url`"
+                                       % (status, resp.headers.get("Location") or "?"), status)
+                delay = retry_after_seconds(resp.headers)
+                failure = GatewayError("ambiguous", "gateway answered HTTP %d%s" % (
+                    status, " (%s)" % resp.detail() if resp.data else ""), status)
+            attempt += 1
+            wait = delay if delay is not None else min(8.0, 0.25 * 2 ** attempt)
+            if delay is not None:
+                failure.retry_in_ms = int(delay * 1000)
+            if attempt > retries or wait > RETRY_SLEEP_CAP:
+                self.breaker.failure("ambiguous", str(failure))
+                raise failure
+            import random
+            # Full jitter without Retry-After; with it, never earlier, a little later.
+            self.sleep(wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25)) if delay is not None
+                       else random.uniform(wait / 2, wait))
+
+    def _headers(self, body, idempotency_key):
+        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key,
+             "Accept": "application/json", "User-Agent": "qmem.py/" + __version__}
+        if body is not None:
+            h["Content-Type"] = "application/json; charset=utf-8"
+        if idempotency_key:
+            h["Idempotency-Key"] = idempotency_key
+        return h
+
+    def _exchange(self, method, path, body, idempotency_key):
+        import http.client
+        net = _net_classes()
+        socket = net["socket"]
+        data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
+        target = self.base + path
+        for fresh in (False, True):
+            reused = self.conn is not None and not fresh
+            deadline = net["Deadline"](self.connect_s, "connect+headers")
+            try:
+                if self.conn is None:
+                    self._connect(deadline)
+                self.sock.qm_deadline = deadline
+                self.conn.request(method, target, body=data, headers=self._headers(body, idempotency_key))
+                resp = self.conn.getresponse()
+                break
+            except GatewayError:
+                raise
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                if reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError,
+                                             BrokenPipeError)):
+                    continue  # the kept-alive connection was closed by the server: reconnect once
+                if isinstance(e, socket.timeout):
+                    raise GatewayError("unreachable", "connected to %s, but no answer within %g s" % (
+                        self.url, self.connect_s))
+                raise GatewayError("unreachable", "connected to %s, but it closed the connection "
+                                   "without answering (%s)" % (self.url, _reason(e)))
+        self.sock.qm_deadline = net["Deadline"](self.body_s, "body")
+        chunks, size = [], 0
+        try:
+            while True:
+                chunk = resp.read(65536)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise GatewayError("ambiguous", "answer from %s larger than %d MB: refused" % (
+                        self.url, MAX_BODY >> 20))
+                chunks.append(chunk)
+            if resp.length:  # EOF before Content-Length was met: read() does not say so
+                raise http.client.IncompleteRead(b"", resp.length)
+        except GatewayError:
+            self.close()
+            raise
+        except socket.timeout:
+            self.close()
+            raise GatewayError("ambiguous", "answer from %s stalled: body not complete within %g s" % (
+                self.url, self.body_s), resp.status)
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            raise GatewayError("ambiguous", "answer from %s cut off after %d bytes (%s)" % (
+                self.url, size, _reason(e)), resp.status)
+        if resp.will_close:
+            self.close()
+        else:
+            self.sock.qm_deadline = None
+        raw = b"".join(chunks)
+        try:
+            parsed = json.loads(raw.decode("utf-8")) if raw else None
+        except (UnicodeDecodeError, ValueError):
+            parsed = None
+            if 200 <= resp.status < 300:
+                kind = resp.getheader("Content-Type") or "no content type"
+                raise GatewayError("ambiguous", "answer from %s is not JSON (%s, %d bytes): is the URL "
+                                   "the gateway's?" % (self.url, kind.split(";")[0], len(raw)), resp.status)
+        if 200 <= resp.status < 300 and not isinstance(parsed, dict):
+            raise GatewayError("ambiguous", "answer from %s is not a JSON object" % self.url, resp.status)
+        return Response(resp.status, parsed, resp.headers)
+
+    def _connect(self, deadline):
+        import http.client
+        net = _net_classes()
+        socket, DeadlineSocket = net["socket"], net["DeadlineSocket"]
+        proxy = _proxy_for("https" if self.https else "http", self.host)
+        if self.https:
+            conn = http.client.HTTPSConnection(*(proxy or (self.host, self.port)), context=self._ssl_context())
+        else:
+            conn = http.client.HTTPConnection(*(proxy or (self.host, self.port)))
+        if proxy and self.https:
+            conn.set_tunnel(self.host, self.port)
+        elif proxy:
+            raise GatewayError("protocol", "a plain-http proxy is not supported; exempt %s in no_proxy"
+                               % self.host)
+
+        def create_connection(address, *args, **kw):
+            last = None
+            for family, kind, proto, _, addr in _resolve(address[0], address[1], deadline):
+                s = DeadlineSocket(family, kind, proto)
+                try:
+                    s.settimeout(min(deadline.remaining(), _PER_ADDRESS_CAP))
+                    s.connect(addr)
+                    s.settimeout(deadline.remaining())  # the TLS handshake inherits it
+                    s.qm_deadline = deadline
+                    return s
+                except OSError as e:
+                    s.close()
+                    last = e
+            raise last or OSError("no address for %s" % address[0])
+
+        conn._create_connection = create_connection
+        try:
+            conn.connect()
+        except OSError as e:
+            conn.close()
+            if type(e).__name__ in ("SSLCertVerificationError", "CertificateError") or \
+                    "CERTIFICATE_VERIFY_FAILED" in str(e):
+                raise GatewayError("tls", "TLS verification failed for %s (%s): for a private CA set "
+                                   "caFile (`qmem.py config set caFile PATH`) or SSL_CERT_FILE"
+                                   % (self.host, _reason(e)))
+            if isinstance(e, socket.timeout):
+                raise GatewayError("unreachable", "could not connect to %s within %g s" % (
+                    self.url, self.connect_s))
+            raise GatewayError("unreachable", "could not connect to %s (%s)" % (self.url, _reason(e)))
+        self.conn, self.sock = conn, conn.sock
+        self.sock.qm_deadline = deadline
+
+    def _ssl_context(self):
+        import ssl
+        net = _net_classes()
+        if "DeadlineSSLSocket" not in net:
+            net["DeadlineSSLSocket"] = type("DeadlineSSLSocket", (net["DeadlineMixin"], ssl.SSLSocket), {})
+        # Verified, with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by
+        # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
+        ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
+            ctx.sslsocket_class = net["DeadlineSSLSocket"]
+        return ctx
+
+
+def _reason(e):
+    """A short, key-free description of a network exception."""
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return text if type(e).__name__ in text else "%s: %s" % (type(e).__name__, text)
+
+
+# --- Circuit breaker ----------------------------------------------------------
+
+class _FileLock:
+    """An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
+    a read-modify-write of the breaker file. Gives up waiting after ~2 s."""
+
+    def __init__(self, path):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            import fcntl
+            lock = lambda: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # noqa: E731
+        except ImportError:  # pragma: no cover - Windows
+            import msvcrt
+            lock = lambda: msvcrt.locking(self.fd, msvcrt.LK_NBLCK, 1)  # noqa: E731
+        give_up = time.monotonic() + 2.0
+        while True:
+            try:
+                lock()
+                return self
+            except OSError:
+                if time.monotonic() > give_up:
+                    warn("breaker lock %s is busy; going on without it" % self.path)
+                    return self
+                time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        os.close(self.fd)  # closing releases the lock
+        return False
+
+
+class Breaker:
+    """The circuit breaker, its state in one JSON file shared by every process on the
+    machine and keyed by gateway URL (design.md, reliability.md §2).
+
+    closed     calls go through; `failures` counts consecutive ambiguous failures
+    open       calls fail at once, without network I/O, until `open_until`
+    half_open  one process (the holder of the probe lease) tries; the others fail fast
+
+    An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
+    open it; each consecutive opening doubles the open time, from base up to max; any
+    answer from the gateway closes it. Readers take no lock; writers lock a sibling
+    .lock file and replace the state file atomically."""
+
+    def __init__(self, path, url, base_ms=120000, max_ms=600000, trip_after=3, lease_s=60.0,
+                 clock=time.time, rand=None):
+        self.path, self.url, self.key = path, url, normalize_url(url) if url else ""
+        self.base_s, self.max_s, self.trip_after = base_ms / 1000.0, max_ms / 1000.0, trip_after
+        self.lease_s, self.clock, self.rand = lease_s, clock, rand
+        self.token = "%s-%s" % (os.getpid(), os.urandom(4).hex())
+        self.probing = False
+
+    @classmethod
+    def from_config(cls, config, **kw):
+        return cls(config.breaker_path, config["url"] or "", config["breakerBaseMs"], config["breakerMaxMs"],
+                   config["breakerTripAfter"],
+                   lease_s=(config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0 + 5, **kw)
+
+    # -- the file
+    _CLOSED = {"state": "closed", "failures": 0, "trips": 0, "open_until": 0.0, "opened_at": None,
+               "probe_token": None, "probe_until": 0.0, "last_error": None, "last_error_at": None}
+
+    def _read_all(self):
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            warn("cannot read breaker file %s (%s): treating the breaker as closed" % (self.path, e.strerror))
+            return {}
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if not isinstance(data, dict) or not isinstance(data.get("gateways", {}), dict):
+                raise ValueError("not a breaker file")
+            return data.get("gateways", {})
+        except (UnicodeDecodeError, ValueError):
+            warn("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
+                 "next change)" % self.path)
+            return {}
+
+    def read(self):
+        """This URL's state; anything missing or of the wrong type reads as closed."""
+        entry = self._read_all().get(self.key)
+        state = dict(self._CLOSED)
+        if isinstance(entry, dict):
+            for k, default in self._CLOSED.items():
+                v = entry.get(k, default)
+                if default is None or isinstance(default, str):
+                    ok = v is None or isinstance(v, str)
+                else:
+                    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+                if ok:
+                    state[k] = v
+            if state["state"] not in ("closed", "open", "half_open"):
+                state = dict(self._CLOSED)
+        return state
+
+    def _write(self, state):
+        """Under the lock: replace this URL's entry (a closed, clean state removes it)."""
+        gateways = self._read_all()
+        if state == self._CLOSED:
+            gateways.pop(self.key, None)
+        else:
+            gateways[self.key] = state
+        atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1, sort_keys=True)
+                                 + "\n").encode("utf-8"), 0o600, sync=False)
+
+    def _lock(self):
+        return _FileLock(self.path + ".lock")
+
+    # -- the transitions
+    def retry_in(self, state, now):
+        until = state["open_until"] if state["state"] == "open" else state["probe_until"]
+        return max(0, int((until - now) * 1000))
+
+    def _refuse(self, state, now):
+        probing = state["state"] == "half_open"
+        ms = self.retry_in(state, now)
+        return GatewayError("breaker_open", "gateway unreachable, breaker open%s, retry in %d s%s" % (
+            "" if probing else "", (ms + 999) // 1000,
+            " (another process is probing it)" if probing else
+            " (last error: %s)" % state["last_error"] if state["last_error"] else ""), retry_in_ms=ms)
+
+    def _blocks(self, state, now):
+        """Does this state refuse a call now? (It expires by itself; a clock that went
+        back, leaving an open_until further away than the longest open time, counts as
+        expired.)"""
+        if state["state"] == "open":
+            return now < state["open_until"] <= now + 1.2 * self.max_s
+        if state["state"] == "half_open":
+            return state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
+        return False
+
+    def allow(self):
+        """Return if a call may go out (closed, or this process is the half-open prober);
+        raise GatewayError('breaker_open') otherwise. The closed path writes nothing."""
+        state, now = self.read(), self.clock()
+        if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"] == self.token):
+            return
+        if self._blocks(state, now):
+            raise self._refuse(state, now)
+        with self._lock():
+            state = self.read()
+            if state["state"] == "closed":
+                return
+            if self._blocks(state, now):
+                raise self._refuse(state, now)
+            state.update(state="half_open", probe_token=self.token, probe_until=now + self.lease_s)
+            self._write(state)
+        self.probing = True
+
+    def success(self):
+        """The gateway answered: close (writes only if something changes)."""
+        state = self.read()
+        if state == self._CLOSED:
+            return
+        with self._lock():
+            self._write(dict(self._CLOSED))
+        self.probing = False
+
+    def release(self):
+        """A call ended without telling whether the gateway is up (TLS or configuration
+        error): give back the probe, if this process held it."""
+        if self.probing:
+            with self._lock():
+                state = self.read()
+                if state["probe_token"] == self.token:
+                    state.update(state="open", probe_token=None, open_until=self.clock())
+                    self._write(state)
+            self.probing = False
+
+    def failure(self, kind, message):
+        """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
+        trip_after in a row; a failed probe reopens with a doubled open time."""
+        now = self.clock()
+        with self._lock():
+            state = self.read()
+            if self._blocks(state, now):
+                return  # already open: another process's failure must not double the time
+            state.update(last_error=message, last_error_at=iso_from_epoch(now))
+            if kind == "ambiguous" and state["state"] == "closed":
+                state["failures"] += 1
+            if kind == "unreachable" or state["state"] != "closed" or state["failures"] >= self.trip_after:
+                state["trips"] += 1
+                rand = self.rand() if self.rand else __import__("random").random()
+                seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * (0.9 + 0.2 * rand))
+                state.update(state="open", failures=0, opened_at=iso_from_epoch(now), open_until=now + seconds,
+                             probe_token=None, probe_until=0.0)
+            self._write(state)
+        self.probing = False
+
+    def reset(self):
+        with self._lock():
+            self._write(dict(self._CLOSED))
+
+
 # === Command line ============================================================
 
 class Context:
@@ -1114,14 +1731,24 @@ class Context:
     def __init__(self, args, config):
         self.args, self.config = args, config
         self.json = getattr(args, "json", False)
-        self._store = None
+        self._store = self._gateway = None
 
     def store(self, create=True):
         if self._store is None:
             self._store = Store(self.config.db_path, create=create)
         return self._store
 
+    def gateway(self):
+        if self._gateway is None:
+            self._gateway = Gateway(self.config)
+        return self._gateway
+
+    def after_online(self):
+        """The gateway just answered: deliver what is queued, briefly (see flush)."""
+
     def close(self):
+        if self._gateway is not None:
+            self._gateway.close()
         if self._store is not None:
             self._store.close()
 
@@ -1238,6 +1865,458 @@ def cmd_status(ctx):
     return EXIT_OK
 
 
+def _fallback_reason(ctx, err):
+    """Why the gateway did not answer, for the fallback label, and the breaker's state."""
+    retry_ms = err.retry_in_ms
+    breaker_open = err.kind == "breaker_open"
+    if err.kind == "unreachable" and ctx.config["url"]:
+        state = Breaker.from_config(ctx.config).read()
+        if state["state"] == "open":
+            breaker_open, retry_ms = True, max(0, int((state["open_until"] - time.time()) * 1000))
+    reason = str(err)
+    if breaker_open and err.kind != "breaker_open":
+        reason += "; breaker open, retry in %d s" % ((retry_ms + 999) // 1000)
+    return {"reason": reason, "breaker_open": breaker_open, "retry_in_ms": retry_ms}
+
+
+def gateway_or_fallback(ctx, err):
+    """A read the gateway could not answer: return the fallback label's parts, or raise
+    (401 and configuration errors are errors; --require-remote makes any fallback exit 3)."""
+    if not err.fallback_ok:
+        raise err
+    if getattr(ctx.args, "require_remote", False):
+        raise RemoteRequired("gateway not usable and --require-remote given: %s" % err)
+    if not ctx.config["localFallback"]:
+        raise err
+    return _fallback_reason(ctx, err)
+
+
+def fallback_header(fb, what="lexical match, not semantic"):
+    return "fallback: local_sqlite (%s) — %s" % (fb["reason"], what)
+
+
+def _unexpected(resp, what):
+    """A 4xx answer a command has no use for: the gateway's own words, exit 1."""
+    return QmemError("the gateway refused the %s: %s" % (what, resp.detail()))
+
+
+def merge_seen(ctx, records, view):
+    """Merge records the gateway returned into the local index (one transaction)."""
+    store, now = ctx.store(), iso_now()
+    with store.transaction():
+        for data in records:
+            rec = normalize_record(data)
+            if rec is not None:
+                store.upsert(rec, view, now)
+        store.link_supersessions()
+
+
+def cmd_search(ctx):
+    """Semantic search on the gateway; the local index answers (labelled) when it cannot."""
+    a = ctx.args
+    query = " ".join(a.query).strip()
+    if not query:
+        raise UsageError("search needs a query, e.g. qmem.py search \"how do we deploy\"")
+    if a.top_k < 1 or a.top_k > 100:
+        raise UsageError("--top-k must be between 1 and 100")
+    if a.min_score is not None and not 0 <= a.min_score <= 1:
+        raise UsageError("--min-score must be between 0 and 1")
+    body = {"query": query, "top_k": a.top_k, "include_superseded": a.include_superseded}
+    for key, value in (("kind", a.kind), ("project_id", a.project), ("scope", a.scope),
+                       ("min_score", a.min_score)):
+        if value is not None:
+            body[key] = value
+    try:
+        resp = ctx.gateway().call("POST", "/v1/memories:search", body)
+        if resp.status != 200:
+            raise _unexpected(resp, "search")
+        results = resp.data.get("results")
+        if not isinstance(results, list):
+            raise GatewayError("ambiguous", "the gateway's search answer has no result list")
+    except GatewayError as e:
+        fb = gateway_or_fallback(ctx, e)
+        out = find_local_or_empty(ctx, query, limit=a.top_k, include_superseded=a.include_superseded)
+        if ctx.json:
+            emit_json(dict(fb, source="local_sqlite", degraded=True, match=out["match"], results=out["results"]))
+        else:
+            print_local_results(out, query, header=fallback_header(fb))
+        return EXIT_OK
+    results = [r for r in results if isinstance(r, dict)]
+    merge_seen(ctx, results, VIEW_HIT)
+    if ctx.json:
+        emit_json({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
+                   "retry_in_ms": None, "results": results})
+    else:
+        print("gateway · semantic · %d result%s · score ≥ 0.60 strong, 0.45–0.60 weak, below that a guess" % (
+            len(results), "" if len(results) == 1 else "s"))
+        for r in results:
+            score = r.get("score")
+            score = score if isinstance(score, (int, float)) else None
+            label = "-" if score is None else "strong" if score >= 0.60 else "weak" if score >= 0.45 else "guess"
+            print("%s %-6s  %s  %s  %s  %s%s  %s" % (
+                "%.2f" % score if score is not None else "  - ", label, r.get("id"), r.get("kind") or "-",
+                r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
+                "  [superseded]" if r.get("superseded_by") else "",
+                " ".join(str(r.get("text") or "").split())[:200]))
+    ctx.after_online()
+    return EXIT_OK
+
+
+def find_local_or_empty(ctx, query, **filters):
+    a = ctx.args
+    if not os.path.exists(ctx.config.db_path):
+        warn("no local index yet at %s: run `qmem.py import` (or `pull`) first" % ctx.config.db_path)
+        return {"match": "none", "results": []}
+    out = find_local(ctx.store(), query, project=a.project, kind=a.kind, scope=a.scope, **filters)
+    if ctx.json:
+        for r in out["results"]:
+            r.pop("snippet", None)
+    return out
+
+
+def print_record(rec):
+    for key in ("id",) + FIELDS:
+        value = rec.get(key)
+        if key == "text":
+            continue
+        if value is not None and value != "":
+            print("%-17s %s" % (key + ":", str(value).lower() if isinstance(value, bool) else value))
+    print()
+    print(rec.get("text") or "(text not known locally)")
+
+
+def _record_out(rec):
+    """A local row as the record the gateway would give, plus what is local-only."""
+    out = {k: rec.get(k) for k in ("id",) + FIELDS}
+    out["private"] = bool(out["private"])
+    out["pending"] = bool(rec.get("pending"))
+    out["complete"] = rec.get("view") == VIEW_FULL
+    return out
+
+
+def cmd_get(ctx):
+    """One record in full, from the gateway (refreshing the local copy) or the local index."""
+    from urllib.parse import quote
+    rid = ctx.args.id.strip()
+    if not rid:
+        raise UsageError("get needs a memory id")
+    local = ctx.store().get(rid) if os.path.exists(ctx.config.db_path) else None
+    if local is not None and local["pending"]:
+        # Written here and still queued: the gateway does not know this id yet.
+        return _print_local_record(ctx, local, "outbox", None,
+                                   "queued here, not yet in shared memory (run `qmem.py flush`)")
+    try:
+        resp = ctx.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
+        if resp.status == 404:
+            raise QmemError("no such memory: %s (the gateway does not know this id)" % rid)
+        if resp.status != 200:
+            raise _unexpected(resp, "request")
+        rec = normalize_record(resp.data)
+        if rec is None:
+            raise GatewayError("ambiguous", "the gateway's answer is not a record")
+    except GatewayError as e:
+        fb = gateway_or_fallback(ctx, e)
+        if local is None:
+            raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
+                rid, fb["reason"]))
+        return _print_local_record(ctx, local, "local_sqlite", fb, fallback_header(fb, "local copy"))
+    merge_seen(ctx, [resp.data], VIEW_FULL)
+    if ctx.json:
+        emit_json({"source": "gateway", "degraded": False, "record": resp.data})
+    else:
+        print_record(resp.data)
+    ctx.after_online()
+    return EXIT_OK
+
+
+def _print_local_record(ctx, rec, source, fb, label):
+    if ctx.json:
+        doc = {"source": source, "degraded": fb is not None, "record": _record_out(rec)}
+        if fb:
+            doc.update(fb)
+        emit_json(doc)
+    else:
+        print(label)
+        if rec["view"] != VIEW_FULL:
+            print("(known here only from a search hit: some fields may be missing)")
+        print_record(_record_out(rec))
+    return EXIT_OK
+
+
+def local_meta(store):
+    """The discovery overview of GET /v1/meta, computed from the local index."""
+    q = store.conn.execute
+    live = "deleted_at IS NULL"
+    scopes = {}
+    for scope, kind, n in q("SELECT coalesce(scope, '(none)'), coalesce(kind, '(none)'), count(*) FROM records "
+                            "WHERE %s GROUP BY 1, 2 ORDER BY 1, 2" % live):
+        scopes.setdefault(scope, {})[kind] = n
+    group = "SELECT coalesce(%s, '(none)'), count(*) FROM records WHERE " + live + " GROUP BY 1 ORDER BY 2 DESC, 1"
+    return {"scopes": scopes, "projects": dict(q(group % "project_id").fetchall()),
+            "agents": dict(q(group % "agent_id").fetchall()),
+            "superseded": q("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL AND %s" % live).fetchone()[0],
+            "deleted": q("SELECT count(*) FROM records WHERE deleted_at IS NOT NULL").fetchone()[0]}
+
+
+def cmd_meta(ctx):
+    """What the memory holds: scope x kind counts, projects, agents, superseded, deleted."""
+    fb = None
+    try:
+        resp = ctx.gateway().call("GET", "/v1/meta")
+        if resp.status != 200:
+            raise _unexpected(resp, "request")
+        meta = resp.data
+    except GatewayError as e:
+        fb = gateway_or_fallback(ctx, e)
+        if not os.path.exists(ctx.config.db_path):
+            raise QmemError("no local index at %s either (%s)" % (ctx.config.db_path, fb["reason"]))
+        meta = local_meta(ctx.store())
+    if ctx.json:
+        doc = dict(meta, source="local_sqlite" if fb else "gateway", degraded=fb is not None)
+        doc.update(fb or {"reason": None, "breaker_open": False, "retry_in_ms": None})
+        emit_json(doc)
+        return EXIT_OK
+    print(fallback_header(fb, "counts of this machine's local index, not of the shared memory")
+          if fb else "gateway · overview of the shared memory")
+
+    def line(name, counts):
+        if isinstance(counts, dict):
+            print("%s: %s" % (name, ", ".join("%s %s" % kv for kv in counts.items()) or "-"))
+    for scope, kinds in sorted((meta.get("scopes") or {}).items()):
+        line("scope %s" % scope, kinds)
+    line("projects", meta.get("projects"))
+    line("agents", meta.get("agents"))
+    print("superseded: %s; deleted: %s" % (meta.get("superseded", "?"), meta.get("deleted", "?")))
+    if not fb:
+        ctx.after_online()
+    return EXIT_OK
+
+
+def cmd_breaker(ctx):
+    """Show the circuit breaker shared by every qmem process here (--reset closes it)."""
+    config = ctx.config
+    if not config["url"]:
+        raise ConfigError("no gateway configured, so no breaker: run `qmem.py config url https://…`")
+    breaker = Breaker.from_config(config)
+    if ctx.args.reset:
+        breaker.reset()
+    state, now = breaker.read(), time.time()
+    open_now = breaker._blocks(state, now)
+    doc = {"url": config["url"], "file": config.breaker_path, "state": state["state"],
+           "failures": state["failures"], "trips": state["trips"],
+           "open_until": iso_from_epoch(state["open_until"]) if state["state"] == "open" else None,
+           "retry_in_ms": breaker.retry_in(state, now) if open_now else 0,
+           "last_error": state["last_error"], "last_error_at": state["last_error_at"],
+           "reset": bool(ctx.args.reset)}
+    if ctx.json:
+        emit_json(doc)
+        return EXIT_OK
+    if ctx.args.reset:
+        print("breaker reset: closed")
+    what = {"closed": "closed (calls go through)",
+            "open": "open (calls fail at once, without network)" if open_now else
+                    "open period over: the next call probes the gateway",
+            "half_open": "half-open (one process is probing the gateway)"}[state["state"]]
+    print("breaker for %s: %s" % (config["url"], what))
+    print("  consecutive failures: %d of %d; consecutive trips: %d" % (
+        state["failures"], config["breakerTripAfter"], state["trips"]))
+    if open_now:
+        print("  open until %s (retry in %d s)" % (doc["open_until"] or "-", (doc["retry_in_ms"] + 999) // 1000))
+    if state["last_error"]:
+        print("  last error (%s): %s" % (state["last_error_at"], state["last_error"]))
+    print("  state file: %s" % config.breaker_path)
+    return EXIT_OK
+
+
+# --- config
+
+CONFIG_KEYS = tuple(DEFAULTS)
+
+
+def write_config(config, changes):
+    """Set keys in the config file, keeping every key this tool does not know, atomically,
+    mode 0600. A value of None removes the key."""
+    raw = dict(config.raw)
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    atomic_write(config.path, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
+    config.raw = raw
+
+
+def cmd_config(ctx):
+    """Show or change the configuration (shared with the pi extension)."""
+    a = ctx.args
+    action = a.action
+    if action is None:
+        if _interactive() and not ctx.json:
+            return config_menu(ctx)
+        action = "show"
+    handler = {"show": config_show, "url": config_url, "apikey": config_apikey, "set": config_set,
+               "test": config_test}[action]
+    return handler(ctx, a.values)
+
+
+def _interactive():
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def config_show(ctx, values):
+    if values:
+        raise UsageError("config show takes no arguments")
+    c = ctx.config
+    shown = {k: (mask_secret(c[k]) if k == "apiKey" and c[k] else c[k]) for k in CONFIG_KEYS}
+    if ctx.json:
+        emit_json({"file": c.path, "values": shown, "sources": {k: c.sources[k] for k in CONFIG_KEYS},
+                   "db": c.db_path, "breaker_file": c.breaker_path})
+        return EXIT_OK
+    print("config file: %s%s" % (c.path, "" if os.path.exists(c.path) else " (not created yet)"))
+    for k in CONFIG_KEYS:
+        value = shown[k]
+        print("  %-17s %-40s %s" % (k, "-" if value is None else json.dumps(value) if not isinstance(value, str)
+                                    else value, c.sources[k]))
+    print("  local database:   %s" % c.db_path)
+    print("  breaker file:     %s" % c.breaker_path)
+    return EXIT_OK
+
+
+def config_url(ctx, values):
+    if len(values) != 1:
+        raise UsageError("usage: qmem.py config url https://gateway.example:8443")
+    url = check_url(values[0])
+    old = ctx.config["url"]
+    write_config(ctx.config, {"url": url})
+    if old:
+        Breaker(ctx.config.breaker_path, old).reset()
+    Breaker(ctx.config.breaker_path, url).reset()
+    _warn_plain_http(url, ctx.config["apiKey"])
+    if ctx.config.sources["url"].startswith("env"):
+        warn("QMEM_URL is set in the environment and overrides the file")
+    print("url set to %s in %s (breaker reset)" % (url, ctx.config.path))
+    return EXIT_OK
+
+
+def _warn_plain_http(url, key):
+    from urllib.parse import urlsplit
+    p = urlsplit(url)
+    if p.scheme == "http" and key and not is_loopback(p.hostname or ""):
+        warn("the API key will travel unencrypted over plain http to %s: use https unless this "
+             "network is trusted" % p.hostname)
+
+
+def config_apikey(ctx, values):
+    if len(values) > 1:
+        raise UsageError("usage: qmem.py config apikey   (then type or pipe the key)")
+    if values:
+        warn("a key given on the command line stays in your shell history; prefer "
+             "`qmem.py config apikey` and type it at the prompt")
+        key = values[0]
+    elif sys.stdin.isatty():
+        import getpass
+        key = getpass.getpass("API key (input hidden): ")
+    else:
+        key = sys.stdin.readline()
+    key = key.strip()
+    if not key or any(c.isspace() for c in key):
+        raise UsageError("an API key must be one word, not empty")
+    write_config(ctx.config, {"apiKey": key})
+    if ctx.config["url"]:
+        _warn_plain_http(ctx.config["url"], key)
+    print("API key %s saved in %s (mode 0600)" % (mask_secret(key), ctx.config.path))
+    return EXIT_OK
+
+
+def config_set(ctx, values):
+    if len(values) != 2:
+        raise UsageError("usage: qmem.py config set KEY VALUE   (keys: %s)" % ", ".join(CONFIG_KEYS))
+    key, value = values
+    if key not in CONFIG_KEYS:
+        raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
+    if key == "url":
+        return config_url(ctx, [value])
+    if key == "apiKey":
+        return config_apikey(ctx, [value])
+    parsed = None if value in ("", "null", "default") else _check_type(key, value, "config set")
+    if key in ("localDbPath", "caFile") and parsed:
+        parsed = os.path.abspath(os.path.expanduser(parsed))
+        if key == "caFile" and not os.path.isfile(parsed):
+            raise UsageError("caFile %s: no such file" % parsed)
+    write_config(ctx.config, {key: parsed})
+    print("%s %s in %s" % (key, "reset to its default" if parsed is None else "set to %s" % json.dumps(parsed),
+                           ctx.config.path))
+    return EXIT_OK
+
+
+def config_test(ctx, values):
+    if values:
+        raise UsageError("config test takes no arguments")
+    c = ctx.config
+    # A test must really try: the breaker is consulted by every other command, not this one.
+    gw = Gateway(c, breaker=Breaker.from_config(c))
+    gw.breaker.allow = lambda: None
+    started = time.monotonic()
+    doc = {"url": c["url"], "reachable": False, "key_valid": None, "version": None, "latency_ms": None,
+           "error": None}
+    try:
+        resp = gw.call("GET", "/v1/status", retries=0)
+        doc.update(reachable=True, key_valid=True, latency_ms=int((time.monotonic() - started) * 1000))
+        if resp.status == 200:
+            doc["version"] = resp.data.get("version")
+            doc["records"] = resp.data.get("records")
+        else:
+            doc["error"] = "GET /v1/status answered HTTP %d: %s" % (resp.status, resp.detail())
+    except GatewayError as e:
+        doc["latency_ms"] = int((time.monotonic() - started) * 1000)
+        doc["error"] = str(e)
+        if e.kind == "auth":
+            doc.update(reachable=True, key_valid=False)
+        elif e.kind == "ambiguous":
+            doc["reachable"] = True
+    finally:
+        gw.close()
+    ok = doc["reachable"] and doc["key_valid"] and not doc["error"]
+    if ctx.json:
+        emit_json(doc)
+    else:
+        print("gateway %s: %s" % (c["url"], "reachable" if doc["reachable"] else "NOT reachable"))
+        if doc["reachable"]:
+            print("  API key: %s (%s)" % ("accepted" if doc["key_valid"] else "REJECTED", mask_secret(c["apiKey"])))
+        if doc["version"]:
+            print("  version %s, %s records" % (doc["version"], doc.get("records", "?")))
+        print("  latency: %s ms" % doc["latency_ms"])
+        if doc["error"]:
+            print("  error: %s" % doc["error"])
+    return EXIT_OK if ok else EXIT_FAIL
+
+
+def config_menu(ctx):
+    """The numbered menu of the extension's /qmem:config, for a terminal."""
+    while True:
+        print("qmem config (%s)\n  1) set gateway URL (now: %s)\n  2) change API key (now: %s)\n"
+              "  3) test the connection\n  4) show everything\n  5) cancel" % (
+                  ctx.config.path, ctx.config["url"] or "not set", mask_secret(ctx.config["apiKey"])))
+        choice = input("choose 1-5: ").strip()
+        try:
+            if choice == "1":
+                config_url(ctx, [input("gateway URL: ")])
+            elif choice == "2":
+                config_apikey(ctx, [])
+            elif choice == "3":
+                config_test(ctx, [])
+            elif choice == "4":
+                config_show(ctx, [])
+            elif choice in ("5", "q", ""):
+                return EXIT_OK
+            else:
+                print("please answer 1 to 5")
+                continue
+        except QmemError as e:
+            warn(str(e))
+        ctx.config = load_config(overrides={"localDbPath": ctx.args.db})
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with qmem's error format: one line, 'qmem: ' prefix, exit 2."""
 
@@ -1277,7 +2356,34 @@ def build_parser():
     sp.add_argument("--include-expired", action="store_true", help="also show expired records")
 
     command("status", cmd_status)
+
+    sp = command("search", cmd_search)
+    sp.add_argument("query", nargs="*", help="what to look for, in plain words")
+    add_filters(sp)
+    sp.add_argument("--top-k", type=int, default=8, help="at most this many results (default 8)")
+    sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
+    sp.add_argument("--min-score", type=float, help="drop results scoring below this (0-1)")
+    add_remote(sp)
+
+    sp = command("get", cmd_get)
+    sp.add_argument("id", help="the memory id")
+    add_remote(sp)
+
+    add_remote(command("meta", cmd_meta))
+
+    sp = command("breaker", cmd_breaker)
+    sp.add_argument("--reset", action="store_true", help="close the breaker now")
+
+    sp = command("config", cmd_config, epilog="Actions: show | url URL | apikey (reads stdin or prompts) "
+                 "| set KEY VALUE | test. With none, on a terminal: a menu.")
+    sp.add_argument("action", nargs="?", choices=("show", "url", "apikey", "set", "test"))
+    sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
     return p
+
+
+def add_remote(sp):
+    sp.add_argument("--require-remote", action="store_true",
+                    help="fail (exit 3) instead of answering from the local index")
 
 
 def add_filters(sp):

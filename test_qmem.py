@@ -672,6 +672,711 @@ class CliTests(QmemTestCase):
             self.assertIn(name, p.stdout)
 
 
+# --- A scripted fake gateway on 127.0.0.1 (gateway-api.md) --------------------
+
+API_KEY = "sk-test-SECRET-0123456789"
+
+
+class FakeGateway:
+    """A real HTTP/1.1 server on loopback that speaks the gateway's API from memory,
+    or misbehaves on cue: `script` holds what the next requests get (an action name,
+    or (status, body, headers)); when it is empty the gateway answers normally."""
+
+    def __init__(self, key=API_KEY):
+        import socket
+        import threading
+        self.key, self.lock = key, threading.Lock()
+        self.records, self.order, self.keys = {}, [], {}
+        self.requests, self.script, self.connections = [], [], 0
+        self.duplicate_texts = {}     # text -> id answered 409 duplicate
+        self.export_404 = False
+        self.stopping = threading.Event()
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.url = "http://127.0.0.1:%d" % self.port
+        self.threads = []
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+
+    def close(self):
+        self.stopping.set()
+        self.listener.close()
+
+    def _accept(self):
+        import threading
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn):
+        f = conn.makefile("rb")
+        try:
+            while not self.stopping.is_set():
+                line = f.readline()
+                if not line:
+                    return
+                method, target, _ = line.decode().split(" ", 2)
+                headers = {}
+                while True:
+                    h = f.readline().decode()
+                    if h in ("\r\n", "\n", ""):
+                        break
+                    k, v = h.split(":", 1)
+                    headers[k.strip().lower()] = v.strip()
+                body = f.read(int(headers.get("content-length", 0)))
+                data = json.loads(body.decode()) if body else None
+                with self.lock:
+                    self.requests.append((method, target, headers, data))
+                    action = self.script.pop(0) if self.script else None
+                if not self._act(conn, action, method, target, headers, data):
+                    return
+        except (OSError, ValueError):
+            return
+        finally:
+            conn.close()
+
+    def _send(self, conn, status, obj, extra=None, raw=None, ctype="application/json"):
+        payload = raw if raw is not None else json.dumps(obj).encode()
+        head = "HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (status, ctype, len(payload))
+        for k, v in (extra or {}).items():
+            head += "%s: %s\r\n" % (k, v)
+        conn.sendall(head.encode() + b"\r\n" + payload)
+
+    def _act(self, conn, action, method, target, headers, data):
+        """Answer one request; return False to close the connection."""
+        import time as _time
+        if action is None:
+            status, obj, extra = self.app(method, target, headers, data)
+            self._send(conn, status, obj, extra)
+            return True
+        if isinstance(action, tuple):
+            status, obj, extra = (action + (None,))[:3]
+            self._send(conn, status, obj, extra)
+            return True
+        if action == "silent":              # accepts, reads, never answers
+            self.stopping.wait(30)
+            return False
+        if action == "trickle":             # headers one byte every 100 ms
+            for b in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Padding: " + b"x" * 100:
+                if self.stopping.wait(0.1):
+                    return False
+                conn.sendall(bytes([b]))
+            return False
+        if action == "stall_body":          # headers, part of the body, then nothing
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"status\":")
+            self.stopping.wait(30)
+            return False
+        if action in ("cut_body", "wrong_length"):
+            body = b'{"status": "ok", "version": "2.12.0", "records": 1}'
+            size = len(body) + (200 if action == "wrong_length" else 0)
+            cut = body[:20] if action == "cut_body" else body
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + cut)
+            return False
+        if action == "html":
+            self._send(conn, 200, None, raw=b"<html><body>Proxy login</body></html>", ctype="text/html")
+            return True
+        if action == "drop_after_store":    # does the work, loses the reply
+            self.app(method, target, headers, data)
+            return False
+        if action == "close":               # closes without a word
+            return False
+        if callable(action):
+            action()
+            status, obj, extra = self.app(method, target, headers, data)
+            self._send(conn, status, obj, extra)
+            return True
+        raise AssertionError("unknown action %r" % (action,))
+
+    # -- the gateway itself
+    def add(self, text, project="infra", kind="fact", **extra):
+        with self.lock:
+            return self._create(dict(extra, text=text, project_id=project, kind=kind))
+
+    def _create(self, data):
+        import uuid
+        self.clock = getattr(self, "clock", 0) + 1
+        now = "2026-11-30T10:%02d:%02d.000Z" % (self.clock // 60 % 60, self.clock % 60)
+        rid = str(uuid.uuid4())
+        rec = record(rid, data["text"], data["kind"], data["project_id"], created_at=now, updated_at=now,
+                     agent_id=data.get("agent_id"), scope=data.get("scope") or "project", source=data.get("source"),
+                     private=bool(data.get("private")), expires_at=data.get("expires_at"),
+                     supersedes_id=data.get("supersedes_id"), supersede_reason=data.get("supersede_reason"))
+        self.records[rid] = rec
+        if rec["supersedes_id"]:
+            old = self.records[rec["supersedes_id"]]
+            old.update(superseded_by=rid, updated_at=now)
+        return rec
+
+    def delete(self, rid):
+        with self.lock:
+            self.clock += 1
+            now = "2026-11-30T11:%02d:%02d.000Z" % (self.clock // 60 % 60, self.clock % 60)
+            self.records[rid].update(deleted_at=now, updated_at=now)
+
+    def posts(self, path="/v1/memories"):
+        return [r for r in self.requests if r[0] == "POST" and r[1] == path]
+
+    def app(self, method, target, headers, data):
+        from urllib.parse import urlsplit, parse_qs, unquote
+        if headers.get("x-api-key") != self.key or headers.get("authorization") != "Bearer " + self.key:
+            return 401, {"detail": "invalid API key"}, None
+        url = urlsplit(target)
+        path, query = url.path, {k: v[0] for k, v in parse_qs(url.query).items()}
+        if method == "GET" and path == "/v1/status":
+            return 200, {"status": "ok", "version": "2.12.0", "records": len(self.records)}, None
+        if method == "POST" and path == "/v1/memories":
+            key = headers.get("idempotency-key")
+            if key in self.keys:
+                return 200, self.records[self.keys[key]], None
+            missing = [f for f in ("text", "kind", "project_id") if not data.get(f)]
+            if missing:
+                return 422, {"detail": [{"loc": ["body", f], "msg": "field required"} for f in missing]}, None
+            if data["text"] in self.duplicate_texts:
+                return 409, {"detail": "duplicate", "duplicate_of": self.duplicate_texts[data["text"]],
+                             "similarity": 0.97}, None
+            if data.get("supersedes_id") and data["supersedes_id"] not in self.records:
+                return 404, {"detail": "supersedes_id %s not found" % data["supersedes_id"]}, None
+            rec = self._create(data)
+            if key:
+                self.keys[key] = rec["id"]
+            return 201, rec, None
+        if method == "POST" and path == "/v1/memories:search":
+            words = data["query"].lower().split()
+            hits = [dict(r, score=0.71) for r in self.records.values()
+                    if any(w in r["text"].lower() for w in words) and not r["deleted_at"]
+                    and (data.get("include_superseded") or not r["superseded_by"])]
+            return 200, {"results": hits[:data.get("top_k", 8)]}, None
+        if method == "GET" and path == "/v1/memories:export":
+            if self.export_404:
+                return 404, {"detail": "Not Found"}, None
+            rows = sorted(self.records.values(), key=lambda r: (r["updated_at"], r["id"]))
+            start = int(query.get("cursor") or 0)
+            limit = int(query.get("limit") or 500)
+            page = rows[start:start + limit]
+            more = start + limit < len(rows)
+            return 200, {"items": page, "next_cursor": str(start + limit) if more else None}, None
+        if method == "GET" and path.startswith("/v1/memories/"):
+            rec = self.records.get(unquote(path[len("/v1/memories/"):]))
+            return (200, rec, None) if rec else (404, {"detail": "Not Found"}, None)
+        if method == "GET" and path == "/v1/meta":
+            scopes = {}
+            for r in self.records.values():
+                scopes.setdefault(r["scope"] or "project", {}).setdefault(r["kind"], 0)
+                scopes[r["scope"] or "project"][r["kind"]] += 1
+            return 200, {"scopes": scopes, "projects": {"infra": len(self.records)}, "agents": {},
+                         "superseded": sum(1 for r in self.records.values() if r["superseded_by"]),
+                         "deleted": sum(1 for r in self.records.values() if r["deleted_at"])}, None
+        return 404, {"detail": "Not Found"}, None
+
+
+class GatewayTestCase(QmemTestCase):
+    """A QmemTestCase with a fake gateway configured through the environment."""
+
+    def setUp(self):
+        super().setUp()
+        self.gw = FakeGateway()
+        self.addCleanup(self.gw.close)
+        os.environ.update(QMEM_URL=self.gw.url, QMEM_API_KEY=API_KEY)
+        self.breaker_file = os.path.join(self.home, ".local", "share", "pi-qmem", "breaker.json")
+
+    def config(self, **values):
+        cfg = qmem.load_config()
+        cfg.values.update(values)
+        return cfg
+
+    def client(self, sleeps=None, clock=None, **values):
+        """A Gateway with a recording sleep (no real waiting) and an optional clock."""
+        cfg = self.config(**values)
+        breaker = qmem.Breaker.from_config(cfg, clock=clock or __import__("time").time, rand=lambda: 0.5)
+        record_sleep = (sleeps.append if sleeps is not None else lambda s: None)
+        return self.closing(qmem.Gateway(cfg, breaker=breaker, sleep=record_sleep))
+
+    def closing(self, gateway):
+        self.addCleanup(gateway.close)
+        return gateway
+
+    def breaker_state(self):
+        return qmem.Breaker.from_config(qmem.load_config()).read()
+
+    def assert_fails(self, kind, gateway, *call):
+        with self.assertRaises(qmem.GatewayError) as cm:
+            gateway.call(*call)
+        self.assertEqual(cm.exception.kind, kind, str(cm.exception))
+        self.assertNotIn(API_KEY, str(cm.exception))
+        return cm.exception
+
+
+def closed_port():
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+class GatewayClientTests(GatewayTestCase):
+    """Each row of design.md's classification table, against a real loopback server."""
+
+    def test_2xx_answer_and_both_auth_headers(self):
+        resp = self.client().call("GET", "/v1/status")
+        self.assertEqual((resp.status, resp.data["version"]), (200, "2.12.0"))
+        headers = self.gw.requests[-1][2]
+        self.assertEqual(headers["x-api-key"], API_KEY)
+        self.assertEqual(headers["authorization"], "Bearer " + API_KEY)
+
+    def test_one_connection_is_reused_across_calls(self):
+        gw = self.client()
+        for _ in range(3):
+            gw.call("GET", "/v1/status")
+        self.assertEqual(self.gw.connections, 1)
+
+    def test_refused_is_unreachable_opens_the_breaker_at_once_and_is_not_retried(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        sleeps = []
+        err = self.assert_fails("unreachable", self.client(sleeps), "GET", "/v1/status")
+        self.assertIn("could not connect", str(err))
+        self.assertEqual(sleeps, [])
+        self.assertEqual(self.breaker_state()["state"], "open")
+
+    def test_server_that_accepts_and_never_answers_fails_at_the_connect_budget(self):
+        import time as t
+        self.gw.script = ["silent"]
+        started = t.monotonic()
+        err = self.assert_fails("unreachable", self.client(connectTimeoutMs=500), "GET", "/v1/status")
+        elapsed = t.monotonic() - started
+        self.assertIn("connected to", str(err))
+        self.assertIn("no answer within 0.5 s", str(err))
+        self.assertLess(elapsed, 1.0)
+        self.assertGreater(elapsed, 0.45)
+
+    def test_headers_trickled_one_byte_every_100ms_fail_at_the_budget(self):
+        import time as t
+        self.gw.script = ["trickle"]
+        started = t.monotonic()
+        self.assert_fails("unreachable", self.client(connectTimeoutMs=1000), "GET", "/v1/status")
+        elapsed = t.monotonic() - started
+        self.assertLess(elapsed, 1.3)
+        self.assertGreater(elapsed, 0.95)
+
+    def test_stalled_body_is_ambiguous_and_retried(self):
+        import time as t
+        self.gw.script = ["stall_body", "stall_body"]
+        sleeps = []
+        started = t.monotonic()
+        err = self.assert_fails("ambiguous", self.client(sleeps, timeoutMs=300), "GET", "/v1/status", None, None, 1)
+        self.assertIn("stalled", str(err))
+        self.assertLess(t.monotonic() - started, 1.5)
+        self.assertEqual(len(sleeps), 1)  # one retry
+        self.assertEqual(len(self.gw.requests), 2)
+        self.assertEqual(self.breaker_state()["failures"], 1)
+
+    def test_body_cut_midway_is_a_failure_never_empty_data(self):
+        self.gw.script = ["cut_body"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn("cut off", str(err))
+
+    def test_wrong_content_length_is_a_failure(self):
+        self.gw.script = ["wrong_length"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn("cut off", str(err))
+
+    def test_200_with_an_html_page_is_a_failure(self):
+        self.gw.script = ["html"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn("not JSON", str(err))
+        self.assertIn("text/html", str(err))
+
+    def test_503_with_retry_after_then_success(self):
+        self.gw.script = [(503, {"detail": "warming up"}, {"Retry-After": "1"})]
+        sleeps = []
+        resp = self.client(sleeps).call("GET", "/v1/status")
+        self.assertEqual(resp.status, 200)
+        self.assertEqual(len(sleeps), 1)
+        self.assertGreaterEqual(sleeps[0], 1.0)   # never earlier than asked
+        self.assertLess(sleeps[0], 1.5)           # jitter is small and additive
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
+    def test_429_with_an_http_date_is_honoured(self):
+        date = "Mon, 30 Nov 2026 10:00:00 GMT"
+        later = "Mon, 30 Nov 2026 10:00:04 GMT"
+        self.gw.script = [(429, {"detail": "slow down"}, {"Retry-After": later, "Date": date})]
+        sleeps = []
+        self.assertEqual(self.client(sleeps).call("GET", "/v1/status").status, 200)
+        self.assertGreaterEqual(sleeps[0], 4.0)
+        self.assertLess(sleeps[0], 5.0)
+
+    def test_retry_after_longer_than_the_cap_is_reported_not_slept(self):
+        self.gw.script = [(503, None, {"Retry-After": "3600"})]
+        sleeps = []
+        err = self.assert_fails("ambiguous", self.client(sleeps), "GET", "/v1/status")
+        self.assertEqual(sleeps, [])
+        self.assertEqual(err.retry_in_ms, 3600000)
+
+    def test_retry_after_forms(self):
+        headers = {"Retry-After": "Sunday, 06-Nov-94 08:49:37 GMT", "Date": "Sun, 06 Nov 1994 08:49:30 GMT"}
+        self.assertEqual(qmem.retry_after_seconds(headers), 7.0)
+        self.assertEqual(qmem.retry_after_seconds({"Retry-After": "Sun Nov  6 08:49:37 1994",
+                                                   "Date": "Sun, 06 Nov 1994 08:49:37 GMT"}), 0.0)
+        for bad in ("-1", "1.5", "+5", "soon", "5, 10"):
+            self.assertIsNone(qmem.retry_after_seconds({"Retry-After": bad}), bad)
+
+    def test_401_is_auth_and_leaves_the_breaker_alone(self):
+        os.environ["QMEM_API_KEY"] = "sk-wrong-key-000000000"
+        err = self.assert_fails("auth", self.client(), "GET", "/v1/status")
+        self.assertIn("API key rejected", str(err))
+        self.assertFalse(os.path.exists(self.breaker_file))
+
+    def test_4xx_answers_are_returned_and_do_not_trip(self):
+        gw = self.client()
+        self.assertEqual(gw.call("GET", "/v1/memories/nope").status, 404)
+        self.assertEqual(gw.call("POST", "/v1/memories", {"text": "x"}).status, 422)
+        self.gw.duplicate_texts["same"] = "abc"
+        resp = gw.call("POST", "/v1/memories", {"text": "same", "kind": "fact", "project_id": "p"})
+        self.assertEqual((resp.status, resp.data["duplicate_of"]), (409, "abc"))
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
+    def test_three_ambiguous_failures_in_a_row_open_the_breaker(self):
+        gw = self.client()
+        self.gw.script = [(502, None)] * 3
+        for n in (1, 2):
+            self.assert_fails("ambiguous", gw, "GET", "/v1/status", None, None, 0)
+            self.assertEqual(self.breaker_state()["state"], "closed")
+            self.assertEqual(self.breaker_state()["failures"], n)
+        self.assert_fails("ambiguous", gw, "GET", "/v1/status", None, None, 0)
+        self.assertEqual(self.breaker_state()["state"], "open")
+
+    def test_redirect_is_not_followed(self):
+        self.gw.script = [(301, None, {"Location": "https://elsewhere.example/"})]
+        err = self.assert_fails("protocol", self.client(), "GET", "/v1/status")
+        self.assertIn("elsewhere.example", str(err))
+
+    def test_tls_is_verified(self):
+        cfg = self.config(url="https://127.0.0.1:%d" % self.gw.port)
+        ctx = qmem.Gateway(cfg)._ssl_context()
+        import ssl
+        self.assertEqual(ctx.verify_mode, ssl.CERT_REQUIRED)
+        self.assertTrue(ctx.check_hostname)
+
+    def test_https_against_a_plain_server_fails_cleanly(self):
+        os.environ["QMEM_URL"] = "https://127.0.0.1:%d" % self.gw.port
+        err = self.assert_fails("unreachable", self.client(), "GET", "/v1/status")
+        self.assertIn("could not connect", str(err))
+
+
+class BreakerTests(GatewayTestCase):
+    """The breaker's life cycle, with an injected clock."""
+
+    def setUp(self):
+        super().setUp()
+        self.now = 1000000.0
+        self.dead = "http://127.0.0.1:%d" % closed_port()
+
+    def breaker(self, url=None, **kw):
+        kw.setdefault("base_ms", 120000)
+        kw.setdefault("max_ms", 600000)
+        return qmem.Breaker(self.breaker_file, url or self.gw.url, clock=lambda: self.now,
+                            rand=lambda: 0.5, lease_s=50, **kw)
+
+    def test_trip_fail_fast_probe_double_cap_close(self):
+        b = self.breaker()
+        b.failure("unreachable", "refused")
+        self.assertEqual(b.read()["open_until"], self.now + 120)
+        connections = self.gw.connections
+        gw = self.closing(qmem.Gateway(self.config(), breaker=self.breaker()))
+        err = self.assert_fails("breaker_open", gw, "GET", "/v1/status")
+        self.assertEqual(err.retry_in_ms, 120000)
+        self.assertEqual(self.gw.connections, connections)  # no connection attempted
+        # After the open period one process probes, the others keep failing fast.
+        self.now += 121
+        prober, other = self.breaker(), self.breaker()
+        prober.allow()
+        self.assertEqual(prober.read()["state"], "half_open")
+        with self.assertRaises(qmem.GatewayError) as cm:
+            other.allow()
+        self.assertIn("probing", str(cm.exception))
+        # The probe fails: open again, twice as long.
+        prober.failure("unreachable", "refused")
+        self.assertEqual(b.read()["open_until"], self.now + 240)
+        for expected in (480, 600, 600):  # doubling, capped at breakerMaxMs
+            self.now = b.read()["open_until"] + 1
+            p = self.breaker()
+            p.allow()
+            p.failure("unreachable", "refused")
+            self.assertEqual(b.read()["open_until"] - self.now, expected)
+        # Success closes it and forgets the trips.
+        self.now = b.read()["open_until"] + 1
+        p = self.breaker()
+        p.allow()
+        p.success()
+        self.assertEqual(b.read()["state"], "closed")
+        self.assertFalse(os.path.exists(self.breaker_file) and b.read()["trips"])
+
+    def test_killed_prober_does_not_wedge_it(self):
+        b = self.breaker()
+        b.failure("unreachable", "refused")
+        self.now += 121
+        self.breaker().allow()      # a prober that then dies
+        with self.assertRaises(qmem.GatewayError):
+            self.breaker().allow()
+        self.now += 51              # its lease expires
+        self.breaker().allow()
+
+    def test_failure_while_open_does_not_extend_it(self):
+        b = self.breaker()
+        b.failure("unreachable", "refused")
+        until = b.read()["open_until"]
+        self.now += 10
+        self.breaker().failure("unreachable", "refused")  # a process that passed the check earlier
+        self.assertEqual(b.read()["open_until"], until)
+        self.assertEqual(b.read()["trips"], 1)
+
+    def test_reset_and_url_change(self):
+        self.breaker().failure("unreachable", "refused")
+        self.assertEqual(self.breaker(url="https://other.example").read()["state"], "closed")
+        self.assertEqual(self.breaker(url=self.gw.url + "/").read()["state"], "open")  # same URL
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.breaker().read()["state"], "closed")
+
+    def test_config_url_resets_the_breaker(self):
+        self.breaker().failure("unreachable", "refused")
+        del os.environ["QMEM_URL"]
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"url": self.gw.url}, f)
+        self.ok("config", "url", self.gw.url)
+        self.assertEqual(self.breaker().read()["state"], "closed")
+
+    def test_corrupt_or_missing_file_is_closed_with_a_warning(self):
+        os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
+        for junk in (b"{not json", b"[]", b'{"gateways": {"%s": {"state": 5}}}' % self.gw.url.encode(),
+                     b"\x00\x00", b'{"gateways": {"x": {"open_until": "abc"}}}'):
+            with open(self.breaker_file, "wb") as f:
+                f.write(junk)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                self.breaker().allow()
+                self.assertEqual(self.breaker().read()["state"], "closed")
+        code, out, err = self.run_cli("breaker")
+        self.assertEqual(code, 0)
+        b = self.breaker()
+        b.failure("unreachable", "refused")  # rewrites a good file
+        self.assertEqual(self.breaker().read()["state"], "open")
+
+    def test_breaker_command_shows_state_url_and_last_error(self):
+        os.environ["QMEM_URL"] = self.dead
+        self.run_cli("search", "anything")
+        out = self.ok("breaker")
+        self.assertIn("open", out)
+        self.assertIn(self.dead, out)
+        self.assertIn("Connection refused", out)
+        self.assertIn("retry in", out)
+        doc = self.ok_json("breaker")
+        self.assertEqual(doc["state"], "open")
+        self.assertGreater(doc["retry_in_ms"], 100000)
+
+    def test_two_processes_share_it_and_the_open_one_opens_no_socket(self):
+        self.gw.script = [(503, None)] * 3
+        os.environ["QMEM_URL"] = self.gw.url
+        for _ in range(3):   # three ambiguous failures (each retried 0 times by config below)
+            gw = self.closing(qmem.Gateway(self.config(), retries=0))
+            self.assert_fails("ambiguous", gw, "GET", "/v1/status")
+        self.assertEqual(self.breaker_state()["state"], "open")
+        connections = self.gw.connections
+        probe = ("import sys, socket, runpy\n"
+                 "def no(*a, **k): raise AssertionError('a socket was opened')\n"
+                 "socket.socket.__init__ = no\n"
+                 "sys.argv = ['qmem.py', 'search', 'anything', '--json']\n"
+                 "try:\n    runpy.run_path(%r, run_name='__main__')\n"
+                 "except SystemExit as e:\n    code = e.code\n"
+                 "bad = [m for m in ('ssl', 'http.client') if m in sys.modules]\n"
+                 "sys.stderr.write('NET:%%s EXIT:%%s' %% (bad, code))\n" % QMEM)
+        p = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertIn("NET:[] EXIT:0", p.stderr)
+        doc = json.loads(p.stdout)
+        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("local_sqlite", True, True))
+        self.assertGreater(doc["retry_in_ms"], 0)
+        self.assertEqual(self.gw.connections, connections)
+
+
+class ConfigCommandTests(GatewayTestCase):
+
+    def setUp(self):
+        super().setUp()
+        for k in ("QMEM_URL", "QMEM_API_KEY"):
+            del os.environ[k]
+        self.cfg = os.path.join(self.home, ".config", "pi-qmem", "config.json")
+
+    def saved(self):
+        with open(self.cfg) as f:
+            return json.load(f)
+
+    def test_url_apikey_set_keep_unknown_keys_and_mode_0600(self):
+        os.makedirs(os.path.dirname(self.cfg))
+        with open(self.cfg, "w") as f:
+            json.dump({"extensionOnly": {"x": 1}}, f)
+        self.ok("config", "url", self.gw.url + "/")
+        with mock.patch("sys.stdin", io.StringIO(API_KEY + "\n")):
+            out = self.ok("config", "apikey")
+        self.assertNotIn(API_KEY, out)
+        self.ok("config", "set", "timeoutMs", "45000")
+        self.ok("config", "set", "localFallback", "false")
+        saved = self.saved()
+        self.assertEqual(saved, {"extensionOnly": {"x": 1}, "url": self.gw.url, "apiKey": API_KEY,
+                                 "timeoutMs": 45000, "localFallback": False})
+        if os.name == "posix":
+            self.assertEqual(os.stat(self.cfg).st_mode & 0o777, 0o600)
+
+    def test_show_masks_the_key_and_names_sources(self):
+        self.ok("config", "url", self.gw.url)
+        with mock.patch("sys.stdin", io.StringIO(API_KEY)):
+            self.ok("config", "apikey")
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "x.sqlite")
+        out = self.ok("config", "show")
+        self.assertNotIn(API_KEY, out)
+        self.assertIn("sk-…6789", out)
+        doc = self.ok_json("config", "show")
+        self.assertEqual(doc["sources"]["url"], "file")
+        self.assertEqual(doc["sources"]["localDbPath"], "env QMEM_SQLITE")
+        self.assertEqual(doc["sources"]["timeoutMs"], "default")
+        self.assertNotIn(API_KEY, json.dumps(doc))
+
+    def test_bad_values_are_refused_and_nothing_written(self):
+        for argv in (("url", "ftp://x"), ("url", "https://"), ("url", "not a url"),
+                     ("set", "timeoutMs", "soon"), ("set", "timeoutMs", "-5"), ("set", "nope", "1"),
+                     ("set", "localFallback", "maybe"), ("set", "caFile", "/no/such/ca.pem")):
+            self.expect_fail(2, "config", *argv)
+        self.assertFalse(os.path.exists(self.cfg))
+
+    def test_apikey_on_the_command_line_works_with_a_warning(self):
+        code, out, err = self.run_cli("config", "apikey", API_KEY)
+        self.assertEqual(code, 0)
+        self.assertIn("shell history", err)
+        self.assertNotIn(API_KEY, out + err)
+
+    def test_plain_http_to_a_remote_host_warns(self):
+        with mock.patch("sys.stdin", io.StringIO(API_KEY)):
+            self.ok("config", "apikey")
+        code, out, err = self.run_cli("config", "url", "http://gateway.example")
+        self.assertIn("unencrypted", err)
+        code, out, err = self.run_cli("config", "url", "http://127.0.0.1:8080")
+        self.assertNotIn("unencrypted", err)
+
+    def test_test_reports_version_latency_and_a_rejected_key(self):
+        os.environ.update(QMEM_URL=self.gw.url, QMEM_API_KEY=API_KEY)
+        doc = self.ok_json("config", "test")
+        self.assertEqual((doc["reachable"], doc["key_valid"], doc["version"]), (True, True, "2.12.0"))
+        self.assertIsInstance(doc["latency_ms"], int)
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        code, out, err = self.run_cli("config", "test")
+        self.assertEqual(code, 1)
+        self.assertIn("REJECTED", out)
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        code, out, err = self.run_cli("config", "test")
+        self.assertEqual(code, 1)
+        self.assertIn("NOT reachable", out)
+
+    def test_menu_on_a_terminal(self):
+        answers = iter(["1", self.gw.url, "4", "5"])
+        with mock.patch("builtins.input", lambda prompt="": next(answers)), \
+                mock.patch.object(qmem, "_interactive", return_value=True):
+            out = self.ok("config")
+        self.assertIn("1) set gateway URL", out)
+        self.assertEqual(self.saved()["url"], self.gw.url)
+
+
+class SearchGetMetaTests(GatewayTestCase):
+
+    def test_search_shows_scores_and_merges_hits_as_partial_views(self):
+        rec = self.gw.add("Il deploy usa blue/green sul nodo 3")
+        out = self.ok("search", "deploy")
+        self.assertIn("0.71 strong", out)
+        self.assertIn("0.60 strong", out)
+        self.assertIn(rec["id"], out)
+        self.assertEqual(self.find_ids("deploy"), [rec["id"]])
+        self.assertEqual(qmem.Store(self.db).get(rec["id"])["view"], qmem.VIEW_HIT)
+        doc = self.ok_json("search", "deploy", "--project", "infra", "--top-k", "3", "--min-score", "0.5")
+        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("gateway", False, False))
+        body = self.gw.requests[-1][3]
+        self.assertEqual((body["project_id"], body["top_k"], body["min_score"]), ("infra", 3, 0.5))
+
+    def test_search_falls_back_with_a_label_and_require_remote_exits_3(self):
+        rec = self.gw.add("circuit breaker half-open probe")
+        self.ok("search", "breaker")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        out = self.ok("search", "circuit breaker")
+        self.assertIn("fallback: local_sqlite (could not connect", out)
+        self.assertIn("breaker open, retry in", out)
+        self.assertIn("lexical match, not semantic", out)
+        self.assertIn(rec["id"], out)
+        self.assertNotIn("0.71", out)
+        doc = self.ok_json("search", "circuit breaker")
+        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("local_sqlite", True, True))
+        self.assertIn("breaker open", doc["reason"])
+        self.assertEqual(doc["results"][0]["id"], rec["id"])
+        self.assertNotIn("score", doc["results"][0])
+        err = self.expect_fail(3, "search", "circuit breaker", "--require-remote")
+        self.assertIn("--require-remote", err)
+
+    def test_no_fallback_when_disabled_or_on_401(self):
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        err = self.expect_fail(1, "search", "x")
+        self.assertIn("API key rejected", err)
+        os.environ["QMEM_API_KEY"] = API_KEY
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"localFallback": False}, f)
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.expect_fail(1, "search", "x")
+
+    def test_get_refreshes_the_local_copy_and_404_is_clear(self):
+        rec = self.gw.add("Le città del nord usano il nodo 7", project="geo")
+        doc = self.ok_json("get", rec["id"])
+        self.assertEqual((doc["source"], doc["record"]["text"]), ("gateway", rec["text"]))
+        self.assertEqual(qmem.Store(self.db).get(rec["id"])["view"], qmem.VIEW_FULL)
+        self.assertIn("no such memory", self.expect_fail(1, "get", "does-not-exist"))
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        out = self.ok("get", rec["id"])
+        self.assertIn("fallback: local_sqlite", out)
+        self.assertIn(rec["text"], out)
+        self.assertIn("not in the local index", self.expect_fail(1, "get", "unknown-id"))
+
+    def test_meta_from_the_gateway_or_the_local_index(self):
+        self.gw.add("one", kind="fact")
+        self.gw.add("two", kind="decision")
+        doc = self.ok_json("meta")
+        self.assertEqual((doc["source"], doc["scopes"]["project"]["fact"]), ("gateway", 1))
+        self.ok("search", "one two")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        doc = self.ok_json("meta")
+        self.assertEqual((doc["source"], doc["degraded"]), ("local_sqlite", True))
+        self.assertEqual(doc["scopes"]["project"], {"decision": 1, "fact": 1})
+        self.assertIn("fallback: local_sqlite", self.ok("meta"))
+
+    def test_the_api_key_appears_in_no_output(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        captured = []
+        for argv in (("config", "show"), ("config", "show", "--json"), ("config", "test"), ("search", "x"),
+                     ("get", "nope"), ("meta",), ("breaker",), ("status",)):
+            captured.append(self.run_cli(*argv))
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        for argv in (("search", "x"), ("search", "x", "--json"), ("breaker", "--json"), ("get", "x")):
+            captured.append(self.run_cli(*argv))
+        for code, out, err in captured:
+            self.assertNotIn(API_KEY, out + err)
+            self.assertNotIn("0123456789", out + err)
+        with open(self.breaker_file) as f:
+            self.assertNotIn(API_KEY, f.read())
+
+
 class CompatibilityTests(unittest.TestCase):
 
     @unittest.skipUnless(sys.version_info >= (3, 8), "ast feature_version needs Python 3.8+")
