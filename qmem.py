@@ -20,7 +20,7 @@ and the gateway could not be used, 130 interrupted.
 Configuration precedence: defaults < config file < environment < flags.
 
 Sections (grep -n '^# ==='): Errors, Utilities, Config, Local store,
-Import, Local search, Status, Gateway client, Command line.
+Import, Local search, Status, Gateway client, Sync, Command line.
 """
 import sys
 
@@ -573,6 +573,38 @@ class Store:
             self._index(rowid, dict(zip(("text", "project_id", "kind"), self.conn.execute(
                 "SELECT text, project_id, kind FROM records WHERE rid=?", (rowid,)).fetchone())))
         return "updated"
+
+    def adopt(self, local_id, data):
+        """A record written here got its gateway id: the local row takes it (and the
+        gateway's view of every field), and local references follow it."""
+        rec = normalize_record(data)
+        gid, conn = rec["id"], self.conn
+        if gid != local_id:
+            if conn.execute("SELECT 1 FROM records WHERE id=?", (gid,)).fetchone():
+                self.delete(local_id)  # already here (pulled meanwhile): keep one row
+            else:
+                conn.execute("UPDATE records SET id=? WHERE id=?", (gid, local_id))
+            self._remap(local_id, gid)
+        # Seen as less than complete, so that the gateway's values win the merge.
+        conn.execute("UPDATE records SET pending=0, view=? WHERE id=?", (VIEW_ARGS, gid))
+        self.upsert(rec, VIEW_FULL, iso_now())
+
+    def drop_local(self, local_id, replacement):
+        """A write that will not reach the shared memory (a duplicate, or not kept):
+        remove its record; references move to `replacement`."""
+        self.delete(local_id)
+        self._remap(local_id, replacement)
+
+    def _remap(self, old, new):
+        self.conn.execute("UPDATE records SET supersedes_id=? WHERE supersedes_id=?", (new, old))
+        self.conn.execute("UPDATE records SET superseded_by=? WHERE superseded_by=?", (new, old))
+
+    def delete(self, record_id):
+        row = self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=?",
+                                (record_id,)).fetchone()
+        if row:
+            self._unindex(row[0], dict(zip(("text", "project_id", "kind"), row[1:])))
+            self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
     def _index(self, rid, rec):
         if self.fts and not self.defer_index:
@@ -1723,6 +1755,346 @@ class Breaker:
             self._write(dict(self._CLOSED))
 
 
+# === Sync: the outbox, flush, pull, enrich ===================================
+#
+# A write goes to the outbox and the index in one transaction, then out. Flushers
+# claim rows with a lease and a fencing token (reliability.md §4.2), send them with
+# the row's local id as Idempotency-Key, and do their HTTP outside any transaction.
+
+MAX_TEXT = 32000           # characters in one memory
+LEASE_S = 120.0            # a claimed row belongs to its flusher this long
+CLAIM_BATCH = 50           # rows claimed (and finished) per transaction
+AUTO_FLUSH_S = 3.0         # seconds an online command may spend delivering the queue
+
+
+def new_local_id():
+    """A random (version 4) UUID: the record's id until the gateway gives it one, and
+    its Idempotency-Key forever."""
+    b = bytearray(os.urandom(16))
+    b[6], b[8] = b[6] & 0x0F | 0x40, b[8] & 0x3F | 0x80
+    h = b.hex()
+    return "%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:])
+
+
+def enqueue(store, op, payload):
+    """Put one write in the outbox and its record in the index, in one transaction:
+    from here on it is on disk, searchable (marked pending), and will be delivered."""
+    local_id = new_local_id()
+    now = time.time()
+    rec = normalize_record(dict(payload, id=local_id, created_at=iso_from_epoch(now),
+                                updated_at=iso_from_epoch(now)))
+    with store.transaction():
+        store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at) VALUES(?, ?, ?, ?, ?)",
+                           (local_id, op, json.dumps(payload, ensure_ascii=False, sort_keys=True),
+                            payload.get("supersedes_id"), now))
+        store.upsert(rec, VIEW_FULL, iso_from_epoch(now))
+        store.conn.execute("UPDATE records SET pending=1 WHERE id=?", (local_id,))
+        target = payload.get("supersedes_id")
+        if target:
+            store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
+                               (local_id, target))
+    return local_id
+
+
+def _pid_alive(pid):
+    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) is not a probe on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+class FlushStats:
+    def __init__(self):
+        self.synced, self.duplicate, self.failed, self.retry_later, self.held = [], [], [], [], []
+        self.stopped = None     # why the flush stopped early, or None
+        self.stop_error = None  # the GatewayError that stopped it
+
+    def as_dict(self):
+        return {"synced": len(self.synced), "duplicate": len(self.duplicate), "failed": len(self.failed),
+                "retry_later": len(self.retry_later), "held": len(self.held), "stopped": self.stopped}
+
+
+class Flusher:
+    """Delivers the outbox under the invariants of design.md: creation order, a lease
+    and a fencing token per claimed row, the same Idempotency-Key on every attempt,
+    one connection for the whole flush."""
+
+    def __init__(self, store, gateway, clock=time.time, lease_s=LEASE_S, batch=CLAIM_BATCH):
+        self.store, self.gateway, self.clock = store, gateway, clock
+        self.lease_s, self.batch = lease_s, batch
+        self.host = machine_identity().split(" (")[0]
+        self.delivered = {}  # local id -> gateway id, for rows of this run
+
+    def _token(self):
+        return "%s:%d:%s" % (self.host, os.getpid(), os.urandom(6).hex())
+
+    def _reclaim_dead(self, now):
+        """Rows claimed by a process of this machine that no longer exists are free at once:
+        a killed flusher must not hold them for the rest of its lease."""
+        for (token,) in self.store.conn.execute(
+                "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?", (now,)).fetchall():
+            parts = (token or "").rsplit(":", 2)
+            if len(parts) == 3 and parts[0] == self.host and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+                self.store.conn.execute("UPDATE outbox SET lease_until=0 WHERE claim_token=? AND state='sending'",
+                                        (token,))
+
+    def claim(self, only=None):
+        """Take up to `batch` ready rows (committed before any HTTP): pending ones whose
+        time has come, and sending ones whose lease ran out (or lies impossibly far
+        ahead: a clock that went back)."""
+        now, token = self.clock(), self._token()
+        where = ("((state='pending' AND next_attempt_at<=:now) OR (state='sending' AND "
+                 "(lease_until<:now OR lease_until>:now + 2 * :lease)))")
+        if only is not None:
+            where += " AND id=:only"
+        params = {"t": token, "now": now, "lease": self.lease_s, "n": self.batch, "only": only}
+        with self.store.transaction():
+            self._reclaim_dead(now)
+            self.store.conn.execute(
+                "UPDATE outbox SET state='sending', claim_token=:t, lease_until=:now + :lease, "
+                "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, :now) WHERE rid IN ("
+                "SELECT rid FROM outbox WHERE %s ORDER BY rid LIMIT :n)" % where, params)
+            rows = self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE claim_token=? "
+                                           "ORDER BY rid", (token,)).fetchall()
+        return token, rows
+
+    def run(self, only=None, budget_s=None, progress=None):
+        """Flush ready rows (or just the row `only`) until none is left, the gateway goes
+        away, or budget_s seconds have passed. Returns FlushStats."""
+        stats, started = FlushStats(), time.monotonic()
+        while stats.stopped is None:
+            if budget_s is not None and time.monotonic() - started > budget_s:
+                stats.stopped = "time budget of %g s used up" % budget_s
+                break
+            token, rows = self.claim(only)
+            if not rows:
+                break
+            done = []
+            for n, row in enumerate(rows):
+                if stats.stopped is None:
+                    done.append(self._send(row, stats))
+                    if progress:
+                        progress.update("%d sent" % (len(stats.synced) + len(stats.duplicate)))
+                if stats.stopped is not None:
+                    done.extend(("release", r, None) for r in rows[n + 1:])
+                    break
+            self._finish(token, done)
+            if only is not None:
+                break
+        if stats.synced or stats.duplicate or stats.failed:
+            with self.store.transaction():
+                self.store.set_meta("last_flush_at", iso_now())
+        return stats
+
+    def _resolve_target(self, target):
+        """A correction's supersedes_id, as the gateway knows it: ('ok', id) or
+        ('hold', why) or ('fail', why)."""
+        if not target:
+            return "ok", None
+        if target in self.delivered:  # sent in this run, not committed yet
+            return "ok", self.delivered[target]
+        row = self.store.conn.execute("SELECT state, gateway_id, duplicate_of FROM outbox WHERE id=?",
+                                      (target,)).fetchone()
+        if row is None:
+            return "ok", target  # a gateway id
+        state, gateway_id, duplicate_of = row
+        if state == "synced":
+            return "ok", gateway_id
+        if state == "duplicate":
+            return "ok", duplicate_of
+        if state == "failed":
+            return "fail", "the record it corrects (%s) failed to sync" % target
+        return "hold", "waits for the record it corrects (%s) to be delivered" % target
+
+    def _send(self, row, stats):
+        rid, local_id, op, payload, target = row
+        body = json.loads(payload)
+        verdict, value = self._resolve_target(target)
+        if verdict == "hold":
+            stats.held.append(local_id)
+            return ("retry", row, {"error": value, "delay": 2})
+        if verdict == "fail":
+            stats.failed.append(local_id)
+            return ("failed", row, {"error": value, "status": None})
+        if target:
+            body["supersedes_id"] = value
+        try:
+            resp = self.gateway.call("POST", "/v1/memories", body, idempotency_key=local_id)
+        except GatewayError as e:
+            if e.kind == "ambiguous":
+                stats.retry_later.append(local_id)
+                delay = e.retry_in_ms / 1000.0 if e.retry_in_ms else min(3600, 30 * 2 ** min(10, self._attempts(rid)))
+                return ("retry", row, {"error": str(e), "status": e.status, "delay": delay})
+            stats.stopped = str(e)
+            stats.stop_error = e
+            return ("release", row, {"error": str(e)})
+        data = resp.data if isinstance(resp.data, dict) else {}
+        if resp.status in (200, 201) and isinstance(data.get("id"), str):
+            stats.synced.append(local_id)
+            self.delivered[local_id] = data["id"]
+            return ("synced", row, {"record": data, "status": resp.status})
+        if resp.status == 409 and data.get("detail") == "duplicate":
+            stats.duplicate.append(local_id)
+            self.delivered[local_id] = data.get("duplicate_of")
+            return ("duplicate", row, {"duplicate_of": data.get("duplicate_of"), "status": 409,
+                                       "error": "near-identical memory exists (similarity %s)" % data.get("similarity")})
+        if resp.status == 409 or 200 <= resp.status < 300:  # the same key still in flight / odd 2xx
+            stats.retry_later.append(local_id)
+            return ("retry", row, {"error": "gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
+                                   "status": resp.status, "delay": 5})
+        stats.failed.append(local_id)
+        return ("failed", row, {"error": resp.detail(), "status": resp.status})
+
+    def _attempts(self, rid):
+        return self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?", (rid,)).fetchone()[0]
+
+    def _finish(self, token, done):
+        """Record the outcomes of one claimed batch, fenced by its token: a flusher
+        whose lease was taken over changes nothing."""
+        now = self.clock()
+        conn = self.store.conn
+        fence = " WHERE rid=? AND claim_token=? AND state='sending'"
+        with self.store.transaction():
+            for outcome, row, info in done:
+                rid, local_id = row[0], row[1]
+                if outcome == "release":
+                    conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
+                                 "attempts=attempts-1, last_error=coalesce(?, last_error)" + fence,
+                                 ((info or {}).get("error"), rid, token))
+                elif outcome == "retry":
+                    conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
+                                 "next_attempt_at=?, last_status=?, last_error=?" + fence,
+                                 (now + info["delay"], info.get("status"), info["error"], rid, token))
+                elif outcome == "synced":
+                    rec = info["record"]
+                    if conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, lease_until=NULL, done_at=?, "
+                                    "gateway_id=?, last_status=?, last_error=NULL" + fence,
+                                    (now, rec["id"], info["status"], rid, token)).rowcount:
+                        self.store.adopt(local_id, rec)
+                elif outcome == "duplicate":
+                    if conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, lease_until=NULL, "
+                                    "done_at=?, duplicate_of=?, last_status=409, last_error=?" + fence,
+                                    (now, info["duplicate_of"], info["error"], rid, token)).rowcount:
+                        self.store.drop_local(local_id, info["duplicate_of"])
+                else:
+                    conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, done_at=?, "
+                                 "last_status=?, last_error=?" + fence,
+                                 (now, info.get("status"), info["error"], rid, token))
+
+
+def _outbox_ready(store):
+    return store.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND next_attempt_at<=? "
+                              "OR state='sending' AND lease_until<?", (time.time(), time.time())).fetchone()[0]
+
+
+class PullStats:
+    def __init__(self):
+        self.pages = self.new = self.updated = self.deleted = self.same = 0
+
+    def as_dict(self):
+        return {"pages": self.pages, "new": self.new, "updated": self.updated, "deleted": self.deleted,
+                "unchanged": self.same}
+
+
+def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
+    """Incremental sync from GET /v1/memories:export. Each page's rows and the cursor
+    that follows them commit together, so an interrupted pull resumes with no gap and
+    no repeat. Returns PullStats; raises GatewayError when the gateway goes away."""
+    from urllib.parse import urlencode
+    stats = PullStats() if stats is None else stats
+    if full:
+        with store.transaction():
+            store.conn.execute("DELETE FROM meta WHERE key IN ('pull_cursor', 'pull_since')")
+    while True:
+        cursor, since = store.meta("pull_cursor"), store.meta("pull_since")
+        query = {"limit": page_size}
+        if cursor:
+            query["cursor"] = cursor
+        elif since:
+            query["updated_since"] = since
+        resp = gateway.call("GET", "/v1/memories:export?" + urlencode(query))
+        if resp.status == 404:
+            raise QmemError("this gateway has no export endpoint (it is older than 2.12.0): "
+                            "refresh known records one by one with `qmem.py enrich --all`")
+        if resp.status != 200:
+            raise QmemError("the gateway refused the export: %s" % resp.detail())
+        items, next_cursor = resp.data.get("items"), resp.data.get("next_cursor")
+        if not isinstance(items, list) or not (next_cursor is None or isinstance(next_cursor, str)):
+            raise GatewayError("ambiguous", "the gateway's export answer has an unexpected shape")
+        newest = since
+        with store.transaction():
+            for item in items:
+                rec = normalize_record(item)
+                if rec is None:
+                    continue
+                was = store.conn.execute("SELECT deleted_at FROM records WHERE id=?", (rec["id"],)).fetchone()
+                outcome = store.upsert(rec, VIEW_FULL, iso_now())
+                if outcome == "new":
+                    stats.new += 1
+                elif outcome == "updated":
+                    stats.updated += 1
+                else:
+                    stats.same += 1
+                if rec["deleted_at"] and (was is None or was[0] is None):
+                    stats.deleted += 1
+                if rec["updated_at"] and (newest is None or rec["updated_at"] > newest):
+                    newest = rec["updated_at"]
+            store.link_supersessions()
+            if next_cursor:
+                store.set_meta("pull_cursor", next_cursor)
+            else:
+                store.conn.execute("DELETE FROM meta WHERE key='pull_cursor'")
+            if newest:
+                store.set_meta("pull_since", newest)
+            if not next_cursor:
+                store.set_meta("last_pull_at", iso_now())
+        stats.pages += 1
+        if progress:
+            progress.update("%d pages, %d new, %d updated" % (stats.pages, stats.new, stats.updated))
+        if not next_cursor or not items:
+            return stats
+
+
+def enrich(store, gateway, ids, progress=None):
+    """Fetch the full record for each id and merge it. Returns (fetched, unknown, stopped):
+    stops cleanly when the gateway goes away (what was fetched is kept)."""
+    from urllib.parse import quote
+    fetched, unknown, stopped = 0, [], None
+    batch = []
+
+    def commit():
+        with store.transaction():
+            for data in batch:
+                store.upsert(normalize_record(data), VIEW_FULL, iso_now())
+            store.link_supersessions()
+        del batch[:]
+    for n, rid in enumerate(ids):
+        try:
+            resp = gateway.call("GET", "/v1/memories/" + quote(rid, safe=""))
+        except GatewayError as e:
+            if e.kind in ("auth", "tls", "protocol", "not_configured"):
+                commit()
+                raise
+            stopped = str(e)
+            break
+        if resp.status == 200 and normalize_record(resp.data) is not None:
+            batch.append(resp.data)
+            fetched += 1
+        elif resp.status == 404:
+            unknown.append(rid)
+        if len(batch) >= 200:
+            commit()
+        if progress:
+            progress.update("%d of %d" % (n + 1, len(ids)))
+    commit()
+    return fetched, unknown, stopped
+
+
 # === Command line ============================================================
 
 class Context:
@@ -1744,7 +2116,24 @@ class Context:
         return self._gateway
 
     def after_online(self):
-        """The gateway just answered: deliver what is queued, briefly (see flush)."""
+        """The gateway just answered: deliver what is queued, within a few seconds, so
+        that the command's own answer is never held up for long."""
+        if self._gateway is None or not os.path.exists(self.config.db_path):
+            return
+        try:
+            store = self.store()
+            if not _outbox_ready(store):
+                return
+            stats = Flusher(store, self._gateway).run(budget_s=AUTO_FLUSH_S)
+        except QmemError as e:
+            warn("queued writes not delivered: %s" % e)
+            return
+        if stats.synced or stats.duplicate or stats.failed:
+            left = store.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')"
+                                      ).fetchone()[0]
+            warn("delivered %d queued write%s (%d duplicates, %d failed; %d still queued)" % (
+                len(stats.synced), "" if len(stats.synced) == 1 else "s", len(stats.duplicate),
+                len(stats.failed), left))
 
     def close(self):
         if self._gateway is not None:
@@ -2317,6 +2706,265 @@ def config_menu(ctx):
         ctx.config = load_config(overrides={"localDbPath": ctx.args.db})
 
 
+def _read_text(a):
+    """The memory's text from the argument, --text-file, or stdin ('-')."""
+    sources = [s for s in (a.text is not None and a.text != "-", a.text_file is not None, a.text == "-") if s]
+    if len(sources) > 1:
+        raise UsageError("give the text once: as an argument, with --text-file, or on stdin with -")
+    try:
+        if a.text_file is not None:
+            with open(a.text_file, encoding="utf-8") as f:
+                text = f.read()
+        elif a.text == "-":
+            text = sys.stdin.read()
+        else:
+            text = a.text or ""
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError("cannot read the text from %s: %s" % (a.text_file, getattr(e, "strerror", None) or e))
+    text = text.strip()
+    if not text:
+        raise UsageError("the memory's text is empty")
+    if len(text) > MAX_TEXT:
+        raise UsageError("the text is %d characters; a memory holds at most %d (store a summary)"
+                         % (len(text), MAX_TEXT))
+    return text
+
+
+def _write_payload(a, text, project, kind, supersedes=None):
+    if not project or not project.strip():
+        raise UsageError("--project is required (the project this memory belongs to)")
+    payload = {"text": text, "kind": kind, "project_id": project.strip(),
+               "agent_id": a.agent or "qmem.py", "source": a.source or machine_identity(),
+               "private": bool(a.private)}
+    if a.scope:
+        payload["scope"] = a.scope
+    if a.expires:
+        when = parse_iso(a.expires)
+        if when is None:
+            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % a.expires)
+        if when <= time.time():
+            raise UsageError("--expires %s is already past" % a.expires)
+        payload["expires_at"] = iso_from_epoch(when)
+    if supersedes:
+        payload["supersedes_id"] = supersedes
+        if a.reason:
+            payload["supersede_reason"] = a.reason.strip()
+    elif a.reason:
+        raise UsageError("--reason goes with --supersedes ID (or use `qmem.py correct ID`)")
+    return payload
+
+
+def cmd_store(ctx):
+    """Store a memory in the shared memory; queued in the outbox when the gateway is away."""
+    a = ctx.args
+    payload = _write_payload(a, _read_text(a), a.project, a.kind or "fact", a.supersedes)
+    return _write(ctx, "store", payload)
+
+
+def cmd_correct(ctx):
+    """Store a correction: a new memory that supersedes ID (marked superseded here at once)."""
+    a = ctx.args
+    text = _read_text(a)
+    target = ctx.args.id.strip()
+    if not target:
+        raise UsageError("correct needs the id of the memory it corrects")
+    old = ctx.store().get(target)
+    if old is None:  # a local id whose record has since adopted its gateway id
+        row = ctx.store().conn.execute("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
+                                       (target,)).fetchone()
+        old = ctx.store().get(row[0]) if row and row[0] else None
+    project = a.project or (old or {}).get("project_id")
+    if not project:
+        raise UsageError("%s is not in the local index: say which project with --project" % target)
+    payload = _write_payload(a, text, project, a.kind or (old or {}).get("kind") or "fact", target)
+    return _write(ctx, "correct", payload)
+
+
+def _write(ctx, op, payload):
+    store = ctx.store()
+    local_id = enqueue(store, op, payload)
+    stats, error = None, None
+    if not ctx.args.queue_only:
+        try:
+            stats = Flusher(store, ctx.gateway()).run(only=local_id)
+            error = stats.stop_error
+        except GatewayError as e:  # not configured
+            error = e
+    row = store.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status FROM outbox "
+                             "WHERE id=?", (local_id,)).fetchone()
+    state, gateway_id, duplicate_of, last_error, last_status = row
+    doc = {"source": "gateway" if state in ("synced", "duplicate", "failed") else "outbox",
+           "local_id": local_id, "state": state, "id": gateway_id or local_id, "duplicate_of": duplicate_of,
+           "error": last_error}
+    if error is not None and error.kind == "auth":
+        # The gateway is up and refused the key: still queued, but this is an error.
+        doc.update(degraded=True, reason=str(error))
+        _report_write(ctx, doc, op)
+        raise error
+    if state == "pending" and not ctx.args.queue_only and not ctx.config["offlineQueue"]:
+        with store.transaction():
+            store.conn.execute("DELETE FROM outbox WHERE id=? AND state='pending'", (local_id,))
+            store.drop_local(local_id, None)
+        raise QmemError("not stored (offlineQueue is off, nothing kept): %s" % (error or last_error))
+    doc["degraded"] = state == "pending"
+    doc["reason"] = None if state != "pending" else (
+        "queued on request (--queue-only)" if ctx.args.queue_only else str(error or last_error or "retry later"))
+    _report_write(ctx, doc, op)
+    if state == "synced":
+        ctx.after_online()
+        return EXIT_OK
+    if state == "duplicate":
+        return EXIT_OK
+    if state == "failed":
+        return EXIT_FAIL
+    return EXIT_REMOTE if getattr(ctx.args, "require_remote", False) else EXIT_OK
+
+
+def _report_write(ctx, doc, op):
+    if ctx.json:
+        emit_json(doc)
+        return
+    state = doc["state"]
+    if state == "synced":
+        print("%s: %s (in shared memory)" % ("stored" if op == "store" else "correction stored", doc["id"]))
+    elif state == "duplicate":
+        print("not stored: a near-identical memory already exists: %s\n"
+              "  to change what it says: qmem.py correct %s \"…\"" % (doc["duplicate_of"], doc["duplicate_of"]))
+    elif state == "failed":
+        print("not stored: the gateway refused it: %s\n  kept in the outbox as failed (%s); fix and "
+              "`qmem.py flush --retry-failed`, or leave it" % (doc["error"], doc["local_id"]))
+    else:
+        print("queued: not yet in shared memory; other agents will see it after `flush`\n"
+              "  local id %s (%s)" % (doc["local_id"], doc["reason"]))
+
+
+OUTBOX_STATES = ("pending", "sending", "synced", "duplicate", "failed")
+
+
+def cmd_queue(ctx):
+    """The outbox: writes made here, and whether they reached the shared memory."""
+    a = ctx.args
+    if not os.path.exists(ctx.config.db_path):
+        rows, counts = [], dict.fromkeys(OUTBOX_STATES, 0)
+    else:
+        store = ctx.store()
+        counts = dict.fromkeys(OUTBOX_STATES, 0)
+        counts.update(store.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall())
+        sql = ("SELECT id, op, state, attempts, created_at, last_error, gateway_id, duplicate_of, payload, "
+               "next_attempt_at FROM outbox %s ORDER BY rid" % ("WHERE state=?" if a.state else ""))
+        rows = store.conn.execute(sql, (a.state,) if a.state else ()).fetchall()
+    now = time.time()
+    items = []
+    for rid, op, state, attempts, created, error, gateway_id, dup, payload, next_at in rows:
+        body = json.loads(payload)
+        items.append({"local_id": rid, "op": op, "state": state, "attempts": attempts,
+                      "created_at": iso_from_epoch(created), "age_s": int(now - created), "last_error": error,
+                      "gateway_id": gateway_id, "duplicate_of": dup, "project_id": body.get("project_id"),
+                      "text": body.get("text"),
+                      "next_attempt_at": iso_from_epoch(next_at) if state == "pending" and next_at > now else None})
+    if ctx.json:
+        emit_json({"source": "outbox", "counts": counts, "items": items})
+        return EXIT_OK
+    print("outbox: " + ", ".join("%s %d" % kv for kv in counts.items()))
+    for it in items:
+        where = it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"]) or "-"
+        print("%s  %-9s %s tries, %s old  %s  %s" % (
+            it["local_id"], it["state"], it["attempts"], _age(it["age_s"]), where,
+            " ".join(it["text"].split())[:60]))
+        if it["last_error"] and it["state"] in ("pending", "failed", "duplicate"):
+            print("    last error: %s" % it["last_error"])
+    if counts["duplicate"]:
+        print("duplicates were not stored: a near-identical memory exists; `qmem.py correct ID` changes it")
+    return EXIT_OK
+
+
+def _age(seconds):
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return "%d%s" % (seconds // size, unit)
+    return "%ds" % seconds
+
+
+def cmd_flush(ctx):
+    """Deliver queued writes to the gateway, oldest first, each exactly once."""
+    store = ctx.store()
+    if ctx.args.retry_failed:
+        with store.transaction():
+            store.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
+    progress = Progress("flush")
+    try:
+        stats = Flusher(store, ctx.gateway()).run(progress=progress)
+    finally:
+        progress.done()
+    waiting = store.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
+    doc = dict(stats.as_dict(), source="gateway", pending=waiting)
+    if ctx.json:
+        emit_json(doc)
+    else:
+        print("flush: %d delivered, %d duplicates (not stored), %d failed, %d to retry later; %d still queued%s" % (
+            len(stats.synced), len(stats.duplicate), len(stats.failed), len(stats.retry_later) + len(stats.held),
+            waiting, " (stopped: %s)" % stats.stopped if stats.stopped else ""))
+        for local_id in stats.failed:
+            print("  failed %s: %s" % (local_id, store.conn.execute(
+                "SELECT last_error FROM outbox WHERE id=?", (local_id,)).fetchone()[0]))
+    if stats.stop_error is not None and stats.stop_error.kind not in ("unreachable", "breaker_open"):
+        raise stats.stop_error
+    if stats.stop_error is not None:
+        return EXIT_FAIL if not (stats.synced or stats.duplicate) else EXIT_OK
+    return EXIT_FAIL if stats.failed else EXIT_OK
+
+
+def cmd_enrich(ctx):
+    """Fetch full records from the gateway for those known here only partially."""
+    a = ctx.args
+    store = ctx.store()
+    if a.ids:
+        ids = a.ids
+    elif a.all:
+        ids = [i for (i,) in store.conn.execute("SELECT id FROM records WHERE pending=0 ORDER BY rid")]
+    else:
+        ids = [i for (i,) in store.conn.execute("SELECT id FROM records WHERE pending=0 AND view<? ORDER BY rid",
+                                                (VIEW_FULL,))]
+    progress = Progress("enrich")
+    try:
+        fetched, unknown, stopped = enrich(store, ctx.gateway(), ids, progress)
+    finally:
+        progress.done()
+    doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown, "stopped": stopped}
+    if ctx.json:
+        emit_json(doc)
+    else:
+        print("enrich: %d of %d records fetched in full; %d unknown to the gateway%s" % (
+            fetched, len(ids), len(unknown), "; stopped early: %s (what was fetched is kept)" % stopped
+            if stopped else ""))
+    if stopped:
+        return EXIT_FAIL
+    ctx.after_online()
+    return EXIT_OK
+
+
+def cmd_pull(ctx):
+    """Copy the shared memory into the local index, incrementally (GET /v1/memories:export)."""
+    store, stats = ctx.store(), PullStats()
+    progress = Progress("pull")
+    try:
+        pull(store, ctx.gateway(), full=ctx.args.full, progress=progress, stats=stats)
+    except GatewayError as e:
+        if e.kind in ("auth", "not_configured", "tls", "protocol") or not stats.pages:
+            raise
+        raise QmemError("pull stopped after %d pages, which are kept (`qmem.py pull` resumes there): %s"
+                        % (stats.pages, e))
+    finally:
+        progress.done()
+    if ctx.json:
+        emit_json(dict(stats.as_dict(), source="gateway"))
+    else:
+        print("pull: %d pages; %d new, %d updated, %d newly deleted, %d unchanged" % (
+            stats.pages, stats.new, stats.updated, stats.deleted, stats.same))
+    ctx.after_online()
+    return EXIT_OK
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with qmem's error format: one line, 'qmem: ' prefix, exit 2."""
 
@@ -2371,6 +3019,32 @@ def build_parser():
 
     add_remote(command("meta", cmd_meta))
 
+    sp = command("store", cmd_store)
+    sp.add_argument("text", nargs="?", help="the memory (or - to read it from stdin)")
+    sp.add_argument("--project", help="the project it belongs to (required)")
+    sp.add_argument("--supersedes", metavar="ID", help="the memory this one corrects")
+    add_write_options(sp)
+
+    sp = command("correct", cmd_correct)
+    sp.add_argument("id", help="the memory this one corrects")
+    sp.add_argument("text", nargs="?", help="the corrected memory (or - to read it from stdin)")
+    sp.add_argument("--project", help="default: the corrected memory's project")
+    add_write_options(sp)
+
+    sp = command("queue", cmd_queue)
+    sp.add_argument("--state", choices=("pending", "sending", "synced", "duplicate", "failed"),
+                    help="only rows in this state")
+
+    sp = command("flush", cmd_flush)
+    sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
+
+    sp = command("enrich", cmd_enrich)
+    sp.add_argument("ids", nargs="*", metavar="ID", help="these records (default: those known partially)")
+    sp.add_argument("--all", action="store_true", help="every record of the local index")
+
+    sp = command("pull", cmd_pull)
+    sp.add_argument("--full", action="store_true", help="start over from the beginning")
+
     sp = command("breaker", cmd_breaker)
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
 
@@ -2379,6 +3053,18 @@ def build_parser():
     sp.add_argument("action", nargs="?", choices=("show", "url", "apikey", "set", "test"))
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
     return p
+
+
+def add_write_options(sp):
+    sp.add_argument("--text-file", metavar="FILE", help="read the text from this file")
+    sp.add_argument("--kind", choices=KINDS, help="fact | decision | preference | episode (default fact)")
+    sp.add_argument("--scope", help="e.g. project, global, agent")
+    sp.add_argument("--agent", help="agent_id (default qmem.py)")
+    sp.add_argument("--source", help="provenance (default: this machine)")
+    sp.add_argument("--expires", metavar="DATE", help="hidden from search after this date")
+    sp.add_argument("--private", action="store_true", help="hidden from search unless asked for")
+    sp.add_argument("--reason", help="why the old memory is corrected")
+    sp.add_argument("--queue-only", action="store_true", help="only queue it; `flush` sends it")
 
 
 def add_remote(sp):

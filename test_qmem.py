@@ -686,6 +686,7 @@ class FakeGateway:
         import socket
         import threading
         self.key, self.lock = key, threading.Lock()
+        self.arrived = threading.Condition(self.lock)
         self.records, self.order, self.keys = {}, [], {}
         self.requests, self.script, self.connections = [], [], 0
         self.duplicate_texts = {}     # text -> id answered 409 duplicate
@@ -735,6 +736,7 @@ class FakeGateway:
                 with self.lock:
                     self.requests.append((method, target, headers, data))
                     action = self.script.pop(0) if self.script else None
+                    self.arrived.notify_all()
                 if not self._act(conn, action, method, target, headers, data):
                     return
         except (OSError, ValueError):
@@ -778,6 +780,12 @@ class FakeGateway:
             size = len(body) + (200 if action == "wrong_length" else 0)
             cut = body[:20] if action == "cut_body" else body
             conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + cut)
+            return False
+        if action == "cut_real":            # the real answer, cut in the middle
+            status, obj, _ = self.app(method, target, headers, data)
+            payload = json.dumps(obj).encode()
+            conn.sendall(b"HTTP/1.1 %d X\r\nContent-Length: %d\r\n\r\n" % (status, len(payload))
+                         + payload[:len(payload) // 2])
             return False
         if action == "html":
             self._send(conn, 200, None, raw=b"<html><body>Proxy login</body></html>", ctype="text/html")
@@ -857,6 +865,8 @@ class FakeGateway:
             if self.export_404:
                 return 404, {"detail": "Not Found"}, None
             rows = sorted(self.records.values(), key=lambda r: (r["updated_at"], r["id"]))
+            if query.get("updated_since"):
+                rows = [r for r in rows if r["updated_at"] >= query["updated_since"]]
             start = int(query.get("cursor") or 0)
             limit = int(query.get("limit") or 500)
             page = rows[start:start + limit]
@@ -1375,6 +1385,377 @@ class SearchGetMetaTests(GatewayTestCase):
             self.assertNotIn("0123456789", out + err)
         with open(self.breaker_file) as f:
             self.assertNotIn(API_KEY, f.read())
+
+
+class WriteTests(GatewayTestCase):
+    """store, correct, queue, flush: every outcome, against the fake gateway."""
+
+    def outbox(self):
+        return {r["local_id"]: r for r in self.ok_json("queue")["items"]}
+
+    def go_offline(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+
+    def go_online(self):
+        os.environ["QMEM_URL"] = self.gw.url
+
+    def test_store_online_adopts_the_gateway_id(self):
+        doc = self.ok_json("store", "Il nodo 3 ospita il deploy", "--project", "infra", "--kind", "decision",
+                           "--scope", "project", "--expires", "2099-01-01")
+        self.assertEqual((doc["source"], doc["state"], doc["degraded"]), ("gateway", "synced", False))
+        self.assertIn(doc["id"], self.gw.records)
+        sent = self.gw.posts()[0]
+        self.assertEqual(sent[2]["idempotency-key"], doc["local_id"])
+        self.assertEqual(sent[3]["kind"], "decision")
+        self.assertEqual(sent[3]["expires_at"], "2099-01-01T00:00:00.000Z")
+        self.assertIn("(", sent[3]["source"])  # this machine: "host (OS)"
+        found = self.ok_json("find", "nodo")["results"]
+        self.assertEqual([(r["id"], r["pending"]) for r in found], [(doc["id"], False)])
+        out = self.ok("store", "altro", "--project", "p")
+        self.assertRegex(out, r"^stored: [0-9a-f-]{36} \(in shared memory\)")
+        self.assertNotIn("queued", out)
+
+    def test_text_from_a_file_or_stdin(self):
+        path = os.path.join(self.home, "note.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("Perché la città usa il nodo 7\n")
+        self.ok("store", "--text-file", path, "--project", "geo")
+        with mock.patch("sys.stdin", io.StringIO("dallo stdin")):
+            self.ok("store", "-", "--project", "geo")
+        self.assertEqual(sorted(r["text"] for r in self.gw.records.values()),
+                         ["Perché la città usa il nodo 7", "dallo stdin"])
+
+    def test_bad_input_is_refused_and_nothing_is_queued(self):
+        for argv in (("store", "", "--project", "p"), ("store", "x"), ("store", "x", "--project", " "),
+                     ("store", "x", "--project", "p", "--kind", "rumour"),
+                     ("store", "x", "--project", "p", "--expires", "next week"),
+                     ("store", "x", "--project", "p", "--expires", "2001-01-01"),
+                     ("store", "x" * 40000, "--project", "p"),
+                     ("store", "x", "--project", "p", "--text-file", "/no/such/file"),
+                     ("store", "x", "--project", "p", "--reason", "no target"),
+                     ("correct", "unknown-id", "x")):
+            self.expect_fail(2, *argv)
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.gw.posts(), [])
+
+    def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
+        self.go_offline()
+        out = self.ok("store", "La coda locale è cercabile subito", "--project", "infra")
+        self.assertIn("queued: not yet in shared memory; other agents will see it after `flush`", out)
+        found = self.ok_json("find", "coda locale")["results"]
+        self.assertEqual(len(found), 1)
+        self.assertTrue(found[0]["pending"])
+        self.assertIn("[PENDING]", self.ok("find", "cercabile"))
+        local_id = found[0]["id"]
+        self.assertEqual(self.outbox()[local_id]["state"], "pending")
+        self.ok("breaker", "--reset")
+        self.go_online()
+        self.assertIn("1 delivered", self.ok("flush"))
+        item = self.outbox()[local_id]
+        self.assertEqual(item["state"], "synced")
+        self.assertEqual(self.find_ids("coda"), [item["gateway_id"]])
+        self.assertEqual(len(self.gw.records), 1)
+        self.assertIsNotNone(self.ok_json("status")["lag"]["last_flush_at"])
+
+    def test_queue_only_and_automatic_flush_after_an_online_command(self):
+        self.ok("store", "prima", "--project", "p", "--queue-only")
+        self.ok("store", "seconda", "--project", "p", "--queue-only")
+        self.assertEqual(self.gw.posts(), [])
+        code, out, err = self.run_cli("search", "qualcosa")
+        self.assertEqual(code, 0)
+        self.assertIn("delivered 2 queued writes", err)
+        self.assertEqual(sorted(r["text"] for r in self.gw.records.values()), ["prima", "seconda"])
+
+    def test_offline_queue_off_fails_and_leaves_nothing(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"offlineQueue": False}, f)
+        self.go_offline()
+        self.assertIn("nothing kept", self.expect_fail(1, "store", "non resta nulla", "--project", "p"))
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.find_ids("resta"), [])
+
+    def test_duplicate_keeps_duplicate_of_and_suggests_correct(self):
+        original = self.gw.add("the same thing")
+        self.gw.duplicate_texts["the same thing again"] = original["id"]
+        out = self.ok("store", "the same thing again", "--project", "p")
+        self.assertIn("near-identical memory already exists: %s" % original["id"], out)
+        self.assertIn("qmem.py correct %s" % original["id"], out)
+        item = list(self.outbox().values())[0]
+        self.assertEqual((item["state"], item["duplicate_of"]), ("duplicate", original["id"]))
+        self.assertIn("duplicate of " + original["id"], self.ok("queue"))
+        self.assertEqual(len(self.gw.records), 1)
+
+    def test_422_and_404_fail_with_the_reason_and_retry_failed(self):
+        self.ok("store", "x", "--project", "p", "--queue-only")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        store.conn.execute("UPDATE outbox SET payload=json_remove(payload, '$.kind')")
+        code, out, err = self.run_cli("flush")
+        self.assertEqual(code, 1)
+        self.assertIn("kind: field required", out)
+        self.assertEqual(list(self.outbox().values())[0]["state"], "failed")
+        store.conn.execute("UPDATE outbox SET payload=json_set(payload, '$.kind', 'fact')")
+        self.assertIn("1 delivered", self.ok("flush", "--retry-failed"))
+        code, out, err = self.run_cli("store", "fix", "--project", "p", "--supersedes", "no-such-id")
+        self.assertEqual(code, 1)
+        self.assertIn("supersedes_id no-such-id not found", out)
+
+    def test_correct_marks_the_old_record_superseded_at_once(self):
+        old = self.gw.add("Il deploy usa il nodo 3")
+        self.ok("search", "deploy")
+        self.go_offline()
+        out = self.ok("correct", old["id"], "Il deploy usa il nodo 4", "--reason", "migrato")
+        self.assertIn("queued", out)
+        self.assertNotIn(old["id"], self.find_ids("deploy"))
+        self.assertIn(old["id"], self.find_ids("deploy", "--include-superseded"))
+        self.ok("breaker", "--reset")
+        self.go_online()
+        self.ok("flush")
+        new_id = self.outbox()[list(self.outbox())[0]]["gateway_id"]
+        self.assertEqual(self.gw.records[new_id]["supersedes_id"], old["id"])
+        self.assertEqual(self.gw.records[new_id]["supersede_reason"], "migrato")
+        self.assertEqual(self.gw.records[new_id]["project_id"], "infra")  # inherited
+        self.assertEqual(qmem.Store(self.db).get(old["id"])["superseded_by"], new_id)
+
+    def test_correction_of_a_queued_record_lands_on_its_gateway_id(self):
+        first = self.ok_json("store", "primo testo", "--project", "p", "--queue-only")["local_id"]
+        second = self.ok_json("correct", first, "testo corretto", "--queue-only")["local_id"]
+        self.assertEqual(self.find_ids("testo"), [second])
+        self.ok("flush")
+        box = self.outbox()
+        a, b = box[first]["gateway_id"], box[second]["gateway_id"]
+        self.assertEqual(self.gw.records[b]["supersedes_id"], a)
+        self.assertEqual(self.gw.records[a]["superseded_by"], b)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertEqual(store.get(a)["superseded_by"], b)
+        self.assertEqual(store.get(b)["supersedes_id"], a)
+        self.assertEqual(self.find_ids("testo"), [b])
+        # A correction by the old local id, after both synced, still finds the gateway id.
+        self.ok("correct", first, "terzo", "--reason", "again")
+        self.assertEqual(self.gw.posts()[-1][3]["supersedes_id"], a)
+
+    def test_reply_lost_after_the_gateway_stored_ends_as_one_synced_record(self):
+        self.gw.script = ["drop_after_store"]
+        doc = self.ok_json("store", "risposta persa", "--project", "p")
+        self.assertEqual(doc["state"], "pending")
+        self.assertEqual(len(self.gw.records), 1)  # it did store it
+        self.ok("breaker", "--reset")
+        self.ok("flush")
+        self.assertEqual(len(self.gw.records), 1)
+        item = self.outbox()[doc["local_id"]]
+        self.assertEqual(item["state"], "synced")
+        self.assertEqual(item["gateway_id"], list(self.gw.records)[0])
+        keys = [r[2]["idempotency-key"] for r in self.gw.posts()]
+        self.assertEqual(keys, [doc["local_id"]] * 2)
+
+    def test_unreachable_stops_the_flush_and_keeps_the_rest_pending(self):
+        for n in range(3):
+            self.ok("store", "riga %d" % n, "--project", "p", "--queue-only")
+        self.go_offline()
+        code, out, err = self.run_cli("flush")
+        self.assertEqual(code, 1)
+        self.assertIn("3 still queued", out)
+        self.assertEqual({r["state"] for r in self.outbox().values()}, {"pending"})
+        self.assertEqual({r["attempts"] for r in self.outbox().values()}, {0})
+
+    def test_503_leaves_the_row_for_later_with_the_same_key(self):
+        self.gw.script = [(503, None, {"Retry-After": "30"})]
+        doc = self.ok_json("store", "più tardi", "--project", "p")
+        self.assertEqual(doc["state"], "pending")
+        item = self.outbox()[doc["local_id"]]
+        self.assertIsNotNone(item["next_attempt_at"])
+        self.assertIn("503", item["last_error"])
+
+    def test_401_is_an_error_and_the_write_stays_queued(self):
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        self.assertIn("API key rejected", self.expect_fail(1, "store", "chiave", "--project", "p"))
+        self.assertEqual([r["state"] for r in self.outbox().values()], ["pending"])
+
+    def test_queue_lists_state_attempts_age_and_text(self):
+        self.go_offline()
+        self.ok("store", "una cosa da ricordare", "--project", "p")
+        out = self.ok("queue")
+        self.assertIn("outbox: pending 1", out)
+        self.assertIn("una cosa da ricordare", out)
+        doc = self.ok_json("queue", "--state", "synced")
+        self.assertEqual((doc["items"], doc["counts"]["pending"]), ([], 1))
+
+
+class FlushInvariantTests(GatewayTestCase):
+    """Crashes and concurrency, with real qmem.py flush processes."""
+
+    def queue(self, n):
+        store = qmem.Store(self.db)
+        try:
+            return [qmem.enqueue(store, "store", {"text": "memoria numero %d" % i, "kind": "fact",
+                                                  "project_id": "p"}) for i in range(n)]
+        finally:
+            store.close()
+
+    def flush_process(self):
+        return subprocess.Popen([sys.executable, QMEM, "flush"], env=dict(os.environ),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def assert_each_sent_once_and_synced(self, ids):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        states = dict(store.conn.execute("SELECT id, state FROM outbox").fetchall())
+        self.assertEqual(set(states.values()), {"synced"})
+        self.assertEqual(sorted(self.gw.keys), sorted(ids))  # one record per key, none lost
+        self.assertEqual(len(self.gw.records), len(ids))
+        self.assertEqual(store.conn.execute("SELECT count(*) FROM records WHERE pending=1").fetchone()[0], 0)
+
+    def test_sigkill_at_random_points_loses_nothing_and_duplicates_nothing(self):
+        import random
+        import signal
+        ids = self.queue(200)
+        seed = int(os.environ.get("QMEM_TEST_SEED", "20261130"))
+        rng = random.Random(seed)
+        kills = 0
+        for _ in range(6):
+            sent = len(self.gw.posts())
+            if len(self.gw.keys) > 190:
+                break
+            p = self.flush_process()
+            target = sent + rng.randint(1, 30)
+            with self.gw.arrived:  # kill it once it has sent a random number of rows
+                self.gw.arrived.wait_for(lambda: len(self.gw.posts()) >= target or p.poll() is not None, 10)
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                kills += 1
+            p.communicate()
+        self.assertGreaterEqual(kills, 4, "seed %d" % seed)
+        self.assertLess(len(self.gw.keys), 200)  # the kills did land mid-flush
+        p = self.flush_process()
+        out, err = p.communicate()
+        self.assertEqual(p.returncode, 0, err)
+        self.assert_each_sent_once_and_synced(ids)
+
+    def test_two_concurrent_flushes_send_each_row_exactly_once(self):
+        ids = self.queue(500)
+        procs = [self.flush_process() for _ in range(2)]
+        for p in procs:
+            out, err = p.communicate()
+            self.assertEqual(p.returncode, 0, err)
+        keys = [r[2]["idempotency-key"] for r in self.gw.posts()]
+        self.assertEqual(len(keys), 500)
+        self.assertEqual(sorted(keys), sorted(ids))
+        self.assert_each_sent_once_and_synced(ids)
+
+    def test_a_killed_flushers_lease_is_taken_over(self):
+        ids = self.queue(3)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        zombie = qmem.Flusher(store, None)
+        token, rows = zombie.claim()
+        self.assertEqual(len(rows), 3)
+        # Another flusher (a different process) must wait for the lease ...
+        os.environ["QMEM_URL"] = self.gw.url
+        p = self.flush_process()
+        p.communicate()
+        self.assertEqual(self.gw.posts(), [])
+        # ... which a late finish by the zombie cannot steal back once it expired.
+        store.conn.execute("UPDATE outbox SET lease_until=0")
+        p = self.flush_process()
+        p.communicate()
+        zombie._finish(token, [("failed", rows[0], {"error": "zombie", "status": 422})])
+        self.assert_each_sent_once_and_synced(ids)
+
+    def test_flush_is_not_much_slower_than_a_plain_http_loop(self):
+        import http.client
+        import time as t
+        n = 300
+        self.queue(n)
+        bodies = [json.dumps({"text": "loop %d" % i, "kind": "fact", "project_id": "p"}) for i in range(n)]
+        conn = http.client.HTTPConnection("127.0.0.1", self.gw.port)
+        started = t.perf_counter()
+        for i, body in enumerate(bodies):
+            conn.request("POST", "/v1/memories", body, {"X-API-Key": API_KEY, "Authorization": "Bearer " + API_KEY,
+                                                         "Content-Type": "application/json",
+                                                         "Idempotency-Key": "loop-%d" % i})
+            conn.getresponse().read()
+        plain = t.perf_counter() - started
+        conn.close()
+        started = t.perf_counter()
+        self.ok("flush")
+        flushed = t.perf_counter() - started
+        self.assertLess(flushed, 4 * plain + 0.5, "flush %.3f s vs plain loop %.3f s" % (flushed, plain))
+
+
+class PullEnrichTests(GatewayTestCase):
+
+    def test_pull_is_incremental_and_a_cut_page_resumes_exactly(self):
+        for i in range(1200):
+            self.gw.add("ricordo %d" % i)
+        self.gw.script = [None, "cut_real", "cut_real", "cut_real"]  # page 2 is cut, every try
+        with mock.patch("qmem.time.sleep"):
+            err = self.expect_fail(1, "pull")
+        self.assertIn("pull stopped after 1 pages", err)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertEqual(store.conn.execute("SELECT count(*) FROM records").fetchone()[0], 500)
+        doc = self.ok_json("pull")
+        self.assertEqual((doc["new"], doc["updated"], doc["unchanged"], doc["pages"]), (700, 0, 0, 2))
+        exports = [r[1] for r in self.gw.requests if r[1].startswith("/v1/memories:export")]
+        self.assertIn("cursor=500", exports[-2])
+        ids = {i for (i,) in store.conn.execute("SELECT id FROM records")}
+        self.assertEqual(ids, set(self.gw.records))
+        self.assertEqual(self.ok_json("queue")["items"], [])  # never queued
+        # Nothing new: one request, nothing changes.
+        doc = self.ok_json("pull")
+        self.assertEqual((doc["new"], doc["updated"]), (0, 0))
+        self.assertIsNotNone(self.ok_json("status")["lag"]["last_pull_at"])
+
+    def test_a_record_deleted_later_leaves_find(self):
+        rec = self.gw.add("da cancellare presto")
+        other = self.gw.add("resta qui")
+        self.ok("pull")
+        self.assertEqual(self.find_ids("cancellare"), [rec["id"]])
+        self.gw.delete(rec["id"])
+        doc = self.ok_json("pull")
+        self.assertEqual(doc["deleted"], 1)
+        self.assertEqual(self.find_ids("cancellare"), [])
+        self.assertEqual(self.find_ids("cancellare", "--deleted"), [rec["id"]])
+        self.assertEqual(self.find_ids("resta"), [other["id"]])
+
+    def test_pull_updates_supersede_state_and_full_starts_over(self):
+        old = self.gw.add("versione uno")
+        self.ok("pull")
+        with self.gw.lock:
+            self.gw._create({"text": "versione due", "kind": "fact", "project_id": "infra",
+                             "supersedes_id": old["id"]})
+        self.ok("pull")
+        self.assertEqual(self.find_ids("versione"), [r for r in self.gw.records if r != old["id"]])
+        doc = self.ok_json("pull", "--full")
+        self.assertEqual((doc["new"], doc["unchanged"]), (0, 2))
+
+    def test_old_gateway_without_export_gets_a_hint(self):
+        self.gw.export_404 = True
+        err = self.expect_fail(1, "pull")
+        self.assertIn("older than 2.12.0", err)
+        self.assertIn("enrich", err)
+
+    def test_enrich_fills_partial_records_and_stops_cleanly(self):
+        recs = [self.gw.add("parziale %d" % i, project="proj%d" % i) for i in range(3)]
+        self.ok("search", "parziale")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        store.conn.execute("UPDATE records SET project_id=NULL")  # as a search hit may lack it
+        doc = self.ok_json("enrich")
+        self.assertEqual((doc["asked"], doc["fetched"]), (3, 3))
+        self.assertEqual({store.get(r["id"])["project_id"] for r in recs}, {"proj0", "proj1", "proj2"})
+        self.assertEqual({store.get(r["id"])["view"] for r in recs}, {qmem.VIEW_FULL})
+        self.assertEqual(self.ok_json("enrich")["asked"], 0)
+        # A dropped kept-alive connection is retried once on a new one; twice is the end.
+        self.gw.script = [None, "close", "close"]
+        code, out, err = self.run_cli("enrich", "--all")
+        self.assertEqual(code, 1)
+        self.assertIn("1 of 3 records fetched", out)
+        self.assertIn("stopped early", out)
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.ok_json("enrich", "no-such-id")["unknown"], ["no-such-id"])
 
 
 class CompatibilityTests(unittest.TestCase):
