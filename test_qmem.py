@@ -61,6 +61,13 @@ class QmemTestCase(unittest.TestCase):
         self.assertTrue(err.startswith("qmem: "), err)
         return err
 
+    def local_record(self, record_id):
+        store = qmem.Store(self.db)
+        try:
+            return store.get(record_id)
+        finally:
+            store.close()
+
     def find_ids(self, *argv):
         return [r["id"] for r in self.ok_json("find", *argv)["results"]]
 
@@ -1312,7 +1319,7 @@ class SearchGetMetaTests(GatewayTestCase):
         self.assertIn("0.60 strong", out)
         self.assertIn(rec["id"], out)
         self.assertEqual(self.find_ids("deploy"), [rec["id"]])
-        self.assertEqual(qmem.Store(self.db).get(rec["id"])["view"], qmem.VIEW_HIT)
+        self.assertEqual(self.local_record(rec["id"])["view"], qmem.VIEW_HIT)
         doc = self.ok_json("search", "deploy", "--project", "infra", "--top-k", "3", "--min-score", "0.5")
         self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("gateway", False, False))
         body = self.gw.requests[-1][3]
@@ -1351,7 +1358,7 @@ class SearchGetMetaTests(GatewayTestCase):
         rec = self.gw.add("Le città del nord usano il nodo 7", project="geo")
         doc = self.ok_json("get", rec["id"])
         self.assertEqual((doc["source"], doc["record"]["text"]), ("gateway", rec["text"]))
-        self.assertEqual(qmem.Store(self.db).get(rec["id"])["view"], qmem.VIEW_FULL)
+        self.assertEqual(self.local_record(rec["id"])["view"], qmem.VIEW_FULL)
         self.assertIn("no such memory", self.expect_fail(1, "get", "does-not-exist"))
         os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
         out = self.ok("get", rec["id"])
@@ -1516,7 +1523,7 @@ class WriteTests(GatewayTestCase):
         self.assertEqual(self.gw.records[new_id]["supersedes_id"], old["id"])
         self.assertEqual(self.gw.records[new_id]["supersede_reason"], "migrato")
         self.assertEqual(self.gw.records[new_id]["project_id"], "infra")  # inherited
-        self.assertEqual(qmem.Store(self.db).get(old["id"])["superseded_by"], new_id)
+        self.assertEqual(self.local_record(old["id"])["superseded_by"], new_id)
 
     def test_correction_of_a_queued_record_lands_on_its_gateway_id(self):
         first = self.ok_json("store", "primo testo", "--project", "p", "--queue-only")["local_id"]
