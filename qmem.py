@@ -574,20 +574,33 @@ class Store:
                 "SELECT text, project_id, kind FROM records WHERE rid=?", (rowid,)).fetchone())))
         return "updated"
 
-    def adopt(self, local_id, data):
+    def adopt(self, local_id, data, referenced=True, sent=None):
         """A record written here got its gateway id: the local row takes it (and the
-        gateway's view of every field), and local references follow it."""
+        gateway's view of every field), and local references follow it. Only local
+        corrections refer to a local id: referenced=False (the caller knows there is
+        none) saves two scans of the table."""
         rec = normalize_record(data)
         gid, conn = rec["id"], self.conn
-        if gid != local_id:
-            if conn.execute("SELECT 1 FROM records WHERE id=?", (gid,)).fetchone():
-                self.delete(local_id)  # already here (pulled meanwhile): keep one row
-            else:
-                conn.execute("UPDATE records SET id=? WHERE id=?", (gid, local_id))
+        # What the index holds for this row is what was sent; re-index only if that changed.
+        if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f in ("text", "project_id", "kind")):
+            row = conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=?", (local_id,)).fetchone()
+        else:
+            row = None
+        try:
+            # The gateway's view of every field it gave wins: it is the complete record.
+            given = [f for f in FIELDS if rec[f] is not None]
+            conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?" % "".join(
+                ", %s=?" % f for f in given), [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
+        except sqlite3.IntegrityError:  # the gateway id is here already (pulled meanwhile): keep that row
+            self.delete(local_id)
+            self.upsert(rec, VIEW_FULL, iso_now())
+        else:
+            if row and (rec["text"] or row[1], rec["project_id"] or row[2], rec["kind"] or row[3]) != row[1:]:
+                self._unindex(row[0], dict(zip(("text", "project_id", "kind"), row[1:])))
+                self._index(row[0], dict(zip(("text", "project_id", "kind"), conn.execute(
+                    "SELECT text, project_id, kind FROM records WHERE rid=?", (row[0],)).fetchone())))
+        if referenced and gid != local_id:
             self._remap(local_id, gid)
-        # Seen as less than complete, so that the gateway's values win the merge.
-        conn.execute("UPDATE records SET pending=0, view=? WHERE id=?", (VIEW_ARGS, gid))
-        self.upsert(rec, VIEW_FULL, iso_now())
 
     def drop_local(self, local_id, replacement):
         """A write that will not reach the shared memory (a duplicate, or not kept):
@@ -1337,12 +1350,22 @@ def _http_date(value):
         return None
 
 
+RETRIES = 2  # further attempts after an ambiguous failure
+
+
+def worst_call_s(config, retries=RETRIES):
+    """The longest one Gateway.call() can take: every attempt using both budgets, and
+    the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it."""
+    return (retries + 1) * (config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0 \
+        + retries * (RETRY_SLEEP_CAP + 1.0) + 1.0
+
+
 class Gateway:
     """A client for one gateway URL: both auth headers, JSON in and out, two total
     deadlines, retries of ambiguous failures, and the shared breaker in front.
     One connection is kept and reused for every call of a command."""
 
-    def __init__(self, config, breaker=None, sleep=time.sleep, retries=2):
+    def __init__(self, config, breaker=None, sleep=time.sleep, retries=RETRIES):
         url, self.key = config["url"], config["apiKey"]
         if not url:
             raise GatewayError("not_configured", "no gateway configured: run `qmem.py config url https://…`")
@@ -1358,6 +1381,7 @@ class Gateway:
         self.ca_file = config.values.get("caFile")
         self.breaker = breaker or Breaker.from_config(config)
         self.sleep, self.retries = sleep, retries
+        self.worst_call_s = worst_call_s(config, retries)
         self.conn = self.sock = None
 
     def close(self):
@@ -1368,7 +1392,7 @@ class Gateway:
     def call(self, method, path, body=None, idempotency_key=None, retries=None):
         """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
         the caller interprets. Everything else raises GatewayError (see its kinds)."""
-        self.breaker.allow()
+        was_clean = self.breaker.allow()
         retries = self.retries if retries is None else retries
         attempt = 0
         while True:
@@ -1385,7 +1409,8 @@ class Gateway:
             else:
                 status = resp.status
                 if 200 <= status < 300 or status in (401, 403) or (400 <= status < 500 and status != 429):
-                    self.breaker.success()
+                    if not (was_clean and attempt == 0):  # nothing to close otherwise
+                        self.breaker.success()
                     if status in (401, 403):
                         raise GatewayError("auth", "API key rejected by the gateway (HTTP %d): "
                                            "set the right one with `qmem.py config apikey`" % status, status)
@@ -1411,8 +1436,7 @@ class Gateway:
                        else random.uniform(wait / 2, wait))
 
     def _headers(self, body, idempotency_key):
-        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key,
-             "Accept": "application/json", "User-Agent": "qmem.py/" + __version__}
+        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key, "User-Agent": "qmem.py/" + __version__}
         if body is not None:
             h["Content-Type"] = "application/json; charset=utf-8"
         if idempotency_key:
@@ -1450,7 +1474,10 @@ class Gateway:
         self.sock.qm_deadline = net["Deadline"](self.body_s, "body")
         chunks, size = [], 0
         try:
-            while True:
+            if resp.length is not None and resp.length <= MAX_BODY:
+                chunks.append(resp.read())  # raises IncompleteRead when the body is short
+                size = len(chunks[0])
+            while not resp.isclosed():
                 chunk = resp.read(65536)
                 if not chunk:
                     break
@@ -1470,6 +1497,7 @@ class Gateway:
                 self.url, self.body_s), resp.status)
         except (OSError, http.client.HTTPException) as e:
             self.close()
+            size = size or len(getattr(e, "partial", b"") or b"")
             raise GatewayError("ambiguous", "answer from %s cut off after %d bytes (%s)" % (
                 self.url, size, _reason(e)), resp.status)
         if resp.will_close:
@@ -1614,13 +1642,26 @@ class Breaker:
     def from_config(cls, config, **kw):
         return cls(config.breaker_path, config["url"] or "", config["breakerBaseMs"], config["breakerMaxMs"],
                    config["breakerTripAfter"],
-                   lease_s=(config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0 + 5, **kw)
+                   lease_s=worst_call_s(config), **kw)
 
     # -- the file
     _CLOSED = {"state": "closed", "failures": 0, "trips": 0, "open_until": 0.0, "opened_at": None,
                "probe_token": None, "probe_until": 0.0, "last_error": None, "last_error_at": None}
 
-    def _read_all(self):
+    _cache = (None, None)  # (stat signature, parsed entries) of the last read
+
+    def _read_all(self, fresh=False):
+        # A flush asks before and after every row: re-read only when the file changed
+        # (and always under the lock, where a stale answer could matter).
+        try:
+            st = None if fresh else os.stat(self.path)
+        except FileNotFoundError:
+            return {}
+        except OSError:
+            st = None
+        signature = st and (st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
+        if signature and self._cache[0] == signature:
+            return dict(self._cache[1])
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
@@ -1633,15 +1674,17 @@ class Breaker:
             data = json.loads(raw.decode("utf-8"))
             if not isinstance(data, dict) or not isinstance(data.get("gateways", {}), dict):
                 raise ValueError("not a breaker file")
-            return data.get("gateways", {})
+            gateways = data.get("gateways", {})
+            self._cache = (signature, dict(gateways))
+            return gateways
         except (UnicodeDecodeError, ValueError):
             warn("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
                  "next change)" % self.path)
             return {}
 
-    def read(self):
+    def read(self, fresh=False):
         """This URL's state; anything missing or of the wrong type reads as closed."""
-        entry = self._read_all().get(self.key)
+        entry = self._read_all(fresh).get(self.key)
         state = dict(self._CLOSED)
         if isinstance(entry, dict):
             for k, default in self._CLOSED.items():
@@ -1658,7 +1701,7 @@ class Breaker:
 
     def _write(self, state):
         """Under the lock: replace this URL's entry (a closed, clean state removes it)."""
-        gateways = self._read_all()
+        gateways = self._read_all(fresh=True)
         if state == self._CLOSED:
             gateways.pop(self.key, None)
         else:
@@ -1693,22 +1736,26 @@ class Breaker:
         return False
 
     def allow(self):
-        """Return if a call may go out (closed, or this process is the half-open prober);
-        raise GatewayError('breaker_open') otherwise. The closed path writes nothing."""
+        """Return if a call may go out (closed, or this process is the half-open prober):
+        True when the breaker is closed with nothing counted. Raise
+        GatewayError('breaker_open') otherwise. The closed path writes nothing."""
         state, now = self.read(), self.clock()
+        if state == self._CLOSED:
+            return True  # closed, nothing counted: a success will have nothing to write
         if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"] == self.token):
-            return
+            return False
         if self._blocks(state, now):
             raise self._refuse(state, now)
         with self._lock():
-            state = self.read()
+            state = self.read(fresh=True)
             if state["state"] == "closed":
-                return
+                return False
             if self._blocks(state, now):
                 raise self._refuse(state, now)
             state.update(state="half_open", probe_token=self.token, probe_until=now + self.lease_s)
             self._write(state)
         self.probing = True
+        return False
 
     def success(self):
         """The gateway answered: close (writes only if something changes)."""
@@ -1724,7 +1771,7 @@ class Breaker:
         error): give back the probe, if this process held it."""
         if self.probing:
             with self._lock():
-                state = self.read()
+                state = self.read(fresh=True)
                 if state["probe_token"] == self.token:
                     state.update(state="open", probe_token=None, open_until=self.clock())
                     self._write(state)
@@ -1735,7 +1782,7 @@ class Breaker:
         trip_after in a row; a failed probe reopens with a doubled open time."""
         now = self.clock()
         with self._lock():
-            state = self.read()
+            state = self.read(fresh=True)
             if self._blocks(state, now):
                 return  # already open: another process's failure must not double the time
             state.update(last_error=message, last_error_at=iso_from_epoch(now))
@@ -1762,8 +1809,8 @@ class Breaker:
 # the row's local id as Idempotency-Key, and do their HTTP outside any transaction.
 
 MAX_TEXT = 32000           # characters in one memory
-LEASE_S = 120.0            # a claimed row belongs to its flusher this long
-CLAIM_BATCH = 50           # rows claimed (and finished) per transaction
+LEASE_S = 120.0            # at least; a claimed row belongs to its flusher this long
+CLAIM_BATCH = 100          # rows claimed (and finished) per transaction
 AUTO_FLUSH_S = 3.0         # seconds an online command may spend delivering the queue
 
 
@@ -1824,9 +1871,11 @@ class Flusher:
     and a fencing token per claimed row, the same Idempotency-Key on every attempt,
     one connection for the whole flush."""
 
-    def __init__(self, store, gateway, clock=time.time, lease_s=LEASE_S, batch=CLAIM_BATCH):
+    def __init__(self, store, gateway, clock=time.time, lease_s=None, batch=CLAIM_BATCH):
         self.store, self.gateway, self.clock = store, gateway, clock
-        self.lease_s, self.batch = lease_s, batch
+        # A row is sent only while its lease has time for the slowest possible call.
+        self.call_s = gateway.worst_call_s if gateway is not None else 60.0
+        self.lease_s, self.batch = lease_s or max(LEASE_S, 2 * self.call_s), batch
         self.host = machine_identity().split(" (")[0]
         self.delivered = {}  # local id -> gateway id, for rows of this run
 
@@ -1849,10 +1898,11 @@ class Flusher:
         ahead: a clock that went back)."""
         now, token = self.clock(), self._token()
         where = ("((state='pending' AND next_attempt_at<=:now) OR (state='sending' AND "
-                 "(lease_until<:now OR lease_until>:now + 2 * :lease)))")
+                 "(lease_until<:now OR lease_until>:now + :far)))")
         if only is not None:
             where += " AND id=:only"
-        params = {"t": token, "now": now, "lease": self.lease_s, "n": self.batch, "only": only}
+        params = {"t": token, "now": now, "lease": self.lease_s, "n": self.batch, "only": only,
+                  "far": max(3600.0, 4 * self.lease_s)}
         with self.store.transaction():
             self._reclaim_dead(now)
             self.store.conn.execute(
@@ -1866,23 +1916,28 @@ class Flusher:
     def run(self, only=None, budget_s=None, progress=None):
         """Flush ready rows (or just the row `only`) until none is left, the gateway goes
         away, or budget_s seconds have passed. Returns FlushStats."""
-        stats, started = FlushStats(), time.monotonic()
+        stats = FlushStats()
+        give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
-            if budget_s is not None and time.monotonic() - started > budget_s:
-                stats.stopped = "time budget of %g s used up" % budget_s
-                break
+            claimed_at = self.clock()
             token, rows = self.claim(only)
             if not rows:
                 break
-            done = []
+            done, rest = [], []
             for n, row in enumerate(rows):
-                if stats.stopped is None:
-                    done.append(self._send(row, stats))
-                    if progress:
-                        progress.update("%d sent" % (len(stats.synced) + len(stats.duplicate)))
-                if stats.stopped is not None:
-                    done.extend(("release", r, None) for r in rows[n + 1:])
+                if self.clock() + self.call_s > claimed_at + self.lease_s:
+                    rest = rows[n:]  # slow going: give back the rest before the lease could run out
                     break
+                if give_up is not None and time.monotonic() > give_up:
+                    stats.stopped, rest = "time budget of %g s used up" % budget_s, rows[n:]
+                    break
+                done.append(self._send(row, stats))
+                if progress:
+                    progress.update("%d sent" % (len(stats.synced) + len(stats.duplicate)))
+                if stats.stopped is not None:
+                    rest = rows[n + 1:]
+                    break
+            done.extend(("release", r, None) for r in rest)
             self._finish(token, done)
             if only is not None:
                 break
@@ -1937,7 +1992,7 @@ class Flusher:
         if resp.status in (200, 201) and isinstance(data.get("id"), str):
             stats.synced.append(local_id)
             self.delivered[local_id] = data["id"]
-            return ("synced", row, {"record": data, "status": resp.status})
+            return ("synced", row, {"record": data, "status": resp.status, "sent": body})
         if resp.status == 409 and data.get("detail") == "duplicate":
             stats.duplicate.append(local_id)
             self.delivered[local_id] = data.get("duplicate_of")
@@ -1960,6 +2015,7 @@ class Flusher:
         conn = self.store.conn
         fence = " WHERE rid=? AND claim_token=? AND state='sending'"
         with self.store.transaction():
+            targets = {t for (t,) in conn.execute("SELECT DISTINCT target FROM outbox WHERE target IS NOT NULL")}
             for outcome, row, info in done:
                 rid, local_id = row[0], row[1]
                 if outcome == "release":
@@ -1975,7 +2031,9 @@ class Flusher:
                     if conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, lease_until=NULL, done_at=?, "
                                     "gateway_id=?, last_status=?, last_error=NULL" + fence,
                                     (now, rec["id"], info["status"], rid, token)).rowcount:
-                        self.store.adopt(local_id, rec)
+                        # Corrections are the only local references: to this row, or from it.
+                        self.store.adopt(local_id, rec, referenced=local_id in targets or bool(row[4]),
+                                         sent=info["sent"])
                 elif outcome == "duplicate":
                     if conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, lease_until=NULL, "
                                     "done_at=?, duplicate_of=?, last_status=409, last_error=?" + fence,

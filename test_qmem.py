@@ -1670,6 +1670,37 @@ class FlushInvariantTests(GatewayTestCase):
         zombie._finish(token, [("failed", rows[0], {"error": "zombie", "status": 422})])
         self.assert_each_sent_once_and_synced(ids)
 
+    def test_a_slow_flush_gives_rows_back_before_its_lease_could_expire(self):
+        ids = self.queue(5)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        now = [1000.0]
+        gateway = self.client()
+        real_call = gateway.call
+
+        def slow_call(*args, **kw):
+            now[0] += 100.0  # each send takes 100 s of the lease
+            return real_call(*args, **kw)
+        gateway.call = slow_call
+        flusher = qmem.Flusher(store, gateway, clock=lambda: now[0], lease_s=gateway.worst_call_s + 250)
+        claims = iter([flusher.claim, lambda only: (None, [])])  # one claim only
+        flusher.claim = lambda only: next(claims)(only)
+        flusher.run()
+        states = [s for (s,) in store.conn.execute("SELECT state FROM outbox ORDER BY rid")]
+        # 3 fit in the lease with room for the slowest call; the rest went back, unsent.
+        self.assertEqual(states, ["synced"] * 3 + ["pending"] * 2)
+        self.assertEqual(len(self.gw.posts()), 3)
+        self.assertEqual(sorted(self.gw.keys), sorted(ids[:3]))
+
+    def test_the_automatic_flush_stops_at_its_time_budget_and_gives_rows_back(self):
+        self.queue(3)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        stats = qmem.Flusher(store, self.client()).run(budget_s=-1)
+        self.assertIn("time budget", stats.stopped)
+        self.assertEqual([r for r in store.conn.execute("SELECT state, attempts, claim_token FROM outbox")],
+                         [("pending", 0, None)] * 3)
+
     def test_flush_is_not_much_slower_than_a_plain_http_loop(self):
         import http.client
         import time as t
