@@ -256,6 +256,48 @@ class StoreTests(QmemTestCase):
         self.assertEqual(qmem.find_local(store, "completo")["results"][0]["id"], UUIDS[0])
         self.assertEqual(qmem.find_local(store, "troncato")["results"], [])
 
+    def test_bulk_merge_in_sql_follows_the_same_rule_as_upsert(self):
+        import random
+        rng = random.Random(7)
+        ids = UUIDS[:6]
+        views = []
+        for _ in range(300):  # views of a few records: partial, args, full; old and new
+            rid = rng.choice(ids)
+            data = {"id": rid}
+            for f in ("text", "kind", "project_id", "scope", "source", "created_at", "expires_at",
+                      "supersedes_id", "supersede_reason"):
+                if rng.random() < 0.5:
+                    data[f] = rng.choice(["a", "b", ""]) if not f.endswith("_at") else \
+                        "2026-11-%02dT10:00:00Z" % rng.randint(1, 28)
+            if rng.random() < 0.5:
+                data["private"] = rng.random() < 0.5
+            for f in ("updated_at", "superseded_by", "deleted_at"):
+                if rng.random() < 0.4:
+                    data[f] = "2026-11-%02dT10:00:00Z" % rng.randint(1, 28) if f != "superseded_by" \
+                        else rng.choice(ids)
+            views.append((data, rng.choice([0, 1, 2]), "2026-11-30T10:00:%02d.000Z" % rng.randint(0, 59)))
+        one, bulk = (qmem.Store(os.path.join(self.home, name + ".sqlite")) for name in ("one", "bulk"))
+        self.addCleanup(one.close)
+        self.addCleanup(bulk.close)
+        outcomes = {"new": 0, "updated": 0, "same": 0}
+        with one.transaction():
+            for data, view, seen in views:
+                outcomes[one.upsert(qmem.normalize_record(data), view, seen)] += 1
+        bulk.begin_bulk()
+        self.assertTrue(bulk.bulk_sql)
+        with bulk.transaction():
+            rows = [(r["id"], v, s) + qmem._FIELD_VALUES(r)
+                    for r, v, s in ((qmem.normalize_record(d), v, s) for d, v, s in views)]
+            new, updated = 0, 0
+            for chunk in (rows[i:i + 37] for i in range(0, len(rows), 37)):
+                n, u = bulk.merge_many(chunk)
+                new, updated = new + n, updated + u
+            bulk.finish_bulk()
+        self.assertEqual((new, updated), (outcomes["new"], outcomes["updated"]))
+        cols = "id, view, seen_at, " + ", ".join(qmem.FIELDS)
+        dump = lambda s: s.conn.execute("SELECT %s FROM records ORDER BY id" % cols).fetchall()
+        self.assertEqual(dump(bulk), dump(one))
+
     def test_mutable_fields_follow_the_newest_updated_at(self):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
