@@ -1349,7 +1349,7 @@ def _proxy_for(scheme, host, environ=None):
     https_proxy / http_proxy (either case) and no_proxy (suffixes, '*')."""
     environ = os.environ if environ is None else environ
     value = environ.get(scheme + "_proxy") or environ.get(scheme.upper() + "_PROXY")
-    if not value:
+    if not value or is_loopback(host):  # a proxy cannot reach this machine's loopback
         return None
     no_proxy = environ.get("no_proxy") or environ.get("NO_PROXY") or ""
     for entry in no_proxy.replace(" ", "").split(","):
@@ -1455,6 +1455,7 @@ class Gateway:
         self.sleep, self.retries = sleep, retries
         self.worst_call_s = worst_call_s(config, retries)
         self.conn = self.sock = None
+        self.prefix = ""
 
     def close(self):
         if self.conn is not None:
@@ -1520,7 +1521,6 @@ class Gateway:
         net = _net_classes()
         socket = net["socket"]
         data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
-        target = self.base + path
         for fresh in (False, True):
             reused = self.conn is not None and not fresh
             deadline = net["Deadline"](self.connect_s, "connect+headers")
@@ -1528,7 +1528,8 @@ class Gateway:
                 if self.conn is None:
                     self._connect(deadline)
                 self.sock.qm_deadline = deadline
-                self.conn.request(method, target, body=data, headers=self._headers(body, idempotency_key))
+                self.conn.request(method, self.prefix + self.base + path, body=data,
+                                  headers=self._headers(body, idempotency_key))
                 resp = self.conn.getresponse()
                 break
             except GatewayError:
@@ -1599,10 +1600,9 @@ class Gateway:
         else:
             conn = http.client.HTTPConnection(*(proxy or (self.host, self.port)))
         if proxy and self.https:
-            conn.set_tunnel(self.host, self.port)
-        elif proxy:
-            raise GatewayError("protocol", "a plain-http proxy is not supported; exempt %s in no_proxy"
-                               % self.host)
+            conn.set_tunnel(self.host, self.port)  # CONNECT, then TLS with the gateway itself
+        # Through a plain-http proxy, requests name the gateway in full (absolute-form).
+        self.prefix = "http://%s:%d" % (self.host, self.port) if proxy and not self.https else ""
 
         def create_connection(address, *args, **kw):
             last = None

@@ -1117,6 +1117,20 @@ class GatewayClientTests(GatewayTestCase):
         err = self.assert_fails("protocol", self.client(), "GET", "/v1/status")
         self.assertIn("elsewhere.example", str(err))
 
+    def test_proxy_variables_are_honoured(self):
+        # Through a plain-http proxy (the fake gateway plays it: it answers absolute-form
+        # requests), a gateway name that does not even resolve is reached.
+        os.environ.update(QMEM_URL="http://gateway.invalid:8080", http_proxy=self.gw.url, no_proxy="")
+        del os.environ["NO_PROXY"]
+        self.assertEqual(self.client().call("GET", "/v1/status").status, 200)
+        self.assertEqual(self.gw.requests[-1][1], "http://gateway.invalid:8080/v1/status")
+        env = {"https_proxy": "http://proxy.corp:3128", "no_proxy": "internal.example, .vpn"}
+        self.assertEqual(qmem._proxy_for("https", "gw.example", env), ("proxy.corp", 3128))
+        self.assertIsNone(qmem._proxy_for("https", "qmem.internal.example", env))
+        self.assertIsNone(qmem._proxy_for("https", "a.vpn", env))
+        self.assertIsNone(qmem._proxy_for("https", "127.0.0.1", env))
+        self.assertIsNone(qmem._proxy_for("http", "gw.example", env))
+
     def test_tls_is_verified(self):
         cfg = self.config(url="https://127.0.0.1:%d" % self.gw.port)
         ctx = qmem.Gateway(cfg)._ssl_context()
