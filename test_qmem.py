@@ -340,6 +340,55 @@ class ImportTests(QmemTestCase):
     def import_json(self, *extra):
         return self.ok_json("import", *extra)["stats"]
 
+    def mixed_tree(self):
+        """A few sessions with every kind of call, for comparing two ways of importing."""
+        for n in range(4):
+            s = Session(os.path.join(self.sessions, "--home-dev-p%d--" % n), "s%d.jsonl" % n)
+            for k in range(6):
+                rid = UUIDS[n * 10 + k]
+                s.store(record(rid, "Memoria %d-%d della città" % (n, k)), shape=("record", "id", "json")[k % 3])
+            hits = [record(UUIDS[(n * 10 + 13) % 40 + k], "visto in una ricerca %d" % k) for k in range(3)]
+            cid = s.call("qmem_search", {"query": "ricerca"})
+            s.result(cid, "qmem_search", "3 results", {"results": hits})
+            s.write()
+
+    def test_a_large_import_writes_in_a_child_process_with_the_same_result(self):
+        self.mixed_tree()
+        in_process = self.import_json()
+        table = "SELECT id, view, %s FROM records ORDER BY id" % ", ".join(qmem.FIELDS)
+        store = qmem.Store(self.db)
+        expected = store.conn.execute(table).fetchall()
+        store.close()
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "child.sqlite")
+        started = []
+        real_start = qmem._WriterProcess.start
+        with mock.patch.object(qmem, "PARALLEL_MIN_BYTES", 0), \
+                mock.patch.object(qmem._WriterProcess, "start", lambda db: started.append(db) or real_start(db)):
+            in_child = self.import_json()
+        self.assertEqual(started, [os.environ["QMEM_SQLITE"]])
+        self.assertEqual(in_child, in_process)
+        store = qmem.Store(os.environ["QMEM_SQLITE"])
+        self.addCleanup(store.close)
+        self.assertEqual(store.conn.execute(table).fetchall(), expected)
+        self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
+
+    def test_a_failing_writer_process_is_a_clear_error_and_nothing_is_half_done(self):
+        import subprocess as sp
+        self.mixed_tree()
+
+        def broken(db):
+            w = qmem._WriterProcess()
+            w.proc = sp.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(10); "
+                               "sys.stderr.write('qmem: database or disk is full\\n'); sys.exit(1)"],
+                              stdin=sp.PIPE, stdout=sp.PIPE, stderr=sp.PIPE)
+            return w
+        with mock.patch.object(qmem, "PARALLEL_MIN_BYTES", 0), mock.patch.object(qmem._WriterProcess, "start", broken):
+            err = self.expect_fail(1, "import")
+        self.assertIn("import writer process failed: database or disk is full", err)
+        # No file counts as imported, so the next import reads them all.
+        self.assertEqual(self.import_json()["files_read"], 4)
+        self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
+
     def test_store_results_in_every_shape_become_records(self):
         s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
         for n, shape in enumerate(("record", "id", "json", "text")):
