@@ -912,16 +912,21 @@ class Importer:
             self.store.begin_bulk()
             if self.store.bulk_sql:
                 self.bulk = []
-                if sum(st.st_size - offset for _, st, offset in todo) >= PARALLEL_MIN_BYTES:
-                    self.writer = _WriterProcess.start(self.store.path)
+        rows = 0
         try:
             for n, (path, st, offset) in enumerate(todo):
                 self.progress.update("%d/%d files" % (n + 1, len(todo)))
-                self._import_file(path, st, offset)
+                rows += self._import_file(path, st, offset)
                 # Commit in batches of about a second: a commit per file would cost more
                 # than the reading. A file's progress row commits with its records.
                 if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
                     conn.execute("COMMIT")
+                if self.bulk is not None and self.writer is None and rows >= PARALLEL_MIN_ROWS \
+                        and n + 1 < len(todo):
+                    if conn.in_transaction:
+                        conn.execute("COMMIT")  # the child takes over the writing from here
+                    self.writer = _WriterProcess.start(self.store.path)
+                    rows = -1 << 62  # once
             if conn.in_transaction:
                 conn.execute("COMMIT")
             if self.writer is not None:
@@ -1023,6 +1028,7 @@ class Importer:
             self.writer.put(job)
         else:
             _apply_file(self.store, job, stats)
+        return len(job[0])
 
     def _scan_line(self, line, calls, results):
         """Note a line that mentions qmem_: a tool result to pair, or tool calls."""
@@ -1081,10 +1087,11 @@ def _apply_file(store, job, stats):
     store.conn.execute("INSERT OR REPLACE INTO files VALUES(?, ?, ?, ?, ?, ?, ?)", progress)
 
 
-# A large cold import hands its writing to a child process: SQLite's half of the work
-# then runs on a second core while this one parses (records-100000: 5.5 s -> ~4 s).
-# A thread does not help: it fights the parser for the GIL (measured slower).
-PARALLEL_MIN_BYTES = 32 << 20
+# A large cold import hands its writing to a child process once it has merged this
+# many rows: SQLite's half of the work then runs on a second core while this one
+# parses (records-100000: 5.5 s -> ~4 s). A tree of few records never pays for the
+# child's start. A thread does not help: it fights the parser for the GIL (measured).
+PARALLEL_MIN_ROWS = 10000
 _WRITER_COMMAND = "_import-writer"  # the child's hidden command line: qmem.py _import-writer DB
 
 
