@@ -419,6 +419,9 @@ def _fold(text):
     return "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
 
 
+_MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # a row of Store.merge_many, in order
+
+
 class Store:
     """The local SQLite database: records, FTS index, import progress, outbox."""
 
@@ -519,23 +522,25 @@ class Store:
         """upsert()'s merge rule as one INSERT ... ON CONFLICT DO UPDATE (SQLite 3.24+),
         for bulk loads: no read per record, and executemany() does the looping. The
         WHERE makes a view that adds nothing change nothing (and count nothing)."""
-        n = {f: i for i, f in enumerate(("id", "view", "seen_at") + FIELDS, 1)}
-        values = ["coalesce(?%d, '')" % n[f] if f == "text" else "coalesce(?%d, 0)" % n[f] if f == "private"
-                  else "?%d" % n[f] for f in ("id", "view", "seen_at") + FIELDS]
-        newer = "(?{u} IS NOT NULL AND (updated_at IS NULL OR ?{u} > updated_at))".format(u=n["updated_at"])
+        # Named parameters (a value is used several times): ?NNN with a sequence is
+        # deprecated since Python 3.12. Rows are bound as dicts, keyed _MERGE_KEYS.
+        n = {f: ":" + f for f in _MERGE_KEYS}
+        values = ["coalesce(%s, '')" % n[f] if f == "text" else "coalesce(%s, 0)" % n[f] if f == "private"
+                  else n[f] for f in _MERGE_KEYS]
+        newer = "({u} IS NOT NULL AND (updated_at IS NULL OR {u} > updated_at))".format(u=n["updated_at"])
         sets, conds = [], [newer]
         for f in IMMUTABLE:
             missing = "text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL"
-            cond = "(?%d IS NOT NULL AND (?%d > view OR %s))" % (n[f], n["view"], missing)
-            sets.append("%s = CASE WHEN %s THEN ?%d ELSE %s END" % (f, cond, n[f], f))
+            cond = "(%s IS NOT NULL AND (%s > view OR %s))" % (n[f], n["view"], missing)
+            sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
             conds.append(cond)
-        sets.append("updated_at = CASE WHEN %s THEN ?%d ELSE updated_at END" % (newer, n["updated_at"]))
+        sets.append("updated_at = CASE WHEN %s THEN %s ELSE updated_at END" % (newer, n["updated_at"]))
         for f in MUTABLE:
-            cond = "(?{p} IS NOT NULL AND ?{p} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
+            cond = "({p} IS NOT NULL AND {p} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
                 p=n[f], f=f, newer=newer)
-            sets.append("%s = CASE WHEN %s THEN ?%d ELSE %s END" % (f, cond, n[f], f))
+            sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
             conds.append(cond)
-        sets += ["view = max(view, ?%d)" % n["view"], "seen_at = coalesce(?%d, seen_at)" % n["seen_at"]]
+        sets += ["view = max(view, %s)" % n["view"], "seen_at = coalesce(%s, seen_at)" % n["seen_at"]]
         return "INSERT INTO records(id, view, seen_at, %s) VALUES(%s) ON CONFLICT(id) DO UPDATE SET %s WHERE %s" % (
             ", ".join(FIELDS), ", ".join(values), ", ".join(sets), " OR ".join(conds))
     _MERGE = _merge_sql()
@@ -549,14 +554,14 @@ class Store:
             sqlite3.sqlite_version_info >= (3, 24)
 
     def merge_many(self, rows):
-        """Bulk-merge (id, view, seen_at, *FIELDS) rows, in order; return (new, updated)."""
+        """Bulk-merge rows (values in _MERGE_KEYS order), in order; return (new, updated)."""
         new = 0
         for row in rows:
             h = hash(row[0])
             if h not in self.known:
                 self.known.add(h)
                 new += 1
-        changed = self.conn.executemany(self._MERGE, rows).rowcount
+        changed = self.conn.executemany(self._MERGE, (dict(zip(_MERGE_KEYS, row)) for row in rows)).rowcount
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
