@@ -2244,6 +2244,11 @@ class Flusher:
                                  (now, info.get("status"), info["error"], rid, token))
 
 
+def _outbox_waiting(store):
+    """Writes made here that are not in shared memory yet and will be sent."""
+    return store.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
+
+
 def _outbox_ready(store):
     return store.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND next_attempt_at<=? "
                               "OR state='sending' AND lease_until<?", (time.time(), time.time())).fetchone()[0]
@@ -2386,8 +2391,7 @@ class Context:
             warn("queued writes not delivered: %s" % e)
             return
         if stats.synced or stats.duplicate or stats.failed:
-            left = store.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')"
-                                      ).fetchone()[0]
+            left = _outbox_waiting(store)
             warn("delivered %d queued write%s (%d duplicates, %d failed; %d still queued)" % (
                 len(stats.synced), "" if len(stats.synced) == 1 else "s", len(stats.duplicate),
                 len(stats.failed), left))
@@ -3153,7 +3157,7 @@ def cmd_flush(ctx):
         stats = Flusher(store, ctx.gateway()).run(progress=progress)
     finally:
         progress.done()
-    waiting = store.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
+    waiting = _outbox_waiting(store)
     doc = dict(stats.as_dict(), source="gateway", pending=waiting)
     if ctx.json:
         emit_json(doc)
