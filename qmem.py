@@ -1647,7 +1647,10 @@ class Gateway:
         import http.client
         net = _net_classes()
         socket = net["socket"]
-        data = None if body is None else json.dumps(body, ensure_ascii=False).encode("utf-8")
+        if body is None or isinstance(body, bytes):
+            data = body  # already JSON
+        else:
+            data = json.dumps(body, ensure_ascii=False).encode("utf-8")
         for fresh in (False, True):
             reused = self.conn is not None and not fresh
             deadline = net["Deadline"](self.connect_s, "connect+headers")
@@ -2177,8 +2180,10 @@ class Flusher:
             return ("failed", row, {"error": value, "status": None})
         if target:
             body["supersedes_id"] = value
+            payload = json.dumps(body, ensure_ascii=False, sort_keys=True)
         try:
-            resp = self.gateway.call("POST", "/v1/memories", body, idempotency_key=local_id)
+            # The frozen payload itself: the same bytes on every attempt, from every process.
+            resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"), idempotency_key=local_id)
         except GatewayError as e:
             if e.kind == "ambiguous":
                 stats.retry_later.append(local_id)
