@@ -1920,12 +1920,13 @@ class Breaker:
         return max(0, int((until - now) * 1000))
 
     def _refuse(self, state, now):
-        probing = state["state"] == "half_open"
         ms = self.retry_in(state, now)
-        return GatewayError("breaker_open", "gateway unreachable, breaker open%s, retry in %d s%s" % (
-            "" if probing else "", (ms + 999) // 1000,
-            " (another process is probing it)" if probing else
-            " (last error: %s)" % state["last_error"] if state["last_error"] else ""), retry_in_ms=ms)
+        if state["state"] == "half_open":
+            why = " (another process is probing it)"
+        else:
+            why = " (last error: %s)" % state["last_error"] if state["last_error"] else ""
+        return GatewayError("breaker_open", "gateway unreachable, breaker open, retry in %d s%s" % (
+            (ms + 999) // 1000, why), retry_in_ms=ms)
 
     def _blocks(self, state, now):
         """Does this state refuse a call now? (It expires by itself; a clock that went

@@ -852,7 +852,6 @@ class FakeGateway:
 
     def _act(self, conn, action, method, target, headers, data):
         """Answer one request; return False to close the connection."""
-        import time as _time
         if action is None:
             status, obj, extra = self.app(method, target, headers, data)
             self._send(conn, status, obj, extra)
