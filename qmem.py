@@ -12,6 +12,9 @@ CPython 3.6+.
   python3 qmem.py status                 what the local side knows
   python3 qmem.py search "..."           semantic search on the gateway,
                                          local fallback when it is down
+  python3 qmem.py store "..." --project P   write a memory (queued if the gateway
+                                         is away; `flush` delivers it)
+  python3 qmem.py config                 set the gateway URL and API key
 
 Exit codes: 0 done (also a labelled local fallback or a queued write),
 1 operational failure, 2 usage or configuration error, 3 --require-remote
