@@ -12,7 +12,8 @@ CPython 3.6+.
   python3 qmem.py status                 what the local side knows
   python3 qmem.py search "..."           semantic search on the gateway,
                                          local fallback when it is down
-  python3 qmem.py store "..." --project P   write a memory (queued if the gateway
+  python3 qmem.py store "..." --project P
+                                         write a memory (queued while the gateway
                                          is away; `flush` delivers it)
   python3 qmem.py config                 set the gateway URL and API key
 
