@@ -3158,10 +3158,17 @@ def _age(seconds):
 
 def cmd_flush(ctx):
     """Deliver queued writes to the gateway, oldest first, each exactly once."""
-    store = ctx.store()
-    if ctx.args.retry_failed:
+    store = ctx.store() if os.path.exists(ctx.config.db_path) else None
+    if store is not None and ctx.args.retry_failed:
         with store.transaction():
             store.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
+    if store is None or not _outbox_waiting(store):
+        # Nothing to deliver: no gateway needed, no database created.
+        if ctx.json:
+            emit_json(dict(FlushStats().as_dict(), source="outbox", pending=0))
+        else:
+            print("flush: nothing queued")
+        return EXIT_OK
     progress = Progress("flush")
     try:
         stats = Flusher(store, ctx.gateway()).run(progress=progress)

@@ -1685,6 +1685,12 @@ class WriteTests(GatewayTestCase):
         self.assertIn("API key rejected", self.expect_fail(1, "store", "chiave", "--project", "p"))
         self.assertEqual([r["state"] for r in self.outbox().values()], ["pending"])
 
+    def test_flush_with_nothing_queued_needs_no_gateway(self):
+        del os.environ["QMEM_URL"]
+        self.assertEqual(self.ok("flush"), "flush: nothing queued\n")
+        self.assertFalse(os.path.exists(self.db))
+        self.assertEqual(self.ok_json("flush")["pending"], 0)
+
     def test_queue_lists_state_attempts_age_and_text(self):
         self.go_offline()
         self.ok("store", "una cosa da ricordare", "--project", "p")
