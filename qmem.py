@@ -192,11 +192,15 @@ class Progress:
             sys.stderr.flush()
 
 
-def machine_identity():
-    """'hostname (OS name)': what local writes carry as their default source."""
+def hostname():
     host = os.environ.get("COMPUTERNAME") or ""
     if hasattr(os, "uname"):
         host = os.uname().nodename or host
+    return host or "unknown-host"
+
+
+def machine_identity():
+    """'hostname (OS name)': what local writes carry as their default source."""
     os_name = ""
     try:
         with open("/etc/os-release", encoding="utf-8") as f:
@@ -208,7 +212,7 @@ def machine_identity():
     if not os_name:
         import platform
         os_name = (platform.system() + " " + platform.release()).strip()
-    return "%s (%s)" % (host or "unknown-host", os_name or "unknown OS")
+    return "%s (%s)" % (hostname(), os_name or "unknown OS")
 
 
 # === Config ==================================================================
@@ -2083,7 +2087,7 @@ class Flusher:
         # A row is sent only while its lease has time for the slowest possible call.
         self.call_s = gateway.worst_call_s if gateway is not None else 60.0
         self.lease_s, self.batch = lease_s or max(LEASE_S, 2 * self.call_s), batch
-        self.host = machine_identity().split(" (")[0]
+        self.host = hostname()
         self.delivered = {}  # local id -> gateway id, for rows of this run
 
     def _token(self):
@@ -2462,22 +2466,30 @@ def cmd_find(ctx):
         raise UsageError("find needs a query, e.g. qmem.py find \"circuit breaker\"")
     if a.limit < 1:
         raise UsageError("--limit must be at least 1")
-    if not os.path.exists(ctx.config.db_path):
-        out = {"match": "none", "results": []}
-        warn("no local index yet at %s: run `qmem.py import` (or `pull`) first" % ctx.config.db_path)
-    else:
-        marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not ctx.json else ("", "")
-        out = find_local(ctx.store(), query, project=a.project, kind=a.kind, scope=a.scope,
-                         limit=a.limit, include_superseded=a.include_superseded, deleted=a.deleted,
-                         private=a.private, include_expired=a.include_expired, highlight=marks)
+    out = find_local_or_empty(ctx, query, limit=a.limit, include_superseded=a.include_superseded,
+                              deleted=a.deleted, private=a.private, include_expired=a.include_expired)
     if ctx.json:
-        for r in out["results"]:
-            r.pop("snippet", None)
         emit_json({"source": "local_sqlite", "degraded": False, "match": out["match"],
                    "results": out["results"]})
         return EXIT_OK
     print_local_results(out, query)
     return EXIT_OK
+
+
+def find_local_or_empty(ctx, query, **filters):
+    """find_local() with the command's --project/--kind/--scope, for find and for the
+    fallback of search: no index yet is an empty answer and a hint, not an error."""
+    a = ctx.args
+    if not os.path.exists(ctx.config.db_path):
+        warn("no local index yet at %s: run `qmem.py import` (or `pull`) first" % ctx.config.db_path)
+        return {"match": "none", "results": []}
+    marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not ctx.json else ("", "")
+    out = find_local(ctx.store(), query, project=a.project, kind=a.kind, scope=a.scope, highlight=marks,
+                     **filters)
+    if ctx.json:
+        for r in out["results"]:
+            r.pop("snippet", None)
+    return out
 
 
 def print_local_results(out, query, header="local_sqlite · lexical (not semantic)"):
@@ -2620,18 +2632,6 @@ def cmd_search(ctx):
                 " ".join(str(r.get("text") or "").split())[:200]))
     ctx.after_online()
     return EXIT_OK
-
-
-def find_local_or_empty(ctx, query, **filters):
-    a = ctx.args
-    if not os.path.exists(ctx.config.db_path):
-        warn("no local index yet at %s: run `qmem.py import` (or `pull`) first" % ctx.config.db_path)
-        return {"match": "none", "results": []}
-    out = find_local(ctx.store(), query, project=a.project, kind=a.kind, scope=a.scope, **filters)
-    if ctx.json:
-        for r in out["results"]:
-            r.pop("snippet", None)
-    return out
 
 
 def print_record(rec):
