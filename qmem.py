@@ -632,6 +632,13 @@ class Store:
                 "SELECT text, project_id, kind FROM records WHERE rid=?", (rowid,)).fetchone())))
         return "updated"
 
+    def current_id(self, record_id):
+        """The id a record is known by here now: a local id of a write that has since
+        been delivered maps to its gateway id (or, for a duplicate, to the original)."""
+        row = self.conn.execute("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
+                                (record_id,)).fetchone()
+        return row[0] if row and row[0] else record_id
+
     def adopt(self, local_id, data, referenced=True, sent=None):
         """A record written here got its gateway id: the local row takes it (and the
         gateway's view of every field), and local references follow it. Only local
@@ -2050,7 +2057,7 @@ def enqueue(store, op, payload):
         target = payload.get("supersedes_id")
         if target:
             store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
-                               (local_id, target))
+                               (local_id, store.current_id(target)))
     return local_id
 
 
@@ -3039,11 +3046,7 @@ def cmd_correct(ctx):
     target = ctx.args.id.strip()
     if not target:
         raise UsageError("correct needs the id of the memory it corrects")
-    old = ctx.store().get(target)
-    if old is None:  # a local id whose record has since adopted its gateway id
-        row = ctx.store().conn.execute("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
-                                       (target,)).fetchone()
-        old = ctx.store().get(row[0]) if row and row[0] else None
+    old = ctx.store().get(ctx.store().current_id(target))
     project = a.project or (old or {}).get("project_id")
     if not project:
         raise UsageError("%s is not in the local index: say which project with --project" % target)

@@ -1647,6 +1647,10 @@ class WriteTests(GatewayTestCase):
         # A correction by the old local id, after both synced, still finds the gateway id.
         self.ok("correct", first, "terzo", "--reason", "again")
         self.assertEqual(self.gw.posts()[-1][3]["supersedes_id"], a)
+        # By a delivered local id, while offline: the record is marked superseded at once.
+        self.go_offline()
+        fourth = self.ok_json("correct", second, "quarto", "--reason", "again")["local_id"]
+        self.assertEqual(self.local_record(b)["superseded_by"], fourth)
 
     def test_reply_lost_after_the_gateway_stored_ends_as_one_synced_record(self):
         self.gw.script = ["drop_after_store"]
