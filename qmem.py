@@ -23,8 +23,9 @@ and the gateway could not be used, 130 interrupted.
 
 Configuration precedence: defaults < config file < environment < flags.
 
-Sections (grep -n '^# ==='): Errors, Utilities, Config, Local store,
-Import, Local search, Status, Gateway client, Sync, Command line.
+Sections (grep -n '^# ==='), each using only those above it: Errors, Utilities,
+Config, Circuit breaker, Gateway client, Local store, Import, Local search and
+status, Sync, Command line.
 """
 import sys
 
@@ -82,6 +83,27 @@ class RemoteRequired(QmemError):
 
 class StoreError(QmemError):
     """The local database cannot be used."""
+
+
+class GatewayError(QmemError):
+    """The gateway gave no usable answer. `kind` says why, and decides what happens:
+
+    unreachable     could not connect, or no headers within connectTimeoutMs (trips the breaker)
+    ambiguous       5xx, 429, body stalled, cut off or not JSON (retried; trips after N)
+    breaker_open    failed fast: the breaker is open, no network I/O was done
+    auth            401/403: the API key was rejected (breaker untouched)
+    not_configured  no gateway URL or API key
+    tls / protocol  certificate not trusted, a redirect: fix the configuration
+    """
+
+    def __init__(self, kind, message, status=None, retry_in_ms=None):
+        QmemError.__init__(self, message)
+        self.kind, self.status, self.retry_in_ms = kind, status, retry_in_ms
+
+    @property
+    def fallback_ok(self):
+        """May a read be answered from the local index instead?"""
+        return self.kind in ("unreachable", "ambiguous", "breaker_open", "not_configured")
 
 
 # === Utilities ===============================================================
@@ -323,6 +345,648 @@ def session_dirs(environ=None):
     agent = os.path.expanduser(agent) if agent else os.path.join(
         environ.get("HOME") or os.path.expanduser("~"), ".pi", "agent")
     return [os.path.join(agent, "sessions")]
+
+
+def normalize_url(url):
+    """'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key."""
+    from urllib.parse import urlsplit
+    p = urlsplit(url.strip())
+    return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
+
+
+def check_url(url):
+    """A gateway URL must be http(s) with a host. Returns it without a trailing slash."""
+    from urllib.parse import urlsplit
+    try:
+        p = urlsplit(url.strip())
+        p.port  # raises ValueError on a bad port
+    except ValueError as e:
+        raise UsageError("invalid gateway URL %r: %s" % (url, e))
+    if p.scheme not in ("http", "https") or not p.hostname:
+        raise UsageError("invalid gateway URL %r: it must look like https://host[:port]" % url)
+    if p.query or p.fragment:
+        raise UsageError("invalid gateway URL %r: no query or fragment, please" % url)
+    return url.strip().rstrip("/")
+
+
+def is_loopback(host):
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+RETRY_SLEEP_CAP = 10.0    # seconds: a longer Retry-After is reported, not slept
+RETRIES = 2  # further attempts after an ambiguous failure
+
+
+def worst_call_s(config, retries=RETRIES):
+    """The longest one Gateway.call() can take: every attempt using both budgets, and
+    the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it."""
+    return (retries + 1) * (config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0 \
+        + retries * (RETRY_SLEEP_CAP + 1.0) + 1.0
+
+
+CONFIG_KEYS = tuple(DEFAULTS)
+
+
+def write_config(config, changes):
+    """Set keys in the config file, keeping every key this tool does not know, atomically,
+    mode 0600. A value of None removes the key."""
+    raw = dict(config.raw)
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    atomic_write(config.path, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
+    config.raw = raw
+
+
+# === Circuit breaker =========================================================
+
+class _FileLock:
+    """An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
+    a read-modify-write of the breaker file. Gives up waiting after ~2 s."""
+
+    def __init__(self, path):
+        self.path, self.fd = path, None
+
+    def __enter__(self):
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            import fcntl
+            lock = lambda: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # noqa: E731
+        except ImportError:  # pragma: no cover - Windows
+            import msvcrt
+            lock = lambda: msvcrt.locking(self.fd, msvcrt.LK_NBLCK, 1)  # noqa: E731
+        give_up = time.monotonic() + 2.0
+        while True:
+            try:
+                lock()
+                return self
+            except OSError:
+                if time.monotonic() > give_up:
+                    warn("breaker lock %s is busy; going on without it" % self.path)
+                    return self
+                time.sleep(0.005)
+
+    def __exit__(self, *exc):
+        os.close(self.fd)  # closing releases the lock
+        return False
+
+
+class Breaker:
+    """The circuit breaker, its state in one JSON file shared by every process on the
+    machine and keyed by gateway URL (design.md, reliability.md §2).
+
+    closed     calls go through; `failures` counts consecutive ambiguous failures
+    open       calls fail at once, without network I/O, until `open_until`
+    half_open  one process (the holder of the probe lease) tries; the others fail fast
+
+    An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
+    open it; each consecutive opening doubles the open time, from base up to max; any
+    answer from the gateway closes it. Readers take no lock; writers lock a sibling
+    .lock file and replace the state file atomically."""
+
+    def __init__(self, path, url, base_ms=120000, max_ms=600000, trip_after=3, lease_s=60.0,
+                 clock=time.time, rand=None):
+        self.path, self.url, self.key = path, url, normalize_url(url) if url else ""
+        self.base_s, self.max_s, self.trip_after = base_ms / 1000.0, max_ms / 1000.0, trip_after
+        self.lease_s, self.clock, self.rand = lease_s, clock, rand
+        self.token = "%s-%s" % (os.getpid(), os.urandom(4).hex())
+        self.probing = False
+
+    @classmethod
+    def from_config(cls, config, **kw):
+        return cls(config.breaker_path, config["url"] or "", config["breakerBaseMs"], config["breakerMaxMs"],
+                   config["breakerTripAfter"],
+                   lease_s=worst_call_s(config), **kw)
+
+    # -- the file
+    _CLOSED = {"state": "closed", "failures": 0, "trips": 0, "open_until": 0.0, "opened_at": None,
+               "probe_token": None, "probe_until": 0.0, "last_error": None, "last_error_at": None}
+
+    _cache = (None, None)  # (stat signature, parsed entries) of the last read
+
+    def _read_all(self, fresh=False):
+        # A flush asks before and after every row: re-read only when the file changed
+        # (and always under the lock, where a stale answer could matter).
+        try:
+            st = None if fresh else os.stat(self.path)
+        except FileNotFoundError:
+            return {}
+        except OSError:
+            st = None
+        signature = st and (st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
+        if signature and self._cache[0] == signature:
+            return dict(self._cache[1])
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            warn("cannot read breaker file %s (%s): treating the breaker as closed" % (self.path, e.strerror))
+            return {}
+        try:
+            data = json.loads(raw.decode("utf-8"))
+            if not isinstance(data, dict) or not isinstance(data.get("gateways", {}), dict):
+                raise ValueError("not a breaker file")
+            gateways = data.get("gateways", {})
+            self._cache = (signature, dict(gateways))
+            return gateways
+        except (UnicodeDecodeError, ValueError):
+            warn("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
+                 "next change)" % self.path)
+            return {}
+
+    def read(self, fresh=False):
+        """This URL's state; anything missing or of the wrong type reads as closed."""
+        entry = self._read_all(fresh).get(self.key)
+        state = dict(self._CLOSED)
+        if isinstance(entry, dict):
+            for k, default in self._CLOSED.items():
+                v = entry.get(k, default)
+                if default is None or isinstance(default, str):
+                    ok = v is None or isinstance(v, str)
+                else:
+                    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+                if ok:
+                    state[k] = v
+            if state["state"] not in ("closed", "open", "half_open"):
+                state = dict(self._CLOSED)
+        return state
+
+    def _write(self, state):
+        """Under the lock: replace this URL's entry (a closed, clean state removes it)."""
+        gateways = self._read_all(fresh=True)
+        if state == self._CLOSED:
+            gateways.pop(self.key, None)
+        else:
+            gateways[self.key] = state
+        atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1, sort_keys=True)
+                                 + "\n").encode("utf-8"), 0o600, sync=False)
+
+    def _lock(self):
+        return _FileLock(self.path + ".lock")
+
+    # -- the transitions
+    def retry_in(self, state, now):
+        until = state["open_until"] if state["state"] == "open" else state["probe_until"]
+        return max(0, int((until - now) * 1000))
+
+    def _refuse(self, state, now):
+        ms = self.retry_in(state, now)
+        if state["state"] == "half_open":
+            why = " (another process is probing it)"
+        else:
+            why = " (last error: %s)" % state["last_error"] if state["last_error"] else ""
+        return GatewayError("breaker_open", "gateway unreachable, breaker open, retry in %d s%s" % (
+            (ms + 999) // 1000, why), retry_in_ms=ms)
+
+    def _blocks(self, state, now):
+        """Does this state refuse a call now? (It expires by itself; a clock that went
+        back, leaving an open_until further away than the longest open time, counts as
+        expired.)"""
+        if state["state"] == "open":
+            return now < state["open_until"] <= now + 1.2 * self.max_s
+        if state["state"] == "half_open":
+            return state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
+        return False
+
+    def allow(self):
+        """Return if a call may go out (closed, or this process is the half-open prober):
+        True when the breaker is closed with nothing counted. Raise
+        GatewayError('breaker_open') otherwise. The closed path writes nothing."""
+        state, now = self.read(), self.clock()
+        if state == self._CLOSED:
+            return True  # closed, nothing counted: a success will have nothing to write
+        if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"] == self.token):
+            return False
+        if self._blocks(state, now):
+            raise self._refuse(state, now)
+        with self._lock():
+            state = self.read(fresh=True)
+            if state["state"] == "closed":
+                return False
+            if self._blocks(state, now):
+                raise self._refuse(state, now)
+            state.update(state="half_open", probe_token=self.token, probe_until=now + self.lease_s)
+            self._write(state)
+        self.probing = True
+        return False
+
+    def success(self):
+        """The gateway answered: close (writes only if something changes)."""
+        state = self.read()
+        if state == self._CLOSED:
+            return
+        with self._lock():
+            self._write(dict(self._CLOSED))
+        self.probing = False
+
+    def release(self):
+        """A call ended without telling whether the gateway is up (TLS or configuration
+        error): give back the probe, if this process held it."""
+        if self.probing:
+            with self._lock():
+                state = self.read(fresh=True)
+                if state["probe_token"] == self.token:
+                    state.update(state="open", probe_token=None, open_until=self.clock())
+                    self._write(state)
+            self.probing = False
+
+    def failure(self, kind, message):
+        """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
+        trip_after in a row; a failed probe reopens with a doubled open time."""
+        now = self.clock()
+        with self._lock():
+            state = self.read(fresh=True)
+            if self._blocks(state, now):
+                return  # already open: another process's failure must not double the time
+            state.update(last_error=message, last_error_at=iso_from_epoch(now))
+            if kind == "ambiguous" and state["state"] == "closed":
+                state["failures"] += 1
+            if kind == "unreachable" or state["state"] != "closed" or state["failures"] >= self.trip_after:
+                state["trips"] += 1
+                rand = self.rand() if self.rand else __import__("random").random()
+                seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * (0.9 + 0.2 * rand))
+                state.update(state="open", failures=0, opened_at=iso_from_epoch(now), open_until=now + seconds,
+                             probe_token=None, probe_until=0.0)
+            self._write(state)
+        self.probing = False
+
+    def reset(self):
+        with self._lock():
+            self._write(dict(self._CLOSED))
+
+
+# === Gateway client ==========================================================
+#
+# The only code that touches the network. socket, ssl, http.client and threading are
+# imported inside these functions: offline commands never load them, and a call
+# refused by an open breaker returns before any of them is imported.
+
+class Response:
+    def __init__(self, status, data, headers):
+        self.status, self.data, self.headers = status, data, headers
+
+    def detail(self):
+        """The readable part of an error body (FastAPI's 'detail': a string or a list)."""
+        data = self.data
+        detail = data.get("detail") if isinstance(data, dict) else None
+        if isinstance(detail, list):
+            detail = "; ".join(("%s: %s" % (".".join(str(p) for p in d.get("loc", [])[1:]), d.get("msg"))
+                                if isinstance(d, dict) else str(d)) for d in detail)
+        return str(detail) if detail else "HTTP %d" % self.status
+
+
+MAX_BODY = 32 << 20       # bytes; an endless stream is a failure, not a memory leak
+_PER_ADDRESS_CAP = 7.0    # seconds per resolved address, so IPv4 gets a turn after a dead IPv6
+
+_net = {}  # the socket/ssl classes, built on first use
+
+
+def _net_classes():
+    """Sockets whose every send and receive is bounded by a total deadline
+    (reliability.md §1.3): before each blocking call the timeout is re-armed to the
+    time left, so a gateway trickling one byte at a time cannot stretch the budget."""
+    if _net:
+        return _net
+    import socket
+
+    class Deadline:
+        def __init__(self, seconds, what):
+            self.at, self.seconds, self.what = time.monotonic() + seconds, seconds, what
+
+        def remaining(self):
+            left = self.at - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("%s deadline of %g s exceeded" % (self.what, self.seconds))
+            return left
+
+    class DeadlineMixin:
+        qm_deadline = None
+
+        def _arm(self):
+            if self.qm_deadline is not None:
+                self.settimeout(self.qm_deadline.remaining())
+
+        def recv_into(self, *args):
+            self._arm()
+            return super().recv_into(*args)
+
+        def recv(self, *args):
+            self._arm()
+            return super().recv(*args)
+
+        def sendall(self, *args):  # a total since 3.5
+            self._arm()
+            return super().sendall(*args)
+
+    class DeadlineSocket(DeadlineMixin, socket.socket):
+        pass
+
+    _net.update(socket=socket, Deadline=Deadline, DeadlineMixin=DeadlineMixin, DeadlineSocket=DeadlineSocket)
+    return _net
+
+
+def _resolve(host, port, deadline):
+    """getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
+    (and does not keep the process alive at exit)."""
+    import threading
+    socket, box = _net["socket"], {}
+
+    def work():
+        try:
+            box["r"] = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
+        except OSError as e:
+            box["e"] = e
+    th = threading.Thread(target=work, daemon=True)
+    th.start()
+    th.join(deadline.remaining())
+    if th.is_alive():
+        raise socket.timeout("name resolution of %s took longer than %g s" % (host, deadline.seconds))
+    if "e" in box:
+        raise box["e"]
+    return box["r"]
+
+
+def _proxy_for(scheme, host, environ=None):
+    """(host, port) of the proxy the standard variables ask for, or None. Honoured:
+    https_proxy / http_proxy (either case) and no_proxy (suffixes, '*')."""
+    environ = os.environ if environ is None else environ
+    value = environ.get(scheme + "_proxy") or environ.get(scheme.upper() + "_PROXY")
+    if not value or is_loopback(host):  # a proxy cannot reach this machine's loopback
+        return None
+    no_proxy = environ.get("no_proxy") or environ.get("NO_PROXY") or ""
+    for entry in no_proxy.replace(" ", "").split(","):
+        entry = entry.lstrip(".").lower()
+        if entry == "*" or (entry and (host.lower() == entry or host.lower().endswith("." + entry))):
+            return None
+    from urllib.parse import urlsplit
+    p = urlsplit(value if "://" in value else "http://" + value)
+    if not p.hostname:
+        return None
+    return p.hostname, p.port or 80
+
+
+def retry_after_seconds(headers, now=None):
+    """Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None."""
+    raw = (headers.get("Retry-After") or "").strip()
+    if not raw:
+        return None
+    if raw.isdigit() and len(raw) <= 10:
+        return float(int(raw))
+    target = _http_date(raw)
+    if target is None:
+        return None
+    ref = _http_date(headers.get("Date") or "")  # the server's clock cancels skew
+    if ref is None:
+        ref = time.time() if now is None else now
+    return max(0.0, target - ref)
+
+
+def _http_date(value):
+    import email.utils
+    import datetime
+    try:
+        dt = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError, OverflowError):
+        return None
+    if dt is None:
+        return None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=datetime.timezone.utc)
+    try:
+        return dt.timestamp()
+    except (OverflowError, OSError, ValueError):
+        return None
+
+
+class Gateway:
+    """A client for one gateway URL: both auth headers, JSON in and out, two total
+    deadlines, retries of ambiguous failures, and the shared breaker in front.
+    One connection is kept and reused for every call of a command."""
+
+    def __init__(self, config, breaker=None, sleep=time.sleep, retries=RETRIES):
+        url, self.key = config["url"], config["apiKey"]
+        if not url:
+            raise GatewayError("not_configured", "no gateway configured: run `qmem.py config url https://…`")
+        if not self.key:
+            raise GatewayError("not_configured", "no API key configured: run `qmem.py config apikey`")
+        from urllib.parse import urlsplit
+        self.url = check_url(url)
+        p = urlsplit(self.url)
+        self.https, self.host, self.base = p.scheme == "https", p.hostname, p.path.rstrip("/")
+        self.port = p.port or (443 if self.https else 80)
+        self.connect_s = config["connectTimeoutMs"] / 1000.0
+        self.body_s = config["timeoutMs"] / 1000.0
+        self.ca_file = config.values.get("caFile")
+        self.breaker = breaker or Breaker.from_config(config)
+        self.sleep, self.retries = sleep, retries
+        self.worst_call_s = worst_call_s(config, retries)
+        self.conn = self.sock = None
+        self.prefix = ""
+
+    def close(self):
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = self.sock = None
+
+    def call(self, method, path, body=None, idempotency_key=None, retries=None):
+        """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
+        the caller interprets. Everything else raises GatewayError (see its kinds)."""
+        was_clean = self.breaker.allow()
+        retries = self.retries if retries is None else retries
+        attempt = 0
+        while True:
+            try:
+                resp = self._exchange(method, path, body, idempotency_key)
+            except GatewayError as e:
+                if e.kind == "unreachable":
+                    self.breaker.failure("unreachable", str(e))
+                    raise
+                if e.kind != "ambiguous":
+                    self.breaker.release()
+                    raise
+                failure, delay = e, None
+            else:
+                status = resp.status
+                if 200 <= status < 300 or status in (401, 403) or (400 <= status < 500 and status != 429):
+                    if not (was_clean and attempt == 0):  # nothing to close otherwise
+                        self.breaker.success()
+                    if status in (401, 403):
+                        raise GatewayError("auth", "API key rejected by the gateway (HTTP %d): "
+                                           "set the right one with `qmem.py config apikey`" % status, status)
+                    return resp
+                if 300 <= status < 400:
+                    self.breaker.release()
+                    raise GatewayError("protocol", "the gateway answered with a redirect (HTTP %d to %s): "
+                                       "put the final address in `qmem.py config url`"
+                                       % (status, resp.headers.get("Location") or "?"), status)
+                delay = retry_after_seconds(resp.headers)
+                failure = GatewayError("ambiguous", "gateway answered HTTP %d%s" % (
+                    status, " (%s)" % resp.detail() if resp.data else ""), status)
+            attempt += 1
+            wait = delay if delay is not None else min(8.0, 0.25 * 2 ** attempt)
+            if delay is not None:
+                failure.retry_in_ms = int(delay * 1000)
+            if attempt > retries or wait > RETRY_SLEEP_CAP:
+                self.breaker.failure("ambiguous", str(failure))
+                raise failure
+            import random
+            # Full jitter without Retry-After; with it, never earlier, a little later.
+            self.sleep(wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25)) if delay is not None
+                       else random.uniform(wait / 2, wait))
+
+    def _headers(self, body, idempotency_key):
+        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key, "User-Agent": "qmem.py/" + __version__}
+        if body is not None:
+            h["Content-Type"] = "application/json; charset=utf-8"
+        if idempotency_key:
+            h["Idempotency-Key"] = idempotency_key
+        return h
+
+    def _exchange(self, method, path, body, idempotency_key):
+        import http.client
+        net = _net_classes()
+        socket = net["socket"]
+        if body is None or isinstance(body, bytes):
+            data = body  # already JSON
+        else:
+            data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        for fresh in (False, True):
+            reused = self.conn is not None and not fresh
+            deadline = net["Deadline"](self.connect_s, "connect+headers")
+            try:
+                if self.conn is None:
+                    self._connect(deadline)
+                self.sock.qm_deadline = deadline
+                self.conn.request(method, self.prefix + self.base + path, body=data,
+                                  headers=self._headers(body, idempotency_key))
+                resp = self.conn.getresponse()
+                break
+            except GatewayError:
+                raise
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                if reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError,
+                                             BrokenPipeError)):
+                    continue  # the kept-alive connection was closed by the server: reconnect once
+                if isinstance(e, socket.timeout):
+                    raise GatewayError("unreachable", "connected to %s, but no answer within %g s" % (
+                        self.url, self.connect_s))
+                raise GatewayError("unreachable", "connected to %s, but it closed the connection "
+                                   "without answering (%s)" % (self.url, _reason(e)))
+        self.sock.qm_deadline = net["Deadline"](self.body_s, "body")
+        chunks, size = [], 0
+        try:
+            if resp.length is not None and resp.length <= MAX_BODY:
+                chunks.append(resp.read())  # raises IncompleteRead when the body is short
+                size = len(chunks[0])
+            while not resp.isclosed():
+                chunk = resp.read(65536)
+                if not chunk:
+                    break
+                size += len(chunk)
+                if size > MAX_BODY:
+                    raise GatewayError("ambiguous", "answer from %s larger than %d MB: refused" % (
+                        self.url, MAX_BODY >> 20))
+                chunks.append(chunk)
+            if resp.length:  # EOF before Content-Length was met: read() does not say so
+                raise http.client.IncompleteRead(b"", resp.length)
+        except GatewayError:
+            self.close()
+            raise
+        except socket.timeout:
+            self.close()
+            raise GatewayError("ambiguous", "answer from %s stalled: body not complete within %g s" % (
+                self.url, self.body_s), resp.status)
+        except (OSError, http.client.HTTPException) as e:
+            self.close()
+            size = size or len(getattr(e, "partial", b"") or b"")
+            raise GatewayError("ambiguous", "answer from %s cut off after %d bytes (%s)" % (
+                self.url, size, _reason(e)), resp.status)
+        if resp.will_close:
+            self.close()
+        else:
+            self.sock.qm_deadline = None
+        raw = b"".join(chunks)
+        try:
+            parsed = json.loads(raw.decode("utf-8")) if raw else None
+        except (UnicodeDecodeError, ValueError):
+            parsed = None
+            if 200 <= resp.status < 300:
+                kind = resp.getheader("Content-Type") or "no content type"
+                raise GatewayError("ambiguous", "answer from %s is not JSON (%s, %d bytes): is the URL "
+                                   "the gateway's?" % (self.url, kind.split(";")[0], len(raw)), resp.status)
+        if 200 <= resp.status < 300 and not isinstance(parsed, dict):
+            raise GatewayError("ambiguous", "answer from %s is not a JSON object" % self.url, resp.status)
+        return Response(resp.status, parsed, resp.headers)
+
+    def _connect(self, deadline):
+        import http.client
+        net = _net_classes()
+        socket, DeadlineSocket = net["socket"], net["DeadlineSocket"]
+        proxy = _proxy_for("https" if self.https else "http", self.host)
+        if self.https:
+            conn = http.client.HTTPSConnection(*(proxy or (self.host, self.port)), context=self._ssl_context())
+        else:
+            conn = http.client.HTTPConnection(*(proxy or (self.host, self.port)))
+        if proxy and self.https:
+            conn.set_tunnel(self.host, self.port)  # CONNECT, then TLS with the gateway itself
+        # Through a plain-http proxy, requests name the gateway in full (absolute-form).
+        self.prefix = "http://%s:%d" % (self.host, self.port) if proxy and not self.https else ""
+
+        def create_connection(address, *args, **kw):
+            last = None
+            for family, kind, proto, _, addr in _resolve(address[0], address[1], deadline):
+                s = DeadlineSocket(family, kind, proto)
+                try:
+                    s.settimeout(min(deadline.remaining(), _PER_ADDRESS_CAP))
+                    s.connect(addr)
+                    s.settimeout(deadline.remaining())  # the TLS handshake inherits it
+                    s.qm_deadline = deadline
+                    return s
+                except OSError as e:
+                    s.close()
+                    last = e
+            raise last or OSError("no address for %s" % address[0])
+
+        conn._create_connection = create_connection
+        try:
+            conn.connect()
+        except OSError as e:
+            conn.close()
+            if type(e).__name__ in ("SSLCertVerificationError", "CertificateError") or \
+                    "CERTIFICATE_VERIFY_FAILED" in str(e):
+                raise GatewayError("tls", "TLS verification failed for %s (%s): for a private CA set "
+                                   "caFile (`qmem.py config set caFile PATH`) or SSL_CERT_FILE"
+                                   % (self.host, _reason(e)))
+            if isinstance(e, socket.timeout):
+                raise GatewayError("unreachable", "could not connect to %s within %g s" % (
+                    self.url, self.connect_s))
+            raise GatewayError("unreachable", "could not connect to %s (%s)" % (self.url, _reason(e)))
+        self.conn, self.sock = conn, conn.sock
+        self.sock.qm_deadline = deadline
+
+    def _ssl_context(self):
+        import ssl
+        net = _net_classes()
+        if "DeadlineSSLSocket" not in net:
+            net["DeadlineSSLSocket"] = type("DeadlineSSLSocket", (net["DeadlineMixin"], ssl.SSLSocket), {})
+        # Verified, with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by
+        # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
+        ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
+            ctx.sslsocket_class = net["DeadlineSSLSocket"]
+        return ctx
+
+
+def _reason(e):
+    """A short, key-free description of a network exception."""
+    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
+    return text if type(e).__name__ in text else "%s: %s" % (type(e).__name__, text)
 
 
 # === Local store =============================================================
@@ -1244,7 +1908,7 @@ def _parse_line(line):
     return data if data.__class__ is dict else None
 
 
-# === Local search ============================================================
+# === Local search and status =================================================
 
 _WORD_RE = re.compile(r"\w+")
 
@@ -1331,8 +1995,6 @@ def _plain_snippet(text, tokens, width=160):
     return ("…" if start else "") + piece + ("…" if start + width < len(text) else "")
 
 
-# === Status ==================================================================
-
 def local_status(store):
     """Everything the local side knows, as one dict (see `status --json`)."""
     q = store.conn.execute
@@ -1373,651 +2035,19 @@ def local_status(store):
     }
 
 
-# === Gateway client ==========================================================
-#
-# The only code that touches the network. socket, ssl, http.client and threading are
-# imported inside these functions: offline commands never load them, and a call
-# refused by an open breaker returns before any of them is imported.
-
-class GatewayError(QmemError):
-    """The gateway gave no usable answer. `kind` says why, and decides what happens:
-
-    unreachable     could not connect, or no headers within connectTimeoutMs (trips the breaker)
-    ambiguous       5xx, 429, body stalled, cut off or not JSON (retried; trips after N)
-    breaker_open    failed fast: the breaker is open, no network I/O was done
-    auth            401/403: the API key was rejected (breaker untouched)
-    not_configured  no gateway URL or API key
-    tls / protocol  certificate not trusted, a redirect: fix the configuration
-    """
-
-    def __init__(self, kind, message, status=None, retry_in_ms=None):
-        QmemError.__init__(self, message)
-        self.kind, self.status, self.retry_in_ms = kind, status, retry_in_ms
-
-    @property
-    def fallback_ok(self):
-        """May a read be answered from the local index instead?"""
-        return self.kind in ("unreachable", "ambiguous", "breaker_open", "not_configured")
-
-
-class Response:
-    def __init__(self, status, data, headers):
-        self.status, self.data, self.headers = status, data, headers
-
-    def detail(self):
-        """The readable part of an error body (FastAPI's 'detail': a string or a list)."""
-        data = self.data
-        detail = data.get("detail") if isinstance(data, dict) else None
-        if isinstance(detail, list):
-            detail = "; ".join(("%s: %s" % (".".join(str(p) for p in d.get("loc", [])[1:]), d.get("msg"))
-                                if isinstance(d, dict) else str(d)) for d in detail)
-        return str(detail) if detail else "HTTP %d" % self.status
-
-
-MAX_BODY = 32 << 20       # bytes; an endless stream is a failure, not a memory leak
-RETRY_SLEEP_CAP = 10.0    # seconds: a longer Retry-After is reported, not slept
-_PER_ADDRESS_CAP = 7.0    # seconds per resolved address, so IPv4 gets a turn after a dead IPv6
-
-_net = {}  # the socket/ssl classes, built on first use
-
-
-def _net_classes():
-    """Sockets whose every send and receive is bounded by a total deadline
-    (reliability.md §1.3): before each blocking call the timeout is re-armed to the
-    time left, so a gateway trickling one byte at a time cannot stretch the budget."""
-    if _net:
-        return _net
-    import socket
-
-    class Deadline:
-        def __init__(self, seconds, what):
-            self.at, self.seconds, self.what = time.monotonic() + seconds, seconds, what
-
-        def remaining(self):
-            left = self.at - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("%s deadline of %g s exceeded" % (self.what, self.seconds))
-            return left
-
-    class DeadlineMixin:
-        qm_deadline = None
-
-        def _arm(self):
-            if self.qm_deadline is not None:
-                self.settimeout(self.qm_deadline.remaining())
-
-        def recv_into(self, *args):
-            self._arm()
-            return super().recv_into(*args)
-
-        def recv(self, *args):
-            self._arm()
-            return super().recv(*args)
-
-        def sendall(self, *args):  # a total since 3.5
-            self._arm()
-            return super().sendall(*args)
-
-    class DeadlineSocket(DeadlineMixin, socket.socket):
-        pass
-
-    _net.update(socket=socket, Deadline=Deadline, DeadlineMixin=DeadlineMixin, DeadlineSocket=DeadlineSocket)
-    return _net
-
-
-def _resolve(host, port, deadline):
-    """getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
-    (and does not keep the process alive at exit)."""
-    import threading
-    socket, box = _net["socket"], {}
-
-    def work():
-        try:
-            box["r"] = socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM)
-        except OSError as e:
-            box["e"] = e
-    th = threading.Thread(target=work, daemon=True)
-    th.start()
-    th.join(deadline.remaining())
-    if th.is_alive():
-        raise socket.timeout("name resolution of %s took longer than %g s" % (host, deadline.seconds))
-    if "e" in box:
-        raise box["e"]
-    return box["r"]
-
-
-def _proxy_for(scheme, host, environ=None):
-    """(host, port) of the proxy the standard variables ask for, or None. Honoured:
-    https_proxy / http_proxy (either case) and no_proxy (suffixes, '*')."""
-    environ = os.environ if environ is None else environ
-    value = environ.get(scheme + "_proxy") or environ.get(scheme.upper() + "_PROXY")
-    if not value or is_loopback(host):  # a proxy cannot reach this machine's loopback
-        return None
-    no_proxy = environ.get("no_proxy") or environ.get("NO_PROXY") or ""
-    for entry in no_proxy.replace(" ", "").split(","):
-        entry = entry.lstrip(".").lower()
-        if entry == "*" or (entry and (host.lower() == entry or host.lower().endswith("." + entry))):
-            return None
-    from urllib.parse import urlsplit
-    p = urlsplit(value if "://" in value else "http://" + value)
-    if not p.hostname:
-        return None
-    return p.hostname, p.port or 80
-
-
-def normalize_url(url):
-    """'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key."""
-    from urllib.parse import urlsplit
-    p = urlsplit(url.strip())
-    return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
-
-
-def check_url(url):
-    """A gateway URL must be http(s) with a host. Returns it without a trailing slash."""
-    from urllib.parse import urlsplit
-    try:
-        p = urlsplit(url.strip())
-        p.port  # raises ValueError on a bad port
-    except ValueError as e:
-        raise UsageError("invalid gateway URL %r: %s" % (url, e))
-    if p.scheme not in ("http", "https") or not p.hostname:
-        raise UsageError("invalid gateway URL %r: it must look like https://host[:port]" % url)
-    if p.query or p.fragment:
-        raise UsageError("invalid gateway URL %r: no query or fragment, please" % url)
-    return url.strip().rstrip("/")
-
-
-def is_loopback(host):
-    return host in ("localhost", "::1") or host.startswith("127.")
-
-
-def retry_after_seconds(headers, now=None):
-    """Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None."""
-    raw = (headers.get("Retry-After") or "").strip()
-    if not raw:
-        return None
-    if raw.isdigit() and len(raw) <= 10:
-        return float(int(raw))
-    target = _http_date(raw)
-    if target is None:
-        return None
-    ref = _http_date(headers.get("Date") or "")  # the server's clock cancels skew
-    if ref is None:
-        ref = time.time() if now is None else now
-    return max(0.0, target - ref)
-
-
-def _http_date(value):
-    import email.utils
-    import datetime
-    try:
-        dt = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if dt is None:
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=datetime.timezone.utc)
-    try:
-        return dt.timestamp()
-    except (OverflowError, OSError, ValueError):
-        return None
-
-
-RETRIES = 2  # further attempts after an ambiguous failure
-
-
-def worst_call_s(config, retries=RETRIES):
-    """The longest one Gateway.call() can take: every attempt using both budgets, and
-    the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it."""
-    return (retries + 1) * (config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0 \
-        + retries * (RETRY_SLEEP_CAP + 1.0) + 1.0
-
-
-class Gateway:
-    """A client for one gateway URL: both auth headers, JSON in and out, two total
-    deadlines, retries of ambiguous failures, and the shared breaker in front.
-    One connection is kept and reused for every call of a command."""
-
-    def __init__(self, config, breaker=None, sleep=time.sleep, retries=RETRIES):
-        url, self.key = config["url"], config["apiKey"]
-        if not url:
-            raise GatewayError("not_configured", "no gateway configured: run `qmem.py config url https://…`")
-        if not self.key:
-            raise GatewayError("not_configured", "no API key configured: run `qmem.py config apikey`")
-        from urllib.parse import urlsplit
-        self.url = check_url(url)
-        p = urlsplit(self.url)
-        self.https, self.host, self.base = p.scheme == "https", p.hostname, p.path.rstrip("/")
-        self.port = p.port or (443 if self.https else 80)
-        self.connect_s = config["connectTimeoutMs"] / 1000.0
-        self.body_s = config["timeoutMs"] / 1000.0
-        self.ca_file = config.values.get("caFile")
-        self.breaker = breaker or Breaker.from_config(config)
-        self.sleep, self.retries = sleep, retries
-        self.worst_call_s = worst_call_s(config, retries)
-        self.conn = self.sock = None
-        self.prefix = ""
-
-    def close(self):
-        if self.conn is not None:
-            self.conn.close()
-        self.conn = self.sock = None
-
-    def call(self, method, path, body=None, idempotency_key=None, retries=None):
-        """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
-        the caller interprets. Everything else raises GatewayError (see its kinds)."""
-        was_clean = self.breaker.allow()
-        retries = self.retries if retries is None else retries
-        attempt = 0
-        while True:
-            try:
-                resp = self._exchange(method, path, body, idempotency_key)
-            except GatewayError as e:
-                if e.kind == "unreachable":
-                    self.breaker.failure("unreachable", str(e))
-                    raise
-                if e.kind != "ambiguous":
-                    self.breaker.release()
-                    raise
-                failure, delay = e, None
-            else:
-                status = resp.status
-                if 200 <= status < 300 or status in (401, 403) or (400 <= status < 500 and status != 429):
-                    if not (was_clean and attempt == 0):  # nothing to close otherwise
-                        self.breaker.success()
-                    if status in (401, 403):
-                        raise GatewayError("auth", "API key rejected by the gateway (HTTP %d): "
-                                           "set the right one with `qmem.py config apikey`" % status, status)
-                    return resp
-                if 300 <= status < 400:
-                    self.breaker.release()
-                    raise GatewayError("protocol", "the gateway answered with a redirect (HTTP %d to %s): "
-                                       "put the final address in `qmem.py config url`"
-                                       % (status, resp.headers.get("Location") or "?"), status)
-                delay = retry_after_seconds(resp.headers)
-                failure = GatewayError("ambiguous", "gateway answered HTTP %d%s" % (
-                    status, " (%s)" % resp.detail() if resp.data else ""), status)
-            attempt += 1
-            wait = delay if delay is not None else min(8.0, 0.25 * 2 ** attempt)
-            if delay is not None:
-                failure.retry_in_ms = int(delay * 1000)
-            if attempt > retries or wait > RETRY_SLEEP_CAP:
-                self.breaker.failure("ambiguous", str(failure))
-                raise failure
-            import random
-            # Full jitter without Retry-After; with it, never earlier, a little later.
-            self.sleep(wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25)) if delay is not None
-                       else random.uniform(wait / 2, wait))
-
-    def _headers(self, body, idempotency_key):
-        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key, "User-Agent": "qmem.py/" + __version__}
-        if body is not None:
-            h["Content-Type"] = "application/json; charset=utf-8"
-        if idempotency_key:
-            h["Idempotency-Key"] = idempotency_key
-        return h
-
-    def _exchange(self, method, path, body, idempotency_key):
-        import http.client
-        net = _net_classes()
-        socket = net["socket"]
-        if body is None or isinstance(body, bytes):
-            data = body  # already JSON
-        else:
-            data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        for fresh in (False, True):
-            reused = self.conn is not None and not fresh
-            deadline = net["Deadline"](self.connect_s, "connect+headers")
-            try:
-                if self.conn is None:
-                    self._connect(deadline)
-                self.sock.qm_deadline = deadline
-                self.conn.request(method, self.prefix + self.base + path, body=data,
-                                  headers=self._headers(body, idempotency_key))
-                resp = self.conn.getresponse()
-                break
-            except GatewayError:
-                raise
-            except (OSError, http.client.HTTPException) as e:
-                self.close()
-                if reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError,
-                                             BrokenPipeError)):
-                    continue  # the kept-alive connection was closed by the server: reconnect once
-                if isinstance(e, socket.timeout):
-                    raise GatewayError("unreachable", "connected to %s, but no answer within %g s" % (
-                        self.url, self.connect_s))
-                raise GatewayError("unreachable", "connected to %s, but it closed the connection "
-                                   "without answering (%s)" % (self.url, _reason(e)))
-        self.sock.qm_deadline = net["Deadline"](self.body_s, "body")
-        chunks, size = [], 0
-        try:
-            if resp.length is not None and resp.length <= MAX_BODY:
-                chunks.append(resp.read())  # raises IncompleteRead when the body is short
-                size = len(chunks[0])
-            while not resp.isclosed():
-                chunk = resp.read(65536)
-                if not chunk:
-                    break
-                size += len(chunk)
-                if size > MAX_BODY:
-                    raise GatewayError("ambiguous", "answer from %s larger than %d MB: refused" % (
-                        self.url, MAX_BODY >> 20))
-                chunks.append(chunk)
-            if resp.length:  # EOF before Content-Length was met: read() does not say so
-                raise http.client.IncompleteRead(b"", resp.length)
-        except GatewayError:
-            self.close()
-            raise
-        except socket.timeout:
-            self.close()
-            raise GatewayError("ambiguous", "answer from %s stalled: body not complete within %g s" % (
-                self.url, self.body_s), resp.status)
-        except (OSError, http.client.HTTPException) as e:
-            self.close()
-            size = size or len(getattr(e, "partial", b"") or b"")
-            raise GatewayError("ambiguous", "answer from %s cut off after %d bytes (%s)" % (
-                self.url, size, _reason(e)), resp.status)
-        if resp.will_close:
-            self.close()
-        else:
-            self.sock.qm_deadline = None
-        raw = b"".join(chunks)
-        try:
-            parsed = json.loads(raw.decode("utf-8")) if raw else None
-        except (UnicodeDecodeError, ValueError):
-            parsed = None
-            if 200 <= resp.status < 300:
-                kind = resp.getheader("Content-Type") or "no content type"
-                raise GatewayError("ambiguous", "answer from %s is not JSON (%s, %d bytes): is the URL "
-                                   "the gateway's?" % (self.url, kind.split(";")[0], len(raw)), resp.status)
-        if 200 <= resp.status < 300 and not isinstance(parsed, dict):
-            raise GatewayError("ambiguous", "answer from %s is not a JSON object" % self.url, resp.status)
-        return Response(resp.status, parsed, resp.headers)
-
-    def _connect(self, deadline):
-        import http.client
-        net = _net_classes()
-        socket, DeadlineSocket = net["socket"], net["DeadlineSocket"]
-        proxy = _proxy_for("https" if self.https else "http", self.host)
-        if self.https:
-            conn = http.client.HTTPSConnection(*(proxy or (self.host, self.port)), context=self._ssl_context())
-        else:
-            conn = http.client.HTTPConnection(*(proxy or (self.host, self.port)))
-        if proxy and self.https:
-            conn.set_tunnel(self.host, self.port)  # CONNECT, then TLS with the gateway itself
-        # Through a plain-http proxy, requests name the gateway in full (absolute-form).
-        self.prefix = "http://%s:%d" % (self.host, self.port) if proxy and not self.https else ""
-
-        def create_connection(address, *args, **kw):
-            last = None
-            for family, kind, proto, _, addr in _resolve(address[0], address[1], deadline):
-                s = DeadlineSocket(family, kind, proto)
-                try:
-                    s.settimeout(min(deadline.remaining(), _PER_ADDRESS_CAP))
-                    s.connect(addr)
-                    s.settimeout(deadline.remaining())  # the TLS handshake inherits it
-                    s.qm_deadline = deadline
-                    return s
-                except OSError as e:
-                    s.close()
-                    last = e
-            raise last or OSError("no address for %s" % address[0])
-
-        conn._create_connection = create_connection
-        try:
-            conn.connect()
-        except OSError as e:
-            conn.close()
-            if type(e).__name__ in ("SSLCertVerificationError", "CertificateError") or \
-                    "CERTIFICATE_VERIFY_FAILED" in str(e):
-                raise GatewayError("tls", "TLS verification failed for %s (%s): for a private CA set "
-                                   "caFile (`qmem.py config set caFile PATH`) or SSL_CERT_FILE"
-                                   % (self.host, _reason(e)))
-            if isinstance(e, socket.timeout):
-                raise GatewayError("unreachable", "could not connect to %s within %g s" % (
-                    self.url, self.connect_s))
-            raise GatewayError("unreachable", "could not connect to %s (%s)" % (self.url, _reason(e)))
-        self.conn, self.sock = conn, conn.sock
-        self.sock.qm_deadline = deadline
-
-    def _ssl_context(self):
-        import ssl
-        net = _net_classes()
-        if "DeadlineSSLSocket" not in net:
-            net["DeadlineSSLSocket"] = type("DeadlineSSLSocket", (net["DeadlineMixin"], ssl.SSLSocket), {})
-        # Verified, with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by
-        # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
-        ctx = ssl.create_default_context(cafile=self.ca_file or None)
-        if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
-            ctx.sslsocket_class = net["DeadlineSSLSocket"]
-        return ctx
-
-
-def _reason(e):
-    """A short, key-free description of a network exception."""
-    text = getattr(e, "strerror", None) or str(e) or type(e).__name__
-    return text if type(e).__name__ in text else "%s: %s" % (type(e).__name__, text)
-
-
-# --- Circuit breaker ----------------------------------------------------------
-
-class _FileLock:
-    """An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
-    a read-modify-write of the breaker file. Gives up waiting after ~2 s."""
-
-    def __init__(self, path):
-        self.path, self.fd = path, None
-
-    def __enter__(self):
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            import fcntl
-            lock = lambda: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # noqa: E731
-        except ImportError:  # pragma: no cover - Windows
-            import msvcrt
-            lock = lambda: msvcrt.locking(self.fd, msvcrt.LK_NBLCK, 1)  # noqa: E731
-        give_up = time.monotonic() + 2.0
-        while True:
-            try:
-                lock()
-                return self
-            except OSError:
-                if time.monotonic() > give_up:
-                    warn("breaker lock %s is busy; going on without it" % self.path)
-                    return self
-                time.sleep(0.005)
-
-    def __exit__(self, *exc):
-        os.close(self.fd)  # closing releases the lock
-        return False
-
-
-class Breaker:
-    """The circuit breaker, its state in one JSON file shared by every process on the
-    machine and keyed by gateway URL (design.md, reliability.md §2).
-
-    closed     calls go through; `failures` counts consecutive ambiguous failures
-    open       calls fail at once, without network I/O, until `open_until`
-    half_open  one process (the holder of the probe lease) tries; the others fail fast
-
-    An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
-    open it; each consecutive opening doubles the open time, from base up to max; any
-    answer from the gateway closes it. Readers take no lock; writers lock a sibling
-    .lock file and replace the state file atomically."""
-
-    def __init__(self, path, url, base_ms=120000, max_ms=600000, trip_after=3, lease_s=60.0,
-                 clock=time.time, rand=None):
-        self.path, self.url, self.key = path, url, normalize_url(url) if url else ""
-        self.base_s, self.max_s, self.trip_after = base_ms / 1000.0, max_ms / 1000.0, trip_after
-        self.lease_s, self.clock, self.rand = lease_s, clock, rand
-        self.token = "%s-%s" % (os.getpid(), os.urandom(4).hex())
-        self.probing = False
-
-    @classmethod
-    def from_config(cls, config, **kw):
-        return cls(config.breaker_path, config["url"] or "", config["breakerBaseMs"], config["breakerMaxMs"],
-                   config["breakerTripAfter"],
-                   lease_s=worst_call_s(config), **kw)
-
-    # -- the file
-    _CLOSED = {"state": "closed", "failures": 0, "trips": 0, "open_until": 0.0, "opened_at": None,
-               "probe_token": None, "probe_until": 0.0, "last_error": None, "last_error_at": None}
-
-    _cache = (None, None)  # (stat signature, parsed entries) of the last read
-
-    def _read_all(self, fresh=False):
-        # A flush asks before and after every row: re-read only when the file changed
-        # (and always under the lock, where a stale answer could matter).
-        try:
-            st = None if fresh else os.stat(self.path)
-        except FileNotFoundError:
-            return {}
-        except OSError:
-            st = None
-        signature = st and (st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
-        if signature and self._cache[0] == signature:
-            return dict(self._cache[1])
-        try:
-            with open(self.path, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            warn("cannot read breaker file %s (%s): treating the breaker as closed" % (self.path, e.strerror))
-            return {}
-        try:
-            data = json.loads(raw.decode("utf-8"))
-            if not isinstance(data, dict) or not isinstance(data.get("gateways", {}), dict):
-                raise ValueError("not a breaker file")
-            gateways = data.get("gateways", {})
-            self._cache = (signature, dict(gateways))
-            return gateways
-        except (UnicodeDecodeError, ValueError):
-            warn("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
-                 "next change)" % self.path)
-            return {}
-
-    def read(self, fresh=False):
-        """This URL's state; anything missing or of the wrong type reads as closed."""
-        entry = self._read_all(fresh).get(self.key)
-        state = dict(self._CLOSED)
-        if isinstance(entry, dict):
-            for k, default in self._CLOSED.items():
-                v = entry.get(k, default)
-                if default is None or isinstance(default, str):
-                    ok = v is None or isinstance(v, str)
-                else:
-                    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-                if ok:
-                    state[k] = v
-            if state["state"] not in ("closed", "open", "half_open"):
-                state = dict(self._CLOSED)
-        return state
-
-    def _write(self, state):
-        """Under the lock: replace this URL's entry (a closed, clean state removes it)."""
-        gateways = self._read_all(fresh=True)
-        if state == self._CLOSED:
-            gateways.pop(self.key, None)
-        else:
-            gateways[self.key] = state
-        atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1, sort_keys=True)
-                                 + "\n").encode("utf-8"), 0o600, sync=False)
-
-    def _lock(self):
-        return _FileLock(self.path + ".lock")
-
-    # -- the transitions
-    def retry_in(self, state, now):
-        until = state["open_until"] if state["state"] == "open" else state["probe_until"]
-        return max(0, int((until - now) * 1000))
-
-    def _refuse(self, state, now):
-        ms = self.retry_in(state, now)
-        if state["state"] == "half_open":
-            why = " (another process is probing it)"
-        else:
-            why = " (last error: %s)" % state["last_error"] if state["last_error"] else ""
-        return GatewayError("breaker_open", "gateway unreachable, breaker open, retry in %d s%s" % (
-            (ms + 999) // 1000, why), retry_in_ms=ms)
-
-    def _blocks(self, state, now):
-        """Does this state refuse a call now? (It expires by itself; a clock that went
-        back, leaving an open_until further away than the longest open time, counts as
-        expired.)"""
-        if state["state"] == "open":
-            return now < state["open_until"] <= now + 1.2 * self.max_s
-        if state["state"] == "half_open":
-            return state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
-        return False
-
-    def allow(self):
-        """Return if a call may go out (closed, or this process is the half-open prober):
-        True when the breaker is closed with nothing counted. Raise
-        GatewayError('breaker_open') otherwise. The closed path writes nothing."""
-        state, now = self.read(), self.clock()
-        if state == self._CLOSED:
-            return True  # closed, nothing counted: a success will have nothing to write
-        if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"] == self.token):
-            return False
-        if self._blocks(state, now):
-            raise self._refuse(state, now)
-        with self._lock():
-            state = self.read(fresh=True)
-            if state["state"] == "closed":
-                return False
-            if self._blocks(state, now):
-                raise self._refuse(state, now)
-            state.update(state="half_open", probe_token=self.token, probe_until=now + self.lease_s)
-            self._write(state)
-        self.probing = True
-        return False
-
-    def success(self):
-        """The gateway answered: close (writes only if something changes)."""
-        state = self.read()
-        if state == self._CLOSED:
-            return
-        with self._lock():
-            self._write(dict(self._CLOSED))
-        self.probing = False
-
-    def release(self):
-        """A call ended without telling whether the gateway is up (TLS or configuration
-        error): give back the probe, if this process held it."""
-        if self.probing:
-            with self._lock():
-                state = self.read(fresh=True)
-                if state["probe_token"] == self.token:
-                    state.update(state="open", probe_token=None, open_until=self.clock())
-                    self._write(state)
-            self.probing = False
-
-    def failure(self, kind, message):
-        """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
-        trip_after in a row; a failed probe reopens with a doubled open time."""
-        now = self.clock()
-        with self._lock():
-            state = self.read(fresh=True)
-            if self._blocks(state, now):
-                return  # already open: another process's failure must not double the time
-            state.update(last_error=message, last_error_at=iso_from_epoch(now))
-            if kind == "ambiguous" and state["state"] == "closed":
-                state["failures"] += 1
-            if kind == "unreachable" or state["state"] != "closed" or state["failures"] >= self.trip_after:
-                state["trips"] += 1
-                rand = self.rand() if self.rand else __import__("random").random()
-                seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * (0.9 + 0.2 * rand))
-                state.update(state="open", failures=0, opened_at=iso_from_epoch(now), open_until=now + seconds,
-                             probe_token=None, probe_until=0.0)
-            self._write(state)
-        self.probing = False
-
-    def reset(self):
-        with self._lock():
-            self._write(dict(self._CLOSED))
+def local_meta(store):
+    """The discovery overview of GET /v1/meta, computed from the local index."""
+    q = store.conn.execute
+    live = "deleted_at IS NULL"
+    scopes = {}
+    for scope, kind, n in q("SELECT coalesce(scope, '(none)'), coalesce(kind, '(none)'), count(*) FROM records "
+                            "WHERE %s GROUP BY 1, 2 ORDER BY 1, 2" % live):
+        scopes.setdefault(scope, {})[kind] = n
+    group = "SELECT coalesce(%s, '(none)'), count(*) FROM records WHERE " + live + " GROUP BY 1 ORDER BY 2 DESC, 1"
+    return {"scopes": scopes, "projects": dict(q(group % "project_id").fetchall()),
+            "agents": dict(q(group % "agent_id").fetchall()),
+            "superseded": q("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL AND %s" % live).fetchone()[0],
+            "deleted": q("SELECT count(*) FROM records WHERE deleted_at IS NOT NULL").fetchone()[0]}
 
 
 # === Sync: the outbox, flush, pull, enrich ===================================
@@ -2710,21 +2740,6 @@ def _print_local_record(ctx, rec, source, fb, label):
     return EXIT_OK
 
 
-def local_meta(store):
-    """The discovery overview of GET /v1/meta, computed from the local index."""
-    q = store.conn.execute
-    live = "deleted_at IS NULL"
-    scopes = {}
-    for scope, kind, n in q("SELECT coalesce(scope, '(none)'), coalesce(kind, '(none)'), count(*) FROM records "
-                            "WHERE %s GROUP BY 1, 2 ORDER BY 1, 2" % live):
-        scopes.setdefault(scope, {})[kind] = n
-    group = "SELECT coalesce(%s, '(none)'), count(*) FROM records WHERE " + live + " GROUP BY 1 ORDER BY 2 DESC, 1"
-    return {"scopes": scopes, "projects": dict(q(group % "project_id").fetchall()),
-            "agents": dict(q(group % "agent_id").fetchall()),
-            "superseded": q("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL AND %s" % live).fetchone()[0],
-            "deleted": q("SELECT count(*) FROM records WHERE deleted_at IS NOT NULL").fetchone()[0]}
-
-
 def cmd_meta(ctx):
     """What the memory holds: scope x kind counts, projects, agents, superseded, deleted."""
     fb = None
@@ -2793,24 +2808,6 @@ def cmd_breaker(ctx):
         print("  last error (%s): %s" % (state["last_error_at"], state["last_error"]))
     print("  state file: %s" % config.breaker_path)
     return EXIT_OK
-
-
-# --- config
-
-CONFIG_KEYS = tuple(DEFAULTS)
-
-
-def write_config(config, changes):
-    """Set keys in the config file, keeping every key this tool does not know, atomically,
-    mode 0600. A value of None removes the key."""
-    raw = dict(config.raw)
-    for key, value in changes.items():
-        if value is None:
-            raw.pop(key, None)
-        else:
-            raw[key] = value
-    atomic_write(config.path, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
-    config.raw = raw
 
 
 def cmd_config(ctx):
