@@ -34,6 +34,7 @@ if sys.version_info < (3, 6):  # pragma: no cover - the guard itself
 
 import argparse
 import json
+import operator
 import os
 import re
 import sqlite3
@@ -60,50 +61,85 @@ MAX_QUERY_TOKENS = 32
 
 
 # === Errors ==================================================================
+#
+# Every expected failure is a QmemError: one line on stderr (and, under --json, one
+# error document on stdout), never a traceback. Its class gives the exit code, its
+# `kind` a stable name for scripts, its `hint` the command that helps.
 
 class QmemError(Exception):
-    """An expected failure: reported as one line on stderr, never a traceback."""
+    """An expected failure: reported as one line, never a traceback."""
     exit_code = EXIT_FAIL
+    kind = "failed"
+
+    def __init__(self, message, hint=None, kind=None):
+        Exception.__init__(self, message)
+        self.message, self.hint = message, hint
+        if kind is not None:
+            self.kind = kind
+
+    def __str__(self):
+        return "%s: %s" % (self.message, self.hint) if self.hint else self.message
 
 
 class UsageError(QmemError):
     """The command line asks for something that cannot be done."""
     exit_code = EXIT_USAGE
+    kind = "usage"
 
 
 class ConfigError(QmemError):
     """The configuration file or environment is unusable."""
     exit_code = EXIT_USAGE
+    kind = "config"
 
 
 class RemoteRequired(QmemError):
     """--require-remote was given and the gateway could not be used."""
     exit_code = EXIT_REMOTE
+    kind = "remote_required"
 
 
 class StoreError(QmemError):
     """The local database cannot be used."""
+    kind = "store"
+
+
+# The kinds of GatewayError, and what each means for the caller.
+UNREACHABLE = "unreachable"        # could not connect, or no headers within connectTimeoutMs
+AMBIGUOUS = "ambiguous"            # 5xx, 429, body stalled, cut off or not JSON: the gateway is failing
+BREAKER_OPEN = "breaker_open"      # failed fast: the breaker is open, no network I/O was done
+AUTH = "auth"                      # 401/403: the API key was rejected
+NOT_CONFIGURED = "not_configured"  # no gateway URL or API key
+TLS = "tls"                        # certificate not trusted
+PROTOCOL = "protocol"              # a redirect, or an answer of the wrong shape for the request
+# A read may be answered from the local index instead.
+FALLBACK_KINDS = frozenset((UNREACHABLE, AMBIGUOUS, BREAKER_OPEN, NOT_CONFIGURED))
+# Retrying will not help: the configuration must change.
+CONFIG_KINDS = frozenset((AUTH, NOT_CONFIGURED, TLS, PROTOCOL))
+# The gateway is away right now: writes wait, a flush stops.
+AWAY_KINDS = frozenset((UNREACHABLE, BREAKER_OPEN))
 
 
 class GatewayError(QmemError):
-    """The gateway gave no usable answer. `kind` says why, and decides what happens:
+    """The gateway gave no usable answer; `kind` (above) says why and decides what
+    happens. `detail` is the short cause ('HTTP 503', 'connection refused') that a
+    fallback label shows; `in_a_row` the consecutive failures behind an open breaker."""
 
-    unreachable     could not connect, or no headers within connectTimeoutMs (trips the breaker)
-    ambiguous       5xx, 429, body stalled, cut off or not JSON (retried; trips after N)
-    breaker_open    failed fast: the breaker is open, no network I/O was done
-    auth            401/403: the API key was rejected (breaker untouched)
-    not_configured  no gateway URL or API key
-    tls / protocol  certificate not trusted, a redirect: fix the configuration
-    """
+    def __init__(self, kind, message, status=None, retry_in_ms=None, hint=None, detail=None,
+                 cause=None, in_a_row=None):
+        QmemError.__init__(self, message, hint, kind)
+        self.status, self.retry_in_ms = status, retry_in_ms
+        self.detail = detail or ("HTTP %d" % status if status else None)
+        self.cause, self.in_a_row = cause or kind, in_a_row
 
-    def __init__(self, kind, message, status=None, retry_in_ms=None):
-        QmemError.__init__(self, message)
-        self.kind, self.status, self.retry_in_ms = kind, status, retry_in_ms
+    @property
+    def exit_code(self):
+        return EXIT_USAGE if self.kind == NOT_CONFIGURED else EXIT_FAIL
 
     @property
     def fallback_ok(self):
         """May a read be answered from the local index instead?"""
-        return self.kind in ("unreachable", "ambiguous", "breaker_open", "not_configured")
+        return self.kind in FALLBACK_KINDS
 
 
 # === Utilities ===============================================================
@@ -186,6 +222,11 @@ def atomic_write(path, data, mode=0o600, sync=True):
         except OSError:
             pass
         raise
+
+
+def ceil_s(ms):
+    """Milliseconds -> whole seconds, rounded up: 'retry in 1 s', never 'in 0 s'."""
+    return (ms + 999) // 1000
 
 
 def warn(message):
@@ -380,8 +421,8 @@ RETRIES = 2  # further attempts after an ambiguous failure
 def worst_call_s(config, retries=RETRIES):
     """The longest one Gateway.call() can take: every attempt using both budgets, and
     the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it."""
-    return (retries + 1) * (config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0 \
-        + retries * (RETRY_SLEEP_CAP + 1.0) + 1.0
+    attempts = (retries + 1) * (config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0
+    return attempts + retries * (RETRY_SLEEP_CAP + 1.0) + 1.0
 
 
 CONFIG_KEYS = tuple(DEFAULTS)
@@ -462,8 +503,11 @@ class Breaker:
                    lease_s=worst_call_s(config), **kw)
 
     # -- the file
+    # last_kind / last_detail: the kind and short cause of the last failure;
+    # opened_after: the consecutive failures that opened it (1: opened at once).
     _CLOSED = {"state": "closed", "failures": 0, "trips": 0, "open_until": 0.0, "opened_at": None,
-               "probe_token": None, "probe_until": 0.0, "last_error": None, "last_error_at": None}
+               "opened_after": 0, "probe_token": None, "probe_until": 0.0, "last_error": None,
+               "last_error_at": None, "last_kind": None, "last_detail": None}
 
     _cache = (None, None)  # (stat signature, parsed entries) of the last read
 
@@ -531,45 +575,49 @@ class Breaker:
 
     # -- the transitions
     def retry_in(self, state, now):
+        """Milliseconds until this state lets a call out (0 when it does now)."""
+        if not self.refuses(state, now):
+            return 0
         until = state["open_until"] if state["state"] == "open" else state["probe_until"]
         return max(0, int((until - now) * 1000))
 
-    def _refuse(self, state, now):
-        ms = self.retry_in(state, now)
-        if state["state"] == "half_open":
-            why = " (another process is probing it)"
-        else:
-            why = " (last error: %s)" % state["last_error"] if state["last_error"] else ""
-        return GatewayError("breaker_open", "gateway unreachable, breaker open, retry in %d s%s" % (
-            (ms + 999) // 1000, why), retry_in_ms=ms)
-
-    def _blocks(self, state, now):
-        """Does this state refuse a call now? (It expires by itself; a clock that went
-        back, leaving an open_until further away than the longest open time, counts as
-        expired.)"""
+    def refuses(self, state, now):
+        """Does this state refuse a call from this process now? (An open state expires
+        by itself; a clock that went back, leaving an open_until further away than the
+        longest open time, counts as expired.)"""
         if state["state"] == "open":
             return now < state["open_until"] <= now + 1.2 * self.max_s
         if state["state"] == "half_open":
             return state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
         return False
 
-    def allow(self):
-        """Return if a call may go out (closed, or this process is the half-open prober):
-        True when the breaker is closed with nothing counted. Raise
-        GatewayError('breaker_open') otherwise. The closed path writes nothing."""
+    def _refusal(self, state, now):
+        ms = self.retry_in(state, now)
+        if state["state"] == "half_open":
+            message = "gateway not tried: another process is probing it, retry in %d s" % ceil_s(ms)
+        else:
+            message = "gateway not tried: breaker open, retry in %d s" % ceil_s(ms)
+        return GatewayError(BREAKER_OPEN, message, retry_in_ms=ms, detail=state["last_detail"],
+                            cause=state["last_kind"], in_a_row=state["opened_after"])
+
+    def admit(self):
+        """Before a call: raise GatewayError('breaker_open') if this state refuses it.
+        Otherwise the call may go out (closed, or this process now holds the half-open
+        probe), and the return value says whether the state was clean (closed, nothing
+        counted): then a success has nothing to write. The clean path writes nothing."""
         state, now = self.read(), self.clock()
         if state == self._CLOSED:
-            return True  # closed, nothing counted: a success will have nothing to write
+            return True
         if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"] == self.token):
             return False
-        if self._blocks(state, now):
-            raise self._refuse(state, now)
+        if self.refuses(state, now):
+            raise self._refusal(state, now)
         with self._lock():
             state = self.read(fresh=True)
             if state["state"] == "closed":
                 return False
-            if self._blocks(state, now):
-                raise self._refuse(state, now)
+            if self.refuses(state, now):
+                raise self._refusal(state, now)
             state.update(state="half_open", probe_token=self.token, probe_until=now + self.lease_s)
             self._write(state)
         self.probing = True
@@ -595,25 +643,30 @@ class Breaker:
                     self._write(state)
             self.probing = False
 
-    def failure(self, kind, message):
+    def failure(self, kind, message, detail=None):
         """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
         trip_after in a row; a failed probe reopens with a doubled open time."""
         now = self.clock()
         with self._lock():
             state = self.read(fresh=True)
-            if self._blocks(state, now):
+            if self.refuses(state, now):
                 return  # already open: another process's failure must not double the time
-            state.update(last_error=message, last_error_at=iso_from_epoch(now))
-            if kind == "ambiguous" and state["state"] == "closed":
+            state.update(last_error=message, last_error_at=iso_from_epoch(now), last_kind=kind,
+                         last_detail=detail)
+            if kind == AMBIGUOUS and state["state"] == "closed":
                 state["failures"] += 1
-            if kind == "unreachable" or state["state"] != "closed" or state["failures"] >= self.trip_after:
-                state["trips"] += 1
-                rand = self.rand() if self.rand else __import__("random").random()
-                seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * (0.9 + 0.2 * rand))
-                state.update(state="open", failures=0, opened_at=iso_from_epoch(now), open_until=now + seconds,
-                             probe_token=None, probe_until=0.0)
+            if kind == UNREACHABLE or state["state"] != "closed" or state["failures"] >= self.trip_after:
+                self._open(state, now)
             self._write(state)
         self.probing = False
+
+    def _open(self, state, now):
+        import random
+        state["trips"] += 1
+        jitter = 0.9 + 0.2 * (self.rand() if self.rand else random.random())
+        seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * jitter)
+        state.update(state="open", opened_after=max(1, state["failures"]), failures=0,
+                     opened_at=iso_from_epoch(now), open_until=now + seconds, probe_token=None, probe_until=0.0)
 
     def reset(self):
         with self._lock():
@@ -765,15 +818,18 @@ def _http_date(value):
 
 class Gateway:
     """A client for one gateway URL: both auth headers, JSON in and out, two total
-    deadlines, retries of ambiguous failures, and the shared breaker in front.
-    One connection is kept and reused for every call of a command."""
+    deadlines, retries of ambiguous failures, and the breaker it is given in front
+    (bypass_breaker=True: `config test`, which must really try). One connection is
+    kept and reused for every call of a command."""
 
-    def __init__(self, config, breaker=None, sleep=time.sleep, retries=RETRIES):
+    def __init__(self, config, breaker, sleep=time.sleep, retries=RETRIES, bypass_breaker=False):
         url, self.key = config["url"], config["apiKey"]
         if not url:
-            raise GatewayError("not_configured", "no gateway configured: run `qmem.py config url https://…`")
+            raise GatewayError(NOT_CONFIGURED, "no gateway configured", hint="run `qmem.py config url https://…`",
+                               detail="no gateway configured")
         if not self.key:
-            raise GatewayError("not_configured", "no API key configured: run `qmem.py config apikey`")
+            raise GatewayError(NOT_CONFIGURED, "no API key configured", hint="run `qmem.py config apikey`",
+                               detail="no API key configured")
         from urllib.parse import urlsplit
         self.url = check_url(url)
         p = urlsplit(self.url)
@@ -782,7 +838,7 @@ class Gateway:
         self.connect_s = config["connectTimeoutMs"] / 1000.0
         self.body_s = config["timeoutMs"] / 1000.0
         self.ca_file = config.values.get("caFile")
-        self.breaker = breaker or Breaker.from_config(config)
+        self.breaker, self.bypass_breaker = breaker, bypass_breaker
         self.sleep, self.retries = sleep, retries
         self.worst_call_s = worst_call_s(config, retries)
         self.conn = self.sock = None
@@ -796,48 +852,51 @@ class Gateway:
     def call(self, method, path, body=None, idempotency_key=None, retries=None):
         """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
         the caller interprets. Everything else raises GatewayError (see its kinds)."""
-        was_clean = self.breaker.allow()
+        clean = True if self.bypass_breaker else self.breaker.admit()
         retries = self.retries if retries is None else retries
         attempt = 0
         while True:
             try:
                 resp = self._exchange(method, path, body, idempotency_key)
+                failure = self._judge(resp)
             except GatewayError as e:
-                if e.kind == "unreachable":
-                    self.breaker.failure("unreachable", str(e))
+                if e.kind == UNREACHABLE:
+                    self.breaker.failure(UNREACHABLE, str(e), e.detail)
                     raise
-                if e.kind != "ambiguous":
+                if e.kind != AMBIGUOUS:
                     self.breaker.release()
                     raise
-                failure, delay = e, None
-            else:
-                status = resp.status
-                if 200 <= status < 300 or status in (401, 403) or (400 <= status < 500 and status != 429):
-                    if not (was_clean and attempt == 0):  # nothing to close otherwise
-                        self.breaker.success()
-                    if status in (401, 403):
-                        raise GatewayError("auth", "API key rejected by the gateway (HTTP %d): "
-                                           "set the right one with `qmem.py config apikey`" % status, status)
-                    return resp
-                if 300 <= status < 400:
-                    self.breaker.release()
-                    raise GatewayError("protocol", "the gateway answered with a redirect (HTTP %d to %s): "
-                                       "put the final address in `qmem.py config url`"
-                                       % (status, resp.headers.get("Location") or "?"), status)
-                delay = retry_after_seconds(resp.headers)
-                failure = GatewayError("ambiguous", "gateway answered HTTP %d%s" % (
-                    status, " (%s)" % resp.detail() if resp.data else ""), status)
+                failure = e
+            if failure is None:
+                if not (clean and attempt == 0):  # a clean state has nothing to close
+                    self.breaker.success()
+                if resp.status in (401, 403):
+                    raise GatewayError(AUTH, "API key rejected by the gateway (HTTP %d)" % resp.status,
+                                       resp.status, hint="set the right one with `qmem.py config apikey`")
+                return resp
             attempt += 1
+            delay = failure.retry_in_ms / 1000.0 if failure.retry_in_ms is not None else None
             wait = delay if delay is not None else min(8.0, 0.25 * 2 ** attempt)
-            if delay is not None:
-                failure.retry_in_ms = int(delay * 1000)
             if attempt > retries or wait > RETRY_SLEEP_CAP:
-                self.breaker.failure("ambiguous", str(failure))
+                self.breaker.failure(AMBIGUOUS, str(failure), failure.detail)
                 raise failure
-            import random
-            # Full jitter without Retry-After; with it, never earlier, a little later.
-            self.sleep(wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25)) if delay is not None
-                       else random.uniform(wait / 2, wait))
+            self.sleep(_jittered(wait, delay is not None))
+
+    def _judge(self, resp):
+        """None for an answer (2xx, and 4xx but 429); the ambiguous failure to retry
+        for 5xx and 429. A redirect raises: it is not followed."""
+        status = resp.status
+        if 200 <= status < 300 or (400 <= status < 500 and status != 429):
+            return None
+        if 300 <= status < 400:
+            self.breaker.release()
+            raise GatewayError(PROTOCOL, "the gateway answered with a redirect (HTTP %d to %s)" % (
+                status, resp.headers.get("Location") or "?"), status,
+                hint="put the final address in `qmem.py config url`")
+        delay = retry_after_seconds(resp.headers)
+        return GatewayError(AMBIGUOUS, "gateway answered HTTP %d%s" % (
+            status, " (%s)" % resp.detail() if resp.data else ""), status,
+            retry_in_ms=None if delay is None else int(delay * 1000))
 
     def _headers(self, body, idempotency_key):
         h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key, "User-Agent": "qmem.py/" + __version__}
@@ -848,13 +907,25 @@ class Gateway:
         return h
 
     def _exchange(self, method, path, body, idempotency_key):
-        import http.client
-        net = _net_classes()
-        socket = net["socket"]
+        """One attempt: the request and the status line and headers within the connect
+        budget, then the whole body within the body budget. Returns a Response."""
         if body is None or isinstance(body, bytes):
             data = body  # already JSON
         else:
             data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        resp = self._request(method, path, data, self._headers(body, idempotency_key))
+        raw = self._read_body(resp)
+        if resp.will_close:
+            self.close()
+        else:
+            self.sock.qm_deadline = None
+        return Response(resp.status, self._parse(raw, resp), resp.headers)
+
+    def _request(self, method, path, data, headers):
+        """Send the request and read the status line and headers (the connect budget);
+        a kept-alive connection the server closed meanwhile is replaced once."""
+        import http.client
+        net = _net_classes()
         for fresh in (False, True):
             reused = self.conn is not None and not fresh
             deadline = net["Deadline"](self.connect_s, "connect+headers")
@@ -862,10 +933,8 @@ class Gateway:
                 if self.conn is None:
                     self._connect(deadline)
                 self.sock.qm_deadline = deadline
-                self.conn.request(method, self.prefix + self.base + path, body=data,
-                                  headers=self._headers(body, idempotency_key))
-                resp = self.conn.getresponse()
-                break
+                self.conn.request(method, self.prefix + self.base + path, body=data, headers=headers)
+                return self.conn.getresponse()
             except GatewayError:
                 raise
             except (OSError, http.client.HTTPException) as e:
@@ -873,11 +942,17 @@ class Gateway:
                 if reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError,
                                              BrokenPipeError)):
                     continue  # the kept-alive connection was closed by the server: reconnect once
-                if isinstance(e, socket.timeout):
-                    raise GatewayError("unreachable", "connected to %s, but no answer within %g s" % (
-                        self.url, self.connect_s))
-                raise GatewayError("unreachable", "connected to %s, but it closed the connection "
-                                   "without answering (%s)" % (self.url, _reason(e)))
+                if isinstance(e, net["socket"].timeout):
+                    raise GatewayError(UNREACHABLE, "connected to %s, but no answer within %g s" % (
+                        self.url, self.connect_s), detail="no answer within %g s" % self.connect_s)
+                raise GatewayError(UNREACHABLE, "connected to %s, but it closed the connection "
+                                   "without answering (%s)" % (self.url, _reason(e)),
+                                   detail="closed the connection without answering")
+
+    def _read_body(self, resp):
+        """The whole body within the body budget, or GatewayError('ambiguous')."""
+        import http.client
+        net = _net_classes()
         self.sock.qm_deadline = net["Deadline"](self.body_s, "body")
         chunks, size = [], 0
         try:
@@ -890,44 +965,44 @@ class Gateway:
                     break
                 size += len(chunk)
                 if size > MAX_BODY:
-                    raise GatewayError("ambiguous", "answer from %s larger than %d MB: refused" % (
-                        self.url, MAX_BODY >> 20))
+                    raise GatewayError(AMBIGUOUS, "answer from %s larger than %d MB: refused" % (
+                        self.url, MAX_BODY >> 20), detail="answer too large")
                 chunks.append(chunk)
             if resp.length:  # EOF before Content-Length was met: read() does not say so
                 raise http.client.IncompleteRead(b"", resp.length)
         except GatewayError:
             self.close()
             raise
-        except socket.timeout:
+        except net["socket"].timeout:
             self.close()
-            raise GatewayError("ambiguous", "answer from %s stalled: body not complete within %g s" % (
-                self.url, self.body_s), resp.status)
+            raise GatewayError(AMBIGUOUS, "answer from %s stalled: body not complete within %g s" % (
+                self.url, self.body_s), resp.status, detail="answer stalled")
         except (OSError, http.client.HTTPException) as e:
             self.close()
             size = size or len(getattr(e, "partial", b"") or b"")
-            raise GatewayError("ambiguous", "answer from %s cut off after %d bytes (%s)" % (
-                self.url, size, _reason(e)), resp.status)
-        if resp.will_close:
-            self.close()
-        else:
-            self.sock.qm_deadline = None
-        raw = b"".join(chunks)
+            raise GatewayError(AMBIGUOUS, "answer from %s cut off after %d bytes (%s)" % (
+                self.url, size, _reason(e)), resp.status, detail="answer cut off")
+        return b"".join(chunks)
+
+    def _parse(self, raw, resp):
+        """The JSON of a body; a 2xx answer must be a JSON object."""
         try:
             parsed = json.loads(raw.decode("utf-8")) if raw else None
         except (UnicodeDecodeError, ValueError):
             parsed = None
             if 200 <= resp.status < 300:
                 kind = resp.getheader("Content-Type") or "no content type"
-                raise GatewayError("ambiguous", "answer from %s is not JSON (%s, %d bytes): is the URL "
-                                   "the gateway's?" % (self.url, kind.split(";")[0], len(raw)), resp.status)
+                raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s, %d bytes)" % (
+                    self.url, kind.split(";")[0], len(raw)), resp.status, detail="answer not JSON",
+                    hint="is the URL the gateway's?")
         if 200 <= resp.status < 300 and not isinstance(parsed, dict):
-            raise GatewayError("ambiguous", "answer from %s is not a JSON object" % self.url, resp.status)
-        return Response(resp.status, parsed, resp.headers)
+            raise GatewayError(AMBIGUOUS, "answer from %s is not a JSON object" % self.url, resp.status,
+                               detail="answer not a JSON object")
+        return parsed
 
     def _connect(self, deadline):
         import http.client
         net = _net_classes()
-        socket, DeadlineSocket = net["socket"], net["DeadlineSocket"]
         proxy = _proxy_for("https" if self.https else "http", self.host)
         if self.https:
             conn = http.client.HTTPSConnection(*(proxy or (self.host, self.port)), context=self._ssl_context())
@@ -937,38 +1012,26 @@ class Gateway:
             conn.set_tunnel(self.host, self.port)  # CONNECT, then TLS with the gateway itself
         # Through a plain-http proxy, requests name the gateway in full (absolute-form).
         self.prefix = "http://%s:%d" % (self.host, self.port) if proxy and not self.https else ""
-
-        def create_connection(address, *args, **kw):
-            last = None
-            for family, kind, proto, _, addr in _resolve(address[0], address[1], deadline):
-                s = DeadlineSocket(family, kind, proto)
-                try:
-                    s.settimeout(min(deadline.remaining(), _PER_ADDRESS_CAP))
-                    s.connect(addr)
-                    s.settimeout(deadline.remaining())  # the TLS handshake inherits it
-                    s.qm_deadline = deadline
-                    return s
-                except OSError as e:
-                    s.close()
-                    last = e
-            raise last or OSError("no address for %s" % address[0])
-
-        conn._create_connection = create_connection
+        conn._create_connection = lambda address, *args, **kw: _open_socket(address, deadline)
         try:
             conn.connect()
         except OSError as e:
             conn.close()
-            if type(e).__name__ in ("SSLCertVerificationError", "CertificateError") or \
-                    "CERTIFICATE_VERIFY_FAILED" in str(e):
-                raise GatewayError("tls", "TLS verification failed for %s (%s): for a private CA set "
-                                   "caFile (`qmem.py config set caFile PATH`) or SSL_CERT_FILE"
-                                   % (self.host, _reason(e)))
-            if isinstance(e, socket.timeout):
-                raise GatewayError("unreachable", "could not connect to %s within %g s" % (
-                    self.url, self.connect_s))
-            raise GatewayError("unreachable", "could not connect to %s (%s)" % (self.url, _reason(e)))
+            raise self._connect_error(e, net["socket"])
         self.conn, self.sock = conn, conn.sock
         self.sock.qm_deadline = deadline
+
+    def _connect_error(self, e, socket):
+        if (type(e).__name__ in ("SSLCertVerificationError", "CertificateError")
+                or "CERTIFICATE_VERIFY_FAILED" in str(e)):
+            return GatewayError(TLS, "TLS verification failed for %s (%s)" % (self.host, _reason(e)),
+                                hint="for a private CA set caFile (`qmem.py config set caFile PATH`) "
+                                "or SSL_CERT_FILE")
+        if isinstance(e, socket.timeout):
+            return GatewayError(UNREACHABLE, "could not connect to %s within %g s" % (self.url, self.connect_s),
+                                detail="could not connect within %g s" % self.connect_s)
+        return GatewayError(UNREACHABLE, "could not connect to %s (%s)" % (self.url, _reason(e)),
+                            detail="could not connect: %s" % (getattr(e, "strerror", None) or _reason(e)))
 
     def _ssl_context(self):
         import ssl
@@ -983,6 +1046,34 @@ class Gateway:
         return ctx
 
 
+def _open_socket(address, deadline):
+    """http.client's _create_connection under our deadline: each resolved address in
+    turn, each capped so IPv4 gets a turn after a dead IPv6 route."""
+    net = _net_classes()
+    last = None
+    for family, kind, proto, _, addr in _resolve(address[0], address[1], deadline):
+        s = net["DeadlineSocket"](family, kind, proto)
+        try:
+            s.settimeout(min(deadline.remaining(), _PER_ADDRESS_CAP))
+            s.connect(addr)
+            s.settimeout(deadline.remaining())  # the TLS handshake inherits it
+            s.qm_deadline = deadline
+            return s
+        except OSError as e:
+            s.close()
+            last = e
+    raise last or OSError("no address for %s" % address[0])
+
+
+def _jittered(wait, told):
+    """The sleep before a retry: full jitter when we chose the wait; when the gateway
+    told us (Retry-After), never earlier, a little later."""
+    import random
+    if told:
+        return wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25))
+    return random.uniform(wait / 2, wait)
+
+
 def _reason(e):
     """A short, key-free description of a network exception."""
     text = getattr(e, "strerror", None) or str(e) or type(e).__name__
@@ -992,6 +1083,9 @@ def _reason(e):
 # === Local store =============================================================
 
 SCHEMA_VERSION = 1
+# Outbox states (the CHECK of the outbox table).
+PENDING, SENDING, SYNCED, DUPLICATE, FAILED = OUTBOX_STATES = ("pending", "sending", "synced", "duplicate", "failed")
+WAITING = (PENDING, SENDING)  # written here, will still be sent
 _FTS_COLUMNS = "text, project_id, kind"
 
 
@@ -1094,6 +1188,36 @@ def _fold(text):
 _MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # a row of Store.merge_many, in order
 
 
+def _merge_statement():
+    """upsert()'s merge rule as one INSERT ... ON CONFLICT DO UPDATE (SQLite 3.24+),
+    for bulk loads: no read per record, and executemany() does the looping. The
+    WHERE makes a view that adds nothing change nothing (and count nothing)."""
+    # Named parameters (a value is used several times): ?NNN with a sequence is
+    # deprecated since Python 3.12. Rows are bound as dicts, keyed _MERGE_KEYS.
+    n = {f: ":" + f for f in _MERGE_KEYS}
+    values = ["coalesce(%s, '')" % n[f] if f == "text" else "coalesce(%s, 0)" % n[f] if f == "private"
+              else n[f] for f in _MERGE_KEYS]
+    newer = "({u} IS NOT NULL AND (updated_at IS NULL OR {u} > updated_at))".format(u=n["updated_at"])
+    sets, conds = [], [newer]
+    for f in IMMUTABLE:
+        missing = "text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL"
+        cond = "(%s IS NOT NULL AND (%s > view OR %s))" % (n[f], n["view"], missing)
+        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
+        conds.append(cond)
+    sets.append("updated_at = CASE WHEN %s THEN %s ELSE updated_at END" % (newer, n["updated_at"]))
+    for f in MUTABLE:
+        cond = "({p} IS NOT NULL AND {p} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
+            p=n[f], f=f, newer=newer)
+        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
+        conds.append(cond)
+    sets += ["view = max(view, %s)" % n["view"], "seen_at = coalesce(%s, seen_at)" % n["seen_at"]]
+    return "INSERT INTO records(id, view, seen_at, %s) VALUES(%s) ON CONFLICT(id) DO UPDATE SET %s WHERE %s" % (
+        ", ".join(FIELDS), ", ".join(values), ", ".join(sets), " OR ".join(conds))
+
+
+_MERGE_SQL = _merge_statement()
+
+
 class Store:
     """The local SQLite database: records, FTS index, import progress, outbox."""
 
@@ -1190,40 +1314,13 @@ class Store:
     _INSERT = "INSERT INTO records(id, view, seen_at, %s) VALUES(%s)" % (
         ", ".join(FIELDS), ", ".join("?" * (len(FIELDS) + 3)))
 
-    def _merge_sql():
-        """upsert()'s merge rule as one INSERT ... ON CONFLICT DO UPDATE (SQLite 3.24+),
-        for bulk loads: no read per record, and executemany() does the looping. The
-        WHERE makes a view that adds nothing change nothing (and count nothing)."""
-        # Named parameters (a value is used several times): ?NNN with a sequence is
-        # deprecated since Python 3.12. Rows are bound as dicts, keyed _MERGE_KEYS.
-        n = {f: ":" + f for f in _MERGE_KEYS}
-        values = ["coalesce(%s, '')" % n[f] if f == "text" else "coalesce(%s, 0)" % n[f] if f == "private"
-                  else n[f] for f in _MERGE_KEYS]
-        newer = "({u} IS NOT NULL AND (updated_at IS NULL OR {u} > updated_at))".format(u=n["updated_at"])
-        sets, conds = [], [newer]
-        for f in IMMUTABLE:
-            missing = "text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL"
-            cond = "(%s IS NOT NULL AND (%s > view OR %s))" % (n[f], n["view"], missing)
-            sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
-            conds.append(cond)
-        sets.append("updated_at = CASE WHEN %s THEN %s ELSE updated_at END" % (newer, n["updated_at"]))
-        for f in MUTABLE:
-            cond = "({p} IS NOT NULL AND {p} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
-                p=n[f], f=f, newer=newer)
-            sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
-            conds.append(cond)
-        sets += ["view = max(view, %s)" % n["view"], "seen_at = coalesce(%s, seen_at)" % n["seen_at"]]
-        return "INSERT INTO records(id, view, seen_at, %s) VALUES(%s) ON CONFLICT(id) DO UPDATE SET %s WHERE %s" % (
-            ", ".join(FIELDS), ", ".join(values), ", ".join(sets), " OR ".join(conds))
-    _MERGE = _merge_sql()
-    del _merge_sql
 
     @property
     def bulk_sql(self):
-        """May a bulk load merge with _MERGE? Only while no FTS index needs keeping in
+        """May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
         step row by row, and on a SQLite that has UPSERT."""
-        return self.known is not None and (self.defer_index or not self.fts) and \
-            sqlite3.sqlite_version_info >= (3, 24)
+        return (self.known is not None and (self.defer_index or not self.fts)
+                and sqlite3.sqlite_version_info >= (3, 24))
 
     def merge_many(self, rows):
         """Bulk-merge rows (values in _MERGE_KEYS order), in order; return (new, updated)."""
@@ -1233,7 +1330,7 @@ class Store:
             if h not in self.known:
                 self.known.add(h)
                 new += 1
-        changed = self.conn.executemany(self._MERGE, (dict(zip(_MERGE_KEYS, row)) for row in rows)).rowcount
+        changed = self.conn.executemany(_MERGE_SQL, (dict(zip(_MERGE_KEYS, row)) for row in rows)).rowcount
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
@@ -1409,7 +1506,7 @@ def _row_dict(cur, row):
 
 
 _TEXT_FIELDS = tuple(f for f in FIELDS if f != "private" and not f.endswith("_at"))
-_FIELD_VALUES = __import__("operator").itemgetter(*FIELDS)  # rec -> its FIELDS values, in order
+_FIELD_VALUES = operator.itemgetter(*FIELDS)  # rec -> its FIELDS values, in order
 _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
 
 
@@ -1562,6 +1659,7 @@ class Importer:
         self.settled = {}
         self.bulk = None    # rows for Store.merge_many, when the store allows it
         self.writer = None  # the _WriterProcess that applies them, for a large import
+        self.writer_tried = False
 
     def run(self, roots):
         conn = self.store.conn
@@ -1569,53 +1667,13 @@ class Importer:
         # its commits skip the fsync; the outbox (the only copy of a write) never does.
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA cache_size=-4096")  # 4 MiB: measured as fast as 16, and leaner
-        paths = []
-        for root in roots:
-            for folder, dirs, names in os.walk(root):
-                dirs.sort()
-                paths.extend(os.path.join(folder, n) for n in sorted(names) if n.endswith(".jsonl"))
-        known = {row[0]: row[1:] for row in conn.execute(
-            "SELECT path, size, mtime_ns, ino, offset, status FROM files")}
-        todo = []  # (path, stat, offset) of the files to read
-        for path in paths:
-            self.stats.files_scanned += 1
-            try:
-                st = os.stat(path)
-            except OSError as e:
-                warn("skipped %s: %s" % (path, e.strerror or e))
-                continue
-            prev = known.get(path)
-            if prev and prev[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
-                self.stats.files_unchanged += 1
-                continue
-            offset = 0
-            if prev and prev[2] == st.st_ino and prev[4] == "ok" and prev[3] <= st.st_size:
-                offset = prev[3]  # the file grew: read on from the last complete line
-            todo.append((path, st, offset))
+        todo = self._files_to_read(roots)
         if todo:
             self.store.begin_bulk()
             if self.store.bulk_sql:
                 self.bulk = []
-        rows = 0
         try:
-            for n, (path, st, offset) in enumerate(todo):
-                self.progress.update("%d/%d files" % (n + 1, len(todo)))
-                rows += self._import_file(path, st, offset)
-                # Commit in batches of about a second: a commit per file would cost more
-                # than the reading. A file's progress row commits with its records.
-                if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
-                    conn.execute("COMMIT")
-                if self.bulk is not None and self.writer is None and rows >= PARALLEL_MIN_ROWS \
-                        and n + 1 < len(todo):
-                    if conn.in_transaction:
-                        conn.execute("COMMIT")  # the child takes over the writing from here
-                    self.writer = _WriterProcess.start(self.store.path)
-                    rows = -1 << 62  # once
-            if conn.in_transaction:
-                conn.execute("COMMIT")
-            if self.writer is not None:
-                self.writer, writer = None, self.writer
-                writer.finish(self.stats)
+            self._read_all(todo)
         finally:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -1631,13 +1689,95 @@ class Importer:
                 self.store.set_meta("newest_entry_at", self.stats.newest_entry_at)
         return self.stats
 
+    def _files_to_read(self, roots):
+        """(path, stat, offset) of each session file that is new or changed, and where
+        to start reading it: a file that only grew is read on from its last complete line."""
+        paths = []
+        for root in roots:
+            for folder, dirs, names in os.walk(root):
+                dirs.sort()
+                paths.extend(os.path.join(folder, n) for n in sorted(names) if n.endswith(".jsonl"))
+        known = {row[0]: row[1:] for row in self.store.conn.execute(
+            "SELECT path, size, mtime_ns, ino, offset, status FROM files")}
+        todo = []
+        for path in paths:
+            self.stats.files_scanned += 1
+            try:
+                st = os.stat(path)
+            except OSError as e:
+                warn("skipped %s: %s" % (path, e.strerror or e))
+                continue
+            prev = known.get(path)
+            if prev and prev[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
+                self.stats.files_unchanged += 1
+                continue
+            offset = 0
+            if prev and prev[2] == st.st_ino and prev[4] == "ok" and prev[3] <= st.st_size:
+                offset = prev[3]
+            todo.append((path, st, offset))
+        return todo
+
+    def _read_all(self, todo):
+        """Read the files, committing in batches of about a second (a commit per file
+        would cost more than the reading; a file's progress row commits with its
+        records). Past PARALLEL_MIN_ROWS merged rows, a child process takes over the
+        writing."""
+        conn = self.store.conn
+        rows = 0
+        for n, (path, st, offset) in enumerate(todo):
+            self.progress.update("%d/%d files" % (n + 1, len(todo)))
+            rows += self._import_file(path, st, offset)
+            if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
+                conn.execute("COMMIT")
+            more_to_come = n + 1 < len(todo)
+            if self.bulk is not None and not self.writer_tried and rows >= PARALLEL_MIN_ROWS and more_to_come:
+                if conn.in_transaction:
+                    conn.execute("COMMIT")  # the child takes over the writing from here
+                self.writer_tried = True  # once: without a child, the writing stays here
+                self.writer = _WriterProcess.start(self.store.path)
+        if conn.in_transaction:
+            conn.execute("COMMIT")
+        if self.writer is not None:
+            self.writer, writer = None, self.writer
+            writer.finish(self.stats)
+
     def _import_file(self, path, st, offset):
-        stats = self.stats
+        """Read one session file from `offset`; merge what its memory calls tell; keep
+        the calls still waiting for a result. Returns the number of rows merged."""
         conn = self.store.conn
         calls = {}  # toolCall id -> (name, arguments, timestamp) or the raw assistant line
         for call_id, name, args, ts in conn.execute(
                 "SELECT call_id, name, args, ts FROM open_calls WHERE path=?", (path,)):
             calls[call_id] = (name, json.loads(args) if args else {}, ts)
+        results, session_id, status, pos = self._read_file(path, offset, calls)
+        self.stats.bytes_read += pos - offset
+        self.stats.files_read += 1
+        if status != "ok":
+            self.stats.files_not_sessions += 1
+            warn("skipped %s: not a pi session file (line 1 is not a session header)" % path)
+        if self.writer is None and not conn.in_transaction:
+            conn.execute("BEGIN IMMEDIATE")
+            self.batch_started = time.monotonic()
+        self._pair(results, calls)
+        # Calls still waiting for their result are kept: the file may grow.
+        waiting = []
+        for call_id in list(calls):
+            call = _take_call(calls, call_id)
+            if call is not None:
+                waiting.append((path, call_id, call[0], json.dumps(call[1]), call[2]))
+        self.stats.calls_without_result += len(waiting)
+        job = (self.bulk or [], path, waiting, (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
+        if self.bulk:
+            self.bulk = []
+        if self.writer is not None:
+            self.writer.put(job)
+        else:
+            _apply_file(self.store, job, self.stats)
+        return len(job[0])
+
+    def _read_file(self, path, offset, calls):
+        """Scan a file from `offset` for the lines that mention qmem_; returns (tool
+        results to pair, session id, status, offset after the last complete line)."""
         results, session_id, status, pos = [], None, "ok", offset
         with open(path, "rb") as f:
             f.seek(offset)
@@ -1648,39 +1788,42 @@ class Importer:
                     status = "not_session"
                     if not line.endswith(b"\n"):
                         status = "ok"  # a header still being written: try again next time
-                        stats.lines_truncated += 1
+                        self.stats.lines_truncated += 1
                 else:
                     session_id = header.get("id")
                     pos += len(line)
-                    stats.lines_examined += 1
-            # Scan big chunks for "qmem_" and cut out only the lines around each hit:
-            # most of a session's bytes are ordinary tool traffic that needs no look.
-            carry = b""
-            while status == "ok" and pos > 0:
-                chunk = f.read(_CHUNK)
-                if not chunk:
-                    break
-                buf = carry + chunk if carry else chunk
-                end = buf.rfind(b"\n") + 1  # the complete lines end here
-                carry = buf[end:]
-                hit = buf.find(b"qmem_", 0, end)
-                while hit != -1:
-                    start = buf.rfind(b"\n", 0, hit) + 1
-                    stop = buf.find(b"\n", hit) + 1
-                    self._scan_line(buf[start:stop], calls, results)
-                    stats.lines_examined += 1
-                    hit = buf.find(b"qmem_", stop, end)
-                pos += end
-            if carry:
-                stats.lines_truncated += 1  # being written: read it next time
-        stats.bytes_read += pos - offset
-        stats.files_read += 1
-        if status != "ok":
-            stats.files_not_sessions += 1
-            warn("skipped %s: not a pi session file (line 1 is not a session header)" % path)
-        if self.writer is None and not conn.in_transaction:
-            conn.execute("BEGIN IMMEDIATE")
-            self.batch_started = time.monotonic()
+                    self.stats.lines_examined += 1
+            if status == "ok" and pos > 0:
+                pos += self._scan_chunks(f, calls, results)
+        return results, session_id, status, pos
+
+    def _scan_chunks(self, f, calls, results):
+        """Scan big chunks for "qmem_" and cut out only the lines around each hit: most
+        of a session's bytes are ordinary tool traffic that needs no look. Returns the
+        bytes consumed, up to the end of the last complete line."""
+        carry, consumed = b"", 0
+        while True:
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                break
+            buf = carry + chunk if carry else chunk
+            end = buf.rfind(b"\n") + 1  # the complete lines end here
+            carry = buf[end:]
+            hit = buf.find(b"qmem_", 0, end)
+            while hit != -1:
+                start = buf.rfind(b"\n", 0, hit) + 1
+                stop = buf.find(b"\n", hit) + 1
+                self._scan_line(buf[start:stop], calls, results)
+                self.stats.lines_examined += 1
+                hit = buf.find(b"qmem_", stop, end)
+            consumed += end
+        if carry:
+            self.stats.lines_truncated += 1  # being written: read it next time
+        return consumed
+
+    def _pair(self, results, calls):
+        """Merge the records each qmem tool result tells, with its call's arguments."""
+        stats = self.stats
         for msg, ts in results:
             name = msg["toolName"]
             stats.calls[name] = stats.calls.get(name, 0) + 1
@@ -1693,26 +1836,12 @@ class Importer:
             if seen and (stats.newest_entry_at is None or seen > stats.newest_entry_at):
                 stats.newest_entry_at = seen
             call = calls.pop(call_id)
+
             def call_args(call=call, call_id=call_id):
                 found = _take_call({call_id: call}, call_id)
                 return found[1] if found else None
             for data, view in records_from_call(name, call_args, msg):
                 self._merge(data, view, seen)
-        # Calls still waiting for their result are kept: the file may grow.
-        waiting = []
-        for call_id in list(calls):
-            call = _take_call(calls, call_id)
-            if call is not None:
-                waiting.append((path, call_id, call[0], json.dumps(call[1]), call[2]))
-        stats.calls_without_result += len(waiting)
-        job = (self.bulk or [], path, waiting, (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
-        if self.bulk:
-            self.bulk = []
-        if self.writer is not None:
-            self.writer.put(job)
-        else:
-            _apply_file(self.store, job, stats)
-        return len(job[0])
 
     def _scan_line(self, line, calls, results):
         """Note a line that mentions qmem_: a tool result to pair, or tool calls."""
@@ -1950,8 +2079,8 @@ def find_local(store, query, project=None, kind=None, scope=None, limit=10,
             params.append(value)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
     use_fts = store.fts and not store.meta("fts_pending")
-    cols = "r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, " \
-           "r.superseded_by, r.deleted_at, r.private, r.pending"
+    cols = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
+            "r.superseded_by, r.deleted_at, r.private, r.pending")
     for match_all in (True, False):
         if not match_all and len(tokens) == 1:
             break
@@ -2010,7 +2139,7 @@ def local_status(store):
                "by_kind": counts("SELECT kind, count(*) FROM records GROUP BY kind ORDER BY 2 DESC"),
                "by_project": counts("SELECT project_id, count(*) FROM records GROUP BY project_id "
                                     "ORDER BY 2 DESC")}
-    outbox = dict.fromkeys(("pending", "sending", "synced", "duplicate", "failed"), 0)
+    outbox = dict.fromkeys(OUTBOX_STATES, 0)
     outbox.update(counts("SELECT state, count(*) FROM outbox GROUP BY state"))
     dups = q("""SELECT count(*), coalesce(sum(n), 0) FROM (
                   SELECT count(*) AS n FROM records WHERE text != '' AND deleted_at IS NULL
@@ -2089,6 +2218,19 @@ def enqueue(store, op, payload):
             store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
                                (local_id, store.current_id(target)))
     return local_id
+
+
+# What a flush does with a claimed row, beside the final states.
+RELEASE, RETRY = "release", "retry"  # give the row back untouched / try again after a delay
+
+
+class Outcome:
+    """What became of one claimed outbox row: Flusher._send decides, _finish records."""
+
+    def __init__(self, action, row, error=None, status=None, delay=None, record=None, sent=None,
+                 duplicate_of=None):
+        self.action, self.row, self.error, self.status, self.delay = action, row, error, status, delay
+        self.record, self.sent, self.duplicate_of = record, sent, duplicate_of
 
 
 def _pid_alive(pid):
@@ -2185,7 +2327,7 @@ class Flusher:
                 if stats.stopped is not None:
                     rest = rows[n + 1:]
                     break
-            done.extend(("release", r, None) for r in rest)
+            done.extend(Outcome(RELEASE, r) for r in rest)
             self._finish(token, done)
             if only is not None:
                 break
@@ -2220,10 +2362,10 @@ class Flusher:
         verdict, value = self._resolve_target(target)
         if verdict == "hold":
             stats.held.append(local_id)
-            return ("retry", row, {"error": value, "delay": 2})
+            return Outcome(RETRY, row, error=value, delay=2)
         if verdict == "fail":
             stats.failed.append(local_id)
-            return ("failed", row, {"error": value, "status": None})
+            return Outcome(FAILED, row, error=value)
         if target:
             body["supersedes_id"] = value
             payload = json.dumps(body, ensure_ascii=False, sort_keys=True)
@@ -2231,29 +2373,29 @@ class Flusher:
             # The frozen payload itself: the same bytes on every attempt, from every process.
             resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"), idempotency_key=local_id)
         except GatewayError as e:
-            if e.kind == "ambiguous":
+            if e.kind == AMBIGUOUS:
                 stats.retry_later.append(local_id)
                 delay = e.retry_in_ms / 1000.0 if e.retry_in_ms else min(3600, 30 * 2 ** min(10, self._attempts(rid)))
-                return ("retry", row, {"error": str(e), "status": e.status, "delay": delay})
+                return Outcome(RETRY, row, error=str(e), status=e.status, delay=delay)
             stats.stopped = str(e)
             stats.stop_error = e
-            return ("release", row, {"error": str(e)})
+            return Outcome(RELEASE, row, error=str(e))
         data = resp.data if isinstance(resp.data, dict) else {}
         if resp.status in (200, 201) and isinstance(data.get("id"), str):
             stats.synced.append(local_id)
             self.delivered[local_id] = data["id"]
-            return ("synced", row, {"record": data, "status": resp.status, "sent": body})
+            return Outcome(SYNCED, row, status=resp.status, record=data, sent=body)
         if resp.status == 409 and data.get("detail") == "duplicate":
             stats.duplicate.append(local_id)
             self.delivered[local_id] = data.get("duplicate_of")
-            return ("duplicate", row, {"duplicate_of": data.get("duplicate_of"), "status": 409,
-                                       "error": "near-identical memory exists (similarity %s)" % data.get("similarity")})
+            return Outcome(DUPLICATE, row, status=409, duplicate_of=data.get("duplicate_of"),
+                           error="near-identical memory exists (similarity %s)" % data.get("similarity"))
         if resp.status == 409 or 200 <= resp.status < 300:  # the same key still in flight / odd 2xx
             stats.retry_later.append(local_id)
-            return ("retry", row, {"error": "gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
-                                   "status": resp.status, "delay": 5})
+            return Outcome(RETRY, row, error="gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
+                           status=resp.status, delay=5)
         stats.failed.append(local_id)
-        return ("failed", row, {"error": resp.detail(), "status": resp.status})
+        return Outcome(FAILED, row, error=resp.detail(), status=resp.status)
 
     def _attempts(self, rid):
         return self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?", (rid,)).fetchone()[0]
@@ -2266,33 +2408,32 @@ class Flusher:
         fence = " WHERE rid=? AND claim_token=? AND state='sending'"
         with self.store.transaction():
             targets = {t for (t,) in conn.execute("SELECT DISTINCT target FROM outbox WHERE target IS NOT NULL")}
-            for outcome, row, info in done:
-                rid, local_id = row[0], row[1]
-                if outcome == "release":
+            for o in done:
+                rid, local_id = o.row[0], o.row[1]
+                if o.action == RELEASE:
                     conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
                                  "attempts=attempts-1, last_error=coalesce(?, last_error)" + fence,
-                                 ((info or {}).get("error"), rid, token))
-                elif outcome == "retry":
+                                 (o.error, rid, token))
+                elif o.action == RETRY:
                     conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
                                  "next_attempt_at=?, last_status=?, last_error=?" + fence,
-                                 (now + info["delay"], info.get("status"), info["error"], rid, token))
-                elif outcome == "synced":
-                    rec = info["record"]
+                                 (now + o.delay, o.status, o.error, rid, token))
+                elif o.action == SYNCED:
                     if conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, lease_until=NULL, done_at=?, "
                                     "gateway_id=?, last_status=?, last_error=NULL" + fence,
-                                    (now, rec["id"], info["status"], rid, token)).rowcount:
+                                    (now, o.record["id"], o.status, rid, token)).rowcount:
                         # Corrections are the only local references: to this row, or from it.
-                        self.store.adopt(local_id, rec, referenced=local_id in targets or bool(row[4]),
-                                         sent=info["sent"])
-                elif outcome == "duplicate":
+                        self.store.adopt(local_id, o.record, referenced=local_id in targets or bool(o.row[4]),
+                                         sent=o.sent)
+                elif o.action == DUPLICATE:
                     if conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, lease_until=NULL, "
                                     "done_at=?, duplicate_of=?, last_status=409, last_error=?" + fence,
-                                    (now, info["duplicate_of"], info["error"], rid, token)).rowcount:
-                        self.store.drop_local(local_id, info["duplicate_of"])
+                                    (now, o.duplicate_of, o.error, rid, token)).rowcount:
+                        self.store.drop_local(local_id, o.duplicate_of)
                 else:
                     conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, done_at=?, "
                                  "last_status=?, last_error=?" + fence,
-                                 (now, info.get("status"), info["error"], rid, token))
+                                 (now, o.status, o.error, rid, token))
 
 
 def _outbox_waiting(store):
@@ -2425,7 +2566,7 @@ class Context:
 
     def gateway(self):
         if self._gateway is None:
-            self._gateway = Gateway(self.config)
+            self._gateway = Gateway(self.config, Breaker.from_config(self.config))
         return self._gateway
 
     def after_online(self):
@@ -2783,7 +2924,7 @@ def cmd_breaker(ctx):
     if ctx.args.reset:
         breaker.reset()
     state, now = breaker.read(), time.time()
-    open_now = breaker._blocks(state, now)
+    open_now = breaker.refuses(state, now)
     doc = {"url": config["url"], "file": config.breaker_path, "state": state["state"],
            "failures": state["failures"], "trips": state["trips"],
            "open_until": iso_from_epoch(state["open_until"]) if state["state"] == "open" else None,
@@ -2918,8 +3059,7 @@ def config_test(ctx, values):
         raise UsageError("config test takes no arguments")
     c = ctx.config
     # A test must really try: the breaker is consulted by every other command, not this one.
-    gw = Gateway(c, breaker=Breaker.from_config(c))
-    gw.breaker.allow = lambda: None
+    gw = Gateway(c, Breaker.from_config(c), bypass_breaker=True)
     started = time.monotonic()
     doc = {"url": c["url"], "reachable": False, "key_valid": None, "version": None, "latency_ms": None,
            "error": None}
@@ -3107,9 +3247,6 @@ def _report_write(ctx, doc, op):
     else:
         print("queued: not yet in shared memory; other agents will see it after `flush`\n"
               "  local id %s (%s)" % (doc["local_id"], doc["reason"]))
-
-
-OUTBOX_STATES = ("pending", "sending", "synced", "duplicate", "failed")
 
 
 def cmd_queue(ctx):

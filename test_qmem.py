@@ -1182,7 +1182,7 @@ class GatewayClientTests(GatewayTestCase):
 
     def test_tls_is_verified(self):
         cfg = self.config(url="https://127.0.0.1:%d" % self.gw.port)
-        ctx = qmem.Gateway(cfg)._ssl_context()
+        ctx = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg))._ssl_context()
         import ssl
         self.assertEqual(ctx.verify_mode, ssl.CERT_REQUIRED)
         self.assertTrue(ctx.check_hostname)
@@ -1219,10 +1219,10 @@ class BreakerTests(GatewayTestCase):
         # After the open period one process probes, the others keep failing fast.
         self.now += 121
         prober, other = self.breaker(), self.breaker()
-        prober.allow()
+        prober.admit()
         self.assertEqual(prober.read()["state"], "half_open")
         with self.assertRaises(qmem.GatewayError) as cm:
-            other.allow()
+            other.admit()
         self.assertIn("probing", str(cm.exception))
         # The probe fails: open again, twice as long.
         prober.failure("unreachable", "refused")
@@ -1230,13 +1230,13 @@ class BreakerTests(GatewayTestCase):
         for expected in (480, 600, 600):  # doubling, capped at breakerMaxMs
             self.now = b.read()["open_until"] + 1
             p = self.breaker()
-            p.allow()
+            p.admit()
             p.failure("unreachable", "refused")
             self.assertEqual(b.read()["open_until"] - self.now, expected)
         # Success closes it and forgets the trips.
         self.now = b.read()["open_until"] + 1
         p = self.breaker()
-        p.allow()
+        p.admit()
         p.success()
         self.assertEqual(b.read()["state"], "closed")
         self.assertFalse(os.path.exists(self.breaker_file) and b.read()["trips"])
@@ -1245,11 +1245,11 @@ class BreakerTests(GatewayTestCase):
         b = self.breaker()
         b.failure("unreachable", "refused")
         self.now += 121
-        self.breaker().allow()      # a prober that then dies
+        self.breaker().admit()      # a prober that then dies
         with self.assertRaises(qmem.GatewayError):
-            self.breaker().allow()
+            self.breaker().admit()
         self.now += 51              # its lease expires
-        self.breaker().allow()
+        self.breaker().admit()
 
     def test_failure_while_open_does_not_extend_it(self):
         b = self.breaker()
@@ -1284,7 +1284,7 @@ class BreakerTests(GatewayTestCase):
                 f.write(junk)
             err = io.StringIO()
             with contextlib.redirect_stderr(err):
-                self.breaker().allow()
+                self.breaker().admit()
                 self.assertEqual(self.breaker().read()["state"], "closed")
         code, out, err = self.run_cli("breaker")
         self.assertEqual(code, 0)
@@ -1308,7 +1308,7 @@ class BreakerTests(GatewayTestCase):
         self.gw.script = [(503, None)] * 3
         os.environ["QMEM_URL"] = self.gw.url
         for _ in range(3):   # three ambiguous failures (each retried 0 times by config below)
-            gw = self.closing(qmem.Gateway(self.config(), retries=0))
+            gw = self.closing(qmem.Gateway(self.config(), qmem.Breaker.from_config(self.config()), retries=0))
             self.assert_fails("ambiguous", gw, "GET", "/v1/status")
         self.assertEqual(self.breaker_state()["state"], "open")
         connections = self.gw.connections
@@ -1782,7 +1782,7 @@ class FlushInvariantTests(GatewayTestCase):
         store.conn.execute("UPDATE outbox SET lease_until=0")
         p = self.flush_process()
         p.communicate()
-        zombie._finish(token, [("failed", rows[0], {"error": "zombie", "status": 422})])
+        zombie._finish(token, [qmem.Outcome(qmem.FAILED, rows[0], error="zombie", status=422)])
         self.assert_each_sent_once_and_synced(ids)
 
     def test_a_slow_flush_gives_rows_back_before_its_lease_could_expire(self):
