@@ -99,6 +99,12 @@ class RemoteRequired(QmemError):
     kind = "remote_required"
 
 
+class Interrupted(QmemError):
+    """Ctrl-C."""
+    exit_code = EXIT_INTERRUPTED
+    kind = "interrupted"
+
+
 class StoreError(QmemError):
     """The local database cannot be used."""
     kind = "store"
@@ -2164,6 +2170,18 @@ def local_status(store):
     }
 
 
+def empty_status(db_path):
+    """local_status() of a machine with no index yet: every count 0."""
+    records = {"total": 0, "superseded": 0, "deleted": 0, "private": 0, "partial_only": 0, "pending": 0,
+               "by_kind": {}, "by_project": {}}
+    return {"source": "local_sqlite", "records": records, "outbox": dict.fromkeys(OUTBOX_STATES, 0),
+            "coverage": {"complete": 0, "search_hit_only": 0, "complete_share": None},
+            "lag": dict.fromkeys(("newest_entry_imported_at", "last_import_at", "last_pull_at", "last_flush_at")),
+            "duplicates": {"groups": 0, "records": 0}, "sessions": {"files": 0, "not_sessions": 0},
+            "db": {"path": db_path, "bytes": 0, "schema_version": None},
+            "fts": {"available": None, "tokenizer": None}, "machine": machine_identity()}
+
+
 def local_meta(store):
     """The discovery overview of GET /v1/meta, computed from the local index."""
     q = store.conn.execute
@@ -2549,6 +2567,169 @@ def enrich(store, gateway, ids, progress=None):
     return fetched, unknown, stopped
 
 
+# === Operations ==============================================================
+#
+# What the front ends (the command line; the MCP server) ask for. Each operation
+# takes explicit arguments and returns a document: a dict with the keys `--json`
+# prints. Operations never print, never exit and never see argparse; an expected
+# failure raises QmemError. A document whose exit code is not 0 says so itself,
+# with `exit_code` and an `error` object, like an error document.
+
+class Operations:
+    """The operations over one configuration: the store and the gateway are opened on
+    first use and closed by close()."""
+
+    def __init__(self, config, clock=time.time):
+        self.config, self.clock = config, clock
+        self._store = self._gateway = None
+
+    # -- resources
+    def has_index(self):
+        return os.path.exists(self.config.db_path)
+
+    def store(self):
+        if self._store is None:
+            self._store = Store(self.config.db_path)
+        return self._store
+
+    def gateway(self):
+        if self._gateway is None:
+            self._gateway = Gateway(self.config, Breaker.from_config(self.config, clock=self.clock))
+        return self._gateway
+
+    def close(self):
+        if self._gateway is not None:
+            self._gateway.close()
+        if self._store is not None:
+            self._store.close()
+
+    # -- local
+    def find(self, query, project=None, kind=None, scope=None, limit=10, include_superseded=False,
+             deleted=False, private=False, include_expired=False, highlight=("", "")):
+        """Lexical search of the local index (offline)."""
+        query = _check_query(query, "find", "circuit breaker")
+        limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
+        doc = {"source": "local_sqlite", "degraded": False, "query": query}
+        doc.update(self._find_local(query, project, kind, scope, limit, include_superseded=include_superseded,
+                                    deleted=deleted, private=private, include_expired=include_expired,
+                                    highlight=highlight))
+        return doc
+
+    def _find_local(self, query, project, kind, scope, limit, **options):
+        """find_local() for find and for the fallback of search: no index yet is an
+        empty answer that says so, not an error."""
+        if not self.has_index():
+            return {"match": "none", "results": [], "index_exists": False, "db": self.config.db_path}
+        out = find_local(self.store(), query, project=project, kind=kind, scope=scope, limit=limit, **options)
+        out.update(index_exists=True, db=self.config.db_path)
+        return out
+
+    def status(self):
+        """What the local side knows (an empty account on a fresh machine)."""
+        if not self.has_index():
+            return dict(empty_status(self.config.db_path), index_exists=False)
+        return dict(local_status(self.store()), index_exists=True)
+
+
+MAX_LIMIT = 1000  # results of one find
+
+
+def _check_query(query, command, example):
+    query = (query or "").strip()
+    if not query:
+        raise UsageError("%s needs a query" % command, hint='e.g. qmem.py %s "%s"' % (command, example))
+    return query
+
+
+def _check_int(value, name, low, high):
+    """An integer option within [low, high] ("5" is taken as 5: agents send strings)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise UsageError("%s must be a whole number, not %r" % (name, value))
+    if not low <= number <= high:
+        raise UsageError("%s must be between %d and %d" % (name, low, high))
+    return number
+
+
+# === Output ==================================================================
+#
+# One renderer per kind of document, for a person; --json prints the document
+# itself. Errors are documents too. Nothing above this section prints.
+
+def emit_json(doc, out=None):
+    (out or sys.stdout).write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def error_document(err):
+    return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint}, "exit_code": err.exit_code}
+
+
+def _plural(n, word):
+    return "%d %s%s" % (n, word, "" if n == 1 else "s")
+
+
+def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
+    results = doc["results"]
+    if not doc.get("index_exists", True):
+        out.write("no local index yet at %s: run `qmem.py import` (or `qmem.py pull`) first\n" % doc["db"])
+    label = {"all": "all words", "any": "partial match (any word)", "none": "no match"}[doc["match"]]
+    out.write("%s · %s · %s\n" % (header, _plural(len(results), "result"), label))
+    if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
+        out.write("(the query has no words to search for)\n")
+    for r in results:
+        flags = [f for f, on in (("PENDING", r["pending"]), ("superseded", r["superseded_by"]),
+                                 ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
+        out.write("%s  %s  %s  %s%s  %s\n" % (
+            r["id"], r["kind"] or "-", r["project_id"] or "-", (r["created_at"] or "-")[:10],
+            "  [" + ", ".join(flags) + "]" if flags else "", " ".join((r["snippet"] or "").split())))
+
+
+def show_status(doc, out):
+    if not doc["index_exists"]:
+        out.write("no local index yet at %s: run `qmem.py import` or `qmem.py pull`\n" % doc["db"]["path"])
+        out.write("this machine: %s\n" % doc["machine"])
+        return
+    rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
+    out.write("records: %d  (superseded %d, deleted %d, private %d, written here and not yet shared %d)\n" % (
+        rec["total"], rec["superseded"], rec["deleted"], rec["private"], rec["pending"]))
+    out.write("  by kind: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
+    out.write("  by project: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
+    share = "%.0f%%" % (100 * cov["complete_share"]) if cov["complete_share"] is not None else "-"
+    out.write("coverage: %d complete views, %d known only from search hits (%s complete)\n" % (
+        cov["complete"], cov["search_hit_only"], share))
+    out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["outbox"].items()))
+    out.write("duplicates: %d texts stored under more than one id (%d records)\n" % (
+        doc["duplicates"]["groups"], doc["duplicates"]["records"]))
+    out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s\n" % tuple(
+        lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
+                                    "last_flush_at")))
+    out.write("session files indexed: %d\n" % doc["sessions"]["files"])
+    out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
+        doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
+        doc["fts"]["tokenizer"] if doc["fts"]["available"] else "LIKE scan (this SQLite has no FTS5)"))
+    out.write("this machine: %s\n" % doc["machine"])
+
+
+RENDERERS = {"find": show_find, "status": show_status}
+
+
+def render(command, doc, json_mode, out=None):
+    """Print a command's document: as JSON, or with the command's renderer."""
+    out = out or sys.stdout
+    if json_mode:
+        emit_json(doc, out)
+    else:
+        RENDERERS[command](doc, out)
+
+
+def render_error(err, json_mode, out=None):
+    """An error: one line on stderr, and under --json its document on stdout."""
+    warn(str(err))
+    if json_mode:
+        emit_json(error_document(err), out)
+
+
 # === Command line ============================================================
 
 class Context:
@@ -2595,10 +2776,6 @@ class Context:
             self._store.close()
 
 
-def emit_json(obj):
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False, sort_keys=True) + "\n")
-
-
 def cmd_import(ctx):
     """Index pi session files (incremental; unchanged files are not read)."""
     roots = ctx.args.sessions
@@ -2636,22 +2813,11 @@ def _color_ok():
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
-def cmd_find(ctx):
-    """Search the local index (lexical, offline)."""
-    a = ctx.args
-    query = " ".join(a.query).strip()
-    if not query:
-        raise UsageError("find needs a query, e.g. qmem.py find \"circuit breaker\"")
-    if a.limit < 1:
-        raise UsageError("--limit must be at least 1")
-    out = find_local_or_empty(ctx, query, limit=a.limit, include_superseded=a.include_superseded,
-                              deleted=a.deleted, private=a.private, include_expired=a.include_expired)
-    if ctx.json:
-        emit_json({"source": "local_sqlite", "degraded": False, "match": out["match"],
-                   "results": out["results"]})
-        return EXIT_OK
-    print_local_results(out, query)
-    return EXIT_OK
+def cli_find(ops, a):
+    marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not a.json else ("", "")
+    return ops.find(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope, limit=a.limit,
+                    include_superseded=a.include_superseded, deleted=a.deleted, private=a.private,
+                    include_expired=a.include_expired, highlight=marks)
 
 
 def find_local_or_empty(ctx, query, **filters):
@@ -2684,35 +2850,8 @@ def print_local_results(out, query, header="local_sqlite · lexical (not semanti
             "  [" + ", ".join(flags) + "]" if flags else "", " ".join((r["snippet"] or "").split())))
 
 
-def cmd_status(ctx):
-    """Show what the local side knows: records, outbox, coverage, lag, database."""
-    if not os.path.exists(ctx.config.db_path):
-        raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`"
-                         % ctx.config.db_path)
-    st = local_status(ctx.store())
-    if ctx.json:
-        emit_json(st)
-        return EXIT_OK
-    rec, cov, lag = st["records"], st["coverage"], st["lag"]
-    print("records: %d  (superseded %d, deleted %d, private %d, written here and not yet shared %d)" % (
-        rec["total"], rec["superseded"], rec["deleted"], rec["private"], rec["pending"]))
-    print("  by kind: " + (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
-    print("  by project: " + (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
-    share = "%.0f%%" % (100 * cov["complete_share"]) if cov["complete_share"] is not None else "-"
-    print("coverage: %d complete views, %d known only from search hits (%s complete)" % (
-        cov["complete"], cov["search_hit_only"], share))
-    print("outbox: " + ", ".join("%s %d" % kv for kv in st["outbox"].items()))
-    print("duplicates: %d texts stored under more than one id (%d records)" % (
-        st["duplicates"]["groups"], st["duplicates"]["records"]))
-    print("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s" % tuple(
-        lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
-                                    "last_flush_at")))
-    print("session files indexed: %d" % st["sessions"]["files"])
-    print("database: %s (%.1f MB, schema %d); search: %s" % (
-        st["db"]["path"], st["db"]["bytes"] / 1e6, st["db"]["schema_version"],
-        st["fts"]["tokenizer"] if st["fts"]["available"] else "LIKE scan (this SQLite has no FTS5)"))
-    print("this machine: %s" % st["machine"])
-    return EXIT_OK
+def cli_status(ops, a):
+    return ops.status()
 
 
 def _fallback_reason(ctx, err):
@@ -3381,10 +3520,11 @@ def cmd_pull(ctx):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with qmem's error format: one line, 'qmem: ' prefix, exit 2."""
+    """argparse whose usage errors are QmemErrors: one line (and a JSON document under
+    --json), exit 2, like every other error."""
 
     def error(self, message):
-        self.exit(EXIT_USAGE, "qmem: %s (see `%s --help`)\n" % (message, self.prog))
+        raise UsageError(message, hint="see `%s --help`" % self.prog)
 
 
 def build_parser():
@@ -3400,8 +3540,9 @@ def build_parser():
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    def command(name, func, **kw):
-        sp = sub.add_parser(name, parents=[common], help=func.__doc__, description=func.__doc__, **kw)
+    def command(name, func, about=None, **kw):
+        about = about or func.__doc__
+        sp = sub.add_parser(name, parents=[common], help=about, description=about, **kw)
         sp.set_defaults(func=func)
         return sp
 
@@ -3409,7 +3550,7 @@ def build_parser():
     sp.add_argument("--sessions", metavar="DIR", action="append",
                     help="session folder to import (repeatable; default: pi's own)")
 
-    sp = command("find", cmd_find)
+    sp = command("find", cli_find, "Search the local index (lexical, offline).")
     sp.add_argument("query", nargs="*", help="words to look for (all must match; the last may be a prefix)")
     add_filters(sp)
     sp.add_argument("--limit", type=int, default=10, help="at most this many results (default 10)")
@@ -3418,7 +3559,7 @@ def build_parser():
     sp.add_argument("--private", action="store_true", help="also show private records")
     sp.add_argument("--include-expired", action="store_true", help="also show expired records")
 
-    command("status", cmd_status)
+    command("status", cli_status, "What the local side knows: records, outbox, coverage, lag, database.")
 
     sp = command("search", cmd_search)
     sp.add_argument("query", nargs="*", help="what to look for, in plain words")
@@ -3495,21 +3636,29 @@ def add_filters(sp):
 
 def main(argv=None):
     """Run one qmem command; return its exit code."""
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == [_WRITER_COMMAND] and len(argv) == 2:
         return _run_writer(argv[1])
-    args = build_parser().parse_args(argv)
-    ctx = None
+    json_mode = _json_asked(argv)
+    debug = "--debug" in argv
+    ops = ctx = None
     try:
-        ctx = Context(args, load_config(overrides={"localDbPath": args.db}))
-        return args.func(ctx)
+        args = build_parser().parse_args(argv)
+        config = load_config(overrides={"localDbPath": args.db})
+        if args.func.__name__.startswith("cmd_"):
+            ctx = Context(args, config)
+            return args.func(ctx)
+        ops = Operations(config)
+        doc = args.func(ops, args)
+        render(args.command, doc, json_mode)
+        return doc.get("exit_code", EXIT_OK)
     except QmemError as e:
-        if args.debug:
+        if debug:
             raise
-        warn(str(e))
+        render_error(e, json_mode)
         return e.exit_code
     except KeyboardInterrupt:
-        warn("interrupted")
+        render_error(Interrupted("interrupted"), json_mode)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (qmem.py find x | head): not an error worth a word.
@@ -3519,8 +3668,16 @@ def main(argv=None):
             pass
         return EXIT_OK
     finally:
-        if ctx is not None:
-            ctx.close()
+        for resource in (ops, ctx):
+            if resource is not None:
+                resource.close()
+
+
+def _json_asked(argv):
+    """Was --json given (anywhere before a `--`)? Known before parsing, so that a
+    usage error can be a JSON document too."""
+    words = argv[:argv.index("--")] if "--" in argv else argv
+    return "--json" in words
 
 
 def _run_writer(db_path):

@@ -659,7 +659,7 @@ class FindTests(QmemTestCase):
         self.assertEqual((out["source"], out["match"], out["degraded"]), ("local_sqlite", "all", False))
         self.assertEqual(set(out["results"][0]), {
             "id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "superseded_by",
-            "deleted_at", "private", "pending", "rank"})
+            "deleted_at", "private", "pending", "rank", "snippet"})
         self.assertEqual(out["results"][0]["rank"], 1)
 
     def test_human_output_header_and_pending_marker(self):
@@ -676,7 +676,9 @@ class FindTests(QmemTestCase):
         os.environ["QMEM_SQLITE"] = os.path.join(self.home, "none.sqlite")
         code, out, err = self.run_cli("find", "x")
         self.assertEqual(code, 0)
-        self.assertIn("no local index yet", err)
+        self.assertIn("no local index yet", out)
+        doc = self.ok_json("find", "x")
+        self.assertEqual((doc["index_exists"], doc["match"], doc["results"]), (False, "none", []))
         self.assertFalse(os.path.exists(os.path.join(self.home, "none.sqlite")))
 
 
@@ -732,8 +734,10 @@ class StatusTests(QmemTestCase):
         self.assertIn("records: 3", text)
 
     def test_status_before_anything_was_imported(self):
-        err = self.expect_fail(1, "status")
-        self.assertIn("no local index yet", err)
+        self.assertIn("no local index yet", self.ok("status"))
+        doc = self.ok_json("status")
+        self.assertEqual((doc["index_exists"], doc["records"]["total"], doc["outbox"]["pending"]), (False, 0, 0))
+        self.assertFalse(os.path.exists(self.db))
 
 
 class CliTests(QmemTestCase):
@@ -749,11 +753,13 @@ class CliTests(QmemTestCase):
         self.assertIn("stats", json.loads(self.ok("import", "--json")))
 
     def test_interrupt_exits_130(self):
-        with mock.patch.object(qmem, "cmd_status", side_effect=KeyboardInterrupt):
-            parser = qmem.build_parser
-            with mock.patch.object(qmem, "build_parser", side_effect=lambda: _rebind(parser())):
-                code, out, err = self.run_cli("status")
+        with mock.patch.object(qmem.Operations, "status", side_effect=KeyboardInterrupt):
+            code, out, err = self.run_cli("status")
+            self.assertEqual((code, out, err), (130, "", "qmem: interrupted\n"))
+            code, out, err = self.run_cli("status", "--json")
         self.assertEqual(code, 130)
+        self.assertEqual(json.loads(out), {"error": {"kind": "interrupted", "message": "interrupted", "hint": None},
+                                           "exit_code": 130})
 
     def test_runs_as_a_script_and_find_loads_no_network_module(self):
         env = dict(os.environ)
@@ -1919,12 +1925,6 @@ class CompatibilityTests(unittest.TestCase):
         for path in (QMEM, os.path.join(HERE, "test_qmem.py")):
             with open(path, encoding="utf-8") as f:
                 ast.parse(f.read(), path, feature_version=(3, 6))  # novermin (guarded above)
-
-
-def _rebind(parser):
-    """Point the status subcommand at the (patched) qmem.cmd_status."""
-    parser._subparsers._group_actions[0].choices["status"].set_defaults(func=lambda ctx: qmem.cmd_status(ctx))
-    return parser
 
 
 if __name__ == "__main__":
