@@ -2624,6 +2624,19 @@ class Operations:
         out.update(index_exists=True, db=self.config.db_path)
         return out
 
+    def import_sessions(self, roots=None):
+        """Index pi session files: the given folders, or pi's own."""
+        for root in roots or ():
+            if not os.path.isdir(root):
+                raise UsageError("--sessions %s: no such directory" % root)
+        if not roots:
+            roots = [d for d in session_dirs() if os.path.isdir(d)]
+            if not roots:
+                return {"source": "local_sqlite", "looked_in": session_dirs(), "sessions_found": False,
+                        "stats": ImportStats().as_dict()}
+        stats = Importer(self.store()).run(roots)
+        return {"source": "local_sqlite", "looked_in": roots, "sessions_found": True, "stats": stats.as_dict()}
+
     def status(self):
         """What the local side knows (an empty account on a fresh machine)."""
         if not self.has_index():
@@ -2685,6 +2698,21 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
             "  [" + ", ".join(flags) + "]" if flags else "", " ".join((r["snippet"] or "").split())))
 
 
+def show_import(doc, out):
+    if not doc["sessions_found"]:
+        out.write("no pi sessions found (looked in %s): nothing to import\n" % ", ".join(doc["looked_in"]))
+        return
+    st = doc["stats"]
+    calls = ", ".join("%s %d" % kv for kv in sorted(st["calls"].items())) or "none"
+    out.write("import: %d files scanned (%d unchanged, %d read, %.1f MB); %d lines mentioning qmem_ examined\n" % (
+        st["files_scanned"], st["files_unchanged"], st["files_read"], st["bytes_read"] / 1e6, st["lines_examined"]))
+    out.write("memory calls with a result: %s (%d errored, %d still without a result)\n" % (
+        calls, st["calls_errored"], st["calls_without_result"]))
+    out.write("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next time)%s\n" % (
+        st["records_new"], st["records_updated"], st["lines_skipped"], st["lines_truncated"],
+        "; %d files are not pi sessions" % st["files_not_sessions"] if st["files_not_sessions"] else ""))
+
+
 def show_status(doc, out):
     if not doc["index_exists"]:
         out.write("no local index yet at %s: run `qmem.py import` or `qmem.py pull`\n" % doc["db"]["path"])
@@ -2711,7 +2739,7 @@ def show_status(doc, out):
     out.write("this machine: %s\n" % doc["machine"])
 
 
-RENDERERS = {"find": show_find, "status": show_status}
+RENDERERS = {"find": show_find, "status": show_status, "import": show_import}
 
 
 def render(command, doc, json_mode, out=None):
@@ -2776,37 +2804,8 @@ class Context:
             self._store.close()
 
 
-def cmd_import(ctx):
-    """Index pi session files (incremental; unchanged files are not read)."""
-    roots = ctx.args.sessions
-    if roots:
-        for root in roots:
-            if not os.path.isdir(root):
-                raise UsageError("--sessions %s: no such directory" % root)
-    else:
-        roots = [d for d in session_dirs() if os.path.isdir(d)]
-        if not roots:
-            looked = ", ".join(session_dirs())
-            if ctx.json:
-                emit_json({"source": "local_sqlite", "looked_in": session_dirs(),
-                           "stats": ImportStats().as_dict()})
-            else:
-                print("no pi sessions found (looked in %s): nothing to import" % looked)
-            return EXIT_OK
-    stats = Importer(ctx.store()).run(roots)
-    if ctx.json:
-        emit_json({"source": "local_sqlite", "looked_in": roots, "stats": stats.as_dict()})
-        return EXIT_OK
-    calls = ", ".join("%s %d" % kv for kv in sorted(stats.calls.items())) or "none"
-    print("import: %d files scanned (%d unchanged, %d read, %.1f MB); %d lines mentioning qmem_ examined" % (
-        stats.files_scanned, stats.files_unchanged, stats.files_read, stats.bytes_read / 1e6,
-        stats.lines_examined))
-    print("memory calls with a result: %s (%d errored, %d still without a result)" % (
-        calls, stats.calls_errored, stats.calls_without_result))
-    print("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next time)%s" % (
-        stats.records_new, stats.records_updated, stats.lines_skipped, stats.lines_truncated,
-        "; %d files are not pi sessions" % stats.files_not_sessions if stats.files_not_sessions else ""))
-    return EXIT_OK
+def cli_import(ops, a):
+    return ops.import_sessions(a.sessions)
 
 
 def _color_ok():
@@ -3546,7 +3545,7 @@ def build_parser():
         sp.set_defaults(func=func)
         return sp
 
-    sp = command("import", cmd_import)
+    sp = command("import", cli_import, "Index pi session files (incremental; unchanged files are not read).")
     sp.add_argument("--sessions", metavar="DIR", action="append",
                     help="session folder to import (repeatable; default: pi's own)")
 
