@@ -1399,6 +1399,25 @@ class Store:
                 "SELECT text, project_id, kind FROM records WHERE rid=?", (rowid,)).fetchone())))
         return "updated"
 
+    def merge_seen(self, records, view):
+        """Merge records the gateway returned (one transaction); the malformed are skipped."""
+        now = iso_now()
+        with self.transaction():
+            for data in records:
+                rec = normalize_record(data)
+                if rec is not None:
+                    self.upsert(rec, view, now)
+            self.link_supersessions()
+
+    def outbox_waiting(self):
+        """Writes made here that are not in shared memory yet and will be sent."""
+        return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
+
+    def outbox_ready(self, now):
+        """Writes a flush would send now."""
+        return self.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND next_attempt_at<=? "
+                                 "OR state='sending' AND lease_until<?", (now, now)).fetchone()[0]
+
     def current_id(self, record_id):
         """The id a record is known by here now: a local id of a write that has since
         been delivered maps to its gateway id (or, for a duplicate, to the original)."""
@@ -2454,16 +2473,6 @@ class Flusher:
                                  (now, o.status, o.error, rid, token))
 
 
-def _outbox_waiting(store):
-    """Writes made here that are not in shared memory yet and will be sent."""
-    return store.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
-
-
-def _outbox_ready(store):
-    return store.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND next_attempt_at<=? "
-                              "OR state='sending' AND lease_until<?", (time.time(), time.time())).fetchone()[0]
-
-
 class PullStats:
     def __init__(self):
         self.pages = self.new = self.updated = self.deleted = self.same = 0
@@ -2643,6 +2652,89 @@ class Operations:
             return dict(empty_status(self.config.db_path), index_exists=False)
         return dict(local_status(self.store()), index_exists=True)
 
+    # -- the gateway, with the local index as fallback
+    def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
+               min_score=None, require_remote=False, highlight=("", "")):
+        """Semantic search on the gateway; the local index answers (labelled) when it cannot."""
+        query = _check_query(query, "search", "how do we deploy")
+        top_k = _check_int(top_k, "--top-k", 1, 100)
+        body = {"query": query, "top_k": top_k, "include_superseded": bool(include_superseded)}
+        for key, value in (("kind", kind), ("project_id", project), ("scope", scope),
+                           ("min_score", _check_score(min_score))):
+            if value is not None:
+                body[key] = value
+        try:
+            resp = self.gateway().call("POST", "/v1/memories:search", body)
+            if resp.status != 200:
+                raise _refused(resp, "search")
+            results = resp.data.get("results")
+            if not isinstance(results, list):
+                raise GatewayError(AMBIGUOUS, "the gateway's search answer has no result list",
+                                   detail="answer of the wrong shape")
+        except GatewayError as e:
+            doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True, query=query)
+            doc.update(self._find_local(query, project, kind, scope, top_k, include_superseded=include_superseded,
+                                        highlight=highlight))
+            return doc
+        results = [r for r in results if isinstance(r, dict)]
+        self.store().merge_seen(results, VIEW_HIT)
+        return self._after_online({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
+                                   "retry_in_ms": None, "query": query, "results": results})
+
+    def _fallback(self, err, require_remote):
+        """A read the gateway could not answer: the fallback label's parts, or raise
+        (401 and configuration errors are errors; --require-remote makes any fallback exit 3)."""
+        if not err.fallback_ok:
+            raise err
+        reason = self.failure_reason(err)
+        if require_remote:
+            raise RemoteRequired("gateway not usable and --require-remote given: %s" % reason["reason"])
+        if not self.config["localFallback"]:
+            raise err
+        return reason
+
+    def failure_reason(self, err):
+        """Why the gateway did not answer, as one flat phrase, and the breaker's state:
+        'gateway failing (HTTP 503, 3 in a row); breaker open, retry in 116 s'."""
+        if err.kind == NOT_CONFIGURED:
+            return {"reason": err.message, "breaker_open": False, "retry_in_ms": None}
+        breaker = Breaker.from_config(self.config, clock=self.clock)
+        state, now = breaker.read(), self.clock()
+        refused_now = breaker.refuses(state, now)
+        in_a_row = err.in_a_row if err.kind == BREAKER_OPEN else (
+            state["opened_after"] if refused_now else state["failures"])
+        cause = {UNREACHABLE: "gateway unreachable", AMBIGUOUS: "gateway failing"}.get(err.cause, "gateway unusable")
+        details = [d for d in (err.detail, "%d in a row" % in_a_row if cause == "gateway failing" and
+                               (in_a_row or 0) > 1 else None) if d]
+        reason = cause + (" (%s)" % ", ".join(details) if details else "")
+        retry_ms = breaker.retry_in(state, now) if refused_now else err.retry_in_ms
+        if refused_now and state["state"] == "half_open":
+            reason += "; another process is probing it, retry in %d s" % ceil_s(retry_ms)
+        elif refused_now:
+            reason += "; breaker open, retry in %d s" % ceil_s(retry_ms)
+        return {"reason": reason, "breaker_open": refused_now, "retry_in_ms": retry_ms}
+
+    def _after_online(self, doc):
+        """The gateway just answered: deliver what is queued (for a few seconds at most)
+        and say in the command's document what came of it. Every online command ends here."""
+        doc["auto_flush"] = self.auto_flush()
+        return doc
+
+    def auto_flush(self):
+        """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was."""
+        if self._gateway is None or not self.has_index():
+            return None
+        store = self.store()
+        if not store.outbox_ready(self.clock()):
+            return None
+        try:
+            stats = Flusher(store, self._gateway, clock=self.clock).run(budget_s=AUTO_FLUSH_S)
+            error = stats.stopped
+        except QmemError as e:
+            stats, error = FlushStats(), str(e)
+        return {"synced": len(stats.synced), "duplicate": len(stats.duplicate), "failed": len(stats.failed),
+                "still_queued": store.outbox_waiting(), "error": error}
+
 
 MAX_LIMIT = 1000  # results of one find
 
@@ -2663,6 +2755,23 @@ def _check_int(value, name, low, high):
     if not low <= number <= high:
         raise UsageError("%s must be between %d and %d" % (name, low, high))
     return number
+
+
+def _check_score(value):
+    if value is None:
+        return None
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise UsageError("--min-score must be a number between 0 and 1, not %r" % (value,))
+    if not 0 <= score <= 1:
+        raise UsageError("--min-score must be between 0 and 1")
+    return score
+
+
+def _refused(resp, what):
+    """A 4xx answer an operation has no use for: the gateway's own words, exit 1."""
+    return QmemError("the gateway refused the %s: %s" % (what, resp.detail()), kind="refused")
 
 
 # === Output ==================================================================
@@ -2713,6 +2822,41 @@ def show_import(doc, out):
         "; %d files are not pi sessions" % st["files_not_sessions"] if st["files_not_sessions"] else ""))
 
 
+# Cosine score bands of the gateway's BGE-M3 search (gateway-api.md).
+STRONG_SCORE, WEAK_SCORE = 0.60, 0.45
+
+
+def fallback_header(doc, what="lexical match, not semantic"):
+    return "fallback: local_sqlite — %s — %s" % (doc["reason"], what)
+
+
+def show_search(doc, out):
+    if doc["source"] != "gateway":
+        show_find(doc, out, header=fallback_header(doc))
+        return
+    results = doc["results"]
+    out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a guess\n" % (
+        _plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
+    for r in results:
+        score = r.get("score")
+        score = score if isinstance(score, (int, float)) and not isinstance(score, bool) else None
+        band = "-" if score is None else "strong" if score >= STRONG_SCORE else "weak" if score >= WEAK_SCORE else "guess"
+        out.write("%s %-6s  %s  %s  %s  %s%s  %s\n" % (
+            "%.2f" % score if score is not None else "  - ", band, r.get("id"), r.get("kind") or "-",
+            r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
+            "  [superseded]" if r.get("superseded_by") else "", " ".join(str(r.get("text") or "").split())[:200]))
+
+
+def show_auto_flush(doc, out):
+    """The line an online command adds when its automatic flush delivered something."""
+    af = doc.get("auto_flush")
+    if not af or not (af["synced"] or af["duplicate"] or af["failed"] or af["error"]):
+        return
+    out.write("delivered %s queued here (%d duplicates, %d failed; %d still queued)%s\n" % (
+        _plural(af["synced"], "write"), af["duplicate"], af["failed"], af["still_queued"],
+        "; stopped: %s" % af["error"] if af["error"] else ""))
+
+
 def show_status(doc, out):
     if not doc["index_exists"]:
         out.write("no local index yet at %s: run `qmem.py import` or `qmem.py pull`\n" % doc["db"]["path"])
@@ -2739,7 +2883,7 @@ def show_status(doc, out):
     out.write("this machine: %s\n" % doc["machine"])
 
 
-RENDERERS = {"find": show_find, "status": show_status, "import": show_import}
+RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search}
 
 
 def render(command, doc, json_mode, out=None):
@@ -2749,6 +2893,7 @@ def render(command, doc, json_mode, out=None):
         emit_json(doc, out)
     else:
         RENDERERS[command](doc, out)
+        show_auto_flush(doc, out)
 
 
 def render_error(err, json_mode, out=None):
@@ -2785,14 +2930,14 @@ class Context:
             return
         try:
             store = self.store()
-            if not _outbox_ready(store):
+            if not store.outbox_ready(time.time()):
                 return
             stats = Flusher(store, self._gateway).run(budget_s=AUTO_FLUSH_S)
         except QmemError as e:
             warn("queued writes not delivered: %s" % e)
             return
         if stats.synced or stats.duplicate or stats.failed:
-            left = _outbox_waiting(store)
+            left = store.outbox_waiting()
             warn("delivered %d queued write%s (%d duplicates, %d failed; %d still queued)" % (
                 len(stats.synced), "" if len(stats.synced) == 1 else "s", len(stats.duplicate),
                 len(stats.failed), left))
@@ -2879,75 +3024,16 @@ def gateway_or_fallback(ctx, err):
     return _fallback_reason(ctx, err)
 
 
-def fallback_header(fb, what="lexical match, not semantic"):
-    return "fallback: local_sqlite (%s) — %s" % (fb["reason"], what)
-
-
 def _unexpected(resp, what):
     """A 4xx answer a command has no use for: the gateway's own words, exit 1."""
     return QmemError("the gateway refused the %s: %s" % (what, resp.detail()))
 
 
-def merge_seen(ctx, records, view):
-    """Merge records the gateway returned into the local index (one transaction)."""
-    store, now = ctx.store(), iso_now()
-    with store.transaction():
-        for data in records:
-            rec = normalize_record(data)
-            if rec is not None:
-                store.upsert(rec, view, now)
-        store.link_supersessions()
-
-
-def cmd_search(ctx):
-    """Semantic search on the gateway; the local index answers (labelled) when it cannot."""
-    a = ctx.args
-    query = " ".join(a.query).strip()
-    if not query:
-        raise UsageError("search needs a query, e.g. qmem.py search \"how do we deploy\"")
-    if a.top_k < 1 or a.top_k > 100:
-        raise UsageError("--top-k must be between 1 and 100")
-    if a.min_score is not None and not 0 <= a.min_score <= 1:
-        raise UsageError("--min-score must be between 0 and 1")
-    body = {"query": query, "top_k": a.top_k, "include_superseded": a.include_superseded}
-    for key, value in (("kind", a.kind), ("project_id", a.project), ("scope", a.scope),
-                       ("min_score", a.min_score)):
-        if value is not None:
-            body[key] = value
-    try:
-        resp = ctx.gateway().call("POST", "/v1/memories:search", body)
-        if resp.status != 200:
-            raise _unexpected(resp, "search")
-        results = resp.data.get("results")
-        if not isinstance(results, list):
-            raise GatewayError("ambiguous", "the gateway's search answer has no result list")
-    except GatewayError as e:
-        fb = gateway_or_fallback(ctx, e)
-        out = find_local_or_empty(ctx, query, limit=a.top_k, include_superseded=a.include_superseded)
-        if ctx.json:
-            emit_json(dict(fb, source="local_sqlite", degraded=True, match=out["match"], results=out["results"]))
-        else:
-            print_local_results(out, query, header=fallback_header(fb))
-        return EXIT_OK
-    results = [r for r in results if isinstance(r, dict)]
-    merge_seen(ctx, results, VIEW_HIT)
-    if ctx.json:
-        emit_json({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
-                   "retry_in_ms": None, "results": results})
-    else:
-        print("gateway · semantic · %d result%s · score ≥ 0.60 strong, 0.45–0.60 weak, below that a guess" % (
-            len(results), "" if len(results) == 1 else "s"))
-        for r in results:
-            score = r.get("score")
-            score = score if isinstance(score, (int, float)) else None
-            label = "-" if score is None else "strong" if score >= 0.60 else "weak" if score >= 0.45 else "guess"
-            print("%s %-6s  %s  %s  %s  %s%s  %s" % (
-                "%.2f" % score if score is not None else "  - ", label, r.get("id"), r.get("kind") or "-",
-                r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
-                "  [superseded]" if r.get("superseded_by") else "",
-                " ".join(str(r.get("text") or "").split())[:200]))
-    ctx.after_online()
-    return EXIT_OK
+def cli_search(ops, a):
+    marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not a.json else ("", "")
+    return ops.search(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope, top_k=a.top_k,
+                      include_superseded=a.include_superseded, min_score=a.min_score,
+                      require_remote=a.require_remote, highlight=marks)
 
 
 def print_record(rec):
@@ -2996,7 +3082,7 @@ def cmd_get(ctx):
             raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
                 rid, fb["reason"]))
         return _print_local_record(ctx, local, "local_sqlite", fb, fallback_header(fb, "local copy"))
-    merge_seen(ctx, [resp.data], VIEW_FULL)
+    ctx.store().merge_seen([resp.data], VIEW_FULL)
     if ctx.json:
         emit_json({"source": "gateway", "degraded": False, "record": resp.data})
     else:
@@ -3437,7 +3523,7 @@ def cmd_flush(ctx):
     if store is not None and ctx.args.retry_failed:
         with store.transaction():
             store.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
-    if store is None or not _outbox_waiting(store):
+    if store is None or not store.outbox_waiting():
         # Nothing to deliver: no gateway needed, no database created.
         if ctx.json:
             emit_json(dict(FlushStats().as_dict(), source="outbox", pending=0))
@@ -3449,7 +3535,7 @@ def cmd_flush(ctx):
         stats = Flusher(store, ctx.gateway()).run(progress=progress)
     finally:
         progress.done()
-    waiting = _outbox_waiting(store)
+    waiting = store.outbox_waiting()
     doc = dict(stats.as_dict(), source="gateway", pending=waiting)
     if ctx.json:
         emit_json(doc)
@@ -3560,7 +3646,8 @@ def build_parser():
 
     command("status", cli_status, "What the local side knows: records, outbox, coverage, lag, database.")
 
-    sp = command("search", cmd_search)
+    sp = command("search", cli_search, "Semantic search on the gateway; the local index answers "
+                 "(labelled) when it cannot.")
     sp.add_argument("query", nargs="*", help="what to look for, in plain words")
     add_filters(sp)
     sp.add_argument("--top-k", type=int, default=8, help="at most this many results (default 8)")

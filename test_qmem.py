@@ -1441,8 +1441,8 @@ class SearchGetMetaTests(GatewayTestCase):
         self.ok("search", "breaker")
         os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
         out = self.ok("search", "circuit breaker")
-        self.assertIn("fallback: local_sqlite (could not connect", out)
-        self.assertIn("breaker open, retry in", out)
+        self.assertIn("fallback: local_sqlite — gateway unreachable (could not connect: ", out)
+        self.assertIn("); breaker open, retry in", out)
         self.assertIn("lexical match, not semantic", out)
         self.assertIn(rec["id"], out)
         self.assertNotIn("0.71", out)
@@ -1581,8 +1581,12 @@ class WriteTests(GatewayTestCase):
         self.assertEqual(self.gw.posts(), [])
         code, out, err = self.run_cli("search", "qualcosa")
         self.assertEqual(code, 0)
-        self.assertIn("delivered 2 queued writes", err)
+        self.assertIn("delivered 2 writes queued here (0 duplicates, 0 failed; 0 still queued)", out)
         self.assertEqual(sorted(r["text"] for r in self.gw.records.values()), ["prima", "seconda"])
+        self.ok("store", "terza", "--project", "p", "--queue-only")
+        self.assertEqual(self.ok_json("search", "qualcosa")["auto_flush"],
+                         {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0, "error": None})
+        self.assertIsNone(self.ok_json("search", "qualcosa")["auto_flush"])  # nothing was queued
 
     def test_offline_queue_off_fails_and_leaves_nothing(self):
         os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
