@@ -2681,6 +2681,33 @@ class Operations:
         return self._after_online({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
                                    "retry_in_ms": None, "query": query, "results": results})
 
+    def get(self, record_id, require_remote=False):
+        """One record in full, from the gateway (refreshing the local copy) or the local index."""
+        from urllib.parse import quote
+        rid = (record_id or "").strip()
+        if not rid:
+            raise UsageError("get needs a memory id")
+        local = self.store().get(rid) if self.has_index() else None
+        if local is not None and local["pending"]:
+            # Written here and still queued: the gateway does not know this id yet.
+            return {"source": "outbox", "degraded": False, "record": _record_out(local)}
+        try:
+            resp = self.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
+            if resp.status == 404:
+                raise QmemError("no such memory: %s (the gateway does not know this id)" % rid, kind="not_found")
+            if resp.status != 200:
+                raise _refused(resp, "request")
+            if normalize_record(resp.data) is None:
+                raise GatewayError(AMBIGUOUS, "the gateway's answer is not a record", detail="answer not a record")
+        except GatewayError as e:
+            fb = self._fallback(e, require_remote)
+            if local is None:
+                raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
+                    rid, fb["reason"]), kind="not_found")
+            return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
+        self.store().merge_seen([resp.data], VIEW_FULL)
+        return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
+
     def _fallback(self, err, require_remote):
         """A read the gateway could not answer: the fallback label's parts, or raise
         (401 and configuration errors are errors; --require-remote makes any fallback exit 3)."""
@@ -2755,6 +2782,15 @@ def _check_int(value, name, low, high):
     if not low <= number <= high:
         raise UsageError("%s must be between %d and %d" % (name, low, high))
     return number
+
+
+def _record_out(rec):
+    """A local row as the record the gateway would give, plus what is local-only."""
+    out = {k: rec.get(k) for k in ("id",) + FIELDS}
+    out["private"] = bool(out["private"])
+    out["pending"] = bool(rec.get("pending"))
+    out["complete"] = rec.get("view") == VIEW_FULL
+    return out
 
 
 def _check_score(value):
@@ -2847,6 +2883,21 @@ def show_search(doc, out):
             "  [superseded]" if r.get("superseded_by") else "", " ".join(str(r.get("text") or "").split())[:200]))
 
 
+def show_get(doc, out):
+    rec = doc["record"]
+    if doc["source"] == "outbox":
+        out.write("queued here, not yet in shared memory (run `qmem.py flush`)\n")
+    elif doc["source"] != "gateway":
+        out.write(fallback_header(doc, "local copy") + "\n")
+    if rec.get("complete") is False:
+        out.write("(known here only from a search hit: some fields may be missing)\n")
+    for key in ("id",) + FIELDS:
+        value = rec.get(key)
+        if key != "text" and value is not None and value != "":
+            out.write("%-17s %s\n" % (key + ":", str(value).lower() if isinstance(value, bool) else value))
+    out.write("\n%s\n" % (rec.get("text") or "(text not known locally)"))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -2883,7 +2934,8 @@ def show_status(doc, out):
     out.write("this machine: %s\n" % doc["machine"])
 
 
-RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search}
+RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
+             "get": show_get}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3036,73 +3088,8 @@ def cli_search(ops, a):
                       require_remote=a.require_remote, highlight=marks)
 
 
-def print_record(rec):
-    for key in ("id",) + FIELDS:
-        value = rec.get(key)
-        if key == "text":
-            continue
-        if value is not None and value != "":
-            print("%-17s %s" % (key + ":", str(value).lower() if isinstance(value, bool) else value))
-    print()
-    print(rec.get("text") or "(text not known locally)")
-
-
-def _record_out(rec):
-    """A local row as the record the gateway would give, plus what is local-only."""
-    out = {k: rec.get(k) for k in ("id",) + FIELDS}
-    out["private"] = bool(out["private"])
-    out["pending"] = bool(rec.get("pending"))
-    out["complete"] = rec.get("view") == VIEW_FULL
-    return out
-
-
-def cmd_get(ctx):
-    """One record in full, from the gateway (refreshing the local copy) or the local index."""
-    from urllib.parse import quote
-    rid = ctx.args.id.strip()
-    if not rid:
-        raise UsageError("get needs a memory id")
-    local = ctx.store().get(rid) if os.path.exists(ctx.config.db_path) else None
-    if local is not None and local["pending"]:
-        # Written here and still queued: the gateway does not know this id yet.
-        return _print_local_record(ctx, local, "outbox", None,
-                                   "queued here, not yet in shared memory (run `qmem.py flush`)")
-    try:
-        resp = ctx.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
-        if resp.status == 404:
-            raise QmemError("no such memory: %s (the gateway does not know this id)" % rid)
-        if resp.status != 200:
-            raise _unexpected(resp, "request")
-        rec = normalize_record(resp.data)
-        if rec is None:
-            raise GatewayError("ambiguous", "the gateway's answer is not a record")
-    except GatewayError as e:
-        fb = gateway_or_fallback(ctx, e)
-        if local is None:
-            raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
-                rid, fb["reason"]))
-        return _print_local_record(ctx, local, "local_sqlite", fb, fallback_header(fb, "local copy"))
-    ctx.store().merge_seen([resp.data], VIEW_FULL)
-    if ctx.json:
-        emit_json({"source": "gateway", "degraded": False, "record": resp.data})
-    else:
-        print_record(resp.data)
-    ctx.after_online()
-    return EXIT_OK
-
-
-def _print_local_record(ctx, rec, source, fb, label):
-    if ctx.json:
-        doc = {"source": source, "degraded": fb is not None, "record": _record_out(rec)}
-        if fb:
-            doc.update(fb)
-        emit_json(doc)
-    else:
-        print(label)
-        if rec["view"] != VIEW_FULL:
-            print("(known here only from a search hit: some fields may be missing)")
-        print_record(_record_out(rec))
-    return EXIT_OK
+def cli_get(ops, a):
+    return ops.get(a.id, require_remote=a.require_remote)
 
 
 def cmd_meta(ctx):
@@ -3655,7 +3642,8 @@ def build_parser():
     sp.add_argument("--min-score", type=float, help="drop results scoring below this (0-1)")
     add_remote(sp)
 
-    sp = command("get", cmd_get)
+    sp = command("get", cli_get, "One record in full, from the gateway (refreshing the local copy) or "
+                 "the local index.")
     sp.add_argument("id", help="the memory id")
     add_remote(sp)
 
