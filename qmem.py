@@ -2201,6 +2201,11 @@ def empty_status(db_path):
             "fts": {"available": None, "tokenizer": None}, "machine": machine_identity()}
 
 
+def empty_meta():
+    """local_meta() of a machine with no index yet."""
+    return {"scopes": {}, "projects": {}, "agents": {}, "superseded": 0, "deleted": 0}
+
+
 def local_meta(store):
     """The discovery overview of GET /v1/meta, computed from the local index."""
     q = store.conn.execute
@@ -2708,6 +2713,20 @@ class Operations:
         self.store().merge_seen([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
 
+    def meta(self, require_remote=False):
+        """What the memory holds; from the local index (labelled) when the gateway cannot say."""
+        try:
+            resp = self.gateway().call("GET", "/v1/meta")
+            if resp.status != 200:
+                raise _refused(resp, "request")
+        except GatewayError as e:
+            doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True,
+                       index_exists=self.has_index())
+            doc.update(local_meta(self.store()) if self.has_index() else empty_meta())
+            return doc
+        doc = dict(resp.data, source="gateway", degraded=False, reason=None, breaker_open=False, retry_in_ms=None)
+        return self._after_online(doc)
+
     def _fallback(self, err, require_remote):
         """A read the gateway could not answer: the fallback label's parts, or raise
         (401 and configuration errors are errors; --require-remote makes any fallback exit 3)."""
@@ -2898,6 +2917,25 @@ def show_get(doc, out):
     out.write("\n%s\n" % (rec.get("text") or "(text not known locally)"))
 
 
+def show_meta(doc, out):
+    if doc["source"] == "gateway":
+        out.write("gateway · overview of the shared memory\n")
+    else:
+        out.write(fallback_header(doc, "counts of this machine's local index, not of the shared memory") + "\n")
+        if not doc["index_exists"]:
+            out.write("no local index yet: run `qmem.py import` or `qmem.py pull`\n")
+
+    def line(name, counts):
+        if isinstance(counts, dict):
+            out.write("%s: %s\n" % (name, ", ".join("%s %s" % kv for kv in counts.items()) or "-"))
+    scopes = doc.get("scopes")
+    for scope, kinds in sorted(scopes.items() if isinstance(scopes, dict) else ()):
+        line("scope %s" % scope, kinds)
+    line("projects", doc.get("projects"))
+    line("agents", doc.get("agents"))
+    out.write("superseded: %s; deleted: %s\n" % (doc.get("superseded", "?"), doc.get("deleted", "?")))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -2935,7 +2973,7 @@ def show_status(doc, out):
 
 
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
-             "get": show_get}
+             "get": show_get, "meta": show_meta}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3092,38 +3130,8 @@ def cli_get(ops, a):
     return ops.get(a.id, require_remote=a.require_remote)
 
 
-def cmd_meta(ctx):
-    """What the memory holds: scope x kind counts, projects, agents, superseded, deleted."""
-    fb = None
-    try:
-        resp = ctx.gateway().call("GET", "/v1/meta")
-        if resp.status != 200:
-            raise _unexpected(resp, "request")
-        meta = resp.data
-    except GatewayError as e:
-        fb = gateway_or_fallback(ctx, e)
-        if not os.path.exists(ctx.config.db_path):
-            raise QmemError("no local index at %s either (%s)" % (ctx.config.db_path, fb["reason"]))
-        meta = local_meta(ctx.store())
-    if ctx.json:
-        doc = dict(meta, source="local_sqlite" if fb else "gateway", degraded=fb is not None)
-        doc.update(fb or {"reason": None, "breaker_open": False, "retry_in_ms": None})
-        emit_json(doc)
-        return EXIT_OK
-    print(fallback_header(fb, "counts of this machine's local index, not of the shared memory")
-          if fb else "gateway · overview of the shared memory")
-
-    def line(name, counts):
-        if isinstance(counts, dict):
-            print("%s: %s" % (name, ", ".join("%s %s" % kv for kv in counts.items()) or "-"))
-    for scope, kinds in sorted((meta.get("scopes") or {}).items()):
-        line("scope %s" % scope, kinds)
-    line("projects", meta.get("projects"))
-    line("agents", meta.get("agents"))
-    print("superseded: %s; deleted: %s" % (meta.get("superseded", "?"), meta.get("deleted", "?")))
-    if not fb:
-        ctx.after_online()
-    return EXIT_OK
+def cli_meta(ops, a):
+    return ops.meta(require_remote=a.require_remote)
 
 
 def cmd_breaker(ctx):
@@ -3647,7 +3655,8 @@ def build_parser():
     sp.add_argument("id", help="the memory id")
     add_remote(sp)
 
-    add_remote(command("meta", cmd_meta))
+    add_remote(command("meta", cli_meta, "What the memory holds: scope x kind counts, projects, agents, "
+                       "superseded, deleted."))
 
     sp = command("store", cmd_store)
     sp.add_argument("text", nargs="?", help="the memory (or - to read it from stdin)")
