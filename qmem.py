@@ -2657,6 +2657,28 @@ class Operations:
             return dict(empty_status(self.config.db_path), index_exists=False)
         return dict(local_status(self.store()), index_exists=True)
 
+    # -- the breaker
+    def breaker(self, reset=False):
+        """The circuit breaker's state for the configured gateway (reset=True closes it first)."""
+        config = self.config
+        doc = {"url": config["url"], "configured": bool(config["url"]), "file": config.breaker_path,
+               "reset": bool(reset), "trip_after": config["breakerTripAfter"]}
+        if not config["url"]:
+            return dict(doc, state="closed", refusing=False, failures=0, trips=0, open_until=None, opened_at=None,
+                        opened_after=0, why_open=None, retry_in_ms=0, last_error=None, last_error_at=None)
+        breaker = Breaker.from_config(config, clock=self.clock)
+        if reset:
+            breaker.reset()
+        state, now = breaker.read(), self.clock()
+        is_open = state["state"] == "open"
+        doc.update(state=state["state"], refusing=breaker.refuses(state, now), failures=state["failures"],
+                   trips=state["trips"], open_until=iso_from_epoch(state["open_until"]) if is_open else None,
+                   opened_at=state["opened_at"] if is_open else None, opened_after=state["opened_after"],
+                   why_open=_why_open(state) if state["state"] != "closed" else None,
+                   retry_in_ms=breaker.retry_in(state, now), last_error=state["last_error"],
+                   last_error_at=state["last_error_at"])
+        return doc
+
     # -- the gateway, with the local index as fallback
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
                min_score=None, require_remote=False, highlight=("", "")):
@@ -2812,6 +2834,16 @@ def _record_out(rec):
     return out
 
 
+def _why_open(state):
+    """'opened at once: could not connect: …' or 'opened after 3 consecutive failures (last: HTTP 503)'."""
+    last = state["last_detail"] or state["last_error"] or "unknown error"
+    if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
+        return "opened at once: %s" % last
+    if state["opened_after"] > 1:
+        return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
+    return "opened after a failure (%s)" % last
+
+
 def _check_score(value):
     if value is None:
         return None
@@ -2936,6 +2968,34 @@ def show_meta(doc, out):
     out.write("superseded: %s; deleted: %s\n" % (doc.get("superseded", "?"), doc.get("deleted", "?")))
 
 
+def show_breaker(doc, out):
+    if not doc["configured"]:
+        out.write("no gateway configured, so no breaker: set one with `qmem.py config url https://…`\n")
+        return
+    if doc["reset"]:
+        out.write("breaker reset: closed\n")
+    state = doc["state"]
+    if state == "closed":
+        what = "closed (calls go through)"
+    elif state == "half_open":
+        what = "half-open (one process is probing the gateway%s)" % (
+            "; retry in %d s" % ceil_s(doc["retry_in_ms"]) if doc["refusing"] else "")
+    elif doc["refusing"]:
+        what = "open: calls fail at once, without network, retry in %d s" % ceil_s(doc["retry_in_ms"])
+    else:
+        what = "open period over: the next call probes the gateway"
+    out.write("breaker for %s: %s\n" % (doc["url"], what))
+    if state != "closed":
+        out.write("  %s%s\n" % (doc["why_open"], " (%s)" % doc["opened_at"] if doc["opened_at"] else ""))
+        out.write("  consecutive openings: %d (each doubles the open time)\n" % doc["trips"])
+    elif doc["failures"]:
+        out.write("  consecutive failures: %d of %d (it opens at %d)\n" % (
+            doc["failures"], doc["trip_after"], doc["trip_after"]))
+    if doc["last_error"]:
+        out.write("  last error (%s): %s\n" % (doc["last_error_at"], doc["last_error"]))
+    out.write("  state file: %s\n" % doc["file"])
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -2973,7 +3033,8 @@ def show_status(doc, out):
 
 
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
-             "get": show_get, "meta": show_meta}
+             "get": show_get, "meta": show_meta,
+             "breaker": show_breaker}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3134,40 +3195,8 @@ def cli_meta(ops, a):
     return ops.meta(require_remote=a.require_remote)
 
 
-def cmd_breaker(ctx):
-    """Show the circuit breaker shared by every qmem process here (--reset closes it)."""
-    config = ctx.config
-    if not config["url"]:
-        raise ConfigError("no gateway configured, so no breaker: run `qmem.py config url https://…`")
-    breaker = Breaker.from_config(config)
-    if ctx.args.reset:
-        breaker.reset()
-    state, now = breaker.read(), time.time()
-    open_now = breaker.refuses(state, now)
-    doc = {"url": config["url"], "file": config.breaker_path, "state": state["state"],
-           "failures": state["failures"], "trips": state["trips"],
-           "open_until": iso_from_epoch(state["open_until"]) if state["state"] == "open" else None,
-           "retry_in_ms": breaker.retry_in(state, now) if open_now else 0,
-           "last_error": state["last_error"], "last_error_at": state["last_error_at"],
-           "reset": bool(ctx.args.reset)}
-    if ctx.json:
-        emit_json(doc)
-        return EXIT_OK
-    if ctx.args.reset:
-        print("breaker reset: closed")
-    what = {"closed": "closed (calls go through)",
-            "open": "open (calls fail at once, without network)" if open_now else
-                    "open period over: the next call probes the gateway",
-            "half_open": "half-open (one process is probing the gateway)"}[state["state"]]
-    print("breaker for %s: %s" % (config["url"], what))
-    print("  consecutive failures: %d of %d; consecutive trips: %d" % (
-        state["failures"], config["breakerTripAfter"], state["trips"]))
-    if open_now:
-        print("  open until %s (retry in %d s)" % (doc["open_until"] or "-", (doc["retry_in_ms"] + 999) // 1000))
-    if state["last_error"]:
-        print("  last error (%s): %s" % (state["last_error_at"], state["last_error"]))
-    print("  state file: %s" % config.breaker_path)
-    return EXIT_OK
+def cli_breaker(ops, a):
+    return ops.breaker(reset=a.reset)
 
 
 def cmd_config(ctx):
@@ -3684,7 +3713,8 @@ def build_parser():
     sp = command("pull", cmd_pull)
     sp.add_argument("--full", action="store_true", help="start over from the beginning")
 
-    sp = command("breaker", cmd_breaker)
+    sp = command("breaker", cli_breaker, "Show the circuit breaker shared by every qmem process here "
+                 "(--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
 
     sp = command("config", cmd_config, epilog="Actions: show | url URL | apikey (reads stdin or prompts) "
