@@ -2679,6 +2679,85 @@ class Operations:
                    last_error_at=state["last_error_at"])
         return doc
 
+    # -- the configuration
+    def reload(self, config):
+        """Go on with a new configuration (after a change): the gateway is reopened."""
+        self.close()
+        self.config, self._store, self._gateway = config, None, None
+
+    def config_show(self):
+        """Every effective value and where it came from; the API key masked."""
+        c = self.config
+        shown = {k: (mask_secret(c[k]) if k == "apiKey" and c[k] else c[k]) for k in CONFIG_KEYS}
+        return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path), "values": shown,
+                "sources": {k: c.sources[k] for k in CONFIG_KEYS}, "db": c.db_path, "breaker_file": c.breaker_path}
+
+    def config_url(self, url):
+        """Set the gateway URL (and reset the breakers of the old and the new one)."""
+        url = check_url(url)
+        old = self.config["url"]
+        write_config(self.config, {"url": url})
+        for each in {old, url} - {None}:
+            Breaker(self.config.breaker_path, each).reset()
+        _warn_plain_http(url, self.config["apiKey"])
+        if self.config.sources["url"].startswith("env"):
+            warn("QMEM_URL is set in the environment and overrides the file")
+        return {"action": "url", "file": self.config.path, "key": "url", "value": url, "breaker_reset": True}
+
+    def config_apikey(self, key, on_command_line=False):
+        """Save the API key (mode 0600); the document shows it masked."""
+        key = (key or "").strip()
+        if not key or any(c.isspace() for c in key):
+            raise UsageError("an API key must be one word, not empty")
+        if on_command_line:
+            warn("a key given on the command line stays in your shell history; prefer "
+                 "`qmem.py config apikey` and type it at the prompt")
+        write_config(self.config, {"apiKey": key})
+        if self.config["url"]:
+            _warn_plain_http(self.config["url"], key)
+        return {"action": "apikey", "file": self.config.path, "key": "apiKey", "value": mask_secret(key)}
+
+    def config_set(self, key, value):
+        """Set any key, type-checked; '', 'null' or 'default' restores the default."""
+        if key not in CONFIG_KEYS:
+            raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
+        if key == "url":
+            return self.config_url(value)
+        if key == "apiKey":
+            return self.config_apikey(value, on_command_line=True)
+        parsed = None if value in ("", "null", "default") else _check_type(key, value, "config set")
+        if key in ("localDbPath", "caFile") and parsed:
+            parsed = os.path.abspath(os.path.expanduser(parsed))
+            if key == "caFile" and not os.path.isfile(parsed):
+                raise UsageError("caFile %s: no such file" % parsed)
+        write_config(self.config, {key: parsed})
+        return {"action": "set", "file": self.config.path, "key": key, "value": parsed}
+
+    def config_test(self):
+        """GET /v1/status past the breaker: reachable? key accepted? version, latency."""
+        c = self.config
+        gw = Gateway(c, Breaker.from_config(c, clock=self.clock), bypass_breaker=True)
+        started = time.monotonic()
+        doc = {"action": "test", "url": c["url"], "reachable": False, "key_valid": None, "version": None,
+               "latency_ms": None, "key": mask_secret(c["apiKey"])}
+        problem = None
+        try:
+            resp = gw.call("GET", "/v1/status", retries=0)
+            doc.update(reachable=True, key_valid=True)
+            if resp.status == 200:
+                doc.update(version=resp.data.get("version"), records=resp.data.get("records"))
+            else:
+                problem = _refused(resp, "status request")
+        except GatewayError as e:
+            problem = e
+            doc.update(reachable=e.kind in (AUTH, AMBIGUOUS), key_valid=False if e.kind == AUTH else None)
+        finally:
+            gw.close()
+        doc["latency_ms"] = int((time.monotonic() - started) * 1000)
+        if problem is not None:
+            doc.update(error_document(problem), exit_code=EXIT_FAIL)
+        return doc
+
     # -- the gateway, with the local index as fallback
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
                min_score=None, require_remote=False, highlight=("", "")):
@@ -2844,6 +2923,14 @@ def _why_open(state):
     return "opened after a failure (%s)" % last
 
 
+def _warn_plain_http(url, key):
+    from urllib.parse import urlsplit
+    p = urlsplit(url)
+    if p.scheme == "http" and key and not is_loopback(p.hostname or ""):
+        warn("the API key will travel unencrypted over plain http to %s: use https unless this "
+             "network is trusted" % p.hostname)
+
+
 def _check_score(value):
     if value is None:
         return None
@@ -2996,6 +3083,32 @@ def show_breaker(doc, out):
     out.write("  state file: %s\n" % doc["file"])
 
 
+def show_config(doc, out):
+    action = doc["action"]
+    if action == "show":
+        out.write("config file: %s%s\n" % (doc["file"], "" if doc["file_exists"] else " (not created yet)"))
+        for k, value in doc["values"].items():
+            shown = "-" if value is None else value if isinstance(value, str) else json.dumps(value)
+            out.write("  %-17s %-40s %s\n" % (k, shown, doc["sources"][k]))
+        out.write("  local database:   %s\n  breaker file:     %s\n" % (doc["db"], doc["breaker_file"]))
+    elif action == "url":
+        out.write("url set to %s in %s (breaker reset)\n" % (doc["value"], doc["file"]))
+    elif action == "apikey":
+        out.write("API key %s saved in %s (mode 0600)\n" % (doc["value"], doc["file"]))
+    elif action == "set":
+        out.write("%s %s in %s\n" % (doc["key"], "reset to its default" if doc["value"] is None else
+                                      "set to %s" % json.dumps(doc["value"]), doc["file"]))
+    elif action == "test":
+        out.write("gateway %s: %s\n" % (doc["url"], "reachable" if doc["reachable"] else "NOT reachable"))
+        if doc["reachable"]:
+            out.write("  API key: %s (%s)\n" % ("accepted" if doc["key_valid"] else "REJECTED", doc["key"]))
+        if doc["version"]:
+            out.write("  version %s, %s records\n" % (doc["version"], doc.get("records", "?")))
+        out.write("  latency: %s ms\n" % doc["latency_ms"])
+        if doc.get("error"):
+            out.write("  error: %s\n" % doc["error"]["message"])
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -3034,7 +3147,7 @@ def show_status(doc, out):
 
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
-             "breaker": show_breaker}
+             "breaker": show_breaker, "config": show_config}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3045,6 +3158,9 @@ def render(command, doc, json_mode, out=None):
     else:
         RENDERERS[command](doc, out)
         show_auto_flush(doc, out)
+    if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
+        problem = doc["error"]
+        warn("%s: %s" % (problem["message"], problem["hint"]) if problem.get("hint") else problem["message"])
 
 
 def render_error(err, json_mode, out=None):
@@ -3199,174 +3315,62 @@ def cli_breaker(ops, a):
     return ops.breaker(reset=a.reset)
 
 
-def cmd_config(ctx):
-    """Show or change the configuration (shared with the pi extension)."""
-    a = ctx.args
-    action = a.action
+def cli_config(ops, a):
+    action, values = a.action, a.values
     if action is None:
-        if _interactive() and not ctx.json:
-            return config_menu(ctx)
+        if _interactive() and not a.json:
+            return config_menu(ops, a)
         action = "show"
-    handler = {"show": config_show, "url": config_url, "apikey": config_apikey, "set": config_set,
-               "test": config_test}[action]
-    return handler(ctx, a.values)
+    if action == "apikey":
+        if len(values) > 1:
+            raise UsageError("usage: qmem.py config apikey   (then type or pipe the key)")
+        return ops.config_apikey(values[0] if values else _read_key(), on_command_line=bool(values))
+    wanted = {"show": 0, "test": 0, "url": 1, "set": 2}[action]
+    if len(values) != wanted:
+        raise UsageError({"show": "config show takes no arguments", "test": "config test takes no arguments",
+                          "url": "usage: qmem.py config url https://gateway.example:8443",
+                          "set": "usage: qmem.py config set KEY VALUE   (keys: %s)" % ", ".join(CONFIG_KEYS)}[action])
+    return getattr(ops, "config_" + action)(*values)
 
 
 def _interactive():
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-def config_show(ctx, values):
-    if values:
-        raise UsageError("config show takes no arguments")
-    c = ctx.config
-    shown = {k: (mask_secret(c[k]) if k == "apiKey" and c[k] else c[k]) for k in CONFIG_KEYS}
-    if ctx.json:
-        emit_json({"file": c.path, "values": shown, "sources": {k: c.sources[k] for k in CONFIG_KEYS},
-                   "db": c.db_path, "breaker_file": c.breaker_path})
-        return EXIT_OK
-    print("config file: %s%s" % (c.path, "" if os.path.exists(c.path) else " (not created yet)"))
-    for k in CONFIG_KEYS:
-        value = shown[k]
-        print("  %-17s %-40s %s" % (k, "-" if value is None else json.dumps(value) if not isinstance(value, str)
-                                    else value, c.sources[k]))
-    print("  local database:   %s" % c.db_path)
-    print("  breaker file:     %s" % c.breaker_path)
-    return EXIT_OK
-
-
-def config_url(ctx, values):
-    if len(values) != 1:
-        raise UsageError("usage: qmem.py config url https://gateway.example:8443")
-    url = check_url(values[0])
-    old = ctx.config["url"]
-    write_config(ctx.config, {"url": url})
-    if old:
-        Breaker(ctx.config.breaker_path, old).reset()
-    Breaker(ctx.config.breaker_path, url).reset()
-    _warn_plain_http(url, ctx.config["apiKey"])
-    if ctx.config.sources["url"].startswith("env"):
-        warn("QMEM_URL is set in the environment and overrides the file")
-    print("url set to %s in %s (breaker reset)" % (url, ctx.config.path))
-    return EXIT_OK
-
-
-def _warn_plain_http(url, key):
-    from urllib.parse import urlsplit
-    p = urlsplit(url)
-    if p.scheme == "http" and key and not is_loopback(p.hostname or ""):
-        warn("the API key will travel unencrypted over plain http to %s: use https unless this "
-             "network is trusted" % p.hostname)
-
-
-def config_apikey(ctx, values):
-    if len(values) > 1:
-        raise UsageError("usage: qmem.py config apikey   (then type or pipe the key)")
-    if values:
-        warn("a key given on the command line stays in your shell history; prefer "
-             "`qmem.py config apikey` and type it at the prompt")
-        key = values[0]
-    elif sys.stdin.isatty():
+def _read_key():
+    """The API key from a hidden prompt on a terminal, else one line of stdin."""
+    if sys.stdin.isatty():
         import getpass
-        key = getpass.getpass("API key (input hidden): ")
-    else:
-        key = sys.stdin.readline()
-    key = key.strip()
-    if not key or any(c.isspace() for c in key):
-        raise UsageError("an API key must be one word, not empty")
-    write_config(ctx.config, {"apiKey": key})
-    if ctx.config["url"]:
-        _warn_plain_http(ctx.config["url"], key)
-    print("API key %s saved in %s (mode 0600)" % (mask_secret(key), ctx.config.path))
-    return EXIT_OK
+        return getpass.getpass("API key (input hidden): ")
+    return sys.stdin.readline()
 
 
-def config_set(ctx, values):
-    if len(values) != 2:
-        raise UsageError("usage: qmem.py config set KEY VALUE   (keys: %s)" % ", ".join(CONFIG_KEYS))
-    key, value = values
-    if key not in CONFIG_KEYS:
-        raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
-    if key == "url":
-        return config_url(ctx, [value])
-    if key == "apiKey":
-        return config_apikey(ctx, [value])
-    parsed = None if value in ("", "null", "default") else _check_type(key, value, "config set")
-    if key in ("localDbPath", "caFile") and parsed:
-        parsed = os.path.abspath(os.path.expanduser(parsed))
-        if key == "caFile" and not os.path.isfile(parsed):
-            raise UsageError("caFile %s: no such file" % parsed)
-    write_config(ctx.config, {key: parsed})
-    print("%s %s in %s" % (key, "reset to its default" if parsed is None else "set to %s" % json.dumps(parsed),
-                           ctx.config.path))
-    return EXIT_OK
-
-
-def config_test(ctx, values):
-    if values:
-        raise UsageError("config test takes no arguments")
-    c = ctx.config
-    # A test must really try: the breaker is consulted by every other command, not this one.
-    gw = Gateway(c, Breaker.from_config(c), bypass_breaker=True)
-    started = time.monotonic()
-    doc = {"url": c["url"], "reachable": False, "key_valid": None, "version": None, "latency_ms": None,
-           "error": None}
-    try:
-        resp = gw.call("GET", "/v1/status", retries=0)
-        doc.update(reachable=True, key_valid=True, latency_ms=int((time.monotonic() - started) * 1000))
-        if resp.status == 200:
-            doc["version"] = resp.data.get("version")
-            doc["records"] = resp.data.get("records")
-        else:
-            doc["error"] = "GET /v1/status answered HTTP %d: %s" % (resp.status, resp.detail())
-    except GatewayError as e:
-        doc["latency_ms"] = int((time.monotonic() - started) * 1000)
-        doc["error"] = str(e)
-        if e.kind == "auth":
-            doc.update(reachable=True, key_valid=False)
-        elif e.kind == "ambiguous":
-            doc["reachable"] = True
-    finally:
-        gw.close()
-    ok = doc["reachable"] and doc["key_valid"] and not doc["error"]
-    if ctx.json:
-        emit_json(doc)
-    else:
-        print("gateway %s: %s" % (c["url"], "reachable" if doc["reachable"] else "NOT reachable"))
-        if doc["reachable"]:
-            print("  API key: %s (%s)" % ("accepted" if doc["key_valid"] else "REJECTED", mask_secret(c["apiKey"])))
-        if doc["version"]:
-            print("  version %s, %s records" % (doc["version"], doc.get("records", "?")))
-        print("  latency: %s ms" % doc["latency_ms"])
-        if doc["error"]:
-            print("  error: %s" % doc["error"])
-    return EXIT_OK if ok else EXIT_FAIL
-
-
-def config_menu(ctx):
+def config_menu(ops, a):
     """The numbered menu of the extension's /qmem:config, for a terminal."""
     while True:
         print("qmem config (%s)\n  1) set gateway URL (now: %s)\n  2) change API key (now: %s)\n"
               "  3) test the connection\n  4) show everything\n  5) cancel" % (
-                  ctx.config.path, ctx.config["url"] or "not set", mask_secret(ctx.config["apiKey"])))
-        choice = input("choose 1-5: ").strip()
+                  ops.config.path, ops.config["url"] or "not set", mask_secret(ops.config["apiKey"])))
         try:
-            if choice == "1":
-                config_url(ctx, [input("gateway URL: ")])
-            elif choice == "2":
-                config_apikey(ctx, [])
-            elif choice == "3":
-                config_test(ctx, [])
-            elif choice == "4":
-                config_show(ctx, [])
-            elif choice in ("5", "q", ""):
-                return EXIT_OK
-            else:
+            choice = input("choose 1-5: ").strip()
+            if choice in ("5", "q", ""):
+                return {"action": "menu", "file": ops.config.path}
+            if choice not in ("1", "2", "3", "4"):
                 print("please answer 1 to 5")
                 continue
+            if choice == "1":
+                doc = ops.config_url(input("gateway URL: "))
+            elif choice == "2":
+                doc = ops.config_apikey(_read_key())
+            else:
+                doc = ops.config_test() if choice == "3" else ops.config_show()
+            render("config", doc, False)
+        except EOFError:
+            print()
+            return {"action": "menu", "file": ops.config.path}
         except QmemError as e:
-            warn(str(e))
-        ctx.config = load_config(overrides={"localDbPath": ctx.args.db})
+            render_error(e, False)
+        ops.reload(load_config(overrides={"localDbPath": a.db}))
 
 
 def _read_text(a):
@@ -3717,7 +3721,7 @@ def build_parser():
                  "(--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
 
-    sp = command("config", cmd_config, epilog="Actions: show | url URL | apikey (reads stdin or prompts) "
+    sp = command("config", cli_config, "Show or change the configuration (shared with the pi extension).", epilog="Actions: show | url URL | apikey (reads stdin or prompts) "
                  "| set KEY VALUE | test. With none, on a terminal: a menu.")
     sp.add_argument("action", nargs="?", choices=("show", "url", "apikey", "set", "test"))
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
