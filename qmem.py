@@ -1409,6 +1409,19 @@ class Store:
                     self.upsert(rec, view, now)
             self.link_supersessions()
 
+    def outbox_row(self, local_id):
+        """One outbox row's outcome: state, gateway_id, duplicate_of, last_error, last_status."""
+        cur = self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status FROM outbox "
+                                "WHERE id=?", (local_id,))
+        row = cur.fetchone()
+        return _row_dict(cur, row) if row else None
+
+    def forget_write(self, local_id):
+        """Remove a write that is still waiting, and its local record (one transaction)."""
+        with self.transaction():
+            self.conn.execute("DELETE FROM outbox WHERE id=? AND state IN ('pending', 'sending')", (local_id,))
+            self.drop_local(local_id, None)
+
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
@@ -2758,6 +2771,64 @@ class Operations:
             doc.update(error_document(problem), exit_code=EXIT_FAIL)
         return doc
 
+    # -- writes
+    def store_memory(self, text, project, kind=None, scope=None, agent=None, source=None, expires=None,
+                     private=False, supersedes=None, reason=None, queue_only=False):
+        """Write a memory: into the outbox and the index at once, then to the gateway
+        (unless queue_only); it stays queued while the gateway cannot take it."""
+        supersedes = (supersedes or "").strip() or None
+        payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires, private,
+                                 supersedes, reason)
+        return self._write("store", payload, queue_only)
+
+    def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None, expires=None,
+                private=False, reason=None, queue_only=False):
+        """Write a correction of `target`: project and kind default to the target's."""
+        target = (target or "").strip()
+        if not target:
+            raise UsageError("correct needs the id of the memory it corrects")
+        old = {}
+        if self.has_index():
+            old = self.store().get(self.store().current_id(target)) or {}
+        project = project or old.get("project_id")
+        if not project:
+            raise UsageError("%s is not in the local index: say which project with --project" % target)
+        payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent, source, expires,
+                                 private, target, reason)
+        return self._write("correct", payload, queue_only)
+
+    def _write(self, op, payload, queue_only):
+        store = self.store()
+        local_id = enqueue(store, op, payload)
+        error = None
+        if not queue_only:
+            try:
+                error = Flusher(store, self.gateway(), clock=self.clock).run(only=local_id).stop_error
+            except GatewayError as e:  # not configured
+                error = e
+        row = store.outbox_row(local_id)
+        state = row["state"]
+        if state in WAITING and not queue_only and not self.config["offlineQueue"]:
+            store.forget_write(local_id)
+            raise QmemError("not stored (offlineQueue is off, nothing kept): %s" % (error or row["last_error"]),
+                            kind=error.kind if error is not None else "not_stored")
+        doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
+               "local_id": local_id, "state": state, "id": row["gateway_id"] or local_id,
+               "duplicate_of": row["duplicate_of"], "last_error": row["last_error"], "queued": state in WAITING,
+               "degraded": state in WAITING, "reason": None}
+        if state in WAITING:
+            doc["reason"] = "queued on request (--queue-only)" if queue_only else str(
+                error or row["last_error"] or "retry later")
+        if state == FAILED:
+            doc.update(error_document(QmemError(
+                "not stored: the gateway refused it: %s" % row["last_error"], kind="rejected",
+                hint="kept in the outbox as failed (%s); fix it and run `qmem.py flush --retry-failed`, or "
+                     "discard it with `qmem.py queue --drop %s`" % (local_id, local_id))))
+        elif error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+            # The gateway is there and will not take it as configured: still queued, but an error.
+            doc.update(error_document(error))
+        return self._after_online(doc) if state == SYNCED else doc
+
     # -- the gateway, with the local index as fallback
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
                min_score=None, require_remote=False, highlight=("", "")):
@@ -2921,6 +2992,39 @@ def _why_open(state):
     if state["opened_after"] > 1:
         return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
     return "opened after a failure (%s)" % last
+
+
+def _write_payload(text, project, kind, scope, agent, source, expires, private, supersedes, reason):
+    """The request body of a write, every value checked first: a bad one is a usage
+    error and nothing is queued."""
+    text = (text or "").strip()
+    if not text:
+        raise UsageError("the memory's text is empty")
+    if len(text) > MAX_TEXT:
+        raise UsageError("the text is %d characters; a memory holds at most %d (store a summary)"
+                         % (len(text), MAX_TEXT))
+    if not project or not project.strip():
+        raise UsageError("--project is required (the project this memory belongs to)")
+    if kind not in KINDS:
+        raise UsageError("kind must be one of %s, not %r" % (", ".join(KINDS), kind))
+    payload = {"text": text, "kind": kind, "project_id": project.strip(), "agent_id": agent or "qmem.py",
+               "source": source or machine_identity(), "private": bool(private)}
+    if scope:
+        payload["scope"] = scope
+    if expires:
+        when = parse_iso(expires)
+        if when is None:
+            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % expires)
+        if when <= time.time():
+            raise UsageError("--expires %s is already past" % expires)
+        payload["expires_at"] = iso_from_epoch(when)
+    if supersedes:
+        payload["supersedes_id"] = supersedes
+        if reason:
+            payload["supersede_reason"] = reason.strip()
+    elif reason:
+        raise UsageError("--reason goes with --supersedes ID (or use `qmem.py correct ID`)")
+    return payload
 
 
 def _warn_plain_http(url, key):
@@ -3109,6 +3213,25 @@ def show_config(doc, out):
             out.write("  error: %s\n" % doc["error"]["message"])
 
 
+def show_write(doc, out):
+    state = doc["state"]
+    if state == SYNCED:
+        out.write("%s: %s (in shared memory)\n" % ("stored" if doc["op"] == "store" else "correction stored",
+                                                  doc["id"]))
+    elif state == DUPLICATE:
+        out.write("not stored: a near-identical memory already exists: %s\n"
+                  "  to change what it says: qmem.py correct %s \"…\"\n" % (doc["duplicate_of"], doc["duplicate_of"]))
+    elif state == FAILED:
+        out.write("not stored: the gateway refused it: %s\n  kept in the outbox as failed (%s): fix it and "
+                  "`qmem.py flush --retry-failed`, or `qmem.py queue --drop %s`\n" % (
+                      doc["last_error"], doc["local_id"], doc["local_id"]))
+    else:
+        out.write("queued: not yet in shared memory; other agents will see it after `flush`\n"
+                  "  local id %s (%s)\n" % (doc["local_id"], doc["reason"]))
+        if doc.get("error"):
+            out.write("  it waits in the outbox: %s, then `qmem.py flush`\n" % (doc["error"]["hint"] or "fix this"))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -3147,7 +3270,7 @@ def show_status(doc, out):
 
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
-             "breaker": show_breaker, "config": show_config}
+             "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3374,131 +3497,32 @@ def config_menu(ops, a):
 
 
 def _read_text(a):
-    """The memory's text from the argument, --text-file, or stdin ('-')."""
+    """The memory's text from the argument, --text-file, or stdin ('-'), as given."""
     sources = [s for s in (a.text is not None and a.text != "-", a.text_file is not None, a.text == "-") if s]
     if len(sources) > 1:
         raise UsageError("give the text once: as an argument, with --text-file, or on stdin with -")
     try:
         if a.text_file is not None:
             with open(a.text_file, encoding="utf-8") as f:
-                text = f.read()
-        elif a.text == "-":
-            text = sys.stdin.read()
-        else:
-            text = a.text or ""
+                return f.read()
+        if a.text == "-":
+            return sys.stdin.read()
     except (OSError, UnicodeDecodeError) as e:
-        raise UsageError("cannot read the text from %s: %s" % (a.text_file, getattr(e, "strerror", None) or e))
-    text = text.strip()
-    if not text:
-        raise UsageError("the memory's text is empty")
-    if len(text) > MAX_TEXT:
-        raise UsageError("the text is %d characters; a memory holds at most %d (store a summary)"
-                         % (len(text), MAX_TEXT))
-    return text
+        raise UsageError("cannot read the text from %s: %s" % (a.text_file or "stdin", getattr(e, "strerror", None) or e))
+    return a.text or ""
 
 
-def _write_payload(a, text, project, kind, supersedes=None):
-    if not project or not project.strip():
-        raise UsageError("--project is required (the project this memory belongs to)")
-    payload = {"text": text, "kind": kind, "project_id": project.strip(),
-               "agent_id": a.agent or "qmem.py", "source": a.source or machine_identity(),
-               "private": bool(a.private)}
-    if a.scope:
-        payload["scope"] = a.scope
-    if a.expires:
-        when = parse_iso(a.expires)
-        if when is None:
-            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % a.expires)
-        if when <= time.time():
-            raise UsageError("--expires %s is already past" % a.expires)
-        payload["expires_at"] = iso_from_epoch(when)
-    if supersedes:
-        payload["supersedes_id"] = supersedes
-        if a.reason:
-            payload["supersede_reason"] = a.reason.strip()
-    elif a.reason:
-        raise UsageError("--reason goes with --supersedes ID (or use `qmem.py correct ID`)")
-    return payload
+def _write_options(a):
+    return dict(kind=a.kind, scope=a.scope, agent=a.agent, source=a.source, expires=a.expires, private=a.private,
+                reason=a.reason, queue_only=a.queue_only)
 
 
-def cmd_store(ctx):
-    """Store a memory in the shared memory; queued in the outbox when the gateway is away."""
-    a = ctx.args
-    payload = _write_payload(a, _read_text(a), a.project, a.kind or "fact", a.supersedes)
-    return _write(ctx, "store", payload)
+def cli_store(ops, a):
+    return ops.store_memory(_read_text(a), a.project, supersedes=a.supersedes, **_write_options(a))
 
 
-def cmd_correct(ctx):
-    """Store a correction: a new memory that supersedes ID (marked superseded here at once)."""
-    a = ctx.args
-    text = _read_text(a)
-    target = ctx.args.id.strip()
-    if not target:
-        raise UsageError("correct needs the id of the memory it corrects")
-    old = ctx.store().get(ctx.store().current_id(target))
-    project = a.project or (old or {}).get("project_id")
-    if not project:
-        raise UsageError("%s is not in the local index: say which project with --project" % target)
-    payload = _write_payload(a, text, project, a.kind or (old or {}).get("kind") or "fact", target)
-    return _write(ctx, "correct", payload)
-
-
-def _write(ctx, op, payload):
-    store = ctx.store()
-    local_id = enqueue(store, op, payload)
-    stats, error = None, None
-    if not ctx.args.queue_only:
-        try:
-            stats = Flusher(store, ctx.gateway()).run(only=local_id)
-            error = stats.stop_error
-        except GatewayError as e:  # not configured
-            error = e
-    row = store.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status FROM outbox "
-                             "WHERE id=?", (local_id,)).fetchone()
-    state, gateway_id, duplicate_of, last_error, last_status = row
-    doc = {"source": "gateway" if state in ("synced", "duplicate", "failed") else "outbox",
-           "local_id": local_id, "state": state, "id": gateway_id or local_id, "duplicate_of": duplicate_of,
-           "error": last_error}
-    if error is not None and error.kind == "auth":
-        # The gateway is up and refused the key: still queued, but this is an error.
-        doc.update(degraded=True, reason=str(error))
-        _report_write(ctx, doc, op)
-        raise error
-    if state == "pending" and not ctx.args.queue_only and not ctx.config["offlineQueue"]:
-        with store.transaction():
-            store.conn.execute("DELETE FROM outbox WHERE id=? AND state='pending'", (local_id,))
-            store.drop_local(local_id, None)
-        raise QmemError("not stored (offlineQueue is off, nothing kept): %s" % (error or last_error))
-    doc["degraded"] = state == "pending"
-    doc["reason"] = None if state != "pending" else (
-        "queued on request (--queue-only)" if ctx.args.queue_only else str(error or last_error or "retry later"))
-    _report_write(ctx, doc, op)
-    if state == "synced":
-        ctx.after_online()
-        return EXIT_OK
-    if state == "duplicate":
-        return EXIT_OK
-    if state == "failed":
-        return EXIT_FAIL
-    return EXIT_REMOTE if getattr(ctx.args, "require_remote", False) else EXIT_OK
-
-
-def _report_write(ctx, doc, op):
-    if ctx.json:
-        emit_json(doc)
-        return
-    state = doc["state"]
-    if state == "synced":
-        print("%s: %s (in shared memory)" % ("stored" if op == "store" else "correction stored", doc["id"]))
-    elif state == "duplicate":
-        print("not stored: a near-identical memory already exists: %s\n"
-              "  to change what it says: qmem.py correct %s \"…\"" % (doc["duplicate_of"], doc["duplicate_of"]))
-    elif state == "failed":
-        print("not stored: the gateway refused it: %s\n  kept in the outbox as failed (%s); fix and "
-              "`qmem.py flush --retry-failed`, or leave it" % (doc["error"], doc["local_id"]))
-    else:
-        print("queued: not yet in shared memory; other agents will see it after `flush`\n"
-              "  local id %s (%s)" % (doc["local_id"], doc["reason"]))
+def cli_correct(ops, a):
+    return ops.correct(a.id, _read_text(a), project=a.project, **_write_options(a))
 
 
 def cmd_queue(ctx):
@@ -3691,13 +3715,15 @@ def build_parser():
     add_remote(command("meta", cli_meta, "What the memory holds: scope x kind counts, projects, agents, "
                        "superseded, deleted."))
 
-    sp = command("store", cmd_store)
+    sp = command("store", cli_store, "Store a memory in the shared memory; queued in the outbox when the "
+                 "gateway is away.")
     sp.add_argument("text", nargs="?", help="the memory (or - to read it from stdin)")
     sp.add_argument("--project", help="the project it belongs to (required)")
     sp.add_argument("--supersedes", metavar="ID", help="the memory this one corrects")
     add_write_options(sp)
 
-    sp = command("correct", cmd_correct)
+    sp = command("correct", cli_correct, "Store a correction: a new memory that supersedes ID (marked "
+                 "superseded here at once).")
     sp.add_argument("id", help="the memory this one corrects")
     sp.add_argument("text", nargs="?", help="the corrected memory (or - to read it from stdin)")
     sp.add_argument("--project", help="default: the corrected memory's project")

@@ -1694,10 +1694,20 @@ class WriteTests(GatewayTestCase):
         self.assertIsNotNone(item["next_attempt_at"])
         self.assertIn("503", item["last_error"])
 
-    def test_401_is_an_error_and_the_write_stays_queued(self):
+    def test_401_is_an_error_and_the_write_stays_queued_and_says_so(self):
         os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
-        self.assertIn("API key rejected", self.expect_fail(1, "store", "chiave", "--project", "p"))
-        self.assertEqual([r["state"] for r in self.outbox().values()], ["pending"])
+        code, out, err = self.run_cli("store", "chiave", "--project", "p")
+        self.assertEqual(code, 1)
+        self.assertIn("API key rejected", err)
+        self.assertTrue(out.startswith("queued: not yet in shared memory"), out)
+        self.assertIn("config apikey", out)
+        code, out, err = self.run_cli("store", "chiave due", "--project", "p", "--json")
+        doc = json.loads(out)
+        self.assertEqual((code, doc["exit_code"], doc["error"]["kind"], doc["state"], doc["queued"]),
+                         (1, 1, "auth", "pending", True))
+        self.assertEqual([r["state"] for r in self.outbox().values()], ["pending", "pending"])
+        os.environ["QMEM_API_KEY"] = API_KEY
+        self.assertEqual(self.ok_json("flush")["synced"], 2)
 
     def test_flush_with_nothing_queued_needs_no_gateway(self):
         del os.environ["QMEM_URL"]
