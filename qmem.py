@@ -1422,6 +1422,46 @@ class Store:
             self.conn.execute("DELETE FROM outbox WHERE id=? AND state IN ('pending', 'sending')", (local_id,))
             self.drop_local(local_id, None)
 
+    def outbox_counts(self):
+        counts = dict.fromkeys(OUTBOX_STATES, 0)
+        counts.update(self.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall())
+        return counts
+
+    def outbox_items(self, state, now, ids=None):
+        """Outbox rows as documents, oldest first: all, those in `state`, or those of `ids`."""
+        where, params = "", ()
+        if state:
+            where, params = "WHERE state=?", (state,)
+        elif ids is not None:
+            where, params = "WHERE id IN (%s)" % ", ".join("?" * len(ids)), tuple(ids)
+        items = []
+        for (rid, op, st, attempts, created, error, gateway_id, dup, payload, next_at, lease_until
+             ) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, gateway_id, duplicate_of, "
+                                    "payload, next_attempt_at, lease_until FROM outbox %s ORDER BY rid" % where, params):
+            body = json.loads(payload)
+            items.append({"local_id": rid, "op": op, "state": st, "attempts": attempts,
+                          "created_at": iso_from_epoch(created), "age_s": int(now - created), "last_error": error,
+                          "gateway_id": gateway_id, "duplicate_of": dup, "project_id": body.get("project_id"),
+                          "text": body.get("text"), "lease_until": lease_until,
+                          "next_attempt_at": iso_from_epoch(next_at) if st == PENDING and next_at > now else None})
+        return items
+
+    def corrections_of(self, local_ids):
+        """{correction's local id: the id it corrects} for unsettled corrections of these
+        writes, beyond the writes themselves."""
+        marks = ", ".join("?" * len(local_ids))
+        return dict(self.conn.execute(
+            "SELECT id, target FROM outbox WHERE target IN (%s) AND id NOT IN (%s) AND state IN "
+            "('pending', 'sending', 'failed')" % (marks, marks), list(local_ids) * 2).fetchall())
+
+    def drop_writes(self, local_ids):
+        """Discard outbox rows and their local records (one transaction); what a dropped
+        correction hid is shown again."""
+        with self.transaction():
+            for local_id in local_ids:
+                self.conn.execute("DELETE FROM outbox WHERE id=?", (local_id,))
+                self.drop_local(local_id, None)
+
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
@@ -2829,6 +2869,37 @@ class Operations:
             doc.update(error_document(error))
         return self._after_online(doc) if state == SYNCED else doc
 
+    # -- the outbox
+    def queue(self, state=None):
+        """The outbox, oldest first (empty on a fresh machine)."""
+        if not self.has_index():
+            return {"source": "outbox", "counts": dict.fromkeys(OUTBOX_STATES, 0), "items": []}
+        store = self.store()
+        return {"source": "outbox", "counts": store.outbox_counts(), "items": store.outbox_items(state, self.clock())}
+
+    def drop(self, ids, force=False, dry_run=False):
+        """Discard failed or duplicate writes and their local records; waiting ones
+        only with force. Nothing is discarded unless every id may be."""
+        ids = [i.strip() for i in ids if i and i.strip()]
+        if not ids:
+            raise UsageError("queue --drop needs the local id of at least one write")
+        if not self.has_index():
+            raise UsageError("no outbox here yet: nothing to drop")
+        store = self.store()
+        rows = store.outbox_items(None, self.clock(), ids=ids)
+        unknown = sorted(set(ids) - {r["local_id"] for r in rows})
+        if unknown:
+            raise UsageError("no write %s in the outbox" % ", ".join(unknown), hint="see `qmem.py queue`")
+        for r in rows:
+            _check_droppable(r, force, self.clock())
+        dependents = store.corrections_of([r["local_id"] for r in rows])
+        if dependents:
+            raise UsageError("%s corrects %s: drop it too (or first)" % next(iter(dependents.items())))
+        if not dry_run:
+            store.drop_writes([r["local_id"] for r in rows])
+        return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
+                "counts": store.outbox_counts()}
+
     # -- the gateway, with the local index as fallback
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
                min_score=None, require_remote=False, highlight=("", "")):
@@ -2992,6 +3063,17 @@ def _why_open(state):
     if state["opened_after"] > 1:
         return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
     return "opened after a failure (%s)" % last
+
+
+def _check_droppable(row, force, now):
+    state = row["state"]
+    if state == SYNCED:
+        raise UsageError("%s is in shared memory already (as %s): nothing to drop" % (row["local_id"], row["gateway_id"]),
+                         hint="to change what it says: qmem.py correct %s \"…\"" % row["gateway_id"])
+    if state == SENDING and row["lease_until"] and row["lease_until"] > now:
+        raise UsageError("%s is being sent right now by another flush" % row["local_id"], hint="try again in a moment")
+    if state in WAITING and not force:
+        raise UsageError("%s is still waiting to be sent; add --force to discard it anyway" % row["local_id"])
 
 
 def _write_payload(text, project, kind, scope, agent, source, expires, private, supersedes, reason):
@@ -3232,6 +3314,36 @@ def show_write(doc, out):
             out.write("  it waits in the outbox: %s, then `qmem.py flush`\n" % (doc["error"]["hint"] or "fix this"))
 
 
+def _one_line(text, width):
+    return " ".join((text or "").split())[:width]
+
+
+def show_queue(doc, out):
+    if "dropped" in doc:
+        for it in doc["dropped"]:
+            out.write("%s %s  %-9s %s\n" % ("would drop" if doc["dry_run"] else "dropped", it["local_id"],
+                                            it["state"], _one_line(it["text"], 60)))
+    out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
+    for it in doc.get("items", ()):
+        where = it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"]) or "-"
+        out.write("%s  %-9s %s tries, %s old  %s  %s\n" % (
+            it["local_id"], it["state"], it["attempts"], _age(it["age_s"]), where, _one_line(it["text"], 60)))
+        if it["last_error"] and it["state"] in (PENDING, FAILED, DUPLICATE):
+            out.write("    last error: %s\n" % it["last_error"])
+    if doc["counts"][DUPLICATE] and "items" in doc:
+        out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct ID` changes it\n")
+    if doc["counts"][FAILED] and "items" in doc:
+        out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries them again, "
+                  "`qmem.py queue --drop ID` discards one\n")
+
+
+def _age(seconds):
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return "%d%s" % (seconds // size, unit)
+    return "%ds" % seconds
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -3270,7 +3382,8 @@ def show_status(doc, out):
 
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
-             "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write}
+             "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
+             "queue": show_queue}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3525,48 +3638,25 @@ def cli_correct(ops, a):
     return ops.correct(a.id, _read_text(a), project=a.project, **_write_options(a))
 
 
-def cmd_queue(ctx):
-    """The outbox: writes made here, and whether they reached the shared memory."""
-    a = ctx.args
-    if not os.path.exists(ctx.config.db_path):
-        rows, counts = [], dict.fromkeys(OUTBOX_STATES, 0)
-    else:
-        store = ctx.store()
-        counts = dict.fromkeys(OUTBOX_STATES, 0)
-        counts.update(store.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall())
-        sql = ("SELECT id, op, state, attempts, created_at, last_error, gateway_id, duplicate_of, payload, "
-               "next_attempt_at FROM outbox %s ORDER BY rid" % ("WHERE state=?" if a.state else ""))
-        rows = store.conn.execute(sql, (a.state,) if a.state else ()).fetchall()
-    now = time.time()
-    items = []
-    for rid, op, state, attempts, created, error, gateway_id, dup, payload, next_at in rows:
-        body = json.loads(payload)
-        items.append({"local_id": rid, "op": op, "state": state, "attempts": attempts,
-                      "created_at": iso_from_epoch(created), "age_s": int(now - created), "last_error": error,
-                      "gateway_id": gateway_id, "duplicate_of": dup, "project_id": body.get("project_id"),
-                      "text": body.get("text"),
-                      "next_attempt_at": iso_from_epoch(next_at) if state == "pending" and next_at > now else None})
-    if ctx.json:
-        emit_json({"source": "outbox", "counts": counts, "items": items})
-        return EXIT_OK
-    print("outbox: " + ", ".join("%s %d" % kv for kv in counts.items()))
-    for it in items:
-        where = it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"]) or "-"
-        print("%s  %-9s %s tries, %s old  %s  %s" % (
-            it["local_id"], it["state"], it["attempts"], _age(it["age_s"]), where,
-            " ".join(it["text"].split())[:60]))
-        if it["last_error"] and it["state"] in ("pending", "failed", "duplicate"):
-            print("    last error: %s" % it["last_error"])
-    if counts["duplicate"]:
-        print("duplicates were not stored: a near-identical memory exists; `qmem.py correct ID` changes it")
-    return EXIT_OK
-
-
-def _age(seconds):
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return "%d%s" % (seconds // size, unit)
-    return "%ds" % seconds
+def cli_queue(ops, a):
+    if not a.drop:
+        if a.force or a.yes:
+            raise UsageError("--force and --yes go with --drop ID…")
+        return ops.queue(a.state)
+    if a.state:
+        raise UsageError("--state lists rows; --drop ID… discards them: one at a time")
+    if not a.yes:
+        plan = ops.drop(a.drop, force=a.force, dry_run=True)
+        if not _interactive():
+            raise UsageError("queue --drop asks before discarding", hint="add --yes to discard without asking")
+        for it in plan["dropped"]:
+            sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], _one_line(it["text"], 60)))
+        sys.stderr.write("discard %s and %s? [y/N] " % (
+            _plural(len(plan["dropped"]), "write"), "its record" if len(plan["dropped"]) == 1 else "their records"))
+        sys.stderr.flush()
+        if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+            raise QmemError("nothing discarded", kind="cancelled")
+    return ops.drop(a.drop, force=a.force)
 
 
 def cmd_flush(ctx):
@@ -3729,9 +3819,13 @@ def build_parser():
     sp.add_argument("--project", help="default: the corrected memory's project")
     add_write_options(sp)
 
-    sp = command("queue", cmd_queue)
-    sp.add_argument("--state", choices=("pending", "sending", "synced", "duplicate", "failed"),
-                    help="only rows in this state")
+    sp = command("queue", cli_queue, "The outbox: writes made here, and whether they reached the shared memory "
+                 "(--drop discards failed or duplicate ones).")
+    sp.add_argument("--state", choices=OUTBOX_STATES, help="only rows in this state")
+    sp.add_argument("--drop", nargs="+", metavar="ID", help="discard these failed or duplicate writes and "
+                    "their local records")
+    sp.add_argument("--force", action="store_true", help="with --drop: also discard writes still waiting to be sent")
+    sp.add_argument("--yes", action="store_true", help="with --drop: do not ask first")
 
     sp = command("flush", cmd_flush)
     sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
