@@ -1462,6 +1462,11 @@ class Store:
                 self.conn.execute("DELETE FROM outbox WHERE id=?", (local_id,))
                 self.drop_local(local_id, None)
 
+    def retry_failed(self):
+        """Make every failed write pending again (flush --retry-failed)."""
+        with self.transaction():
+            self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
+
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
@@ -2900,6 +2905,29 @@ class Operations:
         return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
                 "counts": store.outbox_counts()}
 
+    def flush(self, retry_failed=False, progress=None):
+        """Deliver the outbox, oldest first. Nothing queued: no gateway needed, and no
+        database created."""
+        store = self.store() if self.has_index() else None
+        if store is not None and retry_failed:
+            store.retry_failed()
+        if store is None or not store.outbox_waiting():
+            return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[])
+        stats = Flusher(store, self.gateway(), clock=self.clock).run(progress=progress)
+        doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
+                   failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i in stats.failed])
+        err = stats.stop_error
+        if err is not None and err.kind not in AWAY_KINDS:
+            doc.update(error_document(err))
+        elif err is not None and not (stats.synced or stats.duplicate):
+            doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message,
+                                                   hint="the writes stay queued; `qmem.py flush` again later")))
+        elif stats.failed:
+            doc.update(error_document(QmemError(
+                "%s refused by the gateway" % _plural(len(stats.failed), "write"), kind="rejected",
+                hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or `queue --drop ID`")))
+        return doc
+
     # -- the gateway, with the local index as fallback
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
                min_score=None, require_remote=False, highlight=("", "")):
@@ -3344,6 +3372,17 @@ def _age(seconds):
     return "%ds" % seconds
 
 
+def show_flush(doc, out):
+    if doc["source"] == "outbox":
+        out.write("flush: nothing queued\n")
+        return
+    out.write("flush: %d delivered, %d duplicates (not stored), %d failed, %d to retry later; %d still queued%s\n" % (
+        doc["synced"], doc["duplicate"], doc["failed"], doc["retry_later"] + doc["held"], doc["pending"],
+        " (stopped: %s)" % doc["stopped"] if doc["stopped"] else ""))
+    for f in doc["failures"]:
+        out.write("  failed %s: %s\n" % (f["local_id"], f["last_error"]))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -3383,7 +3422,7 @@ def show_status(doc, out):
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
-             "queue": show_queue}
+             "queue": show_queue, "flush": show_flush}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3659,40 +3698,17 @@ def cli_queue(ops, a):
     return ops.drop(a.drop, force=a.force)
 
 
-def cmd_flush(ctx):
-    """Deliver queued writes to the gateway, oldest first, each exactly once."""
-    store = ctx.store() if os.path.exists(ctx.config.db_path) else None
-    if store is not None and ctx.args.retry_failed:
-        with store.transaction():
-            store.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
-    if store is None or not store.outbox_waiting():
-        # Nothing to deliver: no gateway needed, no database created.
-        if ctx.json:
-            emit_json(dict(FlushStats().as_dict(), source="outbox", pending=0))
-        else:
-            print("flush: nothing queued")
-        return EXIT_OK
-    progress = Progress("flush")
+def with_progress(label, work):
+    """Run work(progress) with a progress line on stderr (only on a terminal)."""
+    progress = Progress(label)
     try:
-        stats = Flusher(store, ctx.gateway()).run(progress=progress)
+        return work(progress)
     finally:
         progress.done()
-    waiting = store.outbox_waiting()
-    doc = dict(stats.as_dict(), source="gateway", pending=waiting)
-    if ctx.json:
-        emit_json(doc)
-    else:
-        print("flush: %d delivered, %d duplicates (not stored), %d failed, %d to retry later; %d still queued%s" % (
-            len(stats.synced), len(stats.duplicate), len(stats.failed), len(stats.retry_later) + len(stats.held),
-            waiting, " (stopped: %s)" % stats.stopped if stats.stopped else ""))
-        for local_id in stats.failed:
-            print("  failed %s: %s" % (local_id, store.conn.execute(
-                "SELECT last_error FROM outbox WHERE id=?", (local_id,)).fetchone()[0]))
-    if stats.stop_error is not None and stats.stop_error.kind not in ("unreachable", "breaker_open"):
-        raise stats.stop_error
-    if stats.stop_error is not None:
-        return EXIT_FAIL if not (stats.synced or stats.duplicate) else EXIT_OK
-    return EXIT_FAIL if stats.failed else EXIT_OK
+
+
+def cli_flush(ops, a):
+    return with_progress("flush", lambda progress: ops.flush(retry_failed=a.retry_failed, progress=progress))
 
 
 def cmd_enrich(ctx):
@@ -3827,7 +3843,7 @@ def build_parser():
     sp.add_argument("--force", action="store_true", help="with --drop: also discard writes still waiting to be sent")
     sp.add_argument("--yes", action="store_true", help="with --drop: do not ask first")
 
-    sp = command("flush", cmd_flush)
+    sp = command("flush", cli_flush, "Deliver queued writes to the gateway, oldest first, each exactly once.")
     sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
 
     sp = command("enrich", cmd_enrich)
