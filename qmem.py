@@ -1462,6 +1462,12 @@ class Store:
                 self.conn.execute("DELETE FROM outbox WHERE id=?", (local_id,))
                 self.drop_local(local_id, None)
 
+    def ids_to_enrich(self, every=False):
+        """Ids worth fetching in full: those known only from search hits (or every record
+        here); never a write still local to this machine."""
+        sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % ("" if every else " AND view<?")
+        return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
+
     def retry_failed(self):
         """Make every failed write pending again (flush --retry-failed)."""
         with self.transaction():
@@ -2621,7 +2627,7 @@ def enrich(store, gateway, ids, progress=None):
         try:
             resp = gateway.call("GET", "/v1/memories/" + quote(rid, safe=""))
         except GatewayError as e:
-            if e.kind in ("auth", "tls", "protocol", "not_configured"):
+            if e.kind in CONFIG_KINDS:
                 commit()
                 raise
             stopped = str(e)
@@ -2927,6 +2933,20 @@ class Operations:
                 "%s refused by the gateway" % _plural(len(stats.failed), "write"), kind="rejected",
                 hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or `queue --drop ID`")))
         return doc
+
+    def enrich(self, ids=None, every=False, progress=None):
+        """Fetch full records for the given ids, or those known only from search hits
+        (every=True: every record here). Stops cleanly when the gateway goes away."""
+        gateway = self.gateway()
+        store = self.store()
+        ids = list(ids) if ids else store.ids_to_enrich(every)
+        fetched, unknown, stopped = enrich(store, gateway, ids, progress)
+        doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown, "stopped": stopped}
+        if stopped:
+            return dict(doc, **error_document(QmemError(
+                "enrich stopped early: %s" % stopped, kind="stopped",
+                hint="what was fetched is kept; `qmem.py enrich` again goes on with the rest")))
+        return self._after_online(doc)
 
     # -- the gateway, with the local index as fallback
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
@@ -3383,6 +3403,12 @@ def show_flush(doc, out):
         out.write("  failed %s: %s\n" % (f["local_id"], f["last_error"]))
 
 
+def show_enrich(doc, out):
+    out.write("enrich: %d of %d records fetched in full; %d unknown to the gateway%s\n" % (
+        doc["fetched"], doc["asked"], len(doc["unknown"]),
+        "; stopped early: %s (what was fetched is kept)" % doc["stopped"] if doc["stopped"] else ""))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -3422,7 +3448,8 @@ def show_status(doc, out):
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
-             "queue": show_queue, "flush": show_flush}
+             "queue": show_queue, "flush": show_flush,
+             "enrich": show_enrich}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3711,33 +3738,8 @@ def cli_flush(ops, a):
     return with_progress("flush", lambda progress: ops.flush(retry_failed=a.retry_failed, progress=progress))
 
 
-def cmd_enrich(ctx):
-    """Fetch full records from the gateway for those known here only partially."""
-    a = ctx.args
-    store = ctx.store()
-    if a.ids:
-        ids = a.ids
-    elif a.all:
-        ids = [i for (i,) in store.conn.execute("SELECT id FROM records WHERE pending=0 ORDER BY rid")]
-    else:
-        ids = [i for (i,) in store.conn.execute("SELECT id FROM records WHERE pending=0 AND view<? ORDER BY rid",
-                                                (VIEW_FULL,))]
-    progress = Progress("enrich")
-    try:
-        fetched, unknown, stopped = enrich(store, ctx.gateway(), ids, progress)
-    finally:
-        progress.done()
-    doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown, "stopped": stopped}
-    if ctx.json:
-        emit_json(doc)
-    else:
-        print("enrich: %d of %d records fetched in full; %d unknown to the gateway%s" % (
-            fetched, len(ids), len(unknown), "; stopped early: %s (what was fetched is kept)" % stopped
-            if stopped else ""))
-    if stopped:
-        return EXIT_FAIL
-    ctx.after_online()
-    return EXIT_OK
+def cli_enrich(ops, a):
+    return with_progress("enrich", lambda progress: ops.enrich(a.ids, every=a.all, progress=progress))
 
 
 def cmd_pull(ctx):
@@ -3846,7 +3848,7 @@ def build_parser():
     sp = command("flush", cli_flush, "Deliver queued writes to the gateway, oldest first, each exactly once.")
     sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
 
-    sp = command("enrich", cmd_enrich)
+    sp = command("enrich", cli_enrich, "Fetch full records from the gateway for those known here only partially.")
     sp.add_argument("ids", nargs="*", metavar="ID", help="these records (default: those known partially)")
     sp.add_argument("--all", action="store_true", help="every record of the local index")
 
