@@ -2569,10 +2569,10 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
             query["updated_since"] = since
         resp = gateway.call("GET", "/v1/memories:export?" + urlencode(query))
         if resp.status == 404:
-            raise QmemError("this gateway has no export endpoint (it is older than 2.12.0): "
-                            "refresh known records one by one with `qmem.py enrich --all`")
+            raise QmemError("this gateway has no export endpoint (it is older than 2.12.0)", kind="unsupported",
+                            hint="refresh known records one by one with `qmem.py enrich --all`")
         if resp.status != 200:
-            raise QmemError("the gateway refused the export: %s" % resp.detail())
+            raise QmemError("the gateway refused the export: %s" % resp.detail(), kind="refused")
         items, next_cursor = resp.data.get("items"), resp.data.get("next_cursor")
         if not isinstance(items, list) or not (next_cursor is None or isinstance(next_cursor, str)):
             raise GatewayError("ambiguous", "the gateway's export answer has an unexpected shape")
@@ -2947,6 +2947,19 @@ class Operations:
                 "enrich stopped early: %s" % stopped, kind="stopped",
                 hint="what was fetched is kept; `qmem.py enrich` again goes on with the rest")))
         return self._after_online(doc)
+
+    def pull(self, full=False, progress=None):
+        """Copy the shared memory into the local index, page by page; an interrupted pull
+        keeps its pages and resumes after them."""
+        gateway, stats = self.gateway(), PullStats()
+        try:
+            pull(self.store(), gateway, full=full, progress=progress, stats=stats)
+        except GatewayError as e:
+            if e.kind in CONFIG_KINDS or not stats.pages:
+                raise
+            raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s" % (stats.pages, e.message),
+                               hint="`qmem.py pull` resumes there")
+        return self._after_online(dict(stats.as_dict(), source="gateway"))
 
     # -- the gateway, with the local index as fallback
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
@@ -3409,6 +3422,11 @@ def show_enrich(doc, out):
         "; stopped early: %s (what was fetched is kept)" % doc["stopped"] if doc["stopped"] else ""))
 
 
+def show_pull(doc, out):
+    out.write("pull: %d pages; %d new, %d updated, %d newly deleted, %d unchanged\n" % (
+        doc["pages"], doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -3449,7 +3467,7 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
              "queue": show_queue, "flush": show_flush,
-             "enrich": show_enrich}
+             "enrich": show_enrich, "pull": show_pull}
 
 
 def render(command, doc, json_mode, out=None):
@@ -3742,26 +3760,8 @@ def cli_enrich(ops, a):
     return with_progress("enrich", lambda progress: ops.enrich(a.ids, every=a.all, progress=progress))
 
 
-def cmd_pull(ctx):
-    """Copy the shared memory into the local index, incrementally (GET /v1/memories:export)."""
-    store, stats = ctx.store(), PullStats()
-    progress = Progress("pull")
-    try:
-        pull(store, ctx.gateway(), full=ctx.args.full, progress=progress, stats=stats)
-    except GatewayError as e:
-        if e.kind in ("auth", "not_configured", "tls", "protocol") or not stats.pages:
-            raise
-        raise QmemError("pull stopped after %d pages, which are kept (`qmem.py pull` resumes there): %s"
-                        % (stats.pages, e))
-    finally:
-        progress.done()
-    if ctx.json:
-        emit_json(dict(stats.as_dict(), source="gateway"))
-    else:
-        print("pull: %d pages; %d new, %d updated, %d newly deleted, %d unchanged" % (
-            stats.pages, stats.new, stats.updated, stats.deleted, stats.same))
-    ctx.after_online()
-    return EXIT_OK
+def cli_pull(ops, a):
+    return with_progress("pull", lambda progress: ops.pull(full=a.full, progress=progress))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -3852,7 +3852,8 @@ def build_parser():
     sp.add_argument("ids", nargs="*", metavar="ID", help="these records (default: those known partially)")
     sp.add_argument("--all", action="store_true", help="every record of the local index")
 
-    sp = command("pull", cmd_pull)
+    sp = command("pull", cli_pull, "Copy the shared memory into the local index, incrementally "
+                 "(GET /v1/memories:export).")
     sp.add_argument("--full", action="store_true", help="start over from the beginning")
 
     sp = command("breaker", cli_breaker, "Show the circuit breaker shared by every qmem process here "
