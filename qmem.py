@@ -2575,7 +2575,8 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
             raise QmemError("the gateway refused the export: %s" % resp.detail(), kind="refused")
         items, next_cursor = resp.data.get("items"), resp.data.get("next_cursor")
         if not isinstance(items, list) or not (next_cursor is None or isinstance(next_cursor, str)):
-            raise GatewayError("ambiguous", "the gateway's export answer has an unexpected shape")
+            raise GatewayError(AMBIGUOUS, "the gateway's export answer has an unexpected shape",
+                               detail="answer of the wrong shape")
         newest = since
         with store.transaction():
             for item in items:
@@ -3492,50 +3493,6 @@ def render_error(err, json_mode, out=None):
 
 # === Command line ============================================================
 
-class Context:
-    """What every command needs, built once by main(): config, output mode, the store."""
-
-    def __init__(self, args, config):
-        self.args, self.config = args, config
-        self.json = getattr(args, "json", False)
-        self._store = self._gateway = None
-
-    def store(self, create=True):
-        if self._store is None:
-            self._store = Store(self.config.db_path, create=create)
-        return self._store
-
-    def gateway(self):
-        if self._gateway is None:
-            self._gateway = Gateway(self.config, Breaker.from_config(self.config))
-        return self._gateway
-
-    def after_online(self):
-        """The gateway just answered: deliver what is queued, within a few seconds, so
-        that the command's own answer is never held up for long."""
-        if self._gateway is None or not os.path.exists(self.config.db_path):
-            return
-        try:
-            store = self.store()
-            if not store.outbox_ready(time.time()):
-                return
-            stats = Flusher(store, self._gateway).run(budget_s=AUTO_FLUSH_S)
-        except QmemError as e:
-            warn("queued writes not delivered: %s" % e)
-            return
-        if stats.synced or stats.duplicate or stats.failed:
-            left = store.outbox_waiting()
-            warn("delivered %d queued write%s (%d duplicates, %d failed; %d still queued)" % (
-                len(stats.synced), "" if len(stats.synced) == 1 else "s", len(stats.duplicate),
-                len(stats.failed), left))
-
-    def close(self):
-        if self._gateway is not None:
-            self._gateway.close()
-        if self._store is not None:
-            self._store.close()
-
-
 def cli_import(ops, a):
     return ops.import_sessions(a.sessions)
 
@@ -3551,69 +3508,8 @@ def cli_find(ops, a):
                     include_expired=a.include_expired, highlight=marks)
 
 
-def find_local_or_empty(ctx, query, **filters):
-    """find_local() with the command's --project/--kind/--scope, for find and for the
-    fallback of search: no index yet is an empty answer and a hint, not an error."""
-    a = ctx.args
-    if not os.path.exists(ctx.config.db_path):
-        warn("no local index yet at %s: run `qmem.py import` (or `pull`) first" % ctx.config.db_path)
-        return {"match": "none", "results": []}
-    marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not ctx.json else ("", "")
-    out = find_local(ctx.store(), query, project=a.project, kind=a.kind, scope=a.scope, highlight=marks,
-                     **filters)
-    if ctx.json:
-        for r in out["results"]:
-            r.pop("snippet", None)
-    return out
-
-
-def print_local_results(out, query, header="local_sqlite · lexical (not semantic)"):
-    results = out["results"]
-    label = {"all": "all words", "any": "partial match (any word)", "none": "no match"}[out["match"]]
-    print("%s · %d result%s · %s" % (header, len(results), "" if len(results) == 1 else "s", label))
-    if out["match"] == "none" and not query_tokens(query):
-        print("(the query has no words to search for)")
-    for r in results:
-        flags = [f for f, on in (("PENDING", r["pending"]), ("superseded", r["superseded_by"]),
-                                 ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
-        print("%s  %s  %s  %s%s  %s" % (
-            r["id"], r["kind"] or "-", r["project_id"] or "-", (r["created_at"] or "-")[:10],
-            "  [" + ", ".join(flags) + "]" if flags else "", " ".join((r["snippet"] or "").split())))
-
-
 def cli_status(ops, a):
     return ops.status()
-
-
-def _fallback_reason(ctx, err):
-    """Why the gateway did not answer, for the fallback label, and the breaker's state."""
-    retry_ms = err.retry_in_ms
-    breaker_open = err.kind == "breaker_open"
-    if err.kind == "unreachable" and ctx.config["url"]:
-        state = Breaker.from_config(ctx.config).read()
-        if state["state"] == "open":
-            breaker_open, retry_ms = True, max(0, int((state["open_until"] - time.time()) * 1000))
-    reason = str(err)
-    if breaker_open and err.kind != "breaker_open":
-        reason += "; breaker open, retry in %d s" % ((retry_ms + 999) // 1000)
-    return {"reason": reason, "breaker_open": breaker_open, "retry_in_ms": retry_ms}
-
-
-def gateway_or_fallback(ctx, err):
-    """A read the gateway could not answer: return the fallback label's parts, or raise
-    (401 and configuration errors are errors; --require-remote makes any fallback exit 3)."""
-    if not err.fallback_ok:
-        raise err
-    if getattr(ctx.args, "require_remote", False):
-        raise RemoteRequired("gateway not usable and --require-remote given: %s" % err)
-    if not ctx.config["localFallback"]:
-        raise err
-    return _fallback_reason(ctx, err)
-
-
-def _unexpected(resp, what):
-    """A 4xx answer a command has no use for: the gateway's own words, exit 1."""
-    return QmemError("the gateway refused the %s: %s" % (what, resp.detail()))
 
 
 def cli_search(ops, a):
@@ -3785,8 +3681,7 @@ def build_parser():
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    def command(name, func, about=None, **kw):
-        about = about or func.__doc__
+    def command(name, func, about, **kw):
         sp = sub.add_parser(name, parents=[common], help=about, description=about, **kw)
         sp.set_defaults(func=func)
         return sp
@@ -3897,14 +3792,10 @@ def main(argv=None):
         return _run_writer(argv[1])
     json_mode = _json_asked(argv)
     debug = "--debug" in argv
-    ops = ctx = None
+    ops = None
     try:
         args = build_parser().parse_args(argv)
-        config = load_config(overrides={"localDbPath": args.db})
-        if args.func.__name__.startswith("cmd_"):
-            ctx = Context(args, config)
-            return args.func(ctx)
-        ops = Operations(config)
+        ops = Operations(load_config(overrides={"localDbPath": args.db}))
         doc = args.func(ops, args)
         render(args.command, doc, json_mode)
         return doc.get("exit_code", EXIT_OK)
@@ -3924,9 +3815,8 @@ def main(argv=None):
             pass
         return EXIT_OK
     finally:
-        for resource in (ops, ctx):
-            if resource is not None:
-                resource.close()
+        if ops is not None:
+            ops.close()
 
 
 def _json_asked(argv):
