@@ -236,8 +236,23 @@ def ceil_s(ms):
 
 
 def warn(message):
-    """A diagnostic on stderr, prefixed as every qmem diagnostic is."""
+    """A diagnostic for the user (a corrupt breaker file, a missing FTS5, a skipped
+    file): the one channel every layer uses. It goes where the front end said with
+    set_diagnostics(), by default to stderr as 'qmem: …'."""
+    _diagnostics[0](message)
+
+
+def stderr_diagnostic(message):
     sys.stderr.write("qmem: %s\n" % message)
+
+
+_diagnostics = [stderr_diagnostic]
+
+
+def set_diagnostics(sink):
+    """Route every warn() to sink(message); returns the previous sink."""
+    previous, _diagnostics[0] = _diagnostics[0], sink
+    return previous
 
 
 class Progress:
@@ -3792,6 +3807,7 @@ def main(argv=None):
         return _run_writer(argv[1])
     json_mode = _json_asked(argv)
     debug = "--debug" in argv
+    set_diagnostics(stderr_diagnostic)  # the command line's own: one line each on stderr
     ops = None
     try:
         args = build_parser().parse_args(argv)
