@@ -1107,6 +1107,9 @@ SCHEMA_VERSION = 1
 # Outbox states (the CHECK of the outbox table).
 PENDING, SENDING, SYNCED, DUPLICATE, FAILED = OUTBOX_STATES = ("pending", "sending", "synced", "duplicate", "failed")
 WAITING = (PENDING, SENDING)  # written here, will still be sent
+# records.pending: 0 in shared memory (or seen there), else a write made here that waits
+# in the outbox, or that the gateway refused (its outbox row is failed).
+LOCAL_WAITING, LOCAL_FAILED = 1, 2
 _FTS_COLUMNS = "text, project_id, kind"
 
 
@@ -1122,7 +1125,7 @@ def _m001_initial(conn, fts_tokenizer):
       created_at TEXT, updated_at TEXT, expires_at TEXT,
       supersedes_id TEXT, supersede_reason TEXT, superseded_by TEXT, deleted_at TEXT,
       view INTEGER NOT NULL DEFAULT 0,     -- 0 search hit, 1 call arguments, 2 full record
-      pending INTEGER NOT NULL DEFAULT 0,  -- written here, not yet in shared memory
+      pending INTEGER NOT NULL DEFAULT 0,  -- written here, not in shared memory: 1 waiting, 2 refused
       seen_at TEXT                         -- when this machine last saw it
     );
     CREATE INDEX records_supersedes ON records(supersedes_id) WHERE supersedes_id IS NOT NULL;
@@ -1484,8 +1487,15 @@ class Store:
         return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
 
     def retry_failed(self):
-        """Make every failed write pending again (flush --retry-failed)."""
+        """Make every failed write pending again (flush --retry-failed): its record waits
+        again, and a correction hides its target again."""
         with self.transaction():
+            failed = self.conn.execute("SELECT id, target FROM outbox WHERE state='failed'").fetchall()
+            for local_id, target in failed:
+                self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_WAITING, local_id))
+                if target:
+                    self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
+                                      (local_id, self.current_id(target)))
             self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
 
     def outbox_waiting(self):
@@ -1575,11 +1585,24 @@ class Store:
                                           "scope": scope}), view)
         return self.conn.execute("""
           UPDATE records SET superseded_by = (
-              SELECT c.id FROM records c WHERE c.supersedes_id = records.id
+              SELECT c.id FROM records c WHERE c.supersedes_id = records.id AND c.pending != 2
               ORDER BY c.created_at DESC, c.rid DESC LIMIT 1)
           WHERE superseded_by IS NULL
-            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL)
+            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL AND pending != 2)
         """).rowcount
+
+    def mark_failed(self, local_id):
+        """Inside a transaction: the gateway refused this write. Its record stays, marked
+        refused, and a correction no longer hides what it meant to correct."""
+        self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
+        if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?", (local_id,)).rowcount:
+            self.link_supersessions()  # another correction of it may still stand
+
+    def failures(self, local_ids):
+        """{local id: why the gateway refused it} for these writes."""
+        marks = ", ".join("?" * len(local_ids))
+        return dict(self.conn.execute("SELECT id, last_error FROM outbox WHERE state='failed' AND id IN (%s)"
+                                      % marks, list(local_ids)).fetchall())
 
 
 class _Transaction:
@@ -1605,7 +1628,7 @@ def _row_dict(cur, row):
     if "private" in rec and rec["private"] is not None:
         rec["private"] = bool(rec["private"])
     if "pending" in rec:
-        rec["pending"] = bool(rec["pending"])
+        rec["pending"], rec["failed"] = rec["pending"] == LOCAL_WAITING, rec["pending"] == LOCAL_FAILED
     return rec
 
 
@@ -2210,10 +2233,16 @@ def find_local(store, query, project=None, kind=None, scope=None, limit=10,
             results = []
             for n, row in enumerate(rows, 1):
                 rec = dict(zip(names, row))
-                rec["private"], rec["pending"] = bool(rec["private"]), bool(rec["pending"])
+                local = rec["pending"]
+                rec["private"], rec["pending"], rec["failed"] = (bool(rec["private"]), local == LOCAL_WAITING,
+                                                                  local == LOCAL_FAILED)
                 rec["rank"] = n
                 rec["snippet"] = row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens)
                 results.append(rec)
+            failed = [r["id"] for r in results if r["failed"]]
+            reasons = store.failures(failed) if failed else {}
+            for rec in results:
+                rec["failed_reason"] = reasons.get(rec["id"])
             return {"match": "all" if match_all else "any", "results": results}
     return {"match": "none", "results": []}
 
@@ -2236,10 +2265,10 @@ def local_status(store):
         return {k if k is not None else "(none)": v for k, v in q(sql)}
 
     r = q("""SELECT count(*), sum(superseded_by IS NOT NULL), sum(deleted_at IS NOT NULL),
-                    sum(private != 0), sum(view = 0), sum(pending != 0) FROM records""").fetchone()
+                    sum(private != 0), sum(view = 0), sum(pending = 1), sum(pending = 2) FROM records""").fetchone()
     total = r[0]
     records = {"total": total, "superseded": r[1] or 0, "deleted": r[2] or 0, "private": r[3] or 0,
-               "partial_only": r[4] or 0, "pending": r[5] or 0,
+               "partial_only": r[4] or 0, "pending": r[5] or 0, "failed": r[6] or 0,
                "by_kind": counts("SELECT kind, count(*) FROM records GROUP BY kind ORDER BY 2 DESC"),
                "by_project": counts("SELECT project_id, count(*) FROM records GROUP BY project_id "
                                     "ORDER BY 2 DESC")}
@@ -2270,7 +2299,7 @@ def local_status(store):
 
 def empty_status(db_path):
     """local_status() of a machine with no index yet: every count 0."""
-    records = {"total": 0, "superseded": 0, "deleted": 0, "private": 0, "partial_only": 0, "pending": 0,
+    records = {"total": 0, "superseded": 0, "deleted": 0, "private": 0, "partial_only": 0, "pending": 0, "failed": 0,
                "by_kind": {}, "by_project": {}}
     return {"source": "local_sqlite", "records": records, "outbox": dict.fromkeys(OUTBOX_STATES, 0),
             "coverage": {"complete": 0, "search_hit_only": 0, "complete_share": None},
@@ -2551,10 +2580,9 @@ class Flusher:
                                     "done_at=?, duplicate_of=?, last_status=409, last_error=?" + fence,
                                     (now, o.duplicate_of, o.error, rid, token)).rowcount:
                         self.store.drop_local(local_id, o.duplicate_of)
-                else:
-                    conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, done_at=?, "
-                                 "last_status=?, last_error=?" + fence,
-                                 (now, o.status, o.error, rid, token))
+                elif conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, done_at=?, "
+                                  "last_status=?, last_error=?" + fence, (now, o.status, o.error, rid, token)).rowcount:
+                    self.store.mark_failed(local_id)
 
 
 class PullStats:
@@ -3013,9 +3041,12 @@ class Operations:
         if not rid:
             raise UsageError("get needs a memory id")
         local = self.store().get(rid) if self.has_index() else None
-        if local is not None and local["pending"]:
-            # Written here and still queued: the gateway does not know this id yet.
-            return {"source": "outbox", "degraded": False, "record": _record_out(local)}
+        if local is not None and (local["pending"] or local["failed"]):
+            # Written here and still queued (or refused): the gateway does not know this id.
+            record = _record_out(local)
+            if local["failed"]:
+                record["failed_reason"] = self.store().failures([rid]).get(rid)
+            return {"source": "outbox", "degraded": False, "record": record}
         try:
             resp = self.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
             if resp.status == 404:
@@ -3127,7 +3158,7 @@ def _record_out(rec):
     """A local row as the record the gateway would give, plus what is local-only."""
     out = {k: rec.get(k) for k in ("id",) + FIELDS}
     out["private"] = bool(out["private"])
-    out["pending"] = bool(rec.get("pending"))
+    out["pending"], out["failed"] = bool(rec.get("pending")), bool(rec.get("failed"))
     out["complete"] = rec.get("view") == VIEW_FULL
     return out
 
@@ -3237,7 +3268,8 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
         out.write("(the query has no words to search for)\n")
     for r in results:
-        flags = [f for f, on in (("PENDING", r["pending"]), ("superseded", r["superseded_by"]),
+        flags = [f for f, on in (("PENDING", r["pending"]), ("FAILED: %s" % r["failed_reason"], r["failed"]),
+                                 ("superseded", r["superseded_by"]),
                                  ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
         out.write("%s  %s  %s  %s%s  %s\n" % (
             r["id"], r["kind"] or "-", r["project_id"] or "-", (r["created_at"] or "-")[:10],
@@ -3286,7 +3318,11 @@ def show_search(doc, out):
 
 def show_get(doc, out):
     rec = doc["record"]
-    if doc["source"] == "outbox":
+    if doc["source"] == "outbox" and rec.get("failed"):
+        out.write("FAILED: the gateway refused this write (%s); it is not in shared memory\n"
+                  "  fix and `qmem.py flush --retry-failed`, or discard it with `qmem.py queue --drop %s`\n" % (
+                      rec.get("failed_reason") or "no reason given", rec["id"]))
+    elif doc["source"] == "outbox":
         out.write("queued here, not yet in shared memory (run `qmem.py flush`)\n")
     elif doc["source"] != "gateway":
         out.write(fallback_header(doc, "local copy") + "\n")
@@ -3459,8 +3495,9 @@ def show_status(doc, out):
         out.write("this machine: %s\n" % doc["machine"])
         return
     rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
-    out.write("records: %d  (superseded %d, deleted %d, private %d, written here and not yet shared %d)\n" % (
-        rec["total"], rec["superseded"], rec["deleted"], rec["private"], rec["pending"]))
+    out.write("records: %d  (superseded %d, deleted %d, private %d; written here: %d waiting to be shared, "
+              "%d refused by the gateway)\n" % (rec["total"], rec["superseded"], rec["deleted"], rec["private"],
+                                                 rec["pending"], rec["failed"]))
     out.write("  by kind: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
     out.write("  by project: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
     share = "%.0f%%" % (100 * cov["complete_share"]) if cov["complete_share"] is not None else "-"

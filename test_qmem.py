@@ -659,7 +659,7 @@ class FindTests(QmemTestCase):
         self.assertEqual((out["source"], out["match"], out["degraded"]), ("local_sqlite", "all", False))
         self.assertEqual(set(out["results"][0]), {
             "id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "superseded_by",
-            "deleted_at", "private", "pending", "rank", "snippet"})
+            "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet"})
         self.assertEqual(out["results"][0]["rank"], 1)
 
     def test_human_output_header_and_pending_marker(self):
@@ -1723,6 +1723,144 @@ class WriteTests(GatewayTestCase):
         self.assertIn("una cosa da ricordare", out)
         doc = self.ok_json("queue", "--state", "synced")
         self.assertEqual((doc["items"], doc["counts"]["pending"]), ([], 1))
+
+
+class HonestStateTests(GatewayTestCase):
+    """Part 4's "honest states": what find, get, status, queue, the fallback label and
+    the breaker say must be what is true."""
+
+    REFUSE = (422, {"detail": [{"loc": ["body", "text"], "msg": "text rejected by policy"}]})
+
+    def outbox(self):
+        return {r["local_id"]: r for r in self.ok_json("queue")["items"]}
+
+    def refused_store(self, text, *extra):
+        self.gw.script.append(self.REFUSE)
+        code, out, err = self.run_cli("store", text, "--project", "p", *extra)
+        self.assertEqual(code, 1, out + err)
+        return [r for r in self.ok_json("queue")["items"] if r["text"] == text][0]["local_id"]
+
+    def test_a_rejected_write_is_failed_with_its_reason_in_find_and_get(self):
+        local_id = self.refused_store("scrittura rifiutata")
+        out = self.ok("find", "rifiutata")
+        self.assertIn("FAILED: text: text rejected by policy", out)
+        self.assertNotIn("PENDING", out)
+        hit = self.ok_json("find", "rifiutata")["results"][0]
+        self.assertEqual((hit["pending"], hit["failed"], hit["failed_reason"]),
+                         (False, True, "text: text rejected by policy"))
+        out = self.ok("get", local_id)
+        self.assertIn("FAILED: the gateway refused this write (text: text rejected by policy)", out)
+        self.assertNotIn("queued here", out)
+        self.assertEqual(self.ok_json("get", local_id)["record"]["failed"], True)
+
+    def test_a_rejected_correction_no_longer_hides_its_target_until_retried(self):
+        old = self.gw.add("Il deploy usa il nodo 3")
+        self.ok("get", old["id"])
+        self.gw.script.append(self.REFUSE)
+        self.assertEqual(self.run_cli("correct", old["id"], "Il deploy usa il nodo 4")[0], 1)
+        self.assertIn(old["id"], self.find_ids("deploy"))
+        self.ok("import")  # a later merge must not hide it again
+        self.assertIn(old["id"], self.find_ids("deploy"))
+        self.ok("flush", "--retry-failed")
+        self.assertNotIn(old["id"], self.find_ids("deploy"))
+        self.assertTrue(self.local_record(old["id"])["superseded_by"])
+
+    def test_status_counts_waiting_and_failed_writes_apart(self):
+        self.refused_store("rifiutata")
+        self.ok("store", "in attesa", "--project", "p", "--queue-only")
+        doc = self.ok_json("status")
+        self.assertEqual((doc["records"]["pending"], doc["records"]["failed"]), (1, 1))
+        self.assertEqual((doc["outbox"]["pending"], doc["outbox"]["failed"]), (1, 1))
+        self.assertIn("1 waiting to be shared, 1 refused by the gateway", self.ok("status"))
+
+    def test_queue_drop_discards_failed_rows_and_refuses_waiting_ones(self):
+        failed = self.refused_store("da buttare")
+        self.ok("store", "in attesa", "--project", "p", "--queue-only")
+        waiting = [i for i, r in self.outbox().items() if r["state"] == "pending"][0]
+        err = self.expect_fail(2, "queue", "--drop", failed)  # no terminal here: it must not guess
+        self.assertIn("--yes", err)
+        self.assertIn("--force", self.expect_fail(2, "queue", "--drop", waiting, "--yes"))
+        self.assertIn("no write nope", self.expect_fail(2, "queue", "--drop", "nope", "--yes"))
+        self.assertEqual(len(self.outbox()), 2)  # nothing dropped by a refused request
+        doc = self.ok_json("queue", "--drop", failed, "--yes")
+        self.assertEqual([d["local_id"] for d in doc["dropped"]], [failed])
+        self.assertEqual((doc["counts"]["failed"], doc["counts"]["pending"]), (0, 1))
+        self.assertEqual(self.find_ids("buttare"), [])
+        self.assertIn("dropped " + waiting, self.ok("queue", "--drop", waiting, "--yes", "--force"))
+        self.assertEqual(self.outbox(), {})
+        self.assertEqual(self.find_ids("attesa"), [])
+
+    def test_queue_drop_asks_on_a_terminal(self):
+        failed = self.refused_store("da buttare")
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("sys.stdin", io.StringIO("n\n")):
+            code, out, err = self.run_cli("queue", "--drop", failed)
+        self.assertEqual(code, 1)
+        self.assertIn("discard 1 write and its record? [y/N]", err)
+        self.assertEqual(len(self.outbox()), 1)
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("sys.stdin", io.StringIO("y\n")):
+            self.assertEqual(self.run_cli("queue", "--drop", failed)[0], 0)
+        self.assertEqual(self.outbox(), {})
+
+    def test_a_dropped_correction_shows_its_target_again(self):
+        old = self.gw.add("Il deploy usa il nodo 3")
+        self.ok("get", old["id"])
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.ok("correct", old["id"], "Il deploy usa il nodo 4")
+        self.assertNotIn(old["id"], self.find_ids("deploy"))
+        self.ok("queue", "--drop", list(self.outbox())[0], "--yes", "--force")
+        self.assertIn(old["id"], self.find_ids("deploy"))
+
+    def ops_with_quiet_retries(self):
+        """Operations whose gateway retries without sleeping (the label depends on
+        how many failures came in a row, not on the waits)."""
+        cfg = qmem.load_config()
+        ops = qmem.Operations(cfg)
+        self.addCleanup(ops.close)
+        ops._gateway = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg), sleep=lambda s: None)
+        return ops
+
+    def test_fallback_reason_says_failing_or_unreachable_in_one_flat_line(self):
+        self.gw.add("circuit breaker half-open")
+        self.ok("search", "circuit")
+        self.gw.script.extend([(503, {"detail": "overloaded"})] * 9)
+        ops = self.ops_with_quiet_retries()
+        reasons = [ops.search("circuit")["reason"] for _ in range(3)]
+        self.assertEqual(reasons[0], "gateway failing (HTTP 503)")
+        self.assertEqual(reasons[1], "gateway failing (HTTP 503, 2 in a row)")
+        self.assertRegex(reasons[2], r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in \d+ s$")
+        refused = ops.search("circuit")  # fails fast now, and says why it is open
+        self.assertRegex(refused["reason"], r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in")
+        self.assertEqual(len(self.gw.requests), 1 + 9)
+        out = self.ok("search", "circuit")
+        self.assertRegex(out.splitlines()[0], r"^fallback: local_sqlite — gateway failing \(HTTP 503, 3 in a row\); "
+                                              r"breaker open, retry in \d+ s — lexical match, not semantic · 1 result")
+        self.assertNotIn("unreachable", out)
+        self.assertEqual(out.count("("), 1)
+        self.ok("breaker", "--reset")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        first = self.ok("search", "circuit").splitlines()[0]
+        self.assertRegex(first, r"^fallback: local_sqlite — gateway unreachable \(could not connect: [^()]+\); "
+                                r"breaker open, retry in \d+ s — lexical match")
+
+    def test_breaker_says_why_it_is_open(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.run_cli("search", "x")
+        out = self.ok("breaker")
+        self.assertIn("opened at once: could not connect: ", out)
+        self.assertNotIn("0 of 3", out)
+        os.environ["QMEM_URL"] = self.gw.url
+        self.gw.script.extend([(503, {"detail": "overloaded"})] * 9)
+        ops = self.ops_with_quiet_retries()
+        for _ in range(3):
+            ops.search("x")
+        out = self.ok("breaker")
+        self.assertIn("open: calls fail at once", out)
+        self.assertIn("opened after 3 consecutive failures (last: HTTP 503)", out)
+        self.assertNotIn("0 of 3", out)
+        doc = self.ok_json("breaker")
+        self.assertEqual((doc["state"], doc["opened_after"], doc["failures"]), ("open", 3, 0))
 
 
 class FlushInvariantTests(GatewayTestCase):
