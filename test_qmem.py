@@ -1863,6 +1863,184 @@ class HonestStateTests(GatewayTestCase):
         self.assertEqual((doc["state"], doc["opened_after"], doc["failures"]), ("open", 3, 0))
 
 
+class JsonEverywhereTests(GatewayTestCase):
+    """Every command and config action, with --json, in success and in error: exactly
+    one JSON document on stdout, and the exit code of the table (README, Exit codes)."""
+
+    def assert_one_document(self, expected_code, *argv):
+        code, out, err = self.run_cli(*(argv + ("--json",)))
+        self.assertEqual(code, expected_code, "%s: stdout %s stderr %s" % (argv, out, err))
+        self.assertEqual(out.count("\n"), 1, "%s printed %r" % (argv, out))
+        doc = json.loads(out)
+        self.assertIsInstance(doc, dict)
+        self.assertNotIn("Traceback", err)
+        if code == 0:
+            self.assertFalse(isinstance(doc.get("error"), dict) or doc.get("exit_code"), (argv, doc))
+        else:
+            self.assertEqual(doc["exit_code"], code, (argv, doc))
+            self.assertEqual(set(doc["error"]), {"kind", "message", "hint"}, (argv, doc))
+            self.assertTrue(doc["error"]["kind"] and doc["error"]["message"], (argv, doc))
+            self.assertTrue(err.startswith("qmem: "), (argv, err))
+        return doc
+
+    def offline(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+
+    def unconfigured(self):
+        os.environ.pop("QMEM_URL")
+
+    def test_a_fresh_machine(self):
+        one = self.assert_one_document
+        self.assertEqual(one(0, "find", "x")["index_exists"], False)
+        self.assertEqual(one(0, "status")["index_exists"], False)
+        self.assertEqual(one(0, "queue")["items"], [])
+        self.assertEqual(one(0, "flush")["pending"], 0)
+        self.assertEqual(one(0, "import")["sessions_found"], False)
+        self.offline()
+        self.assertEqual(one(0, "meta")["index_exists"], False)
+        self.assertEqual(one(0, "search", "x")["degraded"], True)
+        self.unconfigured()
+        self.assertEqual(one(0, "breaker")["configured"], False)
+        self.assertFalse(os.path.exists(self.db))
+
+    def test_usage_and_configuration_errors_exit_2(self):
+        one = self.assert_one_document
+        self.assertEqual(one(2, "find")["error"]["kind"], "usage")
+        one(2, "find", "x", "--limit", "many")
+        one(2, "find", "x", "--limit", "0")
+        one(2, "no-such-command")
+        one(2, "search", "x", "--top-k", "500")
+        one(2, "store", "no project")
+        one(2, "store", "", "--project", "p")
+        one(2, "store", "x", "--project", "p", "--expires", "yesterday")
+        one(2, "correct", "unknown-id", "text")
+        one(2, "queue", "--drop", "nope", "--yes")
+        one(2, "config", "url", "ftp://x")
+        one(2, "config", "set", "nope", "1")
+        one(2, "config", "set", "timeoutMs", "-5")
+        one(2, "config", "show", "extra")
+        with mock.patch("sys.stdin", io.StringIO("\n")):
+            one(2, "config", "apikey")
+        self.unconfigured()
+        self.ok("store", "queued without a gateway", "--project", "p")
+        for argv in (("flush",), ("enrich",), ("pull",), ("config", "test")):
+            self.assertEqual(one(2, *argv)["error"]["kind"], "not_configured", argv)
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "broken.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            f.write("{not json")
+        self.assertEqual(one(2, "status")["error"]["kind"], "config")
+
+    def test_online_commands_succeed_with_one_document(self):
+        one = self.assert_one_document
+        rec = self.gw.add("Il deploy usa blue/green")
+        self.assertEqual(one(0, "search", "deploy")["source"], "gateway")
+        self.assertEqual(one(0, "get", rec["id"])["record"]["id"], rec["id"])
+        self.assertEqual(one(0, "meta")["source"], "gateway")
+        stored = one(0, "store", "una cosa nuova", "--project", "p")
+        self.assertEqual(stored["state"], "synced")
+        self.assertEqual(one(0, "correct", rec["id"], "Il deploy usa canary")["state"], "synced")
+        self.assertEqual(one(0, "store", "in coda", "--project", "p", "--queue-only")["queued"], True)
+        self.assertEqual(one(0, "flush")["synced"], 1)
+        self.assertEqual(one(0, "enrich")["source"], "gateway")
+        self.assertEqual(one(0, "pull")["source"], "gateway")
+        self.assertEqual(one(0, "find", "deploy")["match"], "all")
+        self.assertEqual(one(0, "status")["index_exists"], True)
+        self.assertEqual(one(0, "queue")["counts"]["synced"], 3)
+        self.assertEqual(one(0, "breaker")["state"], "closed")
+        self.assertEqual(one(0, "breaker", "--reset")["reset"], True)
+
+    def test_config_actions_each_print_a_document(self):
+        one = self.assert_one_document
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        os.environ.pop("QMEM_API_KEY")
+        self.assertEqual(one(0, "config", "url", self.gw.url)["value"], self.gw.url)
+        self.assertEqual(one(0, "config", "set", "timeoutMs", "5000")["value"], 5000)
+        with mock.patch("sys.stdin", io.StringIO(API_KEY + "\n")):
+            self.assertEqual(one(0, "config", "apikey")["value"], qmem.mask_secret(API_KEY))
+        self.assertEqual(one(0, "config", "show")["values"]["timeoutMs"], 5000)
+        self.assertEqual(one(0, "config")["action"], "show")  # no terminal: show
+        self.assertEqual(one(0, "config", "test")["key_valid"], True)
+        one(0, "config", "apikey", "sk-wrong-000000000000")
+        self.assertEqual(one(1, "config", "test")["error"]["kind"], "auth")
+
+    def test_failures_exit_1_and_require_remote_exits_3(self):
+        one = self.assert_one_document
+        self.assertEqual(one(1, "get", "does-not-exist")["error"]["kind"], "not_found")
+        self.gw.script.append((422, {"detail": "text rejected"}))
+        refused = one(1, "store", "rifiutata", "--project", "p")
+        self.assertEqual((refused["state"], refused["error"]["kind"]), ("failed", "rejected"))
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        self.gw.script.append((422, {"detail": "text rejected"}))
+        self.assertEqual(one(1, "flush")["failed"], 1)
+        self.offline()
+        self.assertEqual(one(3, "search", "x", "--require-remote")["error"]["kind"], "remote_required")
+        self.assertEqual(one(3, "get", "x", "--require-remote")["exit_code"], 3)
+        self.assertEqual(one(3, "meta", "--require-remote")["exit_code"], 3)
+        self.assertEqual(one(1, "get", "not-here-either")["error"]["kind"], "not_found")
+        self.assertEqual(one(1, "pull")["error"]["kind"], "breaker_open")  # opened by the first call
+        self.assertEqual(one(1, "enrich", "some-id")["error"]["kind"], "stopped")
+        self.ok("store", "offline", "--project", "p")
+        self.assertEqual(one(1, "flush")["error"]["kind"], "breaker_open")
+        os.environ["QMEM_URL"] = self.gw.url
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        self.ok("breaker", "--reset")
+        self.assertEqual(one(1, "search", "x")["error"]["kind"], "auth")
+        doc = one(1, "store", "chiave sbagliata", "--project", "p")
+        self.assertEqual((doc["queued"], doc["error"]["kind"]), (True, "auth"))
+
+
+class OperationsTests(GatewayTestCase):
+    """The operations themselves, without argparse: what the MCP server will call."""
+
+    def ops(self):
+        ops = qmem.Operations(qmem.load_config())
+        self.addCleanup(ops.close)
+        return ops
+
+    def test_a_write_then_find_get_and_queue_return_documents(self):
+        ops = self.ops()
+        doc = ops.store_memory("  Il nodo 7 ospita Redis  ", "infra", kind="decision", queue_only=True)
+        self.assertEqual((doc["state"], doc["queued"], doc["source"]), ("pending", True, "outbox"))
+        found = ops.find("redis")
+        self.assertEqual([r["id"] for r in found["results"]], [doc["local_id"]])
+        self.assertEqual(found["results"][0]["text"], "Il nodo 7 ospita Redis")
+        self.assertEqual(ops.get(doc["local_id"])["source"], "outbox")
+        self.assertEqual(ops.queue()["counts"]["pending"], 1)
+        flushed = ops.flush()
+        self.assertEqual((flushed["synced"], flushed["pending"]), (1, 0))
+        gid = ops.queue()["items"][0]["gateway_id"]
+        self.assertEqual(ops.get(gid)["record"]["kind"], "decision")
+
+    def test_arguments_are_checked_as_agents_send_them(self):
+        ops = self.ops()
+        self.assertEqual(len(ops.find("x", limit="5")["results"]), 0)
+        for call in (lambda: ops.find("  "), lambda: ops.find("x", limit="lots"),
+                     lambda: ops.search("x", top_k=0), lambda: ops.search("x", min_score=2),
+                     lambda: ops.store_memory("x", "p", kind="rumour"), lambda: ops.store_memory("x", " ")):
+            with self.assertRaises(qmem.UsageError):
+                call()
+        self.assertFalse(os.path.exists(self.db))
+
+    def test_the_automatic_flush_is_part_of_an_online_document(self):
+        ops = self.ops()
+        ops.store_memory("prima", "p", queue_only=True)
+        doc = ops.meta()
+        self.assertEqual(doc["auto_flush"], {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0,
+                                             "error": None})
+        self.assertIsNone(ops.meta()["auto_flush"])
+
+    def test_operations_print_nothing(self):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            ops = self.ops()
+            ops.store_memory("silenzio", "p")
+            ops.search("silenzio")
+            ops.status()
+            ops.breaker()
+            ops.config_show()
+        self.assertEqual((out.getvalue(), err.getvalue()), ("", ""))
+
+
 class FlushInvariantTests(GatewayTestCase):
     """Crashes and concurrency, with real qmem.py flush processes."""
 
