@@ -17,15 +17,24 @@ CPython 3.6+.
                                          is away; `flush` delivers it)
   python3 qmem.py config                 set the gateway URL and API key
 
-Exit codes: 0 done (also a labelled local fallback or a queued write),
-1 operational failure, 2 usage or configuration error, 3 --require-remote
-and the gateway could not be used, 130 interrupted.
+Every command takes --json: exactly one JSON document on stdout, an error too
+({"error": {"kind", "message", "hint"}, "exit_code": N}).
+
+Exit codes:
+  0    done, or done in a labelled degraded way: a local fallback, a queued
+       write, "nothing imported yet", "no index yet", no gateway to break
+  1    what was asked was not done: a refused write, a failed flush, a
+       rejected API key (a write kept in the outbox then still says "queued")
+  2    usage or configuration error: a bad flag or value, a bad config file,
+       no gateway configured for a command that needs one
+  3    --require-remote was given and the gateway could not be used
+  130  interrupted
 
 Configuration precedence: defaults < config file < environment < flags.
 
 Sections (grep -n '^# ==='), each using only those above it: Errors, Utilities,
 Config, Circuit breaker, Gateway client, Local store, Import, Local search and
-status, Sync, Command line.
+status, Sync, Operations, Output, Command line.
 """
 import sys
 
@@ -2183,6 +2192,10 @@ def fts_expression(tokens, match_all):
     return (" " if match_all else " OR ").join(quoted)
 
 
+_RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
+                   "r.superseded_by, r.deleted_at, r.private, r.pending")
+
+
 def find_local(store, query, project=None, kind=None, scope=None, limit=10,
                include_superseded=False, deleted=False, private=False, include_expired=False,
                highlight=("", "")):
@@ -2191,6 +2204,23 @@ def find_local(store, query, project=None, kind=None, scope=None, limit=10,
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
+    where, params = _visibility(project, kind, scope, include_superseded, deleted, private, include_expired)
+    # While a bulk import builds the index, the LIKE scan gives complete answers.
+    build = _fts_query if store.fts and not store.meta("fts_pending") else _like_query
+    for match_all in (True, False):
+        if not match_all and len(tokens) == 1:
+            break
+        sql, args = build(tokens, match_all, where, params, limit, highlight)
+        cur = store.conn.execute(sql, args)
+        rows = cur.fetchall()
+        if rows:
+            return {"match": "all" if match_all else "any", "results": _results(store, cur, rows, tokens)}
+    return {"match": "none", "results": []}
+
+
+def _visibility(project, kind, scope, include_superseded, deleted, private, include_expired):
+    """The WHERE terms (and their parameters) of what find shows by default and the
+    filters asked for."""
     where, params = [], []
     if not include_superseded:
         where.append("r.superseded_by IS NULL")
@@ -2204,47 +2234,44 @@ def find_local(store, query, project=None, kind=None, scope=None, limit=10,
         if value is not None:
             where.append("r.%s = ?" % column)
             params.append(value)
-    # While a bulk import builds the index, the LIKE scan gives complete answers.
-    use_fts = store.fts and not store.meta("fts_pending")
-    cols = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
-            "r.superseded_by, r.deleted_at, r.private, r.pending")
-    for match_all in (True, False):
-        if not match_all and len(tokens) == 1:
-            break
-        if use_fts:
-            sql = ("SELECT %s, snippet(records_fts, 0, ?, ?, '…', 24) FROM records_fts "
-                   "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
-                   "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5) LIMIT ?" % (cols, " AND ".join(where)))
-            args = [highlight[0], highlight[1], fts_expression(tokens, match_all)] + params + [limit]
-        else:
-            likes = ["(qmem_fold(r.text) LIKE ? ESCAPE '\\' OR qmem_fold(r.project_id) LIKE ? ESCAPE '\\')"
-                     ] * len(tokens)
-            sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
-                cols, (" AND " if match_all else " OR ").join(likes), " AND ".join(where))
-            patterns = []
-            for t in tokens:
-                p = "%" + re.sub(r"([\\%_])", r"\\\1", _fold(t)) + "%"
-                patterns += [p, p]
-            args = patterns + params + [limit]
-        cur = store.conn.execute(sql, args)
-        rows = cur.fetchall()
-        if rows:
-            names = [d[0] for d in cur.description[:-1]]
-            results = []
-            for n, row in enumerate(rows, 1):
-                rec = dict(zip(names, row))
-                local = rec["pending"]
-                rec["private"], rec["pending"], rec["failed"] = (bool(rec["private"]), local == LOCAL_WAITING,
-                                                                  local == LOCAL_FAILED)
-                rec["rank"] = n
-                rec["snippet"] = row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens)
-                results.append(rec)
-            failed = [r["id"] for r in results if r["failed"]]
-            reasons = store.failures(failed) if failed else {}
-            for rec in results:
-                rec["failed_reason"] = reasons.get(rec["id"])
-            return {"match": "all" if match_all else "any", "results": results}
-    return {"match": "none", "results": []}
+    return where, params
+
+
+def _fts_query(tokens, match_all, where, params, limit, highlight):
+    sql = ("SELECT %s, snippet(records_fts, 0, ?, ?, '…', 24) FROM records_fts "
+           "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
+           "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5) LIMIT ?" % (_RESULT_COLUMNS, " AND ".join(where)))
+    return sql, [highlight[0], highlight[1], fts_expression(tokens, match_all)] + params + [limit]
+
+
+def _like_query(tokens, match_all, where, params, limit, highlight):
+    """The same search for a SQLite without FTS5: accent-folded LIKE, newest first."""
+    likes = ["(qmem_fold(r.text) LIKE ? ESCAPE '\\' OR qmem_fold(r.project_id) LIKE ? ESCAPE '\\')"] * len(tokens)
+    sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
+        _RESULT_COLUMNS, (" AND " if match_all else " OR ").join(likes), " AND ".join(where))
+    patterns = []
+    for t in tokens:
+        p = "%" + re.sub(r"([\\%_])", r"\\\1", _fold(t)) + "%"
+        patterns += [p, p]
+    return sql, patterns + params + [limit]
+
+
+def _results(store, cur, rows, tokens):
+    """Rows of a find query as result documents, ranked, with a snippet, and the reason
+    for each write of this machine that the gateway refused."""
+    names = [d[0] for d in cur.description[:-1]]
+    results = []
+    for n, row in enumerate(rows, 1):
+        rec = dict(zip(names, row))
+        local = rec["pending"]
+        rec.update(private=bool(rec["private"]), pending=local == LOCAL_WAITING, failed=local == LOCAL_FAILED,
+                   rank=n, snippet=row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens))
+        results.append(rec)
+    failed = [r["id"] for r in results if r["failed"]]
+    reasons = store.failures(failed) if failed else {}
+    for rec in results:
+        rec["failed_reason"] = reasons.get(rec["id"])
+    return results
 
 
 def _plain_snippet(text, tokens, width=160):
@@ -3725,7 +3752,8 @@ def build_parser():
     # SUPPRESS: a --json given before the subcommand must survive the subparser's default.
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print exactly one JSON document on stdout")
-    p = _Parser(prog="qmem.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="qmem.py", description=__doc__.split("\nSections")[0],  # the rest is for developers
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", default=False, help=argparse.SUPPRESS)
     p.add_argument("--db", metavar="PATH", help="local database (overrides localDbPath and QMEM_SQLITE)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for expected errors too")

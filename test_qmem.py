@@ -12,6 +12,7 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from unittest import mock
 
@@ -1008,7 +1009,7 @@ class GatewayTestCase(QmemTestCase):
     def client(self, sleeps=None, clock=None, **values):
         """A Gateway with a recording sleep (no real waiting) and an optional clock."""
         cfg = self.config(**values)
-        breaker = qmem.Breaker.from_config(cfg, clock=clock or __import__("time").time, rand=lambda: 0.5)
+        breaker = qmem.Breaker.from_config(cfg, clock=clock or time.time, rand=lambda: 0.5)
         record_sleep = (sleeps.append if sleeps is not None else lambda s: None)
         return self.closing(qmem.Gateway(cfg, breaker=breaker, sleep=record_sleep))
 
