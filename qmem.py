@@ -252,7 +252,8 @@ def warn(message):
 
 
 def stderr_diagnostic(message):
-    sys.stderr.write("qmem: %s\n" % message)
+    # Escaped like human output (a gateway's words may hold an ESC); one line.
+    sys.stderr.write("qmem: %s\n" % re.sub("[\x00-\x1f\x7f-\x9f]", lambda m: "\\x%02x" % ord(m.group()), message))
 
 
 _diagnostics = [stderr_diagnostic]
@@ -342,28 +343,42 @@ class Config:
                                                            "qmem.sqlite")
 
 
-def _check_type(key, value, origin):
-    """Validate one config value against the type of its default; return it converted."""
+# The range of each numeric key: a budget of years, or a breaker that never opens, is a typo.
+NUMBER_RANGES = {"connectTimeoutMs": (1, 600000), "timeoutMs": (1, 3600000), "breakerBaseMs": (1, 86400000),
+                 "breakerMaxMs": (1, 7 * 86400000), "breakerTripAfter": (1, 1000)}
+
+
+def _check_type(key, value, origin, typed=False):
+    """Validate one config value against the type of its default; return it converted.
+    typed=True (the JSON file, shared with the extension): the value must already have
+    the type, a boolean true or false, a number; otherwise ("5000", "no" from a command
+    line) text is converted."""
     default = DEFAULTS[key]
     if isinstance(default, bool):
         if isinstance(value, bool):
             return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no", "on", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError("%s: %s must be true or false, not %r" % (origin, key, value))
+        if not typed and isinstance(value, str) and value.lower() in _BOOL_WORDS:
+            return _BOOL_WORDS[value.lower()]
+        raise ConfigError("%s: %s must be %s, not %s" % (
+            origin, key, "a JSON boolean (true or false)" if typed else "true or false", json.dumps(value)))
     if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError("%s: %s must be a whole number, not %r" % (origin, key, value))
+        if isinstance(value, bool) or not isinstance(value, int if typed else (int, str)):
+            raise ConfigError("%s: %s must be a whole number, not %s" % (origin, key, json.dumps(value)))
         try:
             number = int(value)
         except ValueError:
-            raise ConfigError("%s: %s must be a whole number, not %r" % (origin, key, value))
-        if number <= 0:
-            raise ConfigError("%s: %s must be greater than 0, not %d" % (origin, key, number))
+            raise ConfigError("%s: %s must be a whole number, not %s" % (origin, key, json.dumps(value)))
+        low, high = NUMBER_RANGES[key]
+        if not low <= number <= high:
+            raise ConfigError("%s: %s must be between %d and %d, not %d" % (origin, key, low, high, number))
         return number
     if value is not None and not isinstance(value, str):
-        raise ConfigError("%s: %s must be a string" % (origin, key))
+        raise ConfigError("%s: %s must be a string, not %s" % (origin, key, json.dumps(value)))
     return value or None
+
+
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False, "on": True,
+               "off": False}
 
 
 def load_config(environ=None, overrides=None):
@@ -389,7 +404,7 @@ def load_config(environ=None, overrides=None):
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
     for key in DEFAULTS:
         if key in raw and raw[key] is not None:
-            values[key] = _check_type(key, raw[key], "config file %s" % path)
+            values[key] = _check_type(key, raw[key], "config file %s" % path, typed=True)
             sources[key] = "file"
     for key, var in ENV_KEYS.items():
         if environ.get(var):
@@ -2192,6 +2207,10 @@ def fts_expression(tokens, match_all):
     return (" " if match_all else " OR ").join(quoted)
 
 
+# Where a snippet's matched words start and end (private-use characters): the output
+# layer makes them bold on a terminal, and nothing elsewhere.
+HIGHLIGHT = ("\ue000", "\ue001")
+
 _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
                    "r.superseded_by, r.deleted_at, r.private, r.pending")
 
@@ -2724,6 +2743,34 @@ def enrich(store, gateway, ids, progress=None):
 # failure raises QmemError. A document whose exit code is not 0 says so itself,
 # with `exit_code` and an `error` object, like an error document.
 
+def _check_utf8(value, name):
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = ord(value[e.start])
+        what = "byte 0x%02x" % (bad - 0xDC00) if 0xDC80 <= bad <= 0xDCFF else "a lone surrogate"
+        raise UsageError("the %s is not valid UTF-8 (%s at character %d)" % (name.replace("_", " "), what, e.start + 1),
+                         hint="nothing was done; pass text in UTF-8")
+
+
+def utf8_arguments(method):
+    """Refuse text arguments that are not valid UTF-8 before anything is done: Python
+    hands on bytes it could not decode (argv, stdin, environment) as lone surrogates,
+    which SQLite and JSON cannot take."""
+    import functools
+    code = method.__code__
+    names = code.co_varnames[1:code.co_argcount]
+
+    @functools.wraps(method)
+    def checked(self, *args, **kw):
+        for name, value in list(zip(names, args)) + list(kw.items()):
+            for each in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(each, str):
+                    _check_utf8(each, name)
+        return method(self, *args, **kw)
+    return checked
+
+
 class Operations:
     """The operations over one configuration: the store and the gateway are opened on
     first use and closed by close()."""
@@ -2753,6 +2800,7 @@ class Operations:
             self._store.close()
 
     # -- local
+    @utf8_arguments
     def find(self, query, project=None, kind=None, scope=None, limit=10, include_superseded=False,
              deleted=False, private=False, include_expired=False, highlight=("", "")):
         """Lexical search of the local index (offline)."""
@@ -2773,6 +2821,7 @@ class Operations:
         out.update(index_exists=True, db=self.config.db_path)
         return out
 
+    @utf8_arguments
     def import_sessions(self, roots=None):
         """Index pi session files: the given folders, or pi's own."""
         for root in roots or ():
@@ -2827,6 +2876,7 @@ class Operations:
         return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path), "values": shown,
                 "sources": {k: c.sources[k] for k in CONFIG_KEYS}, "db": c.db_path, "breaker_file": c.breaker_path}
 
+    @utf8_arguments
     def config_url(self, url):
         """Set the gateway URL (and reset the breakers of the old and the new one)."""
         url = check_url(url)
@@ -2839,6 +2889,7 @@ class Operations:
             warn("QMEM_URL is set in the environment and overrides the file")
         return {"action": "url", "file": self.config.path, "key": "url", "value": url, "breaker_reset": True}
 
+    @utf8_arguments
     def config_apikey(self, key, on_command_line=False):
         """Save the API key (mode 0600); the document shows it masked."""
         key = (key or "").strip()
@@ -2852,6 +2903,7 @@ class Operations:
             _warn_plain_http(self.config["url"], key)
         return {"action": "apikey", "file": self.config.path, "key": "apiKey", "value": mask_secret(key)}
 
+    @utf8_arguments
     def config_set(self, key, value):
         """Set any key, type-checked; '', 'null' or 'default' restores the default."""
         if key not in CONFIG_KEYS:
@@ -2894,21 +2946,24 @@ class Operations:
         return doc
 
     # -- writes
+    @utf8_arguments
     def store_memory(self, text, project, kind=None, scope=None, agent=None, source=None, expires=None,
                      private=False, supersedes=None, reason=None, queue_only=False):
         """Write a memory: into the outbox and the index at once, then to the gateway
         (unless queue_only); it stays queued while the gateway cannot take it."""
-        supersedes = (supersedes or "").strip() or None
+        supersedes = _check_id((supersedes or "").strip(), "--supersedes") if supersedes else None
         payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires, private,
                                  supersedes, reason)
         return self._write("store", payload, queue_only)
 
+    @utf8_arguments
     def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None, expires=None,
                 private=False, reason=None, queue_only=False):
         """Write a correction of `target`: project and kind default to the target's."""
         target = (target or "").strip()
         if not target:
             raise UsageError("correct needs the id of the memory it corrects")
+        _check_id(target, "correct")
         old = {}
         if self.has_index():
             old = self.store().get(self.store().current_id(target)) or {}
@@ -2959,6 +3014,7 @@ class Operations:
         store = self.store()
         return {"source": "outbox", "counts": store.outbox_counts(), "items": store.outbox_items(state, self.clock())}
 
+    @utf8_arguments
     def drop(self, ids, force=False, dry_run=False):
         """Discard failed or duplicate writes and their local records; waiting ones
         only with force. Nothing is discarded unless every id may be."""
@@ -3005,6 +3061,7 @@ class Operations:
                 hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or `queue --drop ID`")))
         return doc
 
+    @utf8_arguments
     def enrich(self, ids=None, every=False, progress=None):
         """Fetch full records for the given ids, or those known only from search hits
         (every=True: every record here). Stops cleanly when the gateway goes away."""
@@ -3033,6 +3090,7 @@ class Operations:
         return self._after_online(dict(stats.as_dict(), source="gateway"))
 
     # -- the gateway, with the local index as fallback
+    @utf8_arguments
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
                min_score=None, require_remote=False, highlight=("", "")):
         """Semantic search on the gateway; the local index answers (labelled) when it cannot."""
@@ -3061,6 +3119,7 @@ class Operations:
         return self._after_online({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
                                    "retry_in_ms": None, "query": query, "results": results})
 
+    @utf8_arguments
     def get(self, record_id, require_remote=False):
         """One record in full, from the gateway (refreshing the local copy) or the local index."""
         from urllib.parse import quote
@@ -3200,6 +3259,15 @@ def _why_open(state):
     return "opened after a failure (%s)" % last
 
 
+def _check_id(value, where):
+    """A memory id, gateway or local, is a UUID: anything else would be queued only to
+    fail at flush."""
+    if not UUID_RE.fullmatch(value):
+        raise UsageError("%s %s is not a memory id" % (where, value),
+                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 (see `qmem.py find`)")
+    return value
+
+
 def _check_droppable(row, force, now):
     state = row["state"]
     if state == SYNCED:
@@ -3278,6 +3346,35 @@ def emit_json(doc, out=None):
     (out or sys.stdout).write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
 
 
+SNIPPET_CHARS = 200  # the longest snippet or text line of human output
+# Control characters that must not reach a terminal raw: C0 but tab and newline, DEL,
+# C1, the line and paragraph separators, and the bidirectional overrides.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text):
+    """Escape every control character (as \\x1b, \\u202e): memory text, ids and
+    gateway messages come from elsewhere, and an ESC could clear the screen or set the
+    window title."""
+    return _CONTROLS.sub(lambda m: "\\x%02x" % ord(m.group()) if ord(m.group()) < 256
+                         else "\\u%04x" % ord(m.group()), text)
+
+
+class TerminalText:
+    """The stream human output goes through: everything written is escaped (see
+    visible()), then the highlight marks become bold, or nothing."""
+
+    def __init__(self, out, bold=False):
+        self.out, self.bold = out, bold
+
+    def write(self, text):
+        text = visible(text)
+        on, off = ("\x1b[1m", "\x1b[0m") if self.bold else ("", "")
+        if self.bold and HIGHLIGHT[0] in text:  # a snippet cut short must not leave the terminal bold
+            text = text.replace("\n", off + "\n")
+        self.out.write(text.replace(HIGHLIGHT[0], on).replace(HIGHLIGHT[1], off))
+
+
 def error_document(err):
     return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint}, "exit_code": err.exit_code}
 
@@ -3300,7 +3397,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
                                  ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
         out.write("%s  %s  %s  %s%s  %s\n" % (
             r["id"], r["kind"] or "-", r["project_id"] or "-", (r["created_at"] or "-")[:10],
-            "  [" + ", ".join(flags) + "]" if flags else "", " ".join((r["snippet"] or "").split())))
+            "  [" + ", ".join(flags) + "]" if flags else "", _one_line(r["snippet"])))
 
 
 def show_import(doc, out):
@@ -3340,7 +3437,7 @@ def show_search(doc, out):
         out.write("%s %-6s  %s  %s  %s  %s%s  %s\n" % (
             "%.2f" % score if score is not None else "  - ", band, r.get("id"), r.get("kind") or "-",
             r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
-            "  [superseded]" if r.get("superseded_by") else "", " ".join(str(r.get("text") or "").split())[:200]))
+            "  [superseded]" if r.get("superseded_by") else "", _one_line(str(r.get("text") or ""))))
 
 
 def show_get(doc, out):
@@ -3454,8 +3551,12 @@ def show_write(doc, out):
             out.write("  it waits in the outbox: %s, then `qmem.py flush`\n" % (doc["error"]["hint"] or "fix this"))
 
 
-def _one_line(text, width):
-    return " ".join((text or "").split())[:width]
+def _one_line(text, width=SNIPPET_CHARS):
+    """Text for one line of output: newlines and tabs shown as \\n and \\t, runs of
+    spaces kept short, and at most `width` characters (a single long token too)."""
+    text = re.sub(r" {2,}", " ", (text or "").strip().replace("\t", "\\t").replace("\r\n", "\\n")
+                  .replace("\n", "\\n"))
+    return text if len(text) <= width else text[:width - 1] + "…"
 
 
 def show_queue(doc, out):
@@ -3550,14 +3651,16 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "enrich": show_enrich, "pull": show_pull}
 
 
-def render(command, doc, json_mode, out=None):
-    """Print a command's document: as JSON, or with the command's renderer."""
+def render(command, doc, json_mode, out=None, bold=False):
+    """Print a command's document: as JSON (the exact text), or with the command's
+    renderer, through TerminalText (escaped)."""
     out = out or sys.stdout
     if json_mode:
         emit_json(doc, out)
     else:
-        RENDERERS[command](doc, out)
-        show_auto_flush(doc, out)
+        shown = TerminalText(out, bold)
+        RENDERERS[command](doc, shown)
+        show_auto_flush(doc, shown)
     if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
         problem = doc["error"]
         warn("%s: %s" % (problem["message"], problem["hint"]) if problem.get("hint") else problem["message"])
@@ -3581,7 +3684,7 @@ def _color_ok():
 
 
 def cli_find(ops, a):
-    marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not a.json else ("", "")
+    marks = HIGHLIGHT if not a.json else ("", "")
     return ops.find(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope, limit=a.limit,
                     include_superseded=a.include_superseded, deleted=a.deleted, private=a.private,
                     include_expired=a.include_expired, highlight=marks)
@@ -3592,7 +3695,7 @@ def cli_status(ops, a):
 
 
 def cli_search(ops, a):
-    marks = ("\x1b[1m", "\x1b[0m") if _color_ok() and not a.json else ("", "")
+    marks = HIGHLIGHT if not a.json else ("", "")
     return ops.search(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope, top_k=a.top_k,
                       include_superseded=a.include_superseded, min_score=a.min_score,
                       require_remote=a.require_remote, highlight=marks)
@@ -3634,10 +3737,13 @@ def _interactive():
 
 def _read_key():
     """The API key from a hidden prompt on a terminal, else one line of stdin."""
-    if sys.stdin.isatty():
-        import getpass
-        return getpass.getpass("API key (input hidden): ")
-    return sys.stdin.readline()
+    try:
+        if sys.stdin.isatty():
+            import getpass
+            return getpass.getpass("API key (input hidden): ")
+        return sys.stdin.readline()
+    except EOFError:  # Ctrl-D at the prompt: no key
+        return ""
 
 
 def config_menu(ops, a):
@@ -3673,14 +3779,19 @@ def _read_text(a):
     sources = [s for s in (a.text is not None and a.text != "-", a.text_file is not None, a.text == "-") if s]
     if len(sources) > 1:
         raise UsageError("give the text once: as an argument, with --text-file, or on stdin with -")
+    where = a.text_file if a.text_file is not None else "stdin"
     try:
         if a.text_file is not None:
-            with open(a.text_file, encoding="utf-8") as f:
-                return f.read()
+            with open(a.text_file, "rb") as f:
+                return f.read().decode("utf-8")
         if a.text == "-":
-            return sys.stdin.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError("cannot read the text from %s: %s" % (a.text_file or "stdin", getattr(e, "strerror", None) or e))
+            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+            return data.decode("utf-8") if isinstance(data, bytes) else data
+    except OSError as e:
+        raise UsageError("cannot read the text from %s: %s" % (where, e.strerror or e))
+    except UnicodeDecodeError as e:
+        raise UsageError("the text in %s is not valid UTF-8 (byte 0x%02x at offset %d)" % (
+            where, e.object[e.start], e.start), hint="nothing was queued; convert it to UTF-8 first")
     return a.text or ""
 
 
@@ -3878,7 +3989,7 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         ops = Operations(load_config(overrides={"localDbPath": args.db}))
         doc = args.func(ops, args)
-        render(args.command, doc, json_mode)
+        render(args.command, doc, json_mode, bold=_color_ok())
         return doc.get("exit_code", EXIT_OK)
     except QmemError as e:
         if debug:
@@ -3888,6 +3999,10 @@ def main(argv=None):
     except KeyboardInterrupt:
         render_error(Interrupted("interrupted"), json_mode)
         return EXIT_INTERRUPTED
+    except EOFError:  # Ctrl-D at a prompt
+        err = UsageError("the input ended (Ctrl-D) before an answer", hint="nothing was changed")
+        render_error(err, json_mode)
+        return err.exit_code
     except BrokenPipeError:
         # The reader went away (qmem.py find x | head): not an error worth a word.
         try:

@@ -1620,9 +1620,10 @@ class WriteTests(GatewayTestCase):
         self.assertEqual(list(self.outbox().values())[0]["state"], "failed")
         store.conn.execute("UPDATE outbox SET payload=json_set(payload, '$.kind', 'fact')")
         self.assertIn("1 delivered", self.ok("flush", "--retry-failed"))
-        code, out, err = self.run_cli("store", "fix", "--project", "p", "--supersedes", "no-such-id")
+        unknown = "00000000-0000-4000-8000-00000000abcd"
+        code, out, err = self.run_cli("store", "fix", "--project", "p", "--supersedes", unknown)
         self.assertEqual(code, 1)
-        self.assertIn("supersedes_id no-such-id not found", out)
+        self.assertIn("supersedes_id %s not found" % unknown, out)
 
     def test_correct_marks_the_old_record_superseded_at_once(self):
         old = self.gw.add("Il deploy usa il nodo 3")
@@ -2246,6 +2247,77 @@ class PullEnrichTests(GatewayTestCase):
         self.assertIn("stopped early", out)
         self.ok("breaker", "--reset")
         self.assertEqual(self.ok_json("enrich", "no-such-id")["unknown"], ["no-such-id"])
+
+
+class HardeningInputTests(QmemTestCase):
+    """Part 5: whatever a user types or pipes in ends in one clear line, never a traceback,
+    and nothing half done."""
+
+    def run_process(self, argv, stdin=b""):
+        env = dict(os.environ, PYTHONIOENCODING="utf-8")
+        proc = subprocess.run([sys.executable, QMEM] + argv, input=stdin, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, timeout=60)
+        self.assertNotIn(b"Traceback", proc.stderr)
+        return proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
+
+    def test_a_huge_limit_is_a_usage_error(self):
+        err = self.expect_fail(2, "find", "deploy", "--limit", "9223372036854775808")
+        self.assertIn("--limit must be between 1 and", err)
+        self.expect_fail(2, "search", "deploy", "--top-k", "9223372036854775808")
+
+    def test_bytes_that_are_not_utf8_are_refused_before_anything_is_queued(self):
+        code, out, err = self.run_process(["store", "-", "--project", "demo", "--queue-only"], stdin=b"x\xffy")
+        self.assertEqual(code, 2)
+        self.assertIn("the text in stdin is not valid UTF-8 (byte 0xff at offset 1)", err)
+        code, out, err = self.run_process([b"store", b"x\xffy", b"--project", b"demo", b"--queue-only"])
+        self.assertEqual(code, 2)
+        self.assertIn("the text is not valid UTF-8 (byte 0xff at character 2)", err)
+        code, out, err = self.run_process([b"store", b"fine", b"--project", b"de\xffmo", b"--queue-only"])
+        self.assertEqual(code, 2)
+        self.assertIn("the project is not valid UTF-8", err)
+        code, out, err = self.run_process([b"find", b"x\xffy", b"--json"])
+        self.assertEqual((code, json.loads(out)["error"]["kind"]), (2, "usage"))
+        self.assertEqual(self.ok_json("queue")["items"], [])
+
+    def test_ctrl_d_at_a_prompt_is_a_clean_end(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("builtins.input", side_effect=EOFError):
+            code, out, err = self.run_cli("config")
+        self.assertEqual((code, err), (0, ""))
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("builtins.input", side_effect=["1", EOFError]):
+            self.assertEqual(self.run_cli("config")[0], 0)
+        with mock.patch("sys.stdin") as stdin, mock.patch("getpass.getpass", side_effect=EOFError):
+            stdin.isatty.return_value = True
+            err = self.expect_fail(2, "config", "apikey")
+        self.assertIn("an API key must be one word, not empty", err)
+        self.assertFalse(os.path.exists(os.environ["QMEM_CONFIG"]))
+
+    def test_config_booleans_and_numbers_must_have_their_json_type(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        for bad, named in (({"offlineQueue": "no"}, "offlineQueue must be a JSON boolean"),
+                           ({"localFallback": 0}, "localFallback must be a JSON boolean"),
+                           ({"timeoutMs": "5000"}, "timeoutMs must be a whole number"),
+                           ({"breakerTripAfter": 10 ** 20}, "breakerTripAfter must be between 1 and 1000"),
+                           ({"url": 42}, "url must be a string")):
+            with open(os.environ["QMEM_CONFIG"], "w") as f:
+                json.dump(bad, f)
+            err = self.expect_fail(2, "status")
+            self.assertIn(named, err)
+            self.assertIn(os.environ["QMEM_CONFIG"], err)
+        os.remove(os.environ["QMEM_CONFIG"])
+        self.ok("config", "set", "offlineQueue", "no")  # words are for the command line; the file gets a boolean
+        with open(os.environ["QMEM_CONFIG"]) as f:
+            self.assertIs(json.load(f)["offlineQueue"], False)
+        self.assertIn("between 1 and 600000", self.expect_fail(2, "config", "set", "connectTimeoutMs", "99999999999"))
+
+    def test_ids_are_checked_when_written(self):
+        self.assertIn("--supersedes abc is not a memory id",
+                      self.expect_fail(2, "store", "x", "--project", "p", "--supersedes", "abc", "--queue-only"))
+        self.assertIn("correct notauuid is not a memory id",
+                      self.expect_fail(2, "correct", "notauuid", "x", "--project", "p", "--queue-only"))
+        self.assertEqual(self.ok_json("queue")["items"], [])
 
 
 class CompatibilityTests(unittest.TestCase):
