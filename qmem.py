@@ -239,6 +239,16 @@ def atomic_write(path, data, mode=0o600, sync=True):
         raise
 
 
+_warned = set()
+
+
+def _warn_once(message):
+    """warn(), once per process for the same message (a flush asks the breaker per row)."""
+    if message not in _warned:
+        _warned.add(message)
+        warn(message)
+
+
 def ceil_s(ms):
     """Milliseconds -> whole seconds, rounded up: 'retry in 1 s', never 'in 0 s'."""
     return (ms + 999) // 1000
@@ -496,8 +506,12 @@ class _FileLock:
         self.path, self.fd = path, None
 
     def __enter__(self):
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            _warn_once("cannot open breaker lock %s (%s); going on without it" % (self.path, e.strerror or e))
+            return self
         try:
             import fcntl
             lock = lambda: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # noqa: E731
@@ -516,8 +530,14 @@ class _FileLock:
                 time.sleep(0.005)
 
     def __exit__(self, *exc):
-        os.close(self.fd)  # closing releases the lock
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the lock
+            self.fd = None
         return False
+
+
+# Breaker files this process could not write: path -> the state it keeps instead.
+_BREAKER_IN_MEMORY = {}
 
 
 class Breaker:
@@ -559,6 +579,8 @@ class Breaker:
     def _read_all(self, fresh=False):
         # A flush asks before and after every row: re-read only when the file changed
         # (and always under the lock, where a stale answer could matter).
+        if self.path in _BREAKER_IN_MEMORY:  # this process could not write the file
+            return dict(_BREAKER_IN_MEMORY[self.path])
         try:
             st = None if fresh else os.stat(self.path)
         except FileNotFoundError:
@@ -574,7 +596,7 @@ class Breaker:
         except FileNotFoundError:
             return {}
         except OSError as e:
-            warn("cannot read breaker file %s (%s): treating the breaker as closed" % (self.path, e.strerror))
+            _warn_once("cannot read breaker file %s (%s): treating the breaker as closed" % (self.path, e.strerror))
             return {}
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -584,25 +606,35 @@ class Breaker:
             self._cache = (signature, dict(gateways))
             return gateways
         except (UnicodeDecodeError, ValueError):
-            warn("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
-                 "next change)" % self.path)
+            _warn_once("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
+                       "next change)" % self.path)
             return {}
 
     def read(self, fresh=False):
-        """This URL's state; anything missing or of the wrong type reads as closed."""
+        """This URL's state. A missing field takes its closed value; an entry with a
+        field of the wrong type is corrupt: closed, with a warning (and rewritten on the
+        next change)."""
         entry = self._read_all(fresh).get(self.key)
         state = dict(self._CLOSED)
-        if isinstance(entry, dict):
-            for k, default in self._CLOSED.items():
-                v = entry.get(k, default)
-                if default is None or isinstance(default, str):
-                    ok = v is None or isinstance(v, str)
-                else:
-                    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
-                if ok:
-                    state[k] = v
-            if state["state"] not in ("closed", "open", "half_open"):
-                state = dict(self._CLOSED)
+        if entry is None:
+            return state
+        wrong = [] if isinstance(entry, dict) else ["the entry itself"]
+        for k, default in self._CLOSED.items() if not wrong else ():
+            v = entry.get(k, default)
+            if default is None or isinstance(default, str):
+                ok = v is None or isinstance(v, str)
+            else:
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if ok:
+                state[k] = v
+            else:
+                wrong.append(k)
+        if not wrong and state["state"] not in ("closed", "open", "half_open"):
+            wrong.append("state")
+        if wrong:
+            _warn_once("breaker file %s is corrupt (%s of %s has the wrong type): treating the breaker as "
+                       "closed (it is rewritten on the next change)" % (self.path, ", ".join(wrong), self.key))
+            return dict(self._CLOSED)
         return state
 
     def _write(self, state):
@@ -612,8 +644,15 @@ class Breaker:
             gateways.pop(self.key, None)
         else:
             gateways[self.key] = state
-        atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1, sort_keys=True)
-                                 + "\n").encode("utf-8"), 0o600, sync=False)
+        try:
+            atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1, sort_keys=True)
+                                     + "\n").encode("utf-8"), 0o600, sync=False)
+        except OSError as e:  # a full disk, a read-only folder: never a reason to fail a command
+            _warn_once("cannot write breaker file %s (%s): keeping the breaker's state in memory for this "
+                       "process" % (self.path, e.strerror or e))
+            _BREAKER_IN_MEMORY[self.path] = gateways
+        else:
+            _BREAKER_IN_MEMORY.pop(self.path, None)
 
     def _lock(self):
         return _FileLock(self.path + ".lock")
@@ -1266,6 +1305,26 @@ def _merge_statement():
 _MERGE_SQL = _merge_statement()
 
 
+# How long a write waits for another process's transaction before it gives up. Tests
+# shorten it; a command that waits longer than this says who held the database.
+BUSY_TIMEOUT_S = 10.0
+_QMEM_TABLES = {"records", "meta", "files", "open_calls", "outbox"}
+
+
+def store_error(e, path):
+    """A sqlite3 error as the StoreError a user can act on."""
+    text = str(e)
+    if "locked" in text or "busy" in text:
+        return StoreError("local database busy: %s is held by another process for more than %g s" % (
+            path, BUSY_TIMEOUT_S), hint="try again in a moment", kind="store_busy")
+    if "full" in text:
+        return StoreError("local database full: no room left for %s (%s)" % (path, text),
+                          hint="free some disk space, then try again", kind="store_full")
+    if "readonly" in text or "read-only" in text:
+        return StoreError("local database %s is read-only" % path, kind="store_readonly")
+    return StoreError("cannot use local database %s: %s" % (path, text))
+
+
 class Store:
     """The local SQLite database: records, FTS index, import progress, outbox."""
 
@@ -1280,25 +1339,47 @@ class Store:
                 if f.read(16) != b"SQLite format 3\x00":
                     raise StoreError("%s is not a SQLite database; refusing to touch it "
                                      "(move it aside or set QMEM_SQLITE)" % path)
+        # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
+        # the one style that behaves the same on every Python (reliability.md §4.1).
         try:
-            # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
-            # the one style that behaves the same on every Python (reliability.md §4.1).
-            self.conn = sqlite3.connect(path, timeout=10, isolation_level=None)
-            self.conn.execute("PRAGMA busy_timeout=10000")
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                self.conn.close()
-                raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); "
-                                 "left untouched: use the newer qmem.py" % (path, version, SCHEMA_VERSION))
+            self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+        except sqlite3.Error as e:
+            raise store_error(e, path)
+        try:
+            self.conn.execute("PRAGMA busy_timeout=%d" % int(BUSY_TIMEOUT_S * 1000))
+            version = self._check_ours()
             if version < SCHEMA_VERSION:
                 self._migrate(version)
             self.conn.execute("PRAGMA synchronous=FULL")
-        except sqlite3.DatabaseError as e:
-            raise StoreError("cannot use local database %s: %s" % (path, e))
-        self.fts = self.meta("fts") != "none"
+            self.fts = self.meta("fts") != "none"
+        except sqlite3.Error as e:
+            self.conn.close()
+            raise store_error(e, path)
+        except StoreError:
+            self.conn.close()
+            raise
         self.conn.create_function("qmem_fold", 1, _fold)
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
         self.known = None         # bulk load: hashes of every id in the table
+
+    def _check_ours(self):
+        """The schema version of a database this qmem.py may use; StoreError for one of
+        a newer qmem.py or of another program (tables, no qmem schema): left untouched.
+        Read in one transaction, so that a qmem.py creating it meanwhile is no stranger."""
+        self.conn.execute("BEGIN")
+        try:
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = {n for (n,) in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        finally:
+            self.conn.execute("COMMIT")
+        if version > SCHEMA_VERSION:
+            raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); left untouched" % (
+                self.path, version, SCHEMA_VERSION), hint="use the newer qmem.py")
+        if (version == 0 and tables) or (version > 0 and not _QMEM_TABLES <= tables):
+            raise StoreError("%s is another program's SQLite database (tables: %s); left untouched" % (
+                self.path, ", ".join(sorted(tables)[:5]) or "none"),
+                hint="give qmem.py a file of its own: --db PATH, QMEM_SQLITE or localDbPath")
+        return version
 
     def begin_bulk(self):
         """Prepare for merging many records: remember which ids exist (so a new one costs
@@ -1335,7 +1416,7 @@ class Store:
             self.conn.execute("PRAGMA user_version=%d" % SCHEMA_VERSION)
 
     def transaction(self):
-        return _Transaction(self.conn)
+        return _Transaction(self)
 
     def close(self):
         self.conn.close()
@@ -1371,14 +1452,14 @@ class Store:
                 and sqlite3.sqlite_version_info >= (3, 24))
 
     def merge_many(self, rows):
-        """Bulk-merge rows (values in _MERGE_KEYS order), in order; return (new, updated)."""
-        new = 0
-        for row in rows:
-            h = hash(row[0])
-            if h not in self.known:
-                self.known.add(h)
-                new += 1
+        """Bulk-merge rows (values in _MERGE_KEYS order), in order, inside the caller's
+        transaction; return (new, updated). New rows are counted by the rowids they took
+        (each insert takes max(rid) + 1), not by what this process knew: another import
+        may have inserted the same records since (a rowcount counts those as nothing)."""
+        self.known.update(hash(row[0]) for row in rows)
+        before = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
         changed = self.conn.executemany(_MERGE_SQL, (dict(zip(_MERGE_KEYS, row)) for row in rows)).rowcount
+        new = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0] - before
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
@@ -1630,20 +1711,29 @@ class Store:
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error (if SQLite has not already)."""
+    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error (if SQLite has not already). A
+    busy or full database, at BEGIN, inside or at COMMIT, leaves as a StoreError."""
 
-    def __init__(self, conn):
-        self.conn = conn
+    def __init__(self, store):
+        self.store, self.conn = store, store.conn
 
     def __enter__(self):
-        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as e:
+            raise store_error(e, self.store.path)
         return self.conn
 
     def __exit__(self, exc_type, exc, tb):
-        if exc_type is None:
-            self.conn.execute("COMMIT")
-        elif self.conn.in_transaction:
+        try:
+            if exc_type is None:
+                self.conn.execute("COMMIT")
+        except sqlite3.Error as e:
+            exc_type, exc = type(e), e
+        if exc_type is not None and self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
+        if exc is not None and isinstance(exc, sqlite3.Error):
+            raise store_error(exc, self.store.path) from exc
         return False
 
 
@@ -2199,12 +2289,13 @@ def query_tokens(query):
 
 
 def fts_expression(tokens, match_all):
-    """A MATCH expression that can only ever mean 'these words': every token is a quoted
-    string (so AND, NEAR, '-', ':' and column filters are plain words), the last one a
-    prefix, joined by AND (all words) or OR (any word)."""
-    quoted = ['"%s"' % t.replace('"', '""') for t in tokens]
+    """A MATCH expression that can only ever mean 'these words in the text': every token
+    is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
+    our own filter on the text column, the last one a prefix, joined by AND (all words)
+    or OR (any word). Project and kind are filters (--project, --kind), not words."""
+    quoted = ['text : "%s"' % t.replace('"', '""') for t in tokens]
     quoted[-1] += "*"
-    return (" " if match_all else " OR ").join(quoted)
+    return (" AND " if match_all else " OR ").join(quoted)
 
 
 # Where a snippet's matched words start and end (private-use characters): the output
@@ -2265,13 +2356,10 @@ def _fts_query(tokens, match_all, where, params, limit, highlight):
 
 def _like_query(tokens, match_all, where, params, limit, highlight):
     """The same search for a SQLite without FTS5: accent-folded LIKE, newest first."""
-    likes = ["(qmem_fold(r.text) LIKE ? ESCAPE '\\' OR qmem_fold(r.project_id) LIKE ? ESCAPE '\\')"] * len(tokens)
+    likes = ["qmem_fold(r.text) LIKE ? ESCAPE '\\'"] * len(tokens)
     sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
         _RESULT_COLUMNS, (" AND " if match_all else " OR ").join(likes), " AND ".join(where))
-    patterns = []
-    for t in tokens:
-        p = "%" + re.sub(r"([\\%_])", r"\\\1", _fold(t)) + "%"
-        patterns += [p, p]
+    patterns = ["%" + re.sub(r"([\\%_])", r"\\\1", _fold(t)) + "%" for t in tokens]
     return sql, patterns + params + [limit]
 
 
@@ -2975,8 +3063,11 @@ class Operations:
         return self._write("correct", payload, queue_only)
 
     def _write(self, op, payload, queue_only):
-        store = self.store()
-        local_id = enqueue(store, op, payload)
+        try:
+            store = self.store()
+            local_id = enqueue(store, op, payload)
+        except StoreError as e:  # busy, full, unusable: the words must not be lost
+            raise _kept_aside(e, payload, os.path.dirname(os.path.abspath(self.config.db_path)))
         error = None
         if not queue_only:
             try:
@@ -3257,6 +3348,33 @@ def _why_open(state):
     if state["opened_after"] > 1:
         return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
     return "opened after a failure (%s)" % last
+
+
+def _kept_aside(err, payload, folder):
+    """The StoreError of a write that could not be queued, with the user's text saved to
+    a file it names (in the database's folder, else the temporary one), or, when no file
+    can be written either, carried in full for the front end to show."""
+    import tempfile
+    name = "qmem-unsaved-%s-%s.txt" % (time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
+    retry = "qmem.py store --text-file %%s --project %s" % _shell_word(payload["project_id"])
+    for where in (folder, tempfile.gettempdir()):
+        path = os.path.join(where, name)
+        try:
+            atomic_write(path, (payload["text"] + "\n").encode("utf-8"), 0o600)
+        except OSError:
+            continue
+        return StoreError("%s; nothing was queued" % err.message, kind=err.kind,
+                          hint="your text is saved in %s: once the database is usable, `%s`" % (
+                              path, retry % _shell_word(path)))
+    failed = StoreError("%s; nothing was queued, and no file could hold your text either" % err.message,
+                        kind=err.kind, hint="your text follows in full on stderr")
+    failed.unsaved_text = payload["text"]
+    return failed
+
+
+def _shell_word(text):
+    import shlex
+    return shlex.quote(text)
 
 
 def _check_id(value, where):
@@ -3667,10 +3785,17 @@ def render(command, doc, json_mode, out=None, bold=False):
 
 
 def render_error(err, json_mode, out=None):
-    """An error: one line on stderr, and under --json its document on stdout."""
+    """An error: one line on stderr, and under --json its document on stdout. Words a
+    write could not keep anywhere else follow in full on stderr (and in the document)."""
     warn(str(err))
+    unsaved = getattr(err, "unsaved_text", None)
+    if unsaved is not None:
+        sys.stderr.write("--- your text, not saved anywhere else ---\n%s\n--- end ---\n" % visible(unsaved))
     if json_mode:
-        emit_json(error_document(err), out)
+        doc = error_document(err)
+        if unsaved is not None:
+            doc["unsaved_text"] = unsaved
+        emit_json(doc, out)
 
 
 # === Command line ============================================================
@@ -3999,6 +4124,10 @@ def main(argv=None):
     except KeyboardInterrupt:
         render_error(Interrupted("interrupted"), json_mode)
         return EXIT_INTERRUPTED
+    except sqlite3.Error as e:  # one that no layer expected: still one line
+        err = store_error(e, ops.config.db_path if ops is not None else "the local database")
+        render_error(err, json_mode)
+        return err.exit_code
     except EOFError:  # Ctrl-D at a prompt
         err = UsageError("the input ended (Ctrl-D) before an answer", hint="nothing was changed")
         render_error(err, json_mode)
