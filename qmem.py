@@ -3364,10 +3364,11 @@ def _kept_aside(err, payload, folder):
         except OSError:
             continue
         return StoreError("%s; nothing was queued" % err.message, kind=err.kind,
-                          hint="your text is saved in %s: once the database is usable, `%s`" % (
-                              path, retry % _shell_word(path)))
+                          hint="%syour text is saved in %s: once the database is usable, `%s`" % (
+                              err.hint + "; " if err.hint else "", path, retry % _shell_word(path)))
     failed = StoreError("%s; nothing was queued, and no file could hold your text either" % err.message,
-                        kind=err.kind, hint="your text follows in full on stderr")
+                        kind=err.kind, hint="%syour text follows in full on stderr" % (
+                            err.hint + "; " if err.hint else ""))
     failed.unsaved_text = payload["text"]
     return failed
 

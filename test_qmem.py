@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import sqlite3
 import subprocess
 import sys
@@ -2318,6 +2319,141 @@ class HardeningInputTests(QmemTestCase):
         self.assertIn("correct notauuid is not a memory id",
                       self.expect_fail(2, "correct", "notauuid", "x", "--project", "p", "--queue-only"))
         self.assertEqual(self.ok_json("queue")["items"], [])
+
+
+class HardeningStoreTests(QmemTestCase):
+    """Part 5: a busy or full database, another program's file, text from other agents."""
+
+    def put(self, rid, text, **extra):
+        store = qmem.Store(self.db)
+        try:
+            with store.transaction():
+                store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
+        finally:
+            store.close()
+
+    def hold_the_database(self):
+        """A second real process holding the write lock until we let it go."""
+        qmem.Store(self.db).close()
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import sqlite3, sys\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('BEGIN IMMEDIATE')\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n"), self.db], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.assertEqual(holder.stdout.readline().strip(), b"held")
+
+        def release():
+            holder.stdin.close()
+            holder.wait(30)
+            holder.stdout.close()
+        return release
+
+    def test_a_busy_database_keeps_the_users_words_in_a_file_it_names(self):
+        release = self.hold_the_database()
+        try:
+            with mock.patch.object(qmem, "BUSY_TIMEOUT_S", 0.2):
+                code, out, err = self.run_cli("store", "parole da non perdere", "--project", "demo", "--queue-only")
+        finally:
+            release()
+        self.assertEqual(code, 1)
+        self.assertIn("local database busy: %s is held by another process for more than 0.2 s" % self.db, err)
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        with open(saved, encoding="utf-8") as f:
+            self.assertEqual(f.read(), "parole da non perdere\n")
+        self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
+        self.assertIn("qmem.py store --text-file %s --project demo" % saved, err)
+        self.ok("store", "--text-file", saved, "--project", "demo", "--queue-only")  # at once, nothing lost
+        self.assertEqual([r["text"] for r in self.ok_json("queue")["items"]], ["parole da non perdere"])
+
+    def full_database(self, real_init=qmem.Store.__init__):
+        """Stores whose file may not grow: SQLite answers SQLITE_FULL like a full disk."""
+        def init(store, *args, **kw):
+            real_init(store, *args, **kw)
+            pages = store.conn.execute("PRAGMA page_count").fetchone()[0]
+            store.conn.execute("PRAGMA max_page_count=%d" % pages)
+        return mock.patch.object(qmem.Store, "__init__", init)
+
+    def test_a_full_disk_at_commit_loses_nothing(self):
+        self.ok("store", "prima", "--project", "demo", "--queue-only")
+        with self.full_database():
+            code, out, err = self.run_cli("store", "x" * 20000, "--project", "demo", "--queue-only", "--json")
+        self.assertEqual(code, 1)
+        self.assertIn("local database full", err)
+        self.assertEqual(json.loads(out)["error"]["kind"], "store_full")
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        with open(saved, encoding="utf-8") as f:
+            self.assertEqual(f.read().strip(), "x" * 20000)
+        self.assertEqual([r["text"] for r in self.ok_json("queue")["items"]], ["prima"])  # intact
+        with self.full_database(), mock.patch.object(qmem, "atomic_write", side_effect=OSError(28, "No space")):
+            code, out, err = self.run_cli("store", "ultima riga\n" + "y" * 20000, "--project", "demo", "--queue-only")
+        self.assertEqual(code, 1)
+        self.assertIn("no file could hold your text either", err)
+        self.assertIn("--- your text, not saved anywhere else ---\nultima riga\n%s\n--- end ---" % ("y" * 20000), err)
+
+    def test_another_programs_database_is_refused_untouched(self):
+        other = os.path.join(self.home, "other.db")
+        conn = sqlite3.connect(other)
+        conn.execute("CREATE TABLE bookmarks(url TEXT)")
+        conn.commit()
+        conn.close()
+        before = read_bytes(other)
+        os.environ["QMEM_SQLITE"] = other
+        for argv in (("status",), ("find", "x"), ("store", "x", "--project", "p", "--queue-only"),
+                     ("import", "--sessions", self.home)):
+            err = self.expect_fail(1, *argv)
+            self.assertIn("is another program's SQLite database (tables: bookmarks); left untouched", err)
+            self.assertIn("--db PATH, QMEM_SQLITE or localDbPath", err)
+        self.assertEqual(read_bytes(other), before)
+        conn = sqlite3.connect(other)
+        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 0)
+        conn.close()
+
+    def test_control_characters_of_memory_text_never_reach_the_terminal(self):
+        hostile = "deploy \x1b[2J\x1b]0;pwned\x07 done\r\n\u202eevil"
+        self.put(UUIDS[0], hostile)
+        for argv in (("find", "deploy"), ("get", UUIDS[0])):
+            out = self.run_cli(*argv)[1]
+            self.assertNotRegex(out, "[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e]", argv)
+            self.assertIn("\\x1b[2J\\x1b]0;pwned\\x07", out)
+        self.assertIn("done\\n\\u202eevil", self.ok("find", "deploy"))  # one line: CR LF shown as \\n
+        self.assertEqual(self.ok_json("find", "deploy")["results"][0]["text"], hostile)  # exact in JSON
+
+    def test_a_record_of_one_long_token_prints_a_bounded_line(self):
+        self.put(UUIDS[0], "token " + "a" * 2000000)
+        out = self.ok("find", "token")
+        self.assertLess(max(len(line) for line in out.splitlines()), 400)
+        self.assertTrue(out.splitlines()[1].endswith("…"))
+
+    def test_concurrent_imports_report_true_counts(self):
+        tree = os.path.join(self.home, "tree")
+        for n in range(4):
+            s = Session(tree, "s%d.jsonl" % n)
+            for k in range(30):
+                s.store(record(UUIDS[n * 30 + k], "ricordo %d %d" % (n, k)))
+            s.write()
+        real = qmem.Store.begin_bulk
+
+        def meanwhile_another_import(store):
+            real(store)  # this import now believes the table empty; another one fills it
+            done = subprocess.run([sys.executable, QMEM, "import", "--sessions", tree, "--json"],
+                                  stdout=subprocess.PIPE, env=dict(os.environ), timeout=60)
+            meanwhile_another_import.other = json.loads(done.stdout.decode())["stats"]
+        with mock.patch.object(qmem.Store, "begin_bulk", meanwhile_another_import):
+            mine = self.ok_json("import", "--sessions", tree)["stats"]
+        other = meanwhile_another_import.other
+        self.assertEqual(mine["records_new"] + other["records_new"], 120)
+        self.assertGreaterEqual(mine["records_updated"], 0)
+        self.assertEqual(self.ok_json("status")["records"]["total"], 120)
+
+    def test_find_searches_the_text_only(self):
+        self.put(UUIDS[0], "we chose postgres", kind="decision", project="infra")
+        self.put(UUIDS[1], "a decision about caching", kind="fact", project="web")
+        self.assertEqual([r["id"] for r in self.ok_json("find", "decision")["results"]], [UUIDS[1]])
+        self.assertEqual(self.ok_json("find", "kind:fact")["results"], [])
+        self.assertEqual(self.ok_json("find", "infra")["results"], [])
+        self.assertEqual([r["id"] for r in self.ok_json("find", "postgres", "--project", "infra")["results"]],
+                         [UUIDS[0]])
 
 
 class CompatibilityTests(unittest.TestCase):
