@@ -239,6 +239,19 @@ def atomic_write(path, data, mode=0o600, sync=True):
         raise
 
 
+# Control characters that must not reach a terminal raw: C0 but tab and newline, DEL,
+# C1, the line and paragraph separators, and the bidirectional overrides.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def visible(text):
+    """Escape every control character (as \\x1b, \\u202e): memory text, ids and
+    gateway messages come from elsewhere, and an ESC could clear the screen or set the
+    window title."""
+    return _CONTROLS.sub(lambda m: "\\x%02x" % ord(m.group()) if ord(m.group()) < 256
+                         else "\\u%04x" % ord(m.group()), text)
+
+
 _warned = set()
 
 
@@ -247,6 +260,19 @@ def _warn_once(message):
     if message not in _warned:
         _warned.add(message)
         warn(message)
+
+
+def duration(seconds):
+    """A wait as a person says it: '45 s', '12 min', '24 h', '3 d' (a unit from two of it)."""
+    for unit, size, from_ in (("d", 86400, 2 * 86400), ("h", 3600, 2 * 3600), ("min", 60, 2 * 60)):
+        if seconds >= from_:
+            return "%d %s" % (round(seconds / size), unit)
+    return "%d s" % round(seconds)
+
+
+def when_utc(epoch):
+    """'2026-12-02 09:14 UTC': a moment for human output."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch))
 
 
 def ceil_s(ms):
@@ -675,6 +701,11 @@ class Breaker:
             return state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
         return False
 
+    def is_open(self):
+        """Is the breaker open now (calls from any process fail fast)?"""
+        state = self.read()
+        return state["state"] == "open" and self.refuses(state, self.clock())
+
     def _refusal(self, state, now):
         ms = self.retry_in(state, now)
         if state["state"] == "half_open":
@@ -778,7 +809,7 @@ class Response:
 
 
 MAX_BODY = 32 << 20       # bytes; an endless stream is a failure, not a memory leak
-_PER_ADDRESS_CAP = 7.0    # seconds per resolved address, so IPv4 gets a turn after a dead IPv6
+NOT_JSON_SHOWN = 200      # bytes of an answer that is not JSON quoted in the error
 
 _net = {}  # the socket/ssl classes, built on first use
 
@@ -906,7 +937,7 @@ class Gateway:
     (bypass_breaker=True: `config test`, which must really try). One connection is
     kept and reused for every call of a command."""
 
-    def __init__(self, config, breaker, sleep=time.sleep, retries=RETRIES, bypass_breaker=False):
+    def __init__(self, config, breaker, sleep=None, retries=RETRIES, bypass_breaker=False):
         url, self.key = config["url"], config["apiKey"]
         if not url:
             raise GatewayError(NOT_CONFIGURED, "no gateway configured", hint="run `qmem.py config url https://…`",
@@ -923,7 +954,7 @@ class Gateway:
         self.body_s = config["timeoutMs"] / 1000.0
         self.ca_file = config.values.get("caFile")
         self.breaker, self.bypass_breaker = breaker, bypass_breaker
-        self.sleep, self.retries = sleep, retries
+        self.sleep, self.retries = sleep or (lambda seconds: time.sleep(seconds)), retries
         self.worst_call_s = worst_call_s(config, retries)
         self.conn = self.sock = None
         self.prefix = ""
@@ -958,11 +989,13 @@ class Gateway:
                     raise GatewayError(AUTH, "API key rejected by the gateway (HTTP %d)" % resp.status,
                                        resp.status, hint="set the right one with `qmem.py config apikey`")
                 return resp
+            # Every failed attempt counts, retries too (resilience4j's Retry(CircuitBreaker(call))):
+            # a gateway that stalls every body costs breakerTripAfter requests, not three times that.
             attempt += 1
+            self.breaker.failure(AMBIGUOUS, str(failure), failure.detail)
             delay = failure.retry_in_ms / 1000.0 if failure.retry_in_ms is not None else None
             wait = delay if delay is not None else min(8.0, 0.25 * 2 ** attempt)
-            if attempt > retries or wait > RETRY_SLEEP_CAP:
-                self.breaker.failure(AMBIGUOUS, str(failure), failure.detail)
+            if attempt > retries or wait > RETRY_SLEEP_CAP or self.breaker.is_open():
                 raise failure
             self.sleep(_jittered(wait, delay is not None))
 
@@ -1075,10 +1108,12 @@ class Gateway:
         except (UnicodeDecodeError, ValueError):
             parsed = None
             if 200 <= resp.status < 300:
-                kind = resp.getheader("Content-Type") or "no content type"
-                raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s, %d bytes)" % (
-                    self.url, kind.split(";")[0], len(raw)), resp.status, detail="answer not JSON",
-                    hint="is the URL the gateway's?")
+                kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
+                start = " ".join(raw[:NOT_JSON_SHOWN].decode("utf-8", "replace").split())
+                raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s, %d bytes: %s)" % (
+                    self.url, kind, len(raw), visible(json.dumps(start, ensure_ascii=False))), resp.status,
+                    detail="answer not JSON", hint="an HTML page: a captive portal or a proxy login?"
+                    if kind.lower() == "text/html" else "is the URL the gateway's?")
         if 200 <= resp.status < 300 and not isinstance(parsed, dict):
             raise GatewayError(AMBIGUOUS, "answer from %s is not a JSON object" % self.url, resp.status,
                                detail="answer not a JSON object")
@@ -1132,13 +1167,15 @@ class Gateway:
 
 def _open_socket(address, deadline):
     """http.client's _create_connection under our deadline: each resolved address in
-    turn, each capped so IPv4 gets a turn after a dead IPv6 route."""
+    turn, each given an equal share of the time left, so that a dead first address
+    (an IPv6 route that drops everything) leaves time for a live one within any budget."""
     net = _net_classes()
     last = None
-    for family, kind, proto, _, addr in _resolve(address[0], address[1], deadline):
+    addresses = _resolve(address[0], address[1], deadline)
+    for n, (family, kind, proto, _, addr) in enumerate(addresses):
         s = net["DeadlineSocket"](family, kind, proto)
         try:
-            s.settimeout(min(deadline.remaining(), _PER_ADDRESS_CAP))
+            s.settimeout(deadline.remaining() / (len(addresses) - n))
             s.connect(addr)
             s.settimeout(deadline.remaining())  # the TLS handshake inherits it
             s.qm_deadline = deadline
@@ -1534,8 +1571,8 @@ class Store:
 
     def outbox_row(self, local_id):
         """One outbox row's outcome: state, gateway_id, duplicate_of, last_error, last_status."""
-        cur = self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status FROM outbox "
-                                "WHERE id=?", (local_id,))
+        cur = self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status, next_attempt_at "
+                                "FROM outbox WHERE id=?", (local_id,))
         row = cur.fetchone()
         return _row_dict(cur, row) if row else None
 
@@ -2660,7 +2697,8 @@ class Flusher:
             if e.kind == AMBIGUOUS:
                 stats.retry_later.append(local_id)
                 delay = e.retry_in_ms / 1000.0 if e.retry_in_ms else min(3600, 30 * 2 ** min(10, self._attempts(rid)))
-                return Outcome(RETRY, row, error=str(e), status=e.status, delay=delay)
+                told = "; the gateway asked to wait %s" % duration(delay) if e.retry_in_ms else ""
+                return Outcome(RETRY, row, error=str(e) + told, status=e.status, delay=delay)
             stats.stopped = str(e)
             stats.stop_error = e
             return Outcome(RELEASE, row, error=str(e))
@@ -3087,6 +3125,8 @@ class Operations:
         if state in WAITING:
             doc["reason"] = "queued on request (--queue-only)" if queue_only else str(
                 error or row["last_error"] or "retry later")
+            if row["next_attempt_at"] > self.clock() + 60:
+                doc["next_attempt_at"] = iso_from_epoch(row["next_attempt_at"])
         if state == FAILED:
             doc.update(error_document(QmemError(
                 "not stored: the gateway refused it: %s" % row["last_error"], kind="rejected",
@@ -3466,19 +3506,6 @@ def emit_json(doc, out=None):
 
 
 SNIPPET_CHARS = 200  # the longest snippet or text line of human output
-# Control characters that must not reach a terminal raw: C0 but tab and newline, DEL,
-# C1, the line and paragraph separators, and the bidirectional overrides.
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
-
-
-def visible(text):
-    """Escape every control character (as \\x1b, \\u202e): memory text, ids and
-    gateway messages come from elsewhere, and an ESC could clear the screen or set the
-    window title."""
-    return _CONTROLS.sub(lambda m: "\\x%02x" % ord(m.group()) if ord(m.group()) < 256
-                         else "\\u%04x" % ord(m.group()), text)
-
-
 class TerminalText:
     """The stream human output goes through: everything written is escaped (see
     visible()), then the highlight marks become bold, or nothing."""
@@ -3666,6 +3693,8 @@ def show_write(doc, out):
     else:
         out.write("queued: not yet in shared memory; other agents will see it after `flush`\n"
                   "  local id %s (%s)\n" % (doc["local_id"], doc["reason"]))
+        if doc.get("next_attempt_at"):
+            out.write("  next attempt after %s\n" % when_utc(parse_iso(doc["next_attempt_at"])))
         if doc.get("error"):
             out.write("  it waits in the outbox: %s, then `qmem.py flush`\n" % (doc["error"]["hint"] or "fix this"))
 
@@ -3690,6 +3719,8 @@ def show_queue(doc, out):
             it["local_id"], it["state"], it["attempts"], _age(it["age_s"]), where, _one_line(it["text"], 60)))
         if it["last_error"] and it["state"] in (PENDING, FAILED, DUPLICATE):
             out.write("    last error: %s\n" % it["last_error"])
+        if it["next_attempt_at"]:
+            out.write("    next attempt after %s\n" % when_utc(parse_iso(it["next_attempt_at"])))
     if doc["counts"][DUPLICATE] and "items" in doc:
         out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct ID` changes it\n")
     if doc["counts"][FAILED] and "items" in doc:

@@ -1092,7 +1092,7 @@ class GatewayClientTests(GatewayTestCase):
         self.assertLess(t.monotonic() - started, 1.5)
         self.assertEqual(len(sleeps), 1)  # one retry
         self.assertEqual(len(self.gw.requests), 2)
-        self.assertEqual(self.breaker_state()["failures"], 1)
+        self.assertEqual(self.breaker_state()["failures"], 2)  # every failed attempt counts
 
     def test_body_cut_midway_is_a_failure_never_empty_data(self):
         self.gw.script = ["cut_body"]
@@ -1816,18 +1816,18 @@ class HonestStateTests(GatewayTestCase):
         self.assertIn(old["id"], self.find_ids("deploy"))
 
     def ops_with_quiet_retries(self):
-        """Operations whose gateway retries without sleeping (the label depends on
-        how many failures came in a row, not on the waits)."""
+        """Operations whose gateway does not retry: one failed attempt per call, so the
+        label's count can be watched call by call."""
         cfg = qmem.load_config()
         ops = qmem.Operations(cfg)
         self.addCleanup(ops.close)
-        ops._gateway = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg), sleep=lambda s: None)
+        ops._gateway = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg), retries=0)
         return ops
 
     def test_fallback_reason_says_failing_or_unreachable_in_one_flat_line(self):
         self.gw.add("circuit breaker half-open")
         self.ok("search", "circuit")
-        self.gw.script.extend([(503, {"detail": "overloaded"})] * 9)
+        self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
         ops = self.ops_with_quiet_retries()
         reasons = [ops.search("circuit")["reason"] for _ in range(3)]
         self.assertEqual(reasons[0], "gateway failing (HTTP 503)")
@@ -1835,7 +1835,7 @@ class HonestStateTests(GatewayTestCase):
         self.assertRegex(reasons[2], r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in \d+ s$")
         refused = ops.search("circuit")  # fails fast now, and says why it is open
         self.assertRegex(refused["reason"], r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in")
-        self.assertEqual(len(self.gw.requests), 1 + 9)
+        self.assertEqual(len(self.gw.requests), 1 + 3)
         out = self.ok("search", "circuit")
         self.assertRegex(out.splitlines()[0], r"^fallback: local_sqlite — gateway failing \(HTTP 503, 3 in a row\); "
                                               r"breaker open, retry in \d+ s — lexical match, not semantic · 1 result")
@@ -1854,7 +1854,7 @@ class HonestStateTests(GatewayTestCase):
         self.assertIn("opened at once: could not connect: ", out)
         self.assertNotIn("0 of 3", out)
         os.environ["QMEM_URL"] = self.gw.url
-        self.gw.script.extend([(503, {"detail": "overloaded"})] * 9)
+        self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
         ops = self.ops_with_quiet_retries()
         for _ in range(3):
             ops.search("x")
@@ -2185,6 +2185,8 @@ class PullEnrichTests(GatewayTestCase):
         with mock.patch("qmem.time.sleep"):
             err = self.expect_fail(1, "pull")
         self.assertIn("pull stopped after 1 pages", err)
+        self.assertEqual(self.breaker_state()["state"], "open")  # three failed attempts in a row
+        self.ok("breaker", "--reset")
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
         self.assertEqual(store.conn.execute("SELECT count(*) FROM records").fetchone()[0], 500)
@@ -2454,6 +2456,96 @@ class HardeningStoreTests(QmemTestCase):
         self.assertEqual(self.ok_json("find", "infra")["results"], [])
         self.assertEqual([r["id"] for r in self.ok_json("find", "postgres", "--project", "infra")["results"]],
                          [UUIDS[0]])
+
+
+class HardeningNetworkTests(GatewayTestCase):
+    """Part 5: a dead first address, a stalling or captive gateway, long waits, a breaker
+    file that cannot be trusted or written."""
+
+    def test_a_dead_first_address_leaves_time_for_a_live_one(self):
+        import socket
+        dead = socket.socket()
+        self.addCleanup(dead.close)
+        dead.bind(("127.0.0.1", 0))
+        dead.listen(0)
+        fillers = []
+        for _ in range(4):  # fill its queue: further SYNs are dropped, connects hang
+            s = socket.socket()
+            self.addCleanup(s.close)
+            s.setblocking(False)
+            try:
+                s.connect(dead.getsockname())
+            except BlockingIOError:
+                pass
+            fillers.append(s)
+        addresses = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", dead.getsockname()),
+                     (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", self.gw.port))]
+        with mock.patch.object(qmem, "_resolve", return_value=addresses):
+            started = time.monotonic()
+            resp = self.client(connectTimeoutMs=1000).call("GET", "/v1/status")
+        self.assertEqual(resp.status, 200)
+        self.assertLess(time.monotonic() - started, 0.9)
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
+    def test_each_failed_attempt_counts_so_a_stalling_gateway_opens_the_breaker_after_three(self):
+        self.gw.script = ["stall_body"] * 3
+        gw = self.client(timeoutMs=100)
+        self.assert_fails("ambiguous", gw, "GET", "/v1/status")  # one call, its two retries
+        self.assertEqual(len(self.gw.requests), 3)
+        self.assertEqual(self.breaker_state()["state"], "open")
+        self.assert_fails("breaker_open", gw, "GET", "/v1/status")
+        self.assertEqual(len(self.gw.requests), 3)
+
+    def test_one_success_closes_it(self):
+        self.gw.script = [(503, None), (503, None)]
+        self.assertEqual(self.client().call("GET", "/v1/status").status, 200)  # the third attempt answers
+        self.assertEqual(self.breaker_state(), dict(qmem.Breaker._CLOSED))
+
+    def test_a_captive_portal_is_named_with_what_came_back(self):
+        self.gw.script = ["html"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn('"<html><body>Proxy login</body></html>"', str(err))
+        self.assertIn("an HTML page: a captive portal or a proxy login?", str(err))
+        with mock.patch.object(qmem.Gateway, "_read_body", return_value=b"\x1b[2Jnot json " + b"z" * 500):
+            err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn('"\\u001b[2Jnot json zzz', str(err))
+        self.assertNotIn("\x1b", str(err))
+        self.assertLess(len(str(err)), 400)
+
+    def test_a_long_retry_after_is_said_with_the_time_of_the_next_attempt(self):
+        self.gw.script = [(503, {"detail": "maintenance"}, {"Retry-After": "86400"})]
+        out = self.ok("store", "dopo la manutenzione", "--project", "p")
+        self.assertIn("the gateway asked to wait 24 h", out)
+        when = qmem.when_utc(time.time() + 86400)[:13]  # to the hour
+        self.assertIn("next attempt after " + when, out)
+        self.assertIn("next attempt after " + when, self.ok("queue"))
+
+    def test_a_breaker_field_of_the_wrong_type_is_corrupt_and_said_once(self):
+        os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
+        with open(self.breaker_file, "w") as f:
+            json.dump({"gateways": {qmem.normalize_url(self.gw.url): {"state": "open", "open_until": "abc"}}}, f)
+        code, out, err = self.run_cli("breaker")
+        self.assertEqual(code, 0)
+        self.assertIn("breaker file %s is corrupt (open_until" % self.breaker_file, err)
+        self.assertIn("closed", out)
+
+    def test_a_breaker_file_that_cannot_be_written_never_fails_a_command(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        real = qmem.atomic_write
+
+        def disk_full_for_the_breaker(path, *args, **kw):
+            if path.endswith("breaker.json"):
+                raise OSError(28, "No space left on device")
+            return real(path, *args, **kw)
+        with mock.patch.object(qmem, "atomic_write", disk_full_for_the_breaker):
+            code, out, err = self.run_cli("search", "x")
+            self.assertEqual(code, 0)
+            self.assertIn("fallback: local_sqlite — gateway unreachable", out)
+            self.assertIn("breaker open", out)  # kept in memory for this process
+            self.assertEqual(err.count("cannot write breaker file"), 1)
+            self.assertIn("No space left on device", err)
+            self.assertEqual(self.run_cli("search", "x")[0], 0)
+        qmem._BREAKER_IN_MEMORY.clear()
 
 
 class CompatibilityTests(unittest.TestCase):
