@@ -2065,8 +2065,8 @@ class Importer:
                 if header is None or header.get("type") != "session":
                     status = "not_session"
                     if not line.endswith(b"\n"):
-                        status = "ok"  # a header still being written: try again next time
-                        self.stats.lines_truncated += 1
+                        status = "ok"  # empty, or a header still being written: try again next time
+                        self.stats.lines_truncated += bool(line)
                 else:
                     session_id = header.get("id")
                     pos += len(line)
@@ -2322,7 +2322,36 @@ _WORD_RE = re.compile(r"\w+")
 
 def query_tokens(query):
     """The words of a user query, as FTS5 would tokenize them (letters and digits)."""
-    return [t for t in _WORD_RE.findall(query[:MAX_QUERY_CHARS]) if t.strip("_")][:MAX_QUERY_TOKENS]
+    return _words(query[:MAX_QUERY_CHARS])[:MAX_QUERY_TOKENS]
+
+
+def _words(text):
+    return [t for t in _WORD_RE.findall(text) if t.strip("_")]
+
+
+def query_was_cut(query):
+    """Did query_tokens() leave words out (past MAX_QUERY_CHARS or MAX_QUERY_TOKENS)?"""
+    return len(_words(query)) > len(query_tokens(query))
+
+
+# Why a matching record is not shown by default, and the flag that shows it.
+HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded", "private": "--private",
+                "expired": "--include-expired"}
+
+
+def hidden_matches(store, query, project=None, kind=None, scope=None, limit=1000):
+    """{reason: n} of the records that match but find hides by default (each counted
+    once, by its first reason in HIDDEN_FLAGS order), for a search that found nothing."""
+    found = find_local(store, query, project, kind, scope, limit, include_superseded=True, deleted=None,
+                       private=True, include_expired=True)["results"]
+    now, counts = iso_now(), dict.fromkeys(HIDDEN_FLAGS, 0)
+    for r in found:
+        for why, hidden in (("deleted", r["deleted_at"]), ("superseded", r["superseded_by"]),
+                            ("private", r["private"]), ("expired", r["expires_at"] and r["expires_at"] <= now)):
+            if hidden:
+                counts[why] += 1
+                break
+    return counts
 
 
 def fts_expression(tokens, match_all):
@@ -2339,7 +2368,7 @@ def fts_expression(tokens, match_all):
 # layer makes them bold on a terminal, and nothing elsewhere.
 HIGHLIGHT = ("\ue000", "\ue001")
 
-_RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
+_RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, r.expires_at, "
                    "r.superseded_by, r.deleted_at, r.private, r.pending")
 
 
@@ -2371,7 +2400,8 @@ def _visibility(project, kind, scope, include_superseded, deleted, private, incl
     where, params = [], []
     if not include_superseded:
         where.append("r.superseded_by IS NULL")
-    where.append("r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL")
+    if deleted is not None:  # True: only tombstones; None: both
+        where.append("r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL")
     if not private:
         where.append("r.private = 0")
     if not include_expired:
@@ -2381,7 +2411,7 @@ def _visibility(project, kind, scope, include_superseded, deleted, private, incl
         if value is not None:
             where.append("r.%s = ?" % column)
             params.append(value)
-    return where, params
+    return where or ["1"], params
 
 
 def _fts_query(tokens, match_all, where, params, limit, highlight):
@@ -2932,10 +2962,14 @@ class Operations:
         """Lexical search of the local index (offline)."""
         query = _check_query(query, "find", "circuit breaker")
         limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
-        doc = {"source": "local_sqlite", "degraded": False, "query": query}
+        doc = {"source": "local_sqlite", "degraded": False, "query": query, "query_cut": query_was_cut(query)}
         doc.update(self._find_local(query, project, kind, scope, limit, include_superseded=include_superseded,
                                     deleted=deleted, private=private, include_expired=include_expired,
                                     highlight=highlight))
+        doc["hidden"] = {}
+        if not doc["results"] and doc["index_exists"] and not (include_superseded or deleted or private
+                                                               or include_expired):
+            doc["hidden"] = hidden_matches(self.store(), query, project, kind, scope)
         return doc
 
     def _find_local(self, query, project, kind, scope, limit, **options):
@@ -2952,7 +2986,8 @@ class Operations:
         """Index pi session files: the given folders, or pi's own."""
         for root in roots or ():
             if not os.path.isdir(root):
-                raise UsageError("--sessions %s: no such directory" % root)
+                raise UsageError("--sessions %s: %s" % (root, "not a directory" if os.path.exists(root)
+                                                         else "no such directory"))
         if not roots:
             roots = [d for d in session_dirs() if os.path.isdir(d)]
             if not roots:
@@ -3184,8 +3219,10 @@ class Operations:
         if err is not None and err.kind not in AWAY_KINDS:
             doc.update(error_document(err))
         elif err is not None and not (stats.synced or stats.duplicate):
-            doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message,
-                                                   hint="the writes stay queued; `qmem.py flush` again later")))
+            hint = "the writes stay queued; `qmem.py flush` again later"
+            if err.kind == BREAKER_OPEN:
+                hint += ", or try the gateway now: `qmem.py breaker --reset` (or `qmem.py config test`)"
+            doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message, hint=hint)))
         elif stats.failed:
             doc.update(error_document(QmemError(
                 "%s refused by the gateway" % _plural(len(stats.failed), "write"), kind="rejected",
@@ -3508,10 +3545,11 @@ def emit_json(doc, out=None):
 SNIPPET_CHARS = 200  # the longest snippet or text line of human output
 class TerminalText:
     """The stream human output goes through: everything written is escaped (see
-    visible()), then the highlight marks become bold, or nothing."""
+    visible()), then the highlight marks become bold, or nothing. `width` is the
+    terminal's, or None when the output is not one (then nothing is cut to fit)."""
 
-    def __init__(self, out, bold=False):
-        self.out, self.bold = out, bold
+    def __init__(self, out, bold=False, width=None):
+        self.out, self.bold, self.width = out, bold, width
 
     def write(self, text):
         text = visible(text)
@@ -3529,6 +3567,24 @@ def _plural(n, word):
     return "%d %s%s" % (n, word, "" if n == 1 else "s")
 
 
+def _fit(text, width):
+    return text if len(text) <= width else text[:max(0, width - 1)] + "…"
+
+
+def _table(rows, width=None, caps=()):
+    """Rows of cells as aligned lines: each column as wide as its widest cell (at most
+    its cap), the last one cut to what the terminal has left (when there is one)."""
+    if not rows:
+        return []
+    widths = [min(max(len(r[i]) for r in rows), caps[i] if i < len(caps) else 1 << 30)
+              for i in range(len(rows[0]) - 1)]
+    lines = []
+    for r in rows:
+        head = "  ".join(_fit(cell, w).ljust(w) for cell, w in zip(r, widths)) + "  "
+        lines.append((head + (_fit(r[-1], max(12, width - len(head))) if width else r[-1])).rstrip())
+    return lines
+
+
 def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     results = doc["results"]
     if not doc.get("index_exists", True):
@@ -3537,13 +3593,22 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     out.write("%s · %s · %s\n" % (header, _plural(len(results), "result"), label))
     if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
         out.write("(the query has no words to search for)\n")
+    if doc.get("query_cut"):
+        out.write("(only the first %d words and %d characters of the query were searched)\n" % (
+            MAX_QUERY_TOKENS, MAX_QUERY_CHARS))
+    rows = []
     for r in results:
         flags = [f for f, on in (("PENDING", r["pending"]), ("FAILED: %s" % r["failed_reason"], r["failed"]),
                                  ("superseded", r["superseded_by"]),
                                  ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
-        out.write("%s  %s  %s  %s%s  %s\n" % (
-            r["id"], r["kind"] or "-", r["project_id"] or "-", (r["created_at"] or "-")[:10],
-            "  [" + ", ".join(flags) + "]" if flags else "", _one_line(r["snippet"])))
+        rows.append((r["id"], r["kind"] or "-", _one_line(r["project_id"] or "-"), (r["created_at"] or "-")[:10],
+                     "[%s]" % ", ".join(flags) if flags else "", _one_line(r["snippet"])))
+    for line in _table(rows, out.width, caps=(36, 10, 20, 10, 40)):
+        out.write(line + "\n")
+    hidden = doc.get("hidden") or {}
+    if not results and any(hidden.values()):
+        out.write("%s hidden by default: %s\n" % (_plural(sum(hidden.values()), "matching record"), ", ".join(
+            "%d %s (%s)" % (n, what, HIDDEN_FLAGS[what]) for what, n in sorted(hidden.items()) if n)))
 
 
 def show_import(doc, out):
@@ -3713,26 +3778,23 @@ def show_queue(doc, out):
             out.write("%s %s  %-9s %s\n" % ("would drop" if doc["dry_run"] else "dropped", it["local_id"],
                                             it["state"], _one_line(it["text"], 60)))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
-    for it in doc.get("items", ()):
-        where = it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"]) or "-"
-        out.write("%s  %-9s %s tries, %s old  %s  %s\n" % (
-            it["local_id"], it["state"], it["attempts"], _age(it["age_s"]), where, _one_line(it["text"], 60)))
+    items = doc.get("items", ())
+    rows = [(it["local_id"], it["state"], _plural(it["attempts"], "try").replace("trys", "tries"),
+             duration(it["age_s"]) + " old",
+             it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"]) or "-",
+             _one_line(it["text"], 60)) for it in items]
+    for it, line in zip(items, _table(rows, out.width, caps=(36, 9, 9, 12, 49))):
+        out.write(line + "\n")
         if it["last_error"] and it["state"] in (PENDING, FAILED, DUPLICATE):
-            out.write("    last error: %s\n" % it["last_error"])
+            out.write("    last error: %s\n" % _one_line(it["last_error"]))
         if it["next_attempt_at"]:
             out.write("    next attempt after %s\n" % when_utc(parse_iso(it["next_attempt_at"])))
-    if doc["counts"][DUPLICATE] and "items" in doc:
+    shown = set(it["state"] for it in items)
+    if DUPLICATE in shown:
         out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct ID` changes it\n")
-    if doc["counts"][FAILED] and "items" in doc:
+    if FAILED in shown:
         out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries them again, "
                   "`qmem.py queue --drop ID` discards one\n")
-
-
-def _age(seconds):
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return "%d%s" % (seconds // size, unit)
-    return "%ds" % seconds
 
 
 def show_flush(doc, out):
@@ -3753,8 +3815,8 @@ def show_enrich(doc, out):
 
 
 def show_pull(doc, out):
-    out.write("pull: %d pages; %d new, %d updated, %d newly deleted, %d unchanged\n" % (
-        doc["pages"], doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
+    out.write("pull: %s; %d new, %d updated, %d newly deleted, %d unchanged\n" % (
+        _plural(doc["pages"], "page"), doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
 
 
 def show_auto_flush(doc, out):
@@ -3778,8 +3840,8 @@ def show_status(doc, out):
                                                  rec["pending"], rec["failed"]))
     out.write("  by kind: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
     out.write("  by project: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
-    share = "%.0f%%" % (100 * cov["complete_share"]) if cov["complete_share"] is not None else "-"
-    out.write("coverage: %d complete views, %d known only from search hits (%s complete)\n" % (
+    share = " (%.0f%% complete)" % (100 * cov["complete_share"]) if cov["complete_share"] is not None else ""
+    out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
         cov["complete"], cov["search_hit_only"], share))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["outbox"].items()))
     out.write("duplicates: %d texts stored under more than one id (%d records)\n" % (
@@ -3801,14 +3863,14 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "enrich": show_enrich, "pull": show_pull}
 
 
-def render(command, doc, json_mode, out=None, bold=False):
+def render(command, doc, json_mode, out=None, bold=False, width=None):
     """Print a command's document: as JSON (the exact text), or with the command's
     renderer, through TerminalText (escaped)."""
     out = out or sys.stdout
     if json_mode:
         emit_json(doc, out)
     else:
-        shown = TerminalText(out, bold)
+        shown = TerminalText(out, bold, width)
         RENDERERS[command](doc, shown)
         show_auto_flush(doc, shown)
     if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
@@ -3834,6 +3896,13 @@ def render_error(err, json_mode, out=None):
 
 def cli_import(ops, a):
     return ops.import_sessions(a.sessions)
+
+
+def _terminal_width():
+    if not sys.stdout.isatty():
+        return None
+    import shutil
+    return shutil.get_terminal_size().columns
 
 
 def _color_ok():
@@ -4020,6 +4089,9 @@ def build_parser():
     # SUPPRESS: a --json given before the subcommand must survive the subparser's default.
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print exactly one JSON document on stdout")
+    # The same options as the top level's, so that they work after the command too.
+    common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     p = _Parser(prog="qmem.py", description=__doc__.split("\nSections")[0],  # the rest is for developers
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", default=False, help=argparse.SUPPRESS)
@@ -4041,7 +4113,7 @@ def build_parser():
     sp = command("find", cli_find, "Search the local index (lexical, offline).")
     sp.add_argument("query", nargs="*", help="words to look for (all must match; the last may be a prefix)")
     add_filters(sp)
-    sp.add_argument("--limit", type=int, default=10, help="at most this many results (default 10)")
+    sp.add_argument("--limit", default=10, help="at most this many results (default 10)")
     sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
     sp.add_argument("--deleted", action="store_true", help="show only deleted records (tombstones)")
     sp.add_argument("--private", action="store_true", help="also show private records")
@@ -4053,7 +4125,7 @@ def build_parser():
                  "(labelled) when it cannot.")
     sp.add_argument("query", nargs="*", help="what to look for, in plain words")
     add_filters(sp)
-    sp.add_argument("--top-k", type=int, default=8, help="at most this many results (default 8)")
+    sp.add_argument("--top-k", "--limit", dest="top_k", default=8, help="at most this many results (default 8)")
     sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
     sp.add_argument("--min-score", type=float, help="drop results scoring below this (0-1)")
     add_remote(sp)
@@ -4070,15 +4142,15 @@ def build_parser():
                  "gateway is away.")
     sp.add_argument("text", nargs="?", help="the memory (or - to read it from stdin)")
     sp.add_argument("--project", help="the project it belongs to (required)")
-    sp.add_argument("--supersedes", metavar="ID", help="the memory this one corrects")
-    add_write_options(sp)
+    sp.add_argument("--supersedes", metavar="ID", help="the memory this one corrects (or use `correct ID`)")
+    add_write_options(sp, "fact", "with --supersedes: why the old memory is corrected")
 
     sp = command("correct", cli_correct, "Store a correction: a new memory that supersedes ID (marked "
                  "superseded here at once).")
     sp.add_argument("id", help="the memory this one corrects")
     sp.add_argument("text", nargs="?", help="the corrected memory (or - to read it from stdin)")
     sp.add_argument("--project", help="default: the corrected memory's project")
-    add_write_options(sp)
+    add_write_options(sp, "the corrected memory's kind, else fact", "why the old memory is corrected")
 
     sp = command("queue", cli_queue, "The outbox: writes made here, and whether they reached the shared memory "
                  "(--drop discards failed or duplicate ones).")
@@ -4103,22 +4175,24 @@ def build_parser():
                  "(--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
 
-    sp = command("config", cli_config, "Show or change the configuration (shared with the pi extension).", epilog="Actions: show | url URL | apikey (reads stdin or prompts) "
-                 "| set KEY VALUE | test. With none, on a terminal: a menu.")
+    sp = command("config", cli_config, "Show or change the configuration (shared with the pi extension).",
+                 epilog="Actions: show | url URL | apikey (reads stdin or prompts) | set KEY VALUE | test. "
+                 "With none, on a terminal: a menu.")
     sp.add_argument("action", nargs="?", choices=("show", "url", "apikey", "set", "test"))
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
     return p
 
 
-def add_write_options(sp):
+def add_write_options(sp, default_kind, reason):
     sp.add_argument("--text-file", metavar="FILE", help="read the text from this file")
-    sp.add_argument("--kind", choices=KINDS, help="fact | decision | preference | episode (default fact)")
+    sp.add_argument("--kind", choices=KINDS, help="fact | decision | preference | episode (default: %s)"
+                    % default_kind)
     sp.add_argument("--scope", help="e.g. project, global, agent")
     sp.add_argument("--agent", help="agent_id (default qmem.py)")
     sp.add_argument("--source", help="provenance (default: this machine)")
     sp.add_argument("--expires", metavar="DATE", help="hidden from search after this date")
     sp.add_argument("--private", action="store_true", help="hidden from search unless asked for")
-    sp.add_argument("--reason", help="why the old memory is corrected")
+    sp.add_argument("--reason", help=reason)
     sp.add_argument("--queue-only", action="store_true", help="only queue it; `flush` sends it")
 
 
@@ -4146,7 +4220,7 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         ops = Operations(load_config(overrides={"localDbPath": args.db}))
         doc = args.func(ops, args)
-        render(args.command, doc, json_mode, bold=_color_ok())
+        render(args.command, doc, json_mode, bold=_color_ok(), width=_terminal_width())
         return doc.get("exit_code", EXIT_OK)
     except QmemError as e:
         if debug:

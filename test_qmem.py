@@ -661,7 +661,7 @@ class FindTests(QmemTestCase):
         self.assertEqual((out["source"], out["match"], out["degraded"]), ("local_sqlite", "all", False))
         self.assertEqual(set(out["results"][0]), {
             "id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "superseded_by",
-            "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet"})
+            "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet", "expires_at"})
         self.assertEqual(out["results"][0]["rank"], 1)
 
     def test_human_output_header_and_pending_marker(self):
@@ -2546,6 +2546,83 @@ class HardeningNetworkTests(GatewayTestCase):
             self.assertIn("No space left on device", err)
             self.assertEqual(self.run_cli("search", "x")[0], 0)
         qmem._BREAKER_IN_MEMORY.clear()
+
+
+class HardeningSmallThingsTests(GatewayTestCase):
+    """Part 5's smaller things, met on the way."""
+
+    def put(self, rid, text, **extra):
+        store = qmem.Store(self.db)
+        try:
+            with store.transaction():
+                store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
+        finally:
+            store.close()
+
+    def test_options_where_a_user_puts_them(self):
+        self.ok("search", "x", "--limit", "3")
+        self.assertEqual(self.gw.requests[-1][3]["top_k"], 3)
+        other = os.path.join(self.home, "other.sqlite")
+        self.assertEqual(self.ok_json("status", "--db", other)["db"]["path"], other)
+        code, out, err = self.run_cli("status", "--db", os.path.join(self.home, "x"), "--debug")
+        self.assertEqual(code, 0)
+
+    def test_help_says_what_defaults_are(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            qmem.main(["correct", "--help"])
+        self.assertIn("the corrected memory's kind", " ".join(out.getvalue().split()))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            qmem.main(["store", "--help"])
+        self.assertIn("with --supersedes: why the old memory is corrected", " ".join(out.getvalue().split()))
+
+    def test_counts_and_plurals(self):
+        self.gw.add("uno")
+        self.assertIn("pull: 1 page;", self.ok("pull"))
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "empty.sqlite")
+        qmem.Store(os.environ["QMEM_SQLITE"]).close()
+        self.assertNotIn("- complete", self.ok("status"))
+
+    def test_session_folders_and_empty_files(self):
+        os.makedirs(self.sessions)
+        open(os.path.join(self.sessions, "new.jsonl"), "w").close()  # pi just created it
+        self.assertEqual(self.ok_json("import")["stats"]["lines_truncated"], 0)
+        a_file = os.path.join(self.home, "f.txt")
+        open(a_file, "w").close()
+        self.assertIn("--sessions %s: not a directory" % a_file, self.expect_fail(2, "import", "--sessions", a_file))
+
+    def test_find_says_what_it_left_out(self):
+        self.put(UUIDS[0], "segreto di stato", private=True)
+        self.put(UUIDS[1], "vecchia verità", superseded_by=UUIDS[2])
+        out = self.ok("find", "segreto")
+        self.assertIn("1 matching record hidden by default: 1 private (--private)", out)
+        doc = self.ok_json("find", "vecchia")
+        self.assertEqual(doc["hidden"]["superseded"], 1)
+        out = self.ok("find", " ".join("parola%d" % n for n in range(40)))
+        self.assertIn("only the first 32 words and 500 characters of the query were searched", out)
+
+    def test_queue_footer_follows_what_it_lists(self):
+        self.gw.duplicate_texts["doppio"] = UUIDS[5]
+        self.ok("store", "doppio", "--project", "p")
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        self.assertIn("duplicates were not stored", self.ok("queue"))
+        self.assertNotIn("duplicates were not stored", self.ok("queue", "--state", "pending"))
+
+    def test_flush_with_the_breaker_open_says_how_to_try_now(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.ok("store", "in coda", "--project", "p")
+        err = self.expect_fail(1, "flush")
+        self.assertIn("`qmem.py breaker --reset` (or `qmem.py config test`)", err)
+
+    def test_columns_are_aligned_and_cut_to_the_terminal(self):
+        self.put(UUIDS[0], "deploy " + "lungo " * 100, project="a")
+        self.put(UUIDS[1], "deploy breve", kind="decision", project="progetto-lungo")
+        with mock.patch.object(qmem, "_terminal_width", return_value=100):
+            lines = self.ok("find", "deploy").splitlines()[1:]
+        self.assertEqual(len(lines), 2)
+        self.assertTrue(all(len(line) <= 100 for line in lines), lines)
+        self.assertEqual(len({line.index("2026-11-30") for line in lines}), 1)  # the dates line up
 
 
 class CompatibilityTests(unittest.TestCase):
