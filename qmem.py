@@ -1981,6 +1981,11 @@ class Importer:
         for path in paths:
             self.stats.files_scanned += 1
             try:
+                path.encode("utf-8")
+            except UnicodeEncodeError:  # the index keeps file names as text
+                warn("skipped %s: its name is not valid UTF-8" % ascii(path))
+                continue
+            try:
                 st = os.stat(path)
             except OSError as e:
                 warn("skipped %s: %s" % (path, e.strerror or e))

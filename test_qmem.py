@@ -2315,6 +2315,17 @@ class HardeningInputTests(QmemTestCase):
             self.assertIs(json.load(f)["offlineQueue"], False)
         self.assertIn("between 1 and 600000", self.expect_fail(2, "config", "set", "connectTimeoutMs", "99999999999"))
 
+    def test_a_session_file_whose_name_is_not_utf8_is_skipped_with_a_warning(self):
+        s = Session(self.sessions, "ok.jsonl")
+        s.store(record(UUIDS[0], "buono"))
+        s.write()
+        with open(os.path.join(os.fsencode(self.sessions), b"x\xff.jsonl"), "wb") as f:
+            f.write(read_bytes(s.path))
+        code, out, err = self.run_cli("import")
+        self.assertEqual(code, 0)
+        self.assertIn("its name is not valid UTF-8", err)
+        self.assertEqual(self.ok_json("status")["records"]["total"], 1)
+
     def test_ids_are_checked_when_written(self):
         self.assertIn("--supersedes abc is not a memory id",
                       self.expect_fail(2, "store", "x", "--project", "p", "--supersedes", "abc", "--queue-only"))
