@@ -73,6 +73,15 @@ class QmemTestCase(unittest.TestCase):
     def find_ids(self, *argv):
         return [r["id"] for r in self.ok_json("find", *argv)["results"]]
 
+    def put_record(self, rid, text, **extra):
+        """A complete record straight into the local index."""
+        store = qmem.Store(self.db)
+        try:
+            with store.transaction():
+                store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
+        finally:
+            store.close()
+
 
 def read_bytes(path):
     with open(path, "rb") as f:
@@ -2337,14 +2346,6 @@ class HardeningInputTests(QmemTestCase):
 class HardeningStoreTests(QmemTestCase):
     """Part 5: a busy or full database, another program's file, text from other agents."""
 
-    def put(self, rid, text, **extra):
-        store = qmem.Store(self.db)
-        try:
-            with store.transaction():
-                store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
-        finally:
-            store.close()
-
     def hold_the_database(self):
         """A second real process holding the write lock until we let it go."""
         qmem.Store(self.db).close()
@@ -2424,7 +2425,7 @@ class HardeningStoreTests(QmemTestCase):
 
     def test_control_characters_of_memory_text_never_reach_the_terminal(self):
         hostile = "deploy \x1b[2J\x1b]0;pwned\x07 done\r\n\u202eevil"
-        self.put(UUIDS[0], hostile)
+        self.put_record(UUIDS[0], hostile)
         for argv in (("find", "deploy"), ("get", UUIDS[0])):
             out = self.run_cli(*argv)[1]
             self.assertNotRegex(out, "[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e]", argv)
@@ -2433,7 +2434,7 @@ class HardeningStoreTests(QmemTestCase):
         self.assertEqual(self.ok_json("find", "deploy")["results"][0]["text"], hostile)  # exact in JSON
 
     def test_a_record_of_one_long_token_prints_a_bounded_line(self):
-        self.put(UUIDS[0], "token " + "a" * 2000000)
+        self.put_record(UUIDS[0], "token " + "a" * 2000000)
         out = self.ok("find", "token")
         self.assertLess(max(len(line) for line in out.splitlines()), 400)
         self.assertTrue(out.splitlines()[1].endswith("…"))
@@ -2460,8 +2461,8 @@ class HardeningStoreTests(QmemTestCase):
         self.assertEqual(self.ok_json("status")["records"]["total"], 120)
 
     def test_find_searches_the_text_only(self):
-        self.put(UUIDS[0], "we chose postgres", kind="decision", project="infra")
-        self.put(UUIDS[1], "a decision about caching", kind="fact", project="web")
+        self.put_record(UUIDS[0], "we chose postgres", kind="decision", project="infra")
+        self.put_record(UUIDS[1], "a decision about caching", kind="fact", project="web")
         self.assertEqual([r["id"] for r in self.ok_json("find", "decision")["results"]], [UUIDS[1]])
         self.assertEqual(self.ok_json("find", "kind:fact")["results"], [])
         self.assertEqual(self.ok_json("find", "infra")["results"], [])
@@ -2562,14 +2563,6 @@ class HardeningNetworkTests(GatewayTestCase):
 class HardeningSmallThingsTests(GatewayTestCase):
     """Part 5's smaller things, met on the way."""
 
-    def put(self, rid, text, **extra):
-        store = qmem.Store(self.db)
-        try:
-            with store.transaction():
-                store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
-        finally:
-            store.close()
-
     def test_options_where_a_user_puts_them(self):
         self.ok("search", "x", "--limit", "3")
         self.assertEqual(self.gw.requests[-1][3]["top_k"], 3)
@@ -2604,8 +2597,8 @@ class HardeningSmallThingsTests(GatewayTestCase):
         self.assertIn("--sessions %s: not a directory" % a_file, self.expect_fail(2, "import", "--sessions", a_file))
 
     def test_find_says_what_it_left_out(self):
-        self.put(UUIDS[0], "segreto di stato", private=True)
-        self.put(UUIDS[1], "vecchia verità", superseded_by=UUIDS[2])
+        self.put_record(UUIDS[0], "segreto di stato", private=True)
+        self.put_record(UUIDS[1], "vecchia verità", superseded_by=UUIDS[2])
         out = self.ok("find", "segreto")
         self.assertIn("1 matching record hidden by default: 1 private (--private)", out)
         doc = self.ok_json("find", "vecchia")
@@ -2627,8 +2620,8 @@ class HardeningSmallThingsTests(GatewayTestCase):
         self.assertIn("`qmem.py breaker --reset` (or `qmem.py config test`)", err)
 
     def test_columns_are_aligned_and_cut_to_the_terminal(self):
-        self.put(UUIDS[0], "deploy " + "lungo " * 100, project="a")
-        self.put(UUIDS[1], "deploy breve", kind="decision", project="progetto-lungo")
+        self.put_record(UUIDS[0], "deploy " + "lungo " * 100, project="a")
+        self.put_record(UUIDS[1], "deploy breve", kind="decision", project="progetto-lungo")
         with mock.patch.object(qmem, "_terminal_width", return_value=100):
             lines = self.ok("find", "deploy").splitlines()[1:]
         self.assertEqual(len(lines), 2)
