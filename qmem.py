@@ -47,6 +47,7 @@ import operator
 import os
 import re
 import sqlite3
+import stat
 import time
 
 __version__ = "0.1.0"
@@ -88,6 +89,12 @@ class QmemError(Exception):
 
     def __str__(self):
         return "%s: %s" % (self.message, self.hint) if self.hint else self.message
+
+
+def error_document(err):
+    """An error as the document --json prints (and as the part of a document that
+    reports something not done)."""
+    return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint}, "exit_code": err.exit_code}
 
 
 class UsageError(QmemError):
@@ -260,6 +267,11 @@ def _warn_once(message):
     if message not in _warned:
         _warned.add(message)
         warn(message)
+
+
+def plural(n, word):
+    """'1 write', '2 writes'."""
+    return "%d %s%s" % (n, word, "" if n == 1 else "s")
 
 
 def duration(seconds):
@@ -452,9 +464,32 @@ def load_config(environ=None, overrides=None):
             sources[key] = "flag"
     if values["localDbPath"]:
         values["localDbPath"] = os.path.expanduser(values["localDbPath"])
+    _check_config(values, sources, path)
     breaker = environ.get("QMEM_BREAKER_FILE") or os.path.join(home, ".local", "share", "pi-qmem",
                                                                "breaker.json")
     return Config(values, sources, path, raw, breaker, home)
+
+
+def _check_config(values, sources, path):
+    """What no single value shows: a URL that is no gateway URL, a key that would break
+    a header (a CRLF key file), open times the wrong way round. Named by where they came
+    from; the key itself is never shown."""
+    def origin(key):
+        return {"file": "config file %s" % path, "flag": "option"}.get(sources[key], "environment " + sources[key][4:])
+    if values["url"]:
+        try:
+            values["url"] = check_url(values["url"])
+        except UsageError as e:
+            raise ConfigError("%s: url: %s" % (origin("url"), e.message), hint=e.hint)
+    key = values["apiKey"]
+    if key:
+        key = values["apiKey"] = key.strip()  # a trailing CR or LF is an accident of the file
+        if not key or any(c.isspace() or ord(c) < 32 or 0x7F <= ord(c) <= 0x9F for c in key):
+            raise ConfigError("%s: apiKey holds whitespace or control characters" % origin("apiKey"),
+                              hint="set it again with `qmem.py config apikey`")
+    if values["breakerBaseMs"] > values["breakerMaxMs"]:
+        raise ConfigError("%s: breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
+            origin("breakerBaseMs"), values["breakerBaseMs"], values["breakerMaxMs"]))
 
 
 def session_dirs(environ=None):
@@ -476,19 +511,29 @@ def normalize_url(url):
     return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
 
 
+_HOST_RE = re.compile(r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z|\A[0-9A-Fa-f:.]+\Z")
+
+
 def check_url(url):
-    """A gateway URL must be http(s) with a host. Returns it without a trailing slash."""
+    """A gateway URL must be http(s) with a host name (or IP), no credentials, no
+    query. Returns it without a trailing slash."""
     from urllib.parse import urlsplit
+    url = url.strip()
     try:
-        p = urlsplit(url.strip())
+        p = urlsplit(url)
         p.port  # raises ValueError on a bad port
     except ValueError as e:
-        raise UsageError("invalid gateway URL %r: %s" % (url, e))
-    if p.scheme not in ("http", "https") or not p.hostname:
-        raise UsageError("invalid gateway URL %r: it must look like https://host[:port]" % url)
+        raise UsageError("invalid gateway URL: %s" % e, hint="it must look like https://host[:port][/path]")
+    if p.username is not None or p.password is not None:  # never echoed: it may hold a password
+        raise UsageError("a gateway URL must not carry a user name or password",
+                         hint="give the URL without them, and the key with `qmem.py config apikey`")
+    if (p.scheme not in ("http", "https") or not p.hostname or not _HOST_RE.match(p.hostname)
+            or any(c.isspace() or ord(c) < 32 for c in url)):
+        raise UsageError("invalid gateway URL %s" % visible(json.dumps(url)),
+                         hint="it must look like https://host[:port][/path]")
     if p.query or p.fragment:
-        raise UsageError("invalid gateway URL %r: no query or fragment, please" % url)
-    return url.strip().rstrip("/")
+        raise UsageError("invalid gateway URL %s: no query or fragment, please" % visible(json.dumps(url)))
+    return url.rstrip("/")
 
 
 def is_loopback(host):
@@ -780,7 +825,8 @@ class Breaker:
         state["trips"] += 1
         jitter = 0.9 + 0.2 * (self.rand() if self.rand else random.random())
         seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * jitter)
-        state.update(state="open", opened_after=max(1, state["failures"]), failures=0,
+        at_once = state["last_kind"] == UNREACHABLE
+        state.update(state="open", opened_after=1 if at_once else max(1, state["failures"]), failures=0,
                      opened_at=iso_from_epoch(now), open_until=now + seconds, probe_token=None, probe_until=0.0)
 
     def reset(self):
@@ -958,6 +1004,7 @@ class Gateway:
         self.worst_call_s = worst_call_s(config, retries)
         self.conn = self.sock = None
         self.prefix = ""
+        self.answered = False  # has any call of this command had an answer?
 
     def close(self):
         if self.conn is not None:
@@ -983,6 +1030,7 @@ class Gateway:
                     raise
                 failure = e
             if failure is None:
+                self.answered = True
                 if not (clean and attempt == 0):  # a clean state has nothing to close
                     self.breaker.success()
                 if resp.status in (401, 403):
@@ -1370,7 +1418,11 @@ class Store:
         if not os.path.exists(path):
             if not create:
                 raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`" % path)
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            try:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            except OSError as e:
+                raise StoreError("cannot create the folder of the local database %s: %s" % (path, e.strerror or e),
+                                 hint="choose another place with --db PATH, QMEM_SQLITE or localDbPath")
         elif os.path.isfile(path) and os.path.getsize(path) >= 16:
             with open(path, "rb") as f:
                 if f.read(16) != b"SQLite format 3\x00":
@@ -1606,6 +1658,11 @@ class Store:
                           "next_attempt_at": iso_from_epoch(next_at) if st == PENDING and next_at > now else None})
         return items
 
+    def claim_of(self, local_id):
+        """The claim token of an outbox row (None when no flusher holds it)."""
+        row = self.conn.execute("SELECT claim_token FROM outbox WHERE id=?", (local_id,)).fetchone()
+        return row[0] if row else None
+
     def corrections_of(self, local_ids):
         """{correction's local id: the id it corrects} for unsettled corrections of these
         writes, beyond the writes themselves."""
@@ -1627,6 +1684,13 @@ class Store:
         here); never a write still local to this machine."""
         sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % ("" if every else " AND view<?")
         return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
+
+    def make_due(self, now):
+        """Every waiting write may be sent now (an explicit flush does not wait out a
+        backoff or a Retry-After)."""
+        with self.transaction():
+            self.conn.execute("UPDATE outbox SET next_attempt_at=? WHERE state='pending' AND next_attempt_at>?",
+                              (now, now))
 
     def retry_failed(self):
         """Make every failed write pending again (flush --retry-failed): its record waits
@@ -1989,6 +2053,9 @@ class Importer:
                 st = os.stat(path)
             except OSError as e:
                 warn("skipped %s: %s" % (path, e.strerror or e))
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a FIFO would hang the import, /dev/zero never end
+                warn("skipped %s: not a regular file" % path)
                 continue
             prev = known.get(path)
             if prev and prev[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
@@ -2545,6 +2612,7 @@ MAX_TEXT = 32000           # characters in one memory
 LEASE_S = 120.0            # at least; a claimed row belongs to its flusher this long
 CLAIM_BATCH = 100          # rows claimed (and finished) per transaction
 AUTO_FLUSH_S = 3.0         # seconds an online command may spend delivering the queue
+MAX_STORED_WAIT_S = 3600.0  # a longer Retry-After is said, but a write waits at most this long
 
 
 def new_local_id():
@@ -2584,9 +2652,9 @@ class Outcome:
     """What became of one claimed outbox row: Flusher._send decides, _finish records."""
 
     def __init__(self, action, row, error=None, status=None, delay=None, record=None, sent=None,
-                 duplicate_of=None):
+                 duplicate_of=None, held=False):
         self.action, self.row, self.error, self.status, self.delay = action, row, error, status, delay
-        self.record, self.sent, self.duplicate_of = record, sent, duplicate_of
+        self.record, self.sent, self.duplicate_of, self.held = record, sent, duplicate_of, held
 
 
 def _pid_alive(pid):
@@ -2601,7 +2669,57 @@ def _pid_alive(pid):
     return True
 
 
+def _read_small(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid):
+    """A process's start time in clock ticks since boot (Linux), or '' where unknown."""
+    line = _read_small("/proc/%d/stat" % pid)
+    fields = line[line.rfind(")") + 1:].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+def process_identity(pid=None):
+    """What names a process of this machine beyond doubt: (host, boot id, pid
+    namespace, pid, start time). Where the system does not tell (boot id, namespace,
+    start time: Linux only), the parts are '' and the identity proves nothing."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except (OSError, AttributeError):
+        namespace = ""
+    return (hostname(), _read_small("/proc/sys/kernel/random/boot_id"), namespace, str(pid), _start_time(pid))
+
+
+def claim_token():
+    """A flusher's claim: its identity, then a random part (one token per claim)."""
+    return "|".join(process_identity() + (os.urandom(6).hex(),))
+
+
+def claimant_is_gone(token):
+    """Does the token prove that the process that claimed is dead (same host, same boot,
+    same pid namespace, and its pid gone or reused since)? Anything less proves
+    nothing: a claim of another machine, of a container, of an older qmem.py, or from
+    a system without /proc waits for its lease to run out."""
+    parts = (token or "").split("|")
+    if len(parts) != 6:
+        return False
+    host, boot, namespace, pid, start, _ = parts
+    mine = process_identity()
+    if not (boot and namespace and start and pid.isdigit()) or (host, boot, namespace) != mine[:3]:
+        return False
+    return not _pid_alive(int(pid)) or _start_time(int(pid)) != start
+
+
 class FlushStats:
+    """What a flush did, counted from the outcomes it could record (a flusher whose
+    lease was taken over records nothing, and counts nothing)."""
+
     def __init__(self):
         self.synced, self.duplicate, self.failed, self.retry_later, self.held = [], [], [], [], []
         self.stopped = None     # why the flush stopped early, or None
@@ -2610,6 +2728,12 @@ class FlushStats:
     def as_dict(self):
         return {"synced": len(self.synced), "duplicate": len(self.duplicate), "failed": len(self.failed),
                 "retry_later": len(self.retry_later), "held": len(self.held), "stopped": self.stopped}
+
+    def count(self, outcome):
+        kept = {SYNCED: self.synced, DUPLICATE: self.duplicate, FAILED: self.failed,
+                RETRY: self.held if outcome.held else self.retry_later}.get(outcome.action)
+        if kept is not None:
+            kept.append(outcome.row[1])
 
 
 class Flusher:
@@ -2622,33 +2746,26 @@ class Flusher:
         # A row is sent only while its lease has time for the slowest possible call.
         self.call_s = gateway.worst_call_s if gateway is not None else 60.0
         self.lease_s, self.batch = lease_s or max(LEASE_S, 2 * self.call_s), batch
-        self.host = hostname()
         self.delivered = {}  # local id -> gateway id, for rows of this run
-
-    def _token(self):
-        return "%s:%d:%s" % (self.host, os.getpid(), os.urandom(6).hex())
+        self.refused = set()  # local ids the gateway refused in this run
 
     def _reclaim_dead(self, now):
-        """Rows claimed by a process of this machine that no longer exists are free at once:
-        a killed flusher must not hold them for the rest of its lease."""
+        """Rows whose claimant is proven dead are free at once: a killed flusher must not
+        hold them for the rest of its lease. Nothing else ends a lease early."""
         for (token,) in self.store.conn.execute(
                 "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?", (now,)).fetchall():
-            parts = (token or "").rsplit(":", 2)
-            if len(parts) == 3 and parts[0] == self.host and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            if claimant_is_gone(token):
                 self.store.conn.execute("UPDATE outbox SET lease_until=0 WHERE claim_token=? AND state='sending'",
                                         (token,))
 
     def claim(self, only=None):
         """Take up to `batch` ready rows (committed before any HTTP): pending ones whose
-        time has come, and sending ones whose lease ran out (or lies impossibly far
-        ahead: a clock that went back)."""
-        now, token = self.clock(), self._token()
-        where = ("((state='pending' AND next_attempt_at<=:now) OR (state='sending' AND "
-                 "(lease_until<:now OR lease_until>:now + :far)))")
+        time has come, and sending ones whose lease has run out."""
+        now, token = self.clock(), claim_token()
+        where = "((state='pending' AND next_attempt_at<=:now) OR (state='sending' AND lease_until<:now))"
         if only is not None:
             where += " AND id=:only"
-        params = {"t": token, "now": now, "lease": self.lease_s, "n": self.batch, "only": only,
-                  "far": max(3600.0, 4 * self.lease_s)}
+        params = {"t": token, "now": now, "lease": self.lease_s, "n": self.batch, "only": only}
         with self.store.transaction():
             self._reclaim_dead(now)
             self.store.conn.execute(
@@ -2661,7 +2778,8 @@ class Flusher:
 
     def run(self, only=None, budget_s=None, progress=None):
         """Flush ready rows (or just the row `only`) until none is left, the gateway goes
-        away, or budget_s seconds have passed. Returns FlushStats."""
+        away, or budget_s seconds have passed. Returns FlushStats. Interrupted, it
+        records what was answered and gives the rest back."""
         stats = FlushStats()
         give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
@@ -2669,28 +2787,31 @@ class Flusher:
             token, rows = self.claim(only)
             if not rows:
                 break
-            done, rest = [], []
-            for n, row in enumerate(rows):
-                if self.clock() + self.call_s > claimed_at + self.lease_s:
-                    rest = rows[n:]  # slow going: give back the rest before the lease could run out
-                    break
-                if give_up is not None and time.monotonic() > give_up:
-                    stats.stopped, rest = "time budget of %g s used up" % budget_s, rows[n:]
-                    break
-                done.append(self._send(row, stats))
-                if progress:
-                    progress.update("%d sent" % (len(stats.synced) + len(stats.duplicate)))
-                if stats.stopped is not None:
-                    rest = rows[n + 1:]
-                    break
-            done.extend(Outcome(RELEASE, r) for r in rest)
-            self._finish(token, done)
+            done = []
+            try:
+                self._send_batch(rows, claimed_at, give_up, budget_s, stats, done, progress)
+            finally:  # also on Ctrl-C: what was answered is kept, the rest goes back
+                sent = {o.row[0] for o in done}
+                self._finish(token, done + [Outcome(RELEASE, r) for r in rows if r[0] not in sent], stats)
             if only is not None:
                 break
         if stats.synced or stats.duplicate or stats.failed:
             with self.store.transaction():
                 self.store.set_meta("last_flush_at", iso_now())
         return stats
+
+    def _send_batch(self, rows, claimed_at, give_up, budget_s, stats, done, progress):
+        for row in rows:
+            if self.clock() + self.call_s > claimed_at + self.lease_s:
+                return  # slow going: give back the rest before the lease could run out
+            if give_up is not None and time.monotonic() > give_up:
+                stats.stopped = "time budget of %g s used up" % budget_s
+                return
+            done.append(self._send(row, stats))
+            if progress:
+                progress.update("%d sent" % len(done))
+            if stats.stopped is not None:
+                return
 
     def _resolve_target(self, target):
         """A correction's supersedes_id, as the gateway knows it: ('ok', id) or
@@ -2699,30 +2820,32 @@ class Flusher:
             return "ok", None
         if target in self.delivered:  # sent in this run, not committed yet
             return "ok", self.delivered[target]
+        if target in self.refused:
+            return "fail", "the record it corrects (%s) was refused by the gateway" % target
         row = self.store.conn.execute("SELECT state, gateway_id, duplicate_of FROM outbox WHERE id=?",
                                       (target,)).fetchone()
         if row is None:
             return "ok", target  # a gateway id
         state, gateway_id, duplicate_of = row
-        if state == "synced":
+        if state == SYNCED:
             return "ok", gateway_id
-        if state == "duplicate":
+        if state == DUPLICATE and duplicate_of:
             return "ok", duplicate_of
-        if state == "failed":
-            return "fail", "the record it corrects (%s) failed to sync" % target
+        if state in (FAILED, DUPLICATE):
+            return "fail", "the record it corrects (%s) was refused by the gateway" % target
         return "hold", "waits for the record it corrects (%s) to be delivered" % target
 
     def _send(self, row, stats):
+        """Send one claimed row; its Outcome (stats only learn why a flush stopped)."""
         rid, local_id, op, payload, target = row
-        body = json.loads(payload)
         verdict, value = self._resolve_target(target)
         if verdict == "hold":
-            stats.held.append(local_id)
-            return Outcome(RETRY, row, error=value, delay=2)
+            return Outcome(RETRY, row, error=value, delay=2, held=True)
         if verdict == "fail":
-            stats.failed.append(local_id)
+            self.refused.add(local_id)
             return Outcome(FAILED, row, error=value)
         if target:
+            body = json.loads(payload)
             body["supersedes_id"] = value
             payload = json.dumps(body, ensure_ascii=False, sort_keys=True)
         try:
@@ -2730,66 +2853,101 @@ class Flusher:
             resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"), idempotency_key=local_id)
         except GatewayError as e:
             if e.kind == AMBIGUOUS:
-                stats.retry_later.append(local_id)
                 delay = e.retry_in_ms / 1000.0 if e.retry_in_ms else min(3600, 30 * 2 ** min(10, self._attempts(rid)))
-                told = "; the gateway asked to wait %s" % duration(delay) if e.retry_in_ms else ""
+                delay = min(delay, MAX_STORED_WAIT_S)
+                told = "; the gateway asked to wait %s" % duration(e.retry_in_ms / 1000.0) if e.retry_in_ms else ""
                 return Outcome(RETRY, row, error=str(e) + told, status=e.status, delay=delay)
             stats.stopped = str(e)
             stats.stop_error = e
             return Outcome(RELEASE, row, error=str(e))
+        return self._judge(row, resp)
+
+    def _judge(self, row, resp):
+        """The Outcome an answer means; an answer of the wrong shape fails the row with
+        the reason (the same Idempotency-Key makes a later retry safe)."""
+        local_id = row[1]
         data = resp.data if isinstance(resp.data, dict) else {}
-        if resp.status in (200, 201) and isinstance(data.get("id"), str):
-            stats.synced.append(local_id)
-            self.delivered[local_id] = data["id"]
-            return Outcome(SYNCED, row, status=resp.status, record=data, sent=body)
+        if resp.status in (200, 201):
+            gid = data.get("id")
+            if not (isinstance(gid, str) and UUID_RE.fullmatch(gid.strip())):
+                self.refused.add(local_id)
+                return Outcome(FAILED, row, status=resp.status, error="the gateway answered HTTP %d without a "
+                               "usable record id (%s)" % (resp.status, _shown(gid)))
+            self.delivered[local_id] = gid.strip()
+            return Outcome(SYNCED, row, status=resp.status, record=dict(data, id=gid.strip()),
+                           sent=json.loads(row[3]))
         if resp.status == 409 and data.get("detail") == "duplicate":
-            stats.duplicate.append(local_id)
-            self.delivered[local_id] = data.get("duplicate_of")
-            return Outcome(DUPLICATE, row, status=409, duplicate_of=data.get("duplicate_of"),
-                           error="near-identical memory exists (similarity %s)" % data.get("similarity"))
+            original = data.get("duplicate_of")
+            original = original.strip() if isinstance(original, str) and UUID_RE.fullmatch(original.strip()) else None
+            self.delivered[local_id] = original
+            similarity = data.get("similarity")
+            return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
+                           error="near-identical memory exists (similarity %s)" % _shown(similarity))
         if resp.status == 409 or 200 <= resp.status < 300:  # the same key still in flight / odd 2xx
-            stats.retry_later.append(local_id)
             return Outcome(RETRY, row, error="gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
                            status=resp.status, delay=5)
-        stats.failed.append(local_id)
+        self.refused.add(local_id)
         return Outcome(FAILED, row, error=resp.detail(), status=resp.status)
 
     def _attempts(self, rid):
         return self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?", (rid,)).fetchone()[0]
 
-    def _finish(self, token, done):
-        """Record the outcomes of one claimed batch, fenced by its token: a flusher
-        whose lease was taken over changes nothing."""
-        now = self.clock()
+    def _finish(self, token, done, stats):
+        """Record the outcomes of one claimed batch, fenced by its token (a flusher whose
+        lease was taken over changes nothing, and counts nothing), each row in its own
+        savepoint: one that cannot be recorded fails alone, with the reason."""
         conn = self.store.conn
-        fence = " WHERE rid=? AND claim_token=? AND state='sending'"
         with self.store.transaction():
             targets = {t for (t,) in conn.execute("SELECT DISTINCT target FROM outbox WHERE target IS NOT NULL")}
             for o in done:
-                rid, local_id = o.row[0], o.row[1]
-                if o.action == RELEASE:
-                    conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
-                                 "attempts=attempts-1, last_error=coalesce(?, last_error)" + fence,
-                                 (o.error, rid, token))
-                elif o.action == RETRY:
-                    conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
-                                 "next_attempt_at=?, last_status=?, last_error=?" + fence,
-                                 (now + o.delay, o.status, o.error, rid, token))
-                elif o.action == SYNCED:
-                    if conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, lease_until=NULL, done_at=?, "
-                                    "gateway_id=?, last_status=?, last_error=NULL" + fence,
-                                    (now, o.record["id"], o.status, rid, token)).rowcount:
-                        # Corrections are the only local references: to this row, or from it.
-                        self.store.adopt(local_id, o.record, referenced=local_id in targets or bool(o.row[4]),
-                                         sent=o.sent)
-                elif o.action == DUPLICATE:
-                    if conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, lease_until=NULL, "
-                                    "done_at=?, duplicate_of=?, last_status=409, last_error=?" + fence,
-                                    (now, o.duplicate_of, o.error, rid, token)).rowcount:
-                        self.store.drop_local(local_id, o.duplicate_of)
-                elif conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, done_at=?, "
-                                  "last_status=?, last_error=?" + fence, (now, o.status, o.error, rid, token)).rowcount:
-                    self.store.mark_failed(local_id)
+                conn.execute("SAVEPOINT outcome")
+                try:
+                    took = self._record(o, token, targets)
+                except (sqlite3.Error, ValueError, TypeError, KeyError) as e:
+                    conn.execute("ROLLBACK TO outcome")
+                    o = Outcome(FAILED, o.row, error="the gateway's answer could not be recorded (%s)" % e)
+                    took = self._record(o, token, targets)
+                conn.execute("RELEASE outcome")
+                if took:
+                    stats.count(o)
+
+    def _record(self, o, token, targets):
+        """One outcome, fenced; returns whether it took (the row was still ours)."""
+        conn, now = self.store.conn, self.clock()
+        rid, local_id = o.row[0], o.row[1]
+        fence = " WHERE rid=? AND claim_token=? AND state='sending'"
+        if o.action == RELEASE:
+            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
+                                "attempts=attempts-1, last_error=coalesce(?, last_error)" + fence,
+                                (o.error, rid, token)).rowcount
+        if o.action == RETRY:
+            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
+                                "next_attempt_at=?, last_status=?, last_error=?" + fence,
+                                (now + o.delay, o.status, o.error, rid, token)).rowcount
+        if o.action == SYNCED:
+            took = conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, lease_until=NULL, done_at=?, "
+                                "gateway_id=?, last_status=?, last_error=NULL" + fence,
+                                (now, o.record["id"], o.status, rid, token)).rowcount
+            if took:  # corrections are the only local references: to this row, or from it
+                self.store.adopt(local_id, o.record, referenced=local_id in targets or bool(o.row[4]), sent=o.sent)
+            return took
+        if o.action == DUPLICATE:
+            took = conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, lease_until=NULL, "
+                                "done_at=?, duplicate_of=?, last_status=409, last_error=?" + fence,
+                                (now, o.duplicate_of, o.error, rid, token)).rowcount
+            if took:
+                self.store.drop_local(local_id, o.duplicate_of)
+            return took
+        took = conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, done_at=?, "
+                            "last_status=?, last_error=?" + fence, (now, o.status, o.error, rid, token)).rowcount
+        if took:
+            self.store.mark_failed(local_id)
+        return took
+
+
+def _shown(value):
+    """A value from the gateway in a message: short, escaped."""
+    return visible(json.dumps(value, ensure_ascii=False)[:80])
 
 
 class PullStats:
@@ -3074,15 +3232,20 @@ class Operations:
         """Set any key, type-checked; '', 'null' or 'default' restores the default."""
         if key not in CONFIG_KEYS:
             raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
-        if key == "url":
+        unset = value in ("", "null", "default")
+        if key == "url" and not unset:
             return self.config_url(value)
-        if key == "apiKey":
+        if key == "apiKey" and not unset:
             return self.config_apikey(value, on_command_line=True)
-        parsed = None if value in ("", "null", "default") else _check_type(key, value, "config set")
+        parsed = None if unset else _check_type(key, value, "config set")
         if key in ("localDbPath", "caFile") and parsed:
             parsed = os.path.abspath(os.path.expanduser(parsed))
             if key == "caFile" and not os.path.isfile(parsed):
                 raise UsageError("caFile %s: no such file" % parsed)
+        would = dict(self.config.values, **{key: DEFAULTS[key] if parsed is None else parsed})
+        if would["breakerBaseMs"] > would["breakerMaxMs"]:
+            raise UsageError("breakerBaseMs (%d) would be longer than breakerMaxMs (%d)" % (
+                would["breakerBaseMs"], would["breakerMaxMs"]))
         write_config(self.config, {key: parsed})
         return {"action": "set", "file": self.config.path, "key": key, "value": parsed}
 
@@ -3096,11 +3259,12 @@ class Operations:
         problem = None
         try:
             resp = gw.call("GET", "/v1/status", retries=0)
-            doc.update(reachable=True, key_valid=True)
+            doc["reachable"] = True
             if resp.status == 200:
-                doc.update(version=resp.data.get("version"), records=resp.data.get("records"))
+                doc.update(key_valid=True, version=resp.data.get("version"), records=resp.data.get("records"))
             else:
-                problem = _refused(resp, "status request")
+                problem = QmemError("GET %s/v1/status answered HTTP %d (%s)" % (c["url"], resp.status, resp.detail()),
+                                    kind="refused", hint="is this the gateway's base URL?")
         except GatewayError as e:
             problem = e
             doc.update(reachable=e.kind in (AUTH, AMBIGUOUS), key_valid=False if e.kind == AUTH else None)
@@ -3152,14 +3316,20 @@ class Operations:
                 error = Flusher(store, self.gateway(), clock=self.clock).run(only=local_id).stop_error
             except GatewayError as e:  # not configured
                 error = e
+            except KeyboardInterrupt:
+                raise Interrupted("interrupted: the write is queued here as %s" % local_id,
+                                  hint="`qmem.py flush` delivers it")
         row = store.outbox_row(local_id)
         state = row["state"]
         if state in WAITING and not queue_only and not self.config["offlineQueue"]:
             store.forget_write(local_id)
-            raise QmemError("not stored (offlineQueue is off, nothing kept): %s" % (error or row["last_error"]),
-                            kind=error.kind if error is not None else "not_stored")
+            if isinstance(error, GatewayError):
+                raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s" % error.message,
+                                   hint=error.hint)
+            raise QmemError("not stored (offlineQueue is off, nothing kept): %s" % row["last_error"],
+                            kind="not_stored")
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
-               "local_id": local_id, "state": state, "id": row["gateway_id"] or local_id,
+               "local_id": local_id, "state": state, "id": row["gateway_id"] or row["duplicate_of"] or local_id,
                "duplicate_of": row["duplicate_of"], "last_error": row["last_error"], "queued": state in WAITING,
                "degraded": state in WAITING, "reason": None}
         if state in WAITING:
@@ -3200,24 +3370,32 @@ class Operations:
         if unknown:
             raise UsageError("no write %s in the outbox" % ", ".join(unknown), hint="see `qmem.py queue`")
         for r in rows:
+            r["claimant_gone"] = claimant_is_gone(store.claim_of(r["local_id"]))
             _check_droppable(r, force, self.clock())
+            del r["claimant_gone"]
         dependents = store.corrections_of([r["local_id"] for r in rows])
         if dependents:
-            raise UsageError("%s corrects %s: drop it too (or first)" % next(iter(dependents.items())))
+            correction, target = next(iter(dependents.items()))
+            raise UsageError("%s is a correction of %s and would point at nothing" % (correction, target),
+                             hint="drop both: `qmem.py queue --drop %s %s --yes --force`" % (target, correction))
         if not dry_run:
             store.drop_writes([r["local_id"] for r in rows])
         return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
                 "counts": store.outbox_counts()}
 
-    def flush(self, retry_failed=False, progress=None):
-        """Deliver the outbox, oldest first. Nothing queued: no gateway needed, and no
-        database created."""
+    def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
+        """Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
+        backoff) is honoured only with respect_retry_after (the automatic flush always
+        honours it). Nothing queued: no gateway needed, and no database created."""
         store = self.store() if self.has_index() else None
         if store is not None and retry_failed:
             store.retry_failed()
         if store is None or not store.outbox_waiting():
             return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[])
-        stats = Flusher(store, self.gateway(), clock=self.clock).run(progress=progress)
+        gateway = self.gateway()
+        if not respect_retry_after:
+            store.make_due(self.clock())
+        stats = Flusher(store, gateway, clock=self.clock).run(progress=progress)
         doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
                    failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i in stats.failed])
         err = stats.stop_error
@@ -3230,15 +3408,24 @@ class Operations:
             doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message, hint=hint)))
         elif stats.failed:
             doc.update(error_document(QmemError(
-                "%s refused by the gateway" % _plural(len(stats.failed), "write"), kind="rejected",
+                "%s refused by the gateway" % plural(len(stats.failed), "write"), kind="rejected",
                 hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or `queue --drop ID`")))
+        elif (stats.retry_later or stats.held) and not (stats.synced or stats.duplicate):
+            doc.update(error_document(QmemError(
+                "nothing delivered: %s still queued" % plural(doc["pending"], "write"), kind="not_delivered",
+                hint="`qmem.py queue` shows why and when they are tried next")))
         return doc
 
     @utf8_arguments
     def enrich(self, ids=None, every=False, progress=None):
         """Fetch full records for the given ids, or those known only from search hits
         (every=True: every record here). Stops cleanly when the gateway goes away."""
+        if ids and every:
+            raise UsageError("give ids or --all, not both")
         gateway = self.gateway()
+        if not ids and not self.has_index():
+            return {"source": "gateway", "asked": 0, "fetched": 0, "unknown": [], "stopped": None,
+                    "auto_flush": None}
         store = self.store()
         ids = list(ids) if ids else store.ids_to_enrich(every)
         fetched, unknown, stopped = enrich(store, gateway, ids, progress)
@@ -3299,6 +3486,8 @@ class Operations:
         rid = (record_id or "").strip()
         if not rid:
             raise UsageError("get needs a memory id")
+        if self.has_index():  # a local id of a write delivered since: its gateway id
+            rid = self.store().current_id(rid)
         local = self.store().get(rid) if self.has_index() else None
         if local is not None and (local["pending"] or local["failed"]):
             # Written here and still queued (or refused): the gateway does not know this id.
@@ -3334,7 +3523,8 @@ class Operations:
                        index_exists=self.has_index())
             doc.update(local_meta(self.store()) if self.has_index() else empty_meta())
             return doc
-        doc = dict(resp.data, source="gateway", degraded=False, reason=None, breaker_open=False, retry_in_ms=None)
+        doc = {k: resp.data.get(k) for k in ("scopes", "projects", "agents", "superseded", "deleted")}
+        doc.update(source="gateway", degraded=False, reason=None, breaker_open=False, retry_in_ms=None)
         return self._after_online(doc)
 
     def _fallback(self, err, require_remote):
@@ -3364,6 +3554,8 @@ class Operations:
                                (in_a_row or 0) > 1 else None) if d]
         reason = cause + (" (%s)" % ", ".join(details) if details else "")
         retry_ms = breaker.retry_in(state, now) if refused_now else err.retry_in_ms
+        if err.kind == AMBIGUOUS and err.retry_in_ms is not None:
+            reason += "; the gateway asked to wait %s" % duration(err.retry_in_ms / 1000.0)
         if refused_now and state["state"] == "half_open":
             reason += "; another process is probing it, retry in %d s" % ceil_s(retry_ms)
         elif refused_now:
@@ -3371,14 +3563,15 @@ class Operations:
         return {"reason": reason, "breaker_open": refused_now, "retry_in_ms": retry_ms}
 
     def _after_online(self, doc):
-        """The gateway just answered: deliver what is queued (for a few seconds at most)
-        and say in the command's document what came of it. Every online command ends here."""
+        """Every online command ends here: when the gateway answered it, deliver what is
+        queued (for a few seconds at most) and say in the document what came of it."""
         doc["auto_flush"] = self.auto_flush()
         return doc
 
     def auto_flush(self):
-        """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was."""
-        if self._gateway is None or not self.has_index():
+        """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
+        (or the gateway has not answered this command)."""
+        if self._gateway is None or not self._gateway.answered or not self.has_index():
             return None
         store = self.store()
         if not store.outbox_ready(self.clock()):
@@ -3474,7 +3667,7 @@ def _check_droppable(row, force, now):
     if state == SYNCED:
         raise UsageError("%s is in shared memory already (as %s): nothing to drop" % (row["local_id"], row["gateway_id"]),
                          hint="to change what it says: qmem.py correct %s \"…\"" % row["gateway_id"])
-    if state == SENDING and row["lease_until"] and row["lease_until"] > now:
+    if state == SENDING and row["lease_until"] and row["lease_until"] > now and not row["claimant_gone"]:
         raise UsageError("%s is being sent right now by another flush" % row["local_id"], hint="try again in a moment")
     if state in WAITING and not force:
         raise UsageError("%s is still waiting to be sent; add --force to discard it anyway" % row["local_id"])
@@ -3564,14 +3757,6 @@ class TerminalText:
         self.out.write(text.replace(HIGHLIGHT[0], on).replace(HIGHLIGHT[1], off))
 
 
-def error_document(err):
-    return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint}, "exit_code": err.exit_code}
-
-
-def _plural(n, word):
-    return "%d %s%s" % (n, word, "" if n == 1 else "s")
-
-
 def _fit(text, width):
     return text if len(text) <= width else text[:max(0, width - 1)] + "…"
 
@@ -3595,7 +3780,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     if not doc.get("index_exists", True):
         out.write("no local index yet at %s: run `qmem.py import` (or `qmem.py pull`) first\n" % doc["db"])
     label = {"all": "all words", "any": "partial match (any word)", "none": "no match"}[doc["match"]]
-    out.write("%s · %s · %s\n" % (header, _plural(len(results), "result"), label))
+    out.write("%s · %s · %s\n" % (header, plural(len(results), "result"), label))
     if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
         out.write("(the query has no words to search for)\n")
     if doc.get("query_cut"):
@@ -3612,7 +3797,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
         out.write(line + "\n")
     hidden = doc.get("hidden") or {}
     if not results and any(hidden.values()):
-        out.write("%s hidden by default: %s\n" % (_plural(sum(hidden.values()), "matching record"), ", ".join(
+        out.write("%s hidden by default: %s\n" % (plural(sum(hidden.values()), "matching record"), ", ".join(
             "%d %s (%s)" % (n, what, HIDDEN_FLAGS[what]) for what, n in sorted(hidden.items()) if n)))
 
 
@@ -3645,7 +3830,7 @@ def show_search(doc, out):
         return
     results = doc["results"]
     out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a guess\n" % (
-        _plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
+        plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
     for r in results:
         score = r.get("score")
         score = score if isinstance(score, (int, float)) and not isinstance(score, bool) else None
@@ -3740,7 +3925,8 @@ def show_config(doc, out):
     elif action == "test":
         out.write("gateway %s: %s\n" % (doc["url"], "reachable" if doc["reachable"] else "NOT reachable"))
         if doc["reachable"]:
-            out.write("  API key: %s (%s)\n" % ("accepted" if doc["key_valid"] else "REJECTED", doc["key"]))
+            out.write("  API key: %s (%s)\n" % ({True: "accepted", False: "REJECTED"}.get(
+                doc["key_valid"], "not checked: the gateway gave no answer to judge by"), doc["key"]))
         if doc["version"]:
             out.write("  version %s, %s records\n" % (doc["version"], doc.get("records", "?")))
         out.write("  latency: %s ms\n" % doc["latency_ms"])
@@ -3784,7 +3970,7 @@ def show_queue(doc, out):
                                             it["state"], _one_line(it["text"], 60)))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
     items = doc.get("items", ())
-    rows = [(it["local_id"], it["state"], _plural(it["attempts"], "try").replace("trys", "tries"),
+    rows = [(it["local_id"], it["state"], ("1 try" if it["attempts"] == 1 else "%d tries" % it["attempts"]),
              duration(it["age_s"]) + " old",
              it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"]) or "-",
              _one_line(it["text"], 60)) for it in items]
@@ -3821,7 +4007,7 @@ def show_enrich(doc, out):
 
 def show_pull(doc, out):
     out.write("pull: %s; %d new, %d updated, %d newly deleted, %d unchanged\n" % (
-        _plural(doc["pages"], "page"), doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
+        plural(doc["pages"], "page"), doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
 
 
 def show_auto_flush(doc, out):
@@ -3830,7 +4016,7 @@ def show_auto_flush(doc, out):
     if not af or not (af["synced"] or af["duplicate"] or af["failed"] or af["error"]):
         return
     out.write("delivered %s queued here (%d duplicates, %d failed; %d still queued)%s\n" % (
-        _plural(af["synced"], "write"), af["duplicate"], af["failed"], af["still_queued"],
+        plural(af["synced"], "write"), af["duplicate"], af["failed"], af["still_queued"],
         "; stopped: %s" % af["error"] if af["error"] else ""))
 
 
@@ -3849,8 +4035,8 @@ def show_status(doc, out):
     out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
         cov["complete"], cov["search_hit_only"], share))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["outbox"].items()))
-    out.write("duplicates: %d texts stored under more than one id (%d records)\n" % (
-        doc["duplicates"]["groups"], doc["duplicates"]["records"]))
+    out.write("duplicates: %s stored under more than one id (%s)\n" % (
+        plural(doc["duplicates"]["groups"], "text"), plural(doc["duplicates"]["records"], "record")))
     out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s\n" % tuple(
         lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
                                     "last_flush_at")))
@@ -3881,6 +4067,10 @@ def render(command, doc, json_mode, out=None, bold=False, width=None):
     if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
         problem = doc["error"]
         warn("%s: %s" % (problem["message"], problem["hint"]) if problem.get("hint") else problem["message"])
+
+
+def render_json_version(out=None):
+    emit_json({"name": "qmem.py", "version": __version__}, out)
 
 
 def render_error(err, json_mode, out=None):
@@ -4053,7 +4243,7 @@ def cli_queue(ops, a):
         for it in plan["dropped"]:
             sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], _one_line(it["text"], 60)))
         sys.stderr.write("discard %s and %s? [y/N] " % (
-            _plural(len(plan["dropped"]), "write"), "its record" if len(plan["dropped"]) == 1 else "their records"))
+            plural(len(plan["dropped"]), "write"), "its record" if len(plan["dropped"]) == 1 else "their records"))
         sys.stderr.flush()
         if sys.stdin.readline().strip().lower() not in ("y", "yes"):
             raise QmemError("nothing discarded", kind="cancelled")
@@ -4070,7 +4260,8 @@ def with_progress(label, work):
 
 
 def cli_flush(ops, a):
-    return with_progress("flush", lambda progress: ops.flush(retry_failed=a.retry_failed, progress=progress))
+    return with_progress("flush", lambda progress: ops.flush(
+        retry_failed=a.retry_failed, respect_retry_after=a.respect_retry_after, progress=progress))
 
 
 def cli_enrich(ops, a):
@@ -4097,7 +4288,8 @@ def build_parser():
     # The same options as the top level's, so that they work after the command too.
     common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    p = _Parser(prog="qmem.py", description=__doc__.split("\nSections")[0],  # the rest is for developers
+    about = __doc__.split("\nSections")[0]  # the rest of the docstring is for developers
+    p = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", default=False, help=argparse.SUPPRESS)
     p.add_argument("--db", metavar="PATH", help="local database (overrides localDbPath and QMEM_SQLITE)")
@@ -4107,7 +4299,7 @@ def build_parser():
     sub.required = True
 
     def command(name, func, about, **kw):
-        sp = sub.add_parser(name, parents=[common], help=about, description=about, **kw)
+        sp = sub.add_parser(name, parents=[common], help=about, description=about, allow_abbrev=False, **kw)
         sp.set_defaults(func=func)
         return sp
 
@@ -4167,6 +4359,8 @@ def build_parser():
 
     sp = command("flush", cli_flush, "Deliver queued writes to the gateway, oldest first, each exactly once.")
     sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
+    sp.add_argument("--respect-retry-after", action="store_true",
+                    help="leave rows that wait out a backoff or a Retry-After (default: try them now)")
 
     sp = command("enrich", cli_enrich, "Fetch full records from the gateway for those known here only partially.")
     sp.add_argument("ids", nargs="*", metavar="ID", help="these records (default: those known partially)")
@@ -4217,11 +4411,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == [_WRITER_COMMAND] and len(argv) == 2:
         return _run_writer(argv[1])
-    json_mode = _json_asked(argv)
-    debug = "--debug" in argv
+    argv, json_mode, debug = _global_options(argv)
     set_diagnostics(stderr_diagnostic)  # the command line's own: one line each on stderr
     ops = None
     try:
+        if "--version" in argv and json_mode:
+            render_json_version()
+            return EXIT_OK
         args = build_parser().parse_args(argv)
         ops = Operations(load_config(overrides={"localDbPath": args.db}))
         doc = args.func(ops, args)
@@ -4255,11 +4451,24 @@ def main(argv=None):
             ops.close()
 
 
-def _json_asked(argv):
-    """Was --json given (anywhere before a `--`)? Known before parsing, so that a
-    usage error can be a JSON document too."""
-    words = argv[:argv.index("--")] if "--" in argv else argv
-    return "--json" in words
+def _global_options(argv):
+    """--json, --debug and --db may stand anywhere before a `--`, also between a
+    command's arguments: they are taken out and put before the command. Returns the
+    new argv, and whether --json and --debug were asked (known before parsing, so that
+    a usage error can be a JSON document too)."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    front, kept = [], []
+    words = iter(argv[:end])
+    for word in words:
+        if word in ("--json", "--debug"):
+            front.append(word)
+        elif word == "--db":
+            front += [word, next(words, "")]
+        elif word.startswith("--db="):
+            front.append(word)
+        else:
+            kept.append(word)
+    return front + kept + argv[end:], "--json" in front, "--debug" in front
 
 
 def _run_writer(db_path):
@@ -4268,6 +4477,9 @@ def _run_writer(db_path):
     except QmemError as e:
         warn(str(e))
         return e.exit_code
+    except (ValueError, EOFError, TypeError, IndexError):  # marshal: not what an import sends
+        warn("the import writer got input that is not an import's (it is started by `qmem.py import`)")
+        return EXIT_USAGE
     except sqlite3.Error as e:
         warn("cannot write %s: %s" % (db_path, e))
         return EXIT_FAIL

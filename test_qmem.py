@@ -2130,7 +2130,9 @@ class FlushInvariantTests(GatewayTestCase):
         store.conn.execute("UPDATE outbox SET lease_until=0")
         p = self.flush_process()
         p.communicate()
-        zombie._finish(token, [qmem.Outcome(qmem.FAILED, rows[0], error="zombie", status=422)])
+        counted = qmem.FlushStats()
+        zombie._finish(token, [qmem.Outcome(qmem.FAILED, rows[0], error="zombie", status=422)], counted)
+        self.assertEqual(counted.as_dict()["failed"], 0)  # fenced out: it records and counts nothing
         self.assert_each_sent_once_and_synced(ids)
 
     def test_a_slow_flush_gives_rows_back_before_its_lease_could_expire(self):
@@ -2528,7 +2530,7 @@ class HardeningNetworkTests(GatewayTestCase):
         self.gw.script = [(503, {"detail": "maintenance"}, {"Retry-After": "86400"})]
         out = self.ok("store", "dopo la manutenzione", "--project", "p")
         self.assertIn("the gateway asked to wait 24 h", out)
-        when = qmem.when_utc(time.time() + 86400)[:13]  # to the hour
+        when = qmem.when_utc(time.time() + 3600)[:13]  # a stored wait is at most an hour (to the hour here)
         self.assertIn("next attempt after " + when, out)
         self.assertIn("next attempt after " + when, self.ok("queue"))
 
@@ -2627,6 +2629,145 @@ class HardeningSmallThingsTests(GatewayTestCase):
         self.assertEqual(len(lines), 2)
         self.assertTrue(all(len(line) <= 100 for line in lines), lines)
         self.assertEqual(len({line.index("2026-11-30") for line in lines}), 1)  # the dates line up
+
+
+class ReviewFixTests(GatewayTestCase):
+    """What a fresh-eyes review of part 4 found, each reproduced."""
+
+    def test_a_database_folder_that_cannot_be_made_is_an_error_document(self):
+        doc = json.loads(self.run_cli("--db", "/proc/no/such/x.db", "store", "hi", "--project", "p", "--json")[1])
+        self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "store"))
+        self.assertIn("cannot create the folder", doc["error"]["message"])
+
+    def test_global_options_anywhere_before_a_double_dash_and_never_abbreviated(self):
+        self.put_record(UUIDS[0], "alfa beta")
+        self.assertEqual(self.find_ids("alfa", "--json", "beta"), [UUIDS[0]])
+        code, out, err = self.run_cli("store", "--json", "--queue-only", "--project", "p", "--", "--debug")
+        self.assertEqual((code, json.loads(out)["queued"]), (0, True))
+        self.assertEqual(self.ok_json("queue")["items"][0]["text"], "--debug")
+        self.assertEqual(self.run_cli("find", "x", "--js")[0], 2)
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.assertEqual(self.run_cli("config", "set", "timeoutMs", "--json", "5000")[0], 0)
+        self.assertEqual(json.loads(self.run_cli("--version", "--json")[1])["name"], "qmem.py")
+
+    def test_an_explicit_flush_does_not_wait_out_a_backoff_and_says_when_nothing_went(self):
+        self.gw.script = [(503, {"detail": "busy"}, {"Retry-After": "3600"})]
+        self.ok("store", "durante il 503", "--project", "p")
+        self.assertEqual(self.ok_json("flush", "--respect-retry-after")["synced"], 0)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)  # tries now
+        self.gw.script = [(503, {"detail": "busy"})] * 3
+        self.ok("store", "ancora", "--project", "p", "--queue-only")
+        self.gw.script = [(503, {"detail": "busy"})] * 3
+        doc = json.loads(self.run_cli("flush", "--json")[1])
+        self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "not_delivered"))
+
+    def test_enrich_with_nothing_to_fetch_asks_nothing_and_creates_nothing(self):
+        doc = self.ok_json("enrich")
+        self.assertEqual((doc["asked"], doc["auto_flush"]), (0, None))
+        self.assertFalse(os.path.exists(self.db))
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        self.assertIsNone(self.ok_json("enrich")["auto_flush"])  # the gateway was not asked: no flush
+        self.expect_fail(2, "enrich", "--all", UUIDS[0])
+
+    def test_ids_the_user_was_shown_keep_working(self):
+        self.gw.duplicate_texts["doppio"] = UUIDS[7]
+        self.assertEqual(self.ok_json("store", "doppio", "--project", "p")["id"], UUIDS[7])
+        local = self.ok_json("store", "nuovo", "--project", "p", "--queue-only")["local_id"]
+        self.ok("flush")
+        self.assertEqual(self.ok_json("get", local)["record"]["text"], "nuovo")
+
+    def test_config_test_says_only_what_it_knows(self):
+        self.gw.script = [(500, {"detail": "boom"})]
+        code, out, err = self.run_cli("config", "test")
+        self.assertEqual(code, 1)
+        self.assertNotIn("REJECTED", out)
+        os.environ["QMEM_URL"] = self.gw.url + "/wrong/prefix"
+        code, out, err = self.run_cli("config", "test")
+        self.assertEqual(code, 1)
+        self.assertNotIn("accepted", out)
+        self.assertIn("is this the gateway's base URL?", err)
+
+    def test_the_gateways_meta_cannot_set_the_documents_own_keys(self):
+        self.gw.script = [(200, {"scopes": {}, "exit_code": 3, "error": {"message": "boom"}})]
+        doc = self.ok_json("meta")
+        self.assertNotIn("exit_code", doc)
+        self.assertNotIn("error", doc)
+
+    def test_no_gateway_is_exit_2_with_the_offline_queue_off_too(self):
+        os.environ.pop("QMEM_URL")
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        self.assertIn("not stored (offlineQueue is off", self.expect_fail(2, "store", "x", "--project", "p"))
+
+    def test_an_interrupted_store_says_it_is_queued_and_its_row_can_be_dropped(self):
+        with mock.patch.object(qmem.Gateway, "call", side_effect=KeyboardInterrupt):
+            code, out, err = self.run_cli("store", "interrotto", "--project", "p")
+        self.assertEqual(code, 130)
+        self.assertIn("the write is queued here as", err)
+        items = self.ok_json("queue")["items"]
+        self.assertEqual(items[0]["state"], "pending")  # given back, not left 'sending'
+        self.ok("queue", "--drop", items[0]["local_id"], "--yes", "--force")
+
+    def test_a_dead_flushers_row_can_be_dropped_at_once(self):
+        local = self.ok_json("store", "x", "--project", "p", "--queue-only")["local_id"]
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE)
+        token = "|".join(qmem.process_identity()[:3] + (dead.stdout.decode().strip(), "1", "00"))
+        store = qmem.Store(self.db)
+        store.conn.execute("UPDATE outbox SET state='sending', claim_token=?, lease_until=?", (token, time.time() + 99))
+        store.close()
+        self.ok("queue", "--drop", local, "--yes", "--force")
+
+    def test_the_breaker_names_an_unreachable_opening_after_failures(self):
+        cfg = qmem.load_config()
+        b = qmem.Breaker.from_config(cfg)
+        b.failure("ambiguous", "HTTP 503", "HTTP 503")
+        b.failure("ambiguous", "HTTP 503", "HTTP 503")
+        b.failure("unreachable", "could not connect", "could not connect: refused")
+        self.assertIn("opened at once: could not connect: refused", self.ok("breaker"))
+
+    def test_urls_are_checked_where_they_come_from(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.expect_fail(2, "config", "url", "http://exa mple.com")
+        err = self.expect_fail(2, "config", "url", "https://user:hunter2@gw.example")
+        self.assertNotIn("hunter2", err)
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"url": "not a url"}, f)
+        os.environ.pop("QMEM_URL")
+        err = self.expect_fail(2, "status")
+        self.assertIn("config file %s: url: invalid gateway URL" % os.environ["QMEM_CONFIG"], err)
+
+    def test_config_set_null_unsets_and_times_must_agree(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "apikey", "sk-some-key-123456")
+        self.ok("config", "set", "apiKey", "null")
+        with open(os.environ["QMEM_CONFIG"]) as f:
+            self.assertNotIn("apiKey", json.load(f))
+        self.assertIn("longer than breakerMaxMs", self.expect_fail(2, "config", "set", "breakerBaseMs", "1000000"))
+
+    def test_a_retry_after_is_in_the_fallback_label(self):
+        self.gw.script = [(503, {"detail": "busy"}, {"Retry-After": "3600"})]
+        self.assertIn("the gateway asked to wait 60 min", self.ok("search", "x"))
+
+    def test_a_correction_of_a_write_refused_in_the_same_flush_fails_with_it(self):
+        a = self.ok_json("store", "alfa", "--project", "p", "--queue-only")["local_id"]
+        b = self.ok_json("correct", a, "beta", "--queue-only")["local_id"]
+        self.gw.script = [(422, {"detail": "alfa refused"})]
+        self.run_cli("flush")
+        states = {r["local_id"]: r["state"] for r in self.ok_json("queue")["items"]}
+        self.assertEqual(states, {a: "failed", b: "failed"})
+        self.assertIn("qmem.py queue --drop", self.expect_fail(2, "queue", "--drop", a, "--yes"))
+
+    def test_the_writer_child_and_odd_files_in_a_sessions_folder(self):
+        qmem.Store(self.db).close()
+        proc = subprocess.run([sys.executable, QMEM, "_import-writer", self.db], input=b"abcdefgh",
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertNotIn(b"Traceback", proc.stderr)
+        self.assertEqual(proc.returncode, 2)
+        os.makedirs(self.sessions)
+        os.mkfifo(os.path.join(self.sessions, "pipe.jsonl"))
+        code, out, err = self.run_cli("import")  # must not hang on the FIFO
+        self.assertEqual(code, 0)
+        self.assertIn("not a regular file", err)
 
 
 class CompatibilityTests(unittest.TestCase):
