@@ -187,7 +187,12 @@ def iso_norm(value):
     if _ISO_FAST.match(value):
         return value if len(value) == 24 else value[:19] + ".000Z"
     epoch = parse_iso(value)
-    return None if epoch is None else iso_from_epoch(epoch)
+    if epoch is None:
+        return None
+    try:
+        return iso_from_epoch(epoch)
+    except (OverflowError, OSError, ValueError):  # a year no clock shows: no date
+        return None
 
 
 def parse_iso(value):
@@ -201,13 +206,13 @@ def parse_iso(value):
     try:
         dt = datetime.datetime(int(y), int(mo), int(d), int(hh or 0), int(mi or 0), int(ss or 0),
                                int((frac or "0")[:6].ljust(6, "0")), tzinfo=datetime.timezone.utc)
-    except ValueError:
+        if tz and tz not in ("Z", "z"):
+            sign = 1 if tz[0] == "+" else -1
+            digits = tz[1:].replace(":", "")
+            dt -= sign * datetime.timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
+        return dt.timestamp()
+    except (ValueError, OverflowError):  # 0001-01-01T00:00+01:00 is before year 1: no date
         return None
-    if tz and tz not in ("Z", "z"):
-        sign = 1 if tz[0] == "+" else -1
-        digits = tz[1:].replace(":", "")
-        dt -= sign * datetime.timedelta(hours=int(digits[:2]), minutes=int(digits[2:]))
-    return dt.timestamp()
 
 
 def mask_secret(key):
@@ -219,13 +224,32 @@ def mask_secret(key):
     return key[:3] + "…" + key[-4:]
 
 
+def make_private_dirs(folder):
+    """Create the missing folders of a path, each 0700 whatever the umask (os.makedirs
+    gives intermediate folders the umask's mode since Python 3.7)."""
+    folder = os.path.abspath(folder)
+    missing = []
+    while not os.path.isdir(folder):
+        missing.append(folder)
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    for each in reversed(missing):
+        try:
+            os.mkdir(each, 0o700)
+        except FileExistsError:  # made meanwhile by another process
+            continue
+        os.chmod(each, 0o700)  # mkdir's mode is masked by the umask
+
+
 def atomic_write(path, data, mode=0o600, sync=True):
     """Write bytes to path through a temporary file and os.replace; readers never see a
     torn file. The file gets `mode` (0600: it may hold a secret). sync=False skips the
     fsync, for state that may be lost on power failure (the breaker)."""
     import tempfile
     folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
+    make_private_dirs(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
@@ -429,6 +453,21 @@ _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True,
                "off": False}
 
 
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def not_private(st):
+    """Why a file or folder (its os.stat) is not safe to trust: 'owned by uid N' or
+    'writable by other users'; None when it is (or where the system has no owners)."""
+    if os.name != "posix":  # pragma: no cover - Windows: no uid to compare
+        return None
+    if st.st_uid != os.geteuid():
+        return "owned by another user (uid %d)" % st.st_uid
+    if st.st_mode & 0o022:
+        return "writable by other users (mode %04o)" % (st.st_mode & 0o7777)
+    return None
+
+
 def load_config(environ=None, overrides=None):
     """Build the effective config: defaults < config file < environment < flags."""
     environ = os.environ if environ is None else environ
@@ -437,18 +476,28 @@ def load_config(environ=None, overrides=None):
     raw = {}
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            unsafe = not_private(os.fstat(f.fileno()))
+            if unsafe:  # another user could point the URL elsewhere and collect the key
+                raise ConfigError("config file %s is %s: refusing to use it" % (path, unsafe),
+                                  hint="chown it to yourself and chmod 600 %s" % path)
+            data = f.read(MAX_CONFIG_BYTES + 1)
+            readable_by_others = os.name == "posix" and os.fstat(f.fileno()).st_mode & 0o044
     except FileNotFoundError:
         data = None
     except OSError as e:
         raise ConfigError("cannot read config file %s: %s" % (path, e.strerror or e))
     if data is not None:
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError("config file %s is larger than %d KiB: not a config file" % (path, MAX_CONFIG_BYTES >> 10))
         try:
             raw = json.loads(data.decode("utf-8")) if data.strip() else {}
-        except (UnicodeDecodeError, ValueError) as e:
-            raise ConfigError("config file %s is not valid JSON: %s" % (path, e))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise ConfigError("config file %s is not valid JSON: %s" % (path, e if not isinstance(e, RecursionError)
+                                                                        else "nested too deeply"))
         if not isinstance(raw, dict):
             raise ConfigError("config file %s must hold a JSON object" % path)
+        if readable_by_others and raw.get("apiKey"):
+            _warn_once("config file %s holds the API key and other users can read it: chmod 600 %s" % (path, path))
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
     for key in DEFAULTS:
         if key in raw and raw[key] is not None:
@@ -537,7 +586,24 @@ def check_url(url):
 
 
 def is_loopback(host):
-    return host in ("localhost", "::1") or host.startswith("127.")
+    """Exactly 'localhost', or an IP literal of 127.0.0.0/8 or ::1 (not '127.evil.example')."""
+    import ipaddress
+    host = (host or "").strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_plain_http(url, key):
+    """The API key would travel unencrypted: say so, wherever the URL came from."""
+    from urllib.parse import urlsplit
+    p = urlsplit(url)
+    if p.scheme == "http" and key and not is_loopback(p.hostname or ""):
+        _warn_once("the API key travels unencrypted over plain http to %s: use https unless this "
+                   "network is trusted" % p.hostname)
 
 
 RETRY_SLEEP_CAP = 10.0    # seconds: a longer Retry-After is reported, not slept
@@ -556,18 +622,41 @@ CONFIG_KEYS = tuple(DEFAULTS)
 
 def write_config(config, changes):
     """Set keys in the config file, keeping every key this tool does not know, atomically,
-    mode 0600. A value of None removes the key."""
+    mode 0600. A value of None removes the key. A symlinked config (a dotfiles
+    checkout) is written where it points: the link stays a link."""
     raw = dict(config.raw)
     for key, value in changes.items():
         if value is None:
             raw.pop(key, None)
         else:
             raw[key] = value
-    atomic_write(config.path, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
+    target = os.path.realpath(config.path)
+    try:
+        atomic_write(target, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
+    except OSError as e:
+        raise ConfigError("cannot write config file %s: %s" % (target, e.strerror or e))
     config.raw = raw
 
 
 # === Circuit breaker =========================================================
+
+MAX_BREAKER_BYTES = 64 << 10  # a state per gateway URL: a few hundred bytes each
+
+
+def _read_breaker_file(path):
+    """The breaker file's bytes: not through a symlink, a regular file of ours, at most
+    MAX_BREAKER_BYTES (a link to /dev/zero must not fill the memory). OSError else."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        unsafe = "not a regular file" if not stat.S_ISREG(st.st_mode) else not_private(st)
+        if unsafe:
+            raise OSError(0, unsafe)
+        raw = f.read(MAX_BREAKER_BYTES + 1)
+    if len(raw) > MAX_BREAKER_BYTES:
+        raise OSError(0, "larger than %d KiB" % (MAX_BREAKER_BYTES >> 10))
+    return raw
+
 
 class _FileLock:
     """An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
@@ -578,10 +667,18 @@ class _FileLock:
 
     def __enter__(self):
         try:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            make_private_dirs(os.path.dirname(os.path.abspath(self.path)))
+            # Never through a symlink: in a shared folder it could point anywhere.
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            unsafe = not_private(os.fstat(self.fd))
         except OSError as e:
             _warn_once("cannot open breaker lock %s (%s); going on without it" % (self.path, e.strerror or e))
+            self.fd = None
+            return self
+        if unsafe:
+            _warn_once("breaker lock %s is %s; going on without it" % (self.path, unsafe))
+            os.close(self.fd)
+            self.fd = None
             return self
         try:
             import fcntl
@@ -662,12 +759,12 @@ class Breaker:
         if signature and self._cache[0] == signature:
             return dict(self._cache[1])
         try:
-            with open(self.path, "rb") as f:
-                raw = f.read()
+            raw = _read_breaker_file(self.path)
         except FileNotFoundError:
             return {}
         except OSError as e:
-            _warn_once("cannot read breaker file %s (%s): treating the breaker as closed" % (self.path, e.strerror))
+            _warn_once("cannot read breaker file %s (%s): treating the breaker as closed" % (
+                self.path, e.strerror or e))
             return {}
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -676,7 +773,7 @@ class Breaker:
             gateways = data.get("gateways", {})
             self._cache = (signature, dict(gateways))
             return gateways
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):
             _warn_once("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
                        "next change)" % self.path)
             return {}
@@ -841,21 +938,37 @@ class Breaker:
 # refused by an open breaker returns before any of them is imported.
 
 class Response:
-    def __init__(self, status, data, headers):
+    """One answer: its status, parsed JSON and headers. `scrub` makes any text of the
+    answer safe to store and print (the key masked, controls escaped, bounded)."""
+
+    def __init__(self, status, data, headers, scrub=None):
         self.status, self.data, self.headers = status, data, headers
+        self.scrub = scrub or (lambda text: visible(str(text))[:500])
 
     def detail(self):
-        """The readable part of an error body (FastAPI's 'detail': a string or a list)."""
+        """The readable part of an error body (FastAPI's 'detail': a string or a list of
+        {loc, msg}), scrubbed; whatever its shape, never an exception."""
         data = self.data
         detail = data.get("detail") if isinstance(data, dict) else None
         if isinstance(detail, list):
-            detail = "; ".join(("%s: %s" % (".".join(str(p) for p in d.get("loc", [])[1:]), d.get("msg"))
-                                if isinstance(d, dict) else str(d)) for d in detail)
-        return str(detail) if detail else "HTTP %d" % self.status
+            detail = "; ".join(_validation_error(d) for d in detail[:20])
+        elif detail is not None and not isinstance(detail, str):
+            detail = json.dumps(detail, ensure_ascii=False)[:500]
+        return self.scrub(detail) if detail else "HTTP %d" % self.status
+
+
+def _validation_error(item):
+    """One FastAPI validation error, '{loc: [body, text], msg}' -> 'text: msg'."""
+    if not isinstance(item, dict):
+        return str(item)
+    loc = item.get("loc")
+    where = ".".join(str(p) for p in loc[1:]) if isinstance(loc, list) else str(loc or "")
+    return "%s: %s" % (where, item.get("msg")) if where else str(item.get("msg"))
 
 
 MAX_BODY = 32 << 20       # bytes; an endless stream is a failure, not a memory leak
 NOT_JSON_SHOWN = 200      # bytes of an answer that is not JSON quoted in the error
+MAX_JSON_VALUES = 1000000  # an export page of 500 long records has a few hundred thousand
 
 _net = {}  # the socket/ssl classes, built on first use
 
@@ -949,7 +1062,7 @@ def retry_after_seconds(headers, now=None):
     raw = (headers.get("Retry-After") or "").strip()
     if not raw:
         return None
-    if raw.isdigit() and len(raw) <= 10:
+    if re.match(r"\A[0-9]{1,10}\Z", raw):  # ASCII digits only: '²'.isdigit() is true
         return float(int(raw))
     target = _http_date(raw)
     if target is None:
@@ -1005,6 +1118,15 @@ class Gateway:
         self.conn = self.sock = None
         self.prefix = ""
         self.answered = False  # has any call of this command had an answer?
+        warn_plain_http(self.url, self.key)
+
+    def scrub(self, text):
+        """Text the gateway sent, made safe to store and print: the API key masked (a
+        gateway may echo the request's headers), controls escaped, at most 500 chars."""
+        text = str(text)
+        if self.key and self.key in text:
+            text = text.replace(self.key, mask_secret(self.key))
+        return visible(text)[:500]
 
     def close(self):
         if self.conn is not None:
@@ -1056,7 +1178,7 @@ class Gateway:
         if 300 <= status < 400:
             self.breaker.release()
             raise GatewayError(PROTOCOL, "the gateway answered with a redirect (HTTP %d to %s)" % (
-                status, resp.headers.get("Location") or "?"), status,
+                status, self.scrub(resp.headers.get("Location") or "?")), status,
                 hint="put the final address in `qmem.py config url`")
         delay = retry_after_seconds(resp.headers)
         return GatewayError(AMBIGUOUS, "gateway answered HTTP %d%s" % (
@@ -1084,7 +1206,7 @@ class Gateway:
             self.close()
         else:
             self.sock.qm_deadline = None
-        return Response(resp.status, self._parse(raw, resp), resp.headers)
+        return Response(resp.status, self._parse(raw, resp), resp.headers, self.scrub)
 
     def _request(self, method, path, data, headers):
         """Send the request and read the status line and headers (the connect budget);
@@ -1150,16 +1272,24 @@ class Gateway:
         return b"".join(chunks)
 
     def _parse(self, raw, resp):
-        """The JSON of a body; a 2xx answer must be a JSON object."""
+        """The JSON of a body; a 2xx answer must be a JSON object. Bounded in what it
+        becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed."""
+        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
+        if values > MAX_JSON_VALUES:
+            raise GatewayError(AMBIGUOUS, "answer from %s holds more than %d JSON values: refused" % (
+                self.url, MAX_JSON_VALUES), resp.status, detail="answer too large")
         try:
             parsed = json.loads(raw.decode("utf-8")) if raw else None
+        except RecursionError:
+            raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url, resp.status,
+                               detail="answer nested too deeply")
         except (UnicodeDecodeError, ValueError):
             parsed = None
             if 200 <= resp.status < 300:
                 kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
                 start = " ".join(raw[:NOT_JSON_SHOWN].decode("utf-8", "replace").split())
                 raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s, %d bytes: %s)" % (
-                    self.url, kind, len(raw), visible(json.dumps(start, ensure_ascii=False))), resp.status,
+                    self.url, self.scrub(kind), len(raw), self.scrub(json.dumps(start, ensure_ascii=False))), resp.status,
                     detail="answer not JSON", hint="an HTML page: a captive portal or a proxy login?"
                     if kind.lower() == "text/html" else "is the URL the gateway's?")
         if 200 <= resp.status < 300 and not isinstance(parsed, dict):
@@ -1251,7 +1381,7 @@ def _reason(e):
 
 # === Local store =============================================================
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: claim tokens carry the claimant's identity; refused writes are marked
 # Outbox states (the CHECK of the outbox table).
 PENDING, SENDING, SYNCED, DUPLICATE, FAILED = OUTBOX_STATES = ("pending", "sending", "synced", "duplicate", "failed")
 WAITING = (PENDING, SENDING)  # written here, will still be sent
@@ -1324,8 +1454,17 @@ def _create_fts(conn, tokenizer):
     conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', ?)", ("fts5 " + tokenizer,))
 
 
+def _m002_claims(conn):
+    """Schema 2 changes the rules of the outbox, not its tables: a claim is taken over
+    only when its claimant is proven dead or its lease has run out (a qmem.py of schema
+    1 took leases that looked 'too far ahead', and judged a claimant dead by its pid
+    alone), so an older qmem.py must not write here any more: the version refuses it.
+    Records of writes the gateway refused are marked as such (pending 2)."""
+    conn.execute("UPDATE records SET pending=2 WHERE pending=1 AND id IN (SELECT id FROM outbox WHERE state='failed')")
+
+
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
-MIGRATIONS = [_m001_initial]
+MIGRATIONS = [_m001_initial, _m002_claims]
 
 # Tests set this to exercise the LIKE path of a SQLite built without FTS5.
 FORCE_NO_FTS5 = False
@@ -1410,6 +1549,38 @@ def store_error(e, path):
     return StoreError("cannot use local database %s: %s" % (path, text))
 
 
+def _create_private(path):
+    """A new, empty database file, 0600 from its creation (SQLite gives its -wal and
+    -shm files the same mode), in folders made 0700."""
+    try:
+        make_private_dirs(os.path.dirname(os.path.abspath(path)))
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except FileExistsError:  # another process made it meanwhile
+        pass
+    except OSError as e:
+        raise StoreError("cannot create the local database %s: %s" % (path, e.strerror or e),
+                         hint="choose another place with --db PATH, QMEM_SQLITE or localDbPath")
+
+
+def _check_private(path):
+    """Refuse a database that another user could read or replace: the file (and its
+    -wal and -shm) must be ours and not writable by others, its folder ours (or root's)
+    and not writable by others."""
+    folder = os.path.dirname(os.path.abspath(path))
+    for each in (folder, path, path + "-wal", path + "-shm"):
+        try:
+            st = os.stat(each)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise StoreError("cannot use local database %s: %s" % (path, e.strerror or e))
+        unsafe = not_private(st)
+        if unsafe and not (each == folder and st.st_uid == 0 and not st.st_mode & 0o022):
+            raise StoreError("%s is %s: another user could read or replace the local database" % (each, unsafe),
+                             hint="use a folder of your own (--db PATH, QMEM_SQLITE or localDbPath), or "
+                                  "chown it to yourself and chmod go-w")
+
+
 class Store:
     """The local SQLite database: records, FTS index, import progress, outbox."""
 
@@ -1418,12 +1589,9 @@ class Store:
         if not os.path.exists(path):
             if not create:
                 raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`" % path)
-            try:
-                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            except OSError as e:
-                raise StoreError("cannot create the folder of the local database %s: %s" % (path, e.strerror or e),
-                                 hint="choose another place with --db PATH, QMEM_SQLITE or localDbPath")
-        elif os.path.isfile(path) and os.path.getsize(path) >= 16:
+            _create_private(path)
+        _check_private(path)
+        if os.path.isfile(path) and os.path.getsize(path) >= 16:
             with open(path, "rb") as f:
                 if f.read(16) != b"SQLite format 3\x00":
                     raise StoreError("%s is not a SQLite database; refusing to touch it "
@@ -1500,7 +1668,7 @@ class Store:
             for n in range(version, SCHEMA_VERSION):
                 if n == 0:
                     MIGRATIONS[n](self.conn, tokenizer)
-                else:  # pragma: no cover - no later migration yet
+                else:
                     MIGRATIONS[n](self.conn)
             self.conn.execute("PRAGMA user_version=%d" % SCHEMA_VERSION)
 
@@ -1852,6 +2020,15 @@ _FIELD_VALUES = operator.itemgetter(*FIELDS)  # rec -> its FIELDS values, in ord
 _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_of(value):
+    """A str that SQLite, JSON and a terminal can take: lone surrogates (JavaScript cut
+    an emoji in half; JSON escapes allow them) become U+FFFD."""
+    return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+
+
 def normalize_record(data):
     """A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
     when it has no usable id. Unknown fields are ignored; wrong types count as missing."""
@@ -1861,10 +2038,10 @@ def normalize_record(data):
     if not isinstance(rid, str) or not rid.strip():
         return None
     get = data.get
-    rec = {"id": rid.strip()}
+    rec = {"id": text_of(rid.strip())}
     for f in _TEXT_FIELDS:
         value = get(f)
-        rec[f] = value if value.__class__ is str and value else None
+        rec[f] = text_of(value) if value.__class__ is str and value else None
     for f in _TIME_FIELDS:
         value = get(f)
         if not value:
@@ -1986,6 +2163,7 @@ _CALL_ID_IN_LINE = re.compile(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
 # Bounded, so memory stays flat however large the tree is.
 _SETTLED_MAX = 100000
 _CHUNK = 1 << 22  # bytes read at a time
+MAX_LINE_BYTES = 64 << 20  # a session line longer than this is skipped, not kept
 # Seconds of import work per transaction: each commit rewrites the pages it touched.
 BATCH_S = 1.0
 
@@ -2140,7 +2318,8 @@ class Importer:
                         status = "ok"  # empty, or a header still being written: try again next time
                         self.stats.lines_truncated += bool(line)
                 else:
-                    session_id = header.get("id")
+                    sid = header.get("id")
+                    session_id = text_of(sid) if isinstance(sid, str) else None
                     pos += len(line)
                     self.stats.lines_examined += 1
             if status == "ok" and pos > 0:
@@ -2150,39 +2329,62 @@ class Importer:
     def _scan_chunks(self, f, calls, results):
         """Scan big chunks for "qmem_" and cut out only the lines around each hit: most
         of a session's bytes are ordinary tool traffic that needs no look. Returns the
-        bytes consumed, up to the end of the last complete line."""
-        carry, consumed = b"", 0
+        bytes consumed, up to the end of the last complete line. The piece of a line
+        that runs past a chunk is kept as a list (joined once, when the line ends: linear
+        time), and a line longer than MAX_LINE_BYTES is skipped without being kept."""
+        pending, pending_len, skipping, read, consumed = [], 0, False, 0, 0
         while True:
             chunk = f.read(_CHUNK)
             if not chunk:
                 break
-            buf = carry + chunk if carry else chunk
-            end = buf.rfind(b"\n") + 1  # the complete lines end here
-            carry = buf[end:]
-            hit = buf.find(b"qmem_", 0, end)
-            while hit != -1:
-                start = buf.rfind(b"\n", 0, hit) + 1
-                stop = buf.find(b"\n", hit) + 1
-                self._scan_line(buf[start:stop], calls, results)
-                self.stats.lines_examined += 1
-                hit = buf.find(b"qmem_", stop, end)
-            consumed += end
-        if carry:
+            read += len(chunk)
+            end = chunk.rfind(b"\n") + 1  # the complete lines end here
+            if not end:  # still inside one line
+                if not skipping:
+                    pending.append(chunk)
+                    pending_len += len(chunk)
+                    if pending_len > MAX_LINE_BYTES:
+                        pending, pending_len, skipping = [], 0, True
+                continue
+            if skipping:  # the long line ends in this chunk: skip it, scan what follows
+                self.stats.lines_skipped += 1
+                buf, start, skipping = chunk, chunk.find(b"\n") + 1, False
+            elif pending:
+                buf, start = b"".join(pending + [chunk[:end]]), 0
+                end = len(buf)
+            else:
+                buf, start = chunk, 0  # the common case: no copy
+            tail = len(chunk) - (chunk.rfind(b"\n") + 1)
+            pending, pending_len = ([chunk[-tail:]], tail) if tail else ([], 0)
+            self._scan_lines(buf, start, end, calls, results)
+            consumed = read - pending_len
+        if pending or skipping:
             self.stats.lines_truncated += 1  # being written: read it next time
         return consumed
+
+    def _scan_lines(self, buf, start, end, calls, results):
+        """The lines of buf[start:end] (complete lines) that mention qmem_."""
+        hit = buf.find(b"qmem_", start, end)
+        while hit != -1:
+            first = max(start, buf.rfind(b"\n", start, hit) + 1)
+            stop = buf.find(b"\n", hit) + 1
+            self._scan_line(buf[first:stop], calls, results)
+            self.stats.lines_examined += 1
+            hit = buf.find(b"qmem_", stop, end)
 
     def _pair(self, results, calls):
         """Merge the records each qmem tool result tells, with its call's arguments."""
         stats = self.stats
         for msg, ts in results:
-            name = msg["toolName"]
+            name = text_of(msg["toolName"])
             stats.calls[name] = stats.calls.get(name, 0) + 1
             if msg.get("isError"):
                 stats.calls_errored += 1
             call_id = msg.get("toolCallId")
+            call_id = text_of(call_id) if isinstance(call_id, str) else None
             if call_id not in calls:
                 continue  # a result whose call we never saw: nothing to pair it with
-            seen = iso_norm(ts)
+            seen = iso_norm(ts) if isinstance(ts, str) else None
             if seen and (stats.newest_entry_at is None or seen > stats.newest_entry_at):
                 stats.newest_entry_at = seen
             call = calls.pop(call_id)
@@ -2190,7 +2392,12 @@ class Importer:
             def call_args(call=call, call_id=call_id):
                 found = _take_call({call_id: call}, call_id)
                 return found[1] if found else None
-            for data, view in records_from_call(name, call_args, msg):
+            try:
+                found = records_from_call(name, call_args, msg)
+            except (TypeError, ValueError, AttributeError, KeyError, RecursionError):  # a shape nobody writes
+                stats.lines_skipped += 1
+                continue
+            for data, view in found:
                 self._merge(data, view, seen)
 
     def _scan_line(self, line, calls, results):
@@ -2272,7 +2479,7 @@ class _WriterProcess:
             return None
         try:
             proc = subprocess.Popen([sys.executable, script, _WRITER_COMMAND, db_path], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_environment())
         except OSError:
             return None
         writer = cls()
@@ -2313,6 +2520,14 @@ class _WriterProcess:
         self.proc.communicate()
 
 
+def _child_environment():
+    """What a child process needs of the environment, and no secret (QMEM_API_KEY, a
+    proxy's password, tokens): the writer needs no gateway at all."""
+    keep = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT", "PYTHONPATH",
+            "PYTHONIOENCODING", "PYTHONUTF8")
+    return {k: v for k, v in os.environ.items() if k in keep}
+
+
 def _writer_main(db_path):
     """The child's side of _WriterProcess: apply jobs from stdin, commit every BATCH_S
     seconds (each file's progress row with its records), print the counts."""
@@ -2351,7 +2566,13 @@ def _add_calls(calls, entry):
     for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
         if (isinstance(block, dict) and block.get("type") == "toolCall"
                 and isinstance(block.get("id"), str) and str(block.get("name", "")).startswith("qmem_")):
-            calls[block["id"]] = (block["name"], block.get("arguments"), entry.get("timestamp"))
+            calls[text_of(block["id"])] = _call_of(block, entry)
+
+
+def _call_of(block, entry):
+    """(name, arguments, timestamp) of a toolCall block, as text the index can keep."""
+    ts = entry.get("timestamp")
+    return text_of(str(block["name"])), block.get("arguments"), text_of(ts) if isinstance(ts, str) else None
 
 
 def _take_call(calls, call_id):
@@ -2363,9 +2584,9 @@ def _take_call(calls, call_id):
     entry = _parse_line(found)
     msg = entry and entry.get("message")
     for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
-        if (isinstance(block, dict) and block.get("type") == "toolCall" and block.get("id") == call_id
-                and str(block.get("name", "")).startswith("qmem_")):
-            return block["name"], block.get("arguments"), entry.get("timestamp")
+        if (isinstance(block, dict) and block.get("type") == "toolCall" and isinstance(block.get("id"), str)
+                and text_of(block["id"]) == call_id and str(block.get("name", "")).startswith("qmem_")):
+            return _call_of(block, entry)
     return None
 
 
@@ -2380,7 +2601,7 @@ def _parse_line(line):
     try:
         text = line.decode("utf-8")
         data, end = _scan_json[0](text, 0)
-    except (ValueError, StopIteration):  # UnicodeDecodeError is a ValueError
+    except (ValueError, StopIteration, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
     if end != len(text) and text[end:].strip():
         return None  # trailing garbage
@@ -2609,6 +2830,7 @@ def local_meta(store):
 # the row's local id as Idempotency-Key, and do their HTTP outside any transaction.
 
 MAX_TEXT = 32000           # characters in one memory
+MAX_TEXT_BYTES = 4 * MAX_TEXT  # the most UTF-8 bytes MAX_TEXT characters can take
 LEASE_S = 120.0            # at least; a claimed row belongs to its flusher this long
 CLAIM_BATCH = 100          # rows claimed (and finished) per transaction
 AUTO_FLUSH_S = 3.0         # seconds an online command may spend delivering the queue
@@ -3208,7 +3430,7 @@ class Operations:
         write_config(self.config, {"url": url})
         for each in {old, url} - {None}:
             Breaker(self.config.breaker_path, each).reset()
-        _warn_plain_http(url, self.config["apiKey"])
+        warn_plain_http(url, self.config["apiKey"])
         if self.config.sources["url"].startswith("env"):
             warn("QMEM_URL is set in the environment and overrides the file")
         return {"action": "url", "file": self.config.path, "key": "url", "value": url, "breaker_reset": True}
@@ -3224,7 +3446,7 @@ class Operations:
                  "`qmem.py config apikey` and type it at the prompt")
         write_config(self.config, {"apiKey": key})
         if self.config["url"]:
-            _warn_plain_http(self.config["url"], key)
+            warn_plain_http(self.config["url"], key)
         return {"action": "apikey", "file": self.config.path, "key": "apiKey", "value": mask_secret(key)}
 
     @utf8_arguments
@@ -3474,7 +3696,7 @@ class Operations:
             doc.update(self._find_local(query, project, kind, scope, top_k, include_superseded=include_superseded,
                                         highlight=highlight))
             return doc
-        results = [r for r in results if isinstance(r, dict)]
+        results = [_hit(r) for r in results if isinstance(r, dict)]
         self.store().merge_seen(results, VIEW_HIT)
         return self._after_online({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
                                    "retry_in_ms": None, "query": query, "results": results})
@@ -3523,7 +3745,7 @@ class Operations:
                        index_exists=self.has_index())
             doc.update(local_meta(self.store()) if self.has_index() else empty_meta())
             return doc
-        doc = {k: resp.data.get(k) for k in ("scopes", "projects", "agents", "superseded", "deleted")}
+        doc = _meta_counts(resp.data)
         doc.update(source="gateway", degraded=False, reason=None, breaker_open=False, retry_in_ms=None)
         return self._after_online(doc)
 
@@ -3706,12 +3928,30 @@ def _write_payload(text, project, kind, scope, agent, source, expires, private, 
     return payload
 
 
-def _warn_plain_http(url, key):
-    from urllib.parse import urlsplit
-    p = urlsplit(url)
-    if p.scheme == "http" and key and not is_loopback(p.hostname or ""):
-        warn("the API key will travel unencrypted over plain http to %s: use https unless this "
-             "network is trusted" % p.hostname)
+def _hit(result):
+    """A search result as the gateway sent it, its score kept only when it is a finite
+    number (JSON has no Infinity, and a 1e400 score is no cosine)."""
+    import math
+    hit = dict(result)
+    score = hit.get("score")
+    if not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score):
+        hit.pop("score", None)
+    return hit
+
+
+def _meta_counts(data):
+    """The counts of GET /v1/meta, each checked: what has the wrong type is left out."""
+    def counts(value):
+        if not isinstance(value, dict):
+            return None
+        return {str(k): v for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
+    scopes = data.get("scopes")
+    doc = {"scopes": {str(k): counts(v) or {} for k, v in scopes.items()} if isinstance(scopes, dict) else None,
+           "projects": counts(data.get("projects")), "agents": counts(data.get("agents"))}
+    for key in ("superseded", "deleted"):
+        value = data.get(key)
+        doc[key] = value if isinstance(value, int) and not isinstance(value, bool) else None
+    return doc
 
 
 def _check_score(value):
@@ -4202,18 +4442,26 @@ def _read_text(a):
         raise UsageError("give the text once: as an argument, with --text-file, or on stdin with -")
     where = a.text_file if a.text_file is not None else "stdin"
     try:
-        if a.text_file is not None:
+        if a.text_file is not None:  # /dev/zero must not fill the memory: read one byte past the most
             with open(a.text_file, "rb") as f:
-                return f.read().decode("utf-8")
+                return _decoded_text(f.read(MAX_TEXT_BYTES + 1))
         if a.text == "-":
-            data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
-            return data.decode("utf-8") if isinstance(data, bytes) else data
+            if not hasattr(sys.stdin, "buffer"):
+                return sys.stdin.read(MAX_TEXT + 1)
+            return _decoded_text(sys.stdin.buffer.read(MAX_TEXT_BYTES + 1))
     except OSError as e:
         raise UsageError("cannot read the text from %s: %s" % (where, e.strerror or e))
     except UnicodeDecodeError as e:
         raise UsageError("the text in %s is not valid UTF-8 (byte 0x%02x at offset %d)" % (
             where, e.object[e.start], e.start), hint="nothing was queued; convert it to UTF-8 first")
     return a.text or ""
+
+
+def _decoded_text(data):
+    if len(data) > MAX_TEXT_BYTES:
+        raise UsageError("the text is longer than %d characters; a memory holds at most that (store a summary)"
+                         % MAX_TEXT, hint="nothing was queued")
+    return data.decode("utf-8")
 
 
 def _write_options(a):
@@ -4446,6 +4694,13 @@ def main(argv=None):
         except OSError:  # pragma: no cover
             pass
         return EXIT_OK
+    except Exception as e:  # a bug: one line, without the exception's words (they may hold the key)
+        if debug:
+            raise
+        err = QmemError("internal error (%s): a bug in qmem.py, nothing more is shown" % type(e).__name__,
+                        kind="internal", hint="run it again with --debug for the traceback")
+        render_error(err, json_mode)
+        return err.exit_code
     finally:
         if ops is not None:
             ops.close()

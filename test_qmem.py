@@ -2637,7 +2637,7 @@ class ReviewFixTests(GatewayTestCase):
     def test_a_database_folder_that_cannot_be_made_is_an_error_document(self):
         doc = json.loads(self.run_cli("--db", "/proc/no/such/x.db", "store", "hi", "--project", "p", "--json")[1])
         self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "store"))
-        self.assertIn("cannot create the folder", doc["error"]["message"])
+        self.assertIn("cannot create the local database", doc["error"]["message"])
 
     def test_global_options_anywhere_before_a_double_dash_and_never_abbreviated(self):
         self.put_record(UUIDS[0], "alfa beta")
