@@ -2655,10 +2655,10 @@ class ReviewFixTests(GatewayTestCase):
         self.ok("store", "durante il 503", "--project", "p")
         self.assertEqual(self.ok_json("flush", "--respect-retry-after")["synced"], 0)
         self.assertEqual(self.ok_json("flush")["synced"], 1)  # tries now
-        self.gw.script = [(503, {"detail": "busy"})] * 3
         self.ok("store", "ancora", "--project", "p", "--queue-only")
         self.gw.script = [(503, {"detail": "busy"})] * 3
-        doc = json.loads(self.run_cli("flush", "--json")[1])
+        with mock.patch("qmem.time.sleep"):  # the retries' waits
+            doc = json.loads(self.run_cli("flush", "--json")[1])
         self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "not_delivered"))
 
     def test_enrich_with_nothing_to_fetch_asks_nothing_and_creates_nothing(self):
@@ -2768,6 +2768,322 @@ class ReviewFixTests(GatewayTestCase):
         code, out, err = self.run_cli("import")  # must not hang on the FIFO
         self.assertEqual(code, 0)
         self.assertIn("not a regular file", err)
+
+
+def other_uid():
+    """A uid that is not ours, for the other-user cases: only root can make files of it."""
+    return 65534 if hasattr(os, "geteuid") and os.geteuid() == 0 else None
+
+
+class SecurityKeyTests(GatewayTestCase):
+    """Part 6: the API key never leaves through output, files or children."""
+
+    def test_a_key_with_a_trailing_crlf_works_and_a_key_with_spaces_is_refused_unshown(self):
+        os.environ["QMEM_API_KEY"] = API_KEY + "\r\n"
+        self.assertEqual(self.ok_json("search", "x")["source"], "gateway")
+        self.assertEqual(self.ok_json("store", "chiave pulita", "--project", "p")["state"], "synced")
+        os.environ["QMEM_API_KEY"] = "sk-two words-0123456789"
+        err = self.expect_fail(2, "search", "x")
+        self.assertIn("apiKey holds whitespace or control characters", err)
+        self.assertNotIn("two words", err)
+
+    def test_a_gateway_that_echoes_the_key_gets_it_masked_everywhere(self):
+        echo = {"detail": "upstream failed; request was Authorization: Bearer %s X-API-Key: %s" % (API_KEY, API_KEY)}
+        self.gw.script = [(503, echo)] * 3
+        with mock.patch("qmem.time.sleep"):  # the retries' waits
+            code, out, err = self.run_cli("store", "eco", "--project", "p")
+        self.assertEqual(code, 0)
+        queue = self.run_cli("queue")[1] + self.run_cli("queue", "--json")[1]
+        with open(self.breaker_file) as f:
+            breaker = f.read()
+        store = qmem.Store(self.db)
+        stored = " ".join(str(r) for r in store.conn.execute("SELECT * FROM outbox").fetchall())
+        store.close()
+        for where, text in (("output", out + err), ("queue", queue), ("breaker.json", breaker), ("outbox", stored)):
+            self.assertNotIn(API_KEY, text, where)
+        self.assertIn(qmem.mask_secret(API_KEY), queue)
+
+    def test_a_url_with_credentials_is_refused_from_every_source(self):
+        os.environ["QMEM_URL"] = "https://user:hunter2@127.0.0.1:9"
+        code, out, err = self.run_cli("search", "x", "--json")
+        self.assertEqual(code, 2)
+        self.assertNotIn("hunter2", out + err)
+        self.assertFalse(os.path.exists(self.breaker_file))
+
+    def test_loopback_is_only_loopback_and_plain_http_is_warned_from_the_environment(self):
+        for host, loop in (("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("[::1]", True),
+                           ("localhost", True), ("127.evil.example", False), ("localhost.evil", False),
+                           ("10.0.0.1", False)):
+            self.assertEqual(qmem.is_loopback(host), loop, host)
+        url = "http://gateway.example.test:8080"
+        os.environ["QMEM_URL"] = url
+        qmem.Breaker.from_config(qmem.load_config()).failure("unreachable", "down", "down")  # no network at all
+        code, out, err = self.run_cli("search", "x")
+        self.assertEqual(code, 0)
+        self.assertIn("the API key travels unencrypted over plain http to gateway.example.test", err)
+        self.assertEqual(qmem._proxy_for("http", "127.evil.example", {"http_proxy": "http://proxy:3128"}),
+                         ("proxy", 3128))
+
+    def test_the_import_writer_gets_no_secret(self):
+        seen = {}
+
+        class FakePopen:
+            def __init__(self, argv, **kw):
+                seen.update(kw.get("env") or {"inherited": "everything"})
+                raise OSError("not really")
+        os.environ["QMEM_API_KEY"] = API_KEY
+        with mock.patch("subprocess.Popen", FakePopen):
+            self.assertIsNone(qmem._WriterProcess.start(self.db))
+        self.assertNotIn("QMEM_API_KEY", seen)
+        self.assertNotIn("inherited", seen)
+        self.assertNotIn(API_KEY, json.dumps(seen))
+
+    def test_a_config_others_can_read_is_warned_about_and_a_symlinked_one_stays_a_link(self):
+        real = os.path.join(self.home, "dotfiles", "qmem.json")
+        os.makedirs(os.path.dirname(real))
+        with open(real, "w") as f:
+            json.dump({"apiKey": API_KEY, "mine": 1}, f)
+        os.chmod(real, 0o644)
+        link = os.path.join(self.home, "config.json")
+        os.symlink(real, link)
+        os.environ["QMEM_CONFIG"] = link
+        os.environ.pop("QMEM_API_KEY")
+        code, out, err = self.run_cli("status")
+        self.assertIn("holds the API key and other users can read it: chmod 600", err)
+        self.ok("config", "set", "timeoutMs", "5000")
+        self.assertTrue(os.path.islink(link))
+        with open(real) as f:
+            self.assertEqual(json.load(f), {"apiKey": API_KEY, "mine": 1, "timeoutMs": 5000})
+        self.assertEqual(os.stat(real).st_mode & 0o777, 0o600)
+        if other_uid() is not None:
+            os.chmod(real, 0o666)
+            self.assertIn("writable by other users", self.expect_fail(2, "status"))
+
+    def test_an_exception_nobody_expected_is_one_line_without_its_words(self):
+        with mock.patch.object(qmem.Operations, "status", side_effect=ValueError("Bearer " + API_KEY)):
+            code, out, err = self.run_cli("status", "--json")
+        self.assertEqual(code, 1)
+        self.assertNotIn(API_KEY, out + err)
+        self.assertEqual(json.loads(out)["error"]["kind"], "internal")
+        self.assertEqual(err.count("\n"), 1)
+
+
+class SecurityOtherUserTests(QmemTestCase):
+    """Part 6: files only the user can read and replace. The cases of another user's
+    files need root (to chown); without it they say so and are skipped."""
+
+    def need_other_uid(self):
+        uid = other_uid()
+        if uid is None:
+            self.skipTest("needs root to make files of another uid (run as root, as CI does)")
+        return uid
+
+    def test_folders_and_database_are_private_from_their_creation_whatever_the_umask(self):
+        script = ("import os, sys; os.umask(0); sys.path.insert(0, %r); import qmem; "
+                  "s = qmem.Store(sys.argv[1]); s.conn.execute('CREATE TABLE IF NOT EXISTS x(a)'); "
+                  "print(os.stat(sys.argv[1] + '-wal').st_mode & 0o777, os.stat(sys.argv[1] + '-shm').st_mode & 0o777)"
+                  % HERE)
+        db = os.path.join(self.home, "a", "b", "qmem.sqlite")
+        proc = subprocess.run([sys.executable, "-c", script, db], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stdout.split(), [b"384", b"384"])  # 0600
+        self.assertEqual(os.stat(db).st_mode & 0o777, 0o600)
+        for folder in (os.path.join(self.home, "a"), os.path.join(self.home, "a", "b")):
+            self.assertEqual(os.stat(folder).st_mode & 0o777, 0o700, folder)
+
+    def test_a_database_or_folder_another_user_could_replace_is_refused(self):
+        shared = os.path.join(self.home, "shared")
+        os.mkdir(shared)
+        os.chmod(shared, 0o777)
+        err = self.expect_fail(1, "--db", os.path.join(shared, "q.sqlite"), "store", "x", "--project", "p",
+                               "--queue-only")
+        self.assertIn("writable by other users", err)
+        uid = self.need_other_uid()
+        qmem.Store(self.db).close()
+        os.chown(self.db, uid, -1)
+        err = self.expect_fail(1, "status")
+        self.assertIn("%s is owned by another user (uid %d)" % (self.db, uid), err)
+
+    def test_a_breaker_file_in_a_shared_folder_cannot_be_turned_against_us(self):
+        shared = os.path.join(self.home, "tmp")
+        os.mkdir(shared)
+        os.environ.update(QMEM_URL="http://127.0.0.1:%d" % closed_port(), QMEM_API_KEY=API_KEY,
+                          QMEM_BREAKER_FILE=os.path.join(shared, "breaker.json"))
+        target = os.path.join(self.home, "attacker-wants-this")
+        os.symlink(target, os.path.join(shared, "breaker.json.lock"))
+        os.symlink("/dev/zero", os.path.join(shared, "breaker.json"))
+        started = time.monotonic()
+        code, out, err = self.run_cli("search", "x")
+        self.assertEqual(code, 0, err)
+        self.assertLess(time.monotonic() - started, 5)
+        self.assertFalse(os.path.exists(target))  # the lock's symlink was not followed
+        self.assertIn("breaker", err)
+        os.remove(os.path.join(shared, "breaker.json"))
+        with open(os.path.join(shared, "breaker.json"), "w") as f:
+            f.write("[" * 200000 + "]" * 200000)
+        self.assertEqual(self.run_cli("search", "x")[0], 0)
+        uid = self.need_other_uid()
+        os.chown(os.path.join(shared, "breaker.json"), uid, -1)
+        code, out, err = self.run_cli("search", "x")
+        self.assertEqual(code, 0)
+        self.assertNotIn("Traceback", err)
+
+
+class SecurityUntrustedDataTests(GatewayTestCase):
+    """Part 6: untrusted data costs one skipped item, never a crash or a stall."""
+
+    def raw_session(self, name, lines):
+        os.makedirs(self.sessions, exist_ok=True)
+        with open(os.path.join(self.sessions, name), "wb") as f:
+            for line in lines:
+                f.write(line if isinstance(line, bytes) else line.encode("utf-8"))
+                f.write(b"\n")
+
+    def test_surrogates_impossible_dates_and_deep_nesting_cost_one_item_and_later_files_are_read(self):
+        header = '{"type":"session","version":3,"id":"s1","timestamp":"2026-11-30T09:00:00Z","cwd":"/x"}'
+        call = ('{"type":"message","id":"a1","parentId":null,"timestamp":"2026-11-30T09:00:01Z","message":'
+                '{"role":"assistant","content":[{"type":"toolCall","id":"c1","name":"qmem_store",'
+                '"arguments":{"text":"x","kind":"fact","project_id":"p"}}]}}')
+        result = ('{"type":"message","id":"a2","parentId":"a1","timestamp":"0001-01-01T00:00:00+01:00","message":'
+                  '{"role":"toolResult","toolCallId":"c1","toolName":"qmem_store","content":[],"details":'
+                  '{"record":{"id":"%s","text":"half an emoji \\ud83d here","kind":"fact","project_id":"p",'
+                  '"created_at":"0001-01-01T00:00:00+01:00"}}}}' % UUIDS[0])
+        deep = '{"type":"message","message":{"toolName":"qmem_x","x":' + "[" * 200000 + "]" * 200000 + "}}"
+        self.raw_session("a.jsonl", [header, call, result, deep])
+        s = Session(self.sessions, "b.jsonl")
+        s.store(record(UUIDS[1], "the next file"))
+        s.write()
+        doc = self.ok_json("import")
+        self.assertEqual(doc["stats"]["records_new"], 2)
+        self.assertEqual(doc["stats"]["lines_skipped"], 1)
+        hit = self.ok_json("find", "emoji")["results"][0]
+        self.assertEqual((hit["text"], hit["created_at"]), ("half an emoji \ufffd here", None))
+        self.assertIn("half an emoji", self.ok("find", "emoji"))
+        self.assertIn("is not a date", self.expect_fail(2, "store", "x", "--project", "p",
+                                                           "--expires", "9999-12-31T23:00:00-02:00"))
+
+    def test_the_same_payloads_from_the_gateway_are_survived(self):
+        bad = dict(record(UUIDS[2], "dal gateway \ud83d"), created_at="0001-01-01T00:00:00+01:00")
+        self.gw.script = [(200, {"results": [dict(bad, score=1e400)]})]
+        doc = self.ok_json("search", "gateway")
+        self.assertNotIn("score", doc["results"][0])
+        self.assertIn("dal gateway", self.ok("find", "gateway"))
+        self.gw.script = [(200, {"items": [bad], "next_cursor": None})]
+        self.assertEqual(self.ok_json("pull")["pages"], 1)
+        self.gw.script = [(200, {"scopes": ["not", "a", "dict"], "projects": {"p": "many"}})]
+        self.ok("meta")
+
+    def test_malformed_answers_fail_their_own_row_and_keep_the_others(self):
+        for n in range(4):
+            self.ok("store", "riga %d" % n, "--project", "p", "--queue-only")
+        self.gw.script = [None, (201, {"id": ""}),
+                          (409, {"detail": "duplicate", "duplicate_of": {"an": "object"}}),
+                          (422, {"detail": [{"loc": 5, "msg": "odd"}]})]
+        code, out, err = self.run_cli("flush", "--json")
+        doc = json.loads(out)
+        self.assertNotIn("Traceback", err)
+        self.assertEqual((doc["synced"], doc["duplicate"], doc["failed"]), (1, 1, 2))
+        states = [r["state"] for r in self.ok_json("queue")["items"]]
+        self.assertEqual(states, ["synced", "failed", "duplicate", "failed"])
+        self.assertEqual(qmem.retry_after_seconds({"Retry-After": "²"}), None)
+
+    def test_a_retry_after_of_centuries_waits_an_hour_at_most_and_an_explicit_flush_tries_now(self):
+        self.gw.script = [(503, {"detail": "later"}, {"Retry-After": "9999999999"})]
+        self.ok("store", "parcheggiata", "--project", "p")
+        item = self.ok_json("queue")["items"][0]
+        self.assertLess(qmem.parse_iso(item["next_attempt_at"]), time.time() + 3601)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+
+    def test_inputs_that_never_end_are_bounded(self):
+        os.makedirs(self.sessions)
+        os.symlink("/dev/zero", os.path.join(self.sessions, "zero.jsonl"))
+        started = time.monotonic()
+        code, out, err = self.run_cli("import")
+        self.assertEqual(code, 0)
+        self.assertIn("not a regular file", err)
+        self.assertIn("longer than", self.expect_fail(2, "store", "--text-file", "/dev/zero", "--project", "p"))
+        self.assertLess(time.monotonic() - started, 5)
+
+    def test_a_long_session_line_is_skipped_in_linear_time_without_being_kept(self):
+        s = Session(self.sessions, "long.jsonl")
+        s.store(record(UUIDS[3], "dopo la riga lunga"))
+        s.write()
+        with open(s.path, "rb") as f:
+            lines = f.read().split(b"\n")
+        long_line = b'{"qmem_": "' + b"x" * (3 << 20) + b'"}'
+        with open(s.path, "wb") as f:
+            f.write(b"\n".join(lines[:1] + [long_line] + lines[1:]))
+        with mock.patch.object(qmem, "MAX_LINE_BYTES", 1 << 20), mock.patch.object(qmem, "_CHUNK", 1 << 16):
+            started = time.monotonic()
+            doc = self.ok_json("import")
+        self.assertLess(time.monotonic() - started, 3)  # 48 chunks of one line: no re-copy per chunk
+        self.assertEqual((doc["stats"]["records_new"], doc["stats"]["lines_skipped"]), (1, 1))
+
+    def test_a_body_of_millions_of_tiny_values_is_refused_before_it_is_parsed(self):
+        with mock.patch.object(qmem, "MAX_JSON_VALUES", 1000), mock.patch("qmem.time.sleep"):
+            self.gw.script = [(200, {"results": [{}] * 5000})] * 3
+            doc = self.ok_json("search", "x")
+        self.assertEqual(doc["source"], "local_sqlite")
+        self.assertIn("answer too large", doc["reason"])
+
+
+class SecurityLeaseTests(GatewayTestCase):
+    """Part 6: two flushes never send the same row at the same time."""
+
+    def queue(self, n):
+        store = qmem.Store(self.db)
+        try:
+            return [qmem.enqueue(store, "store", {"text": "riga %d" % i, "kind": "fact", "project_id": "p"})
+                    for i in range(n)]
+        finally:
+            store.close()
+
+    def test_a_long_lease_is_not_taken_by_a_flusher_with_shorter_budgets(self):
+        self.queue(2)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        slow = qmem.Flusher(store, None, lease_s=7335)
+        token, rows = slow.claim()
+        self.assertEqual(len(rows), 2)
+        other = qmem.Flusher(store, None)
+        self.assertEqual(other.claim()[1], [])
+
+    def test_a_claimant_is_dead_only_when_its_identity_proves_it(self):
+        host, boot, ns, pid, start = qmem.process_identity()
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE)
+        dead_pid = dead.stdout.decode().strip()
+        self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, dead_pid, "1", "r"))))
+        self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, "pid:[999]", dead_pid, "1", "r"))))  # container
+        self.assertFalse(qmem.claimant_is_gone("|".join((host, "other-boot", ns, dead_pid, "1", "r"))))
+        self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, ns, pid, start, "r"))))  # alive: us
+        self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, pid, "12", "r"))))  # our pid, reused
+        self.assertFalse(qmem.claimant_is_gone("%s:%s:abc" % (host, dead_pid)))  # an older qmem.py's token
+
+    def test_a_fenced_out_flusher_reports_nothing_delivered(self):
+        self.queue(1)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        cfg = qmem.load_config()
+        gateway = self.closing(qmem.Gateway(cfg, qmem.Breaker.from_config(cfg)))
+        flusher = qmem.Flusher(store, gateway)
+        real = flusher._send
+
+        def lose_the_lease(row, stats):
+            outcome = real(row, stats)
+            store.conn.execute("UPDATE outbox SET claim_token='someone-else'")  # taken over meanwhile
+            return outcome
+        flusher._send = lose_the_lease
+        self.assertEqual(flusher.run().as_dict()["synced"], 0)
+
+    def test_an_older_qmem_py_is_refused_by_the_claim_rules_version(self):
+        qmem.Store(self.db).close()
+        conn = sqlite3.connect(self.db)
+        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 2)
+        conn.close()
+        with mock.patch.object(qmem, "SCHEMA_VERSION", 1):
+            with self.assertRaises(qmem.StoreError) as cm:
+                qmem.Store(self.db)
+        self.assertIn("written by a newer qmem.py", str(cm.exception))
 
 
 class CompatibilityTests(unittest.TestCase):
