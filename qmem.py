@@ -283,6 +283,15 @@ def visible(text):
                          else "\\u%04x" % ord(m.group()), text)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def text_of(value):
+    """A str that SQLite, JSON and a terminal can take: lone surrogates (JavaScript cut
+    an emoji in half; JSON escapes allow them) become U+FFFD."""
+    return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+
+
 _warned = set()
 
 
@@ -1280,6 +1289,8 @@ class Gateway:
                 self.url, MAX_JSON_VALUES), resp.status, detail="answer too large")
         try:
             parsed = json.loads(raw.decode("utf-8")) if raw else None
+            if b"\\ud" in raw or b"\\uD" in raw:  # a \ud83d escape: lone surrogates may be in it
+                parsed = _without_surrogates(parsed)
         except RecursionError:
             raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url, resp.status,
                                detail="answer nested too deeply")
@@ -1341,6 +1352,19 @@ class Gateway:
         if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
             ctx.sslsocket_class = net["DeadlineSSLSocket"]
         return ctx
+
+
+def _without_surrogates(value):
+    """A parsed answer with every lone surrogate replaced (U+FFFD): they cannot be
+    stored, printed or written as UTF-8."""
+    if isinstance(value, str):
+        return text_of(value)
+    if isinstance(value, list):
+        return [_without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
+    return value
+
 
 
 def _open_socket(address, deadline):
@@ -2018,15 +2042,6 @@ def _row_dict(cur, row):
 _TEXT_FIELDS = tuple(f for f in FIELDS if f != "private" and not f.endswith("_at"))
 _FIELD_VALUES = operator.itemgetter(*FIELDS)  # rec -> its FIELDS values, in order
 _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def text_of(value):
-    """A str that SQLite, JSON and a terminal can take: lone surrogates (JavaScript cut
-    an emoji in half; JSON escapes allow them) become U+FFFD."""
-    return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
 
 
 def normalize_record(data):

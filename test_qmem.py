@@ -2965,8 +2965,11 @@ class SecurityUntrustedDataTests(GatewayTestCase):
     def test_the_same_payloads_from_the_gateway_are_survived(self):
         bad = dict(record(UUIDS[2], "dal gateway \ud83d"), created_at="0001-01-01T00:00:00+01:00")
         self.gw.script = [(200, {"results": [dict(bad, score=1e400)]})]
-        doc = self.ok_json("search", "gateway")
+        code, out, err = self.run_cli("search", "gateway", "--json")
+        self.assertNotRegex(out, "[\ud800-\udfff]")  # a real stdout could not write it
+        doc = json.loads(out)
         self.assertNotIn("score", doc["results"][0])
+        self.assertEqual(doc["results"][0]["text"], "dal gateway \ufffd")
         self.assertIn("dal gateway", self.ok("find", "gateway"))
         self.gw.script = [(200, {"items": [bad], "next_cursor": None})]
         self.assertEqual(self.ok_json("pull")["pages"], 1)
