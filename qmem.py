@@ -292,6 +292,19 @@ def text_of(value):
     return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
 
 
+def without_surrogates(value):
+    """A parsed answer with every lone surrogate replaced (U+FFFD): they cannot be
+    stored, printed or written as UTF-8."""
+    if isinstance(value, str):
+        return text_of(value)
+    if isinstance(value, list):
+        return [without_surrogates(v) for v in value]
+    if isinstance(value, dict):
+        return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
+    return value
+
+
+
 _warned = set()
 
 
@@ -1290,7 +1303,7 @@ class Gateway:
         try:
             parsed = json.loads(raw.decode("utf-8")) if raw else None
             if b"\\ud" in raw or b"\\uD" in raw:  # a \ud83d escape: lone surrogates may be in it
-                parsed = _without_surrogates(parsed)
+                parsed = without_surrogates(parsed)
         except RecursionError:
             raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url, resp.status,
                                detail="answer nested too deeply")
@@ -1352,19 +1365,6 @@ class Gateway:
         if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
             ctx.sslsocket_class = net["DeadlineSSLSocket"]
         return ctx
-
-
-def _without_surrogates(value):
-    """A parsed answer with every lone surrogate replaced (U+FFFD): they cannot be
-    stored, printed or written as UTF-8."""
-    if isinstance(value, str):
-        return text_of(value)
-    if isinstance(value, list):
-        return [_without_surrogates(v) for v in value]
-    if isinstance(value, dict):
-        return {_without_surrogates(k): _without_surrogates(v) for k, v in value.items()}
-    return value
-
 
 
 def _open_socket(address, deadline):
@@ -2053,10 +2053,10 @@ def normalize_record(data):
     if not isinstance(rid, str) or not rid.strip():
         return None
     get = data.get
-    rec = {"id": text_of(rid.strip())}
+    rec = {"id": rid.strip()}
     for f in _TEXT_FIELDS:
         value = get(f)
-        rec[f] = text_of(value) if value.__class__ is str and value else None
+        rec[f] = value if value.__class__ is str and value else None
     for f in _TIME_FIELDS:
         value = get(f)
         if not value:
@@ -2108,8 +2108,10 @@ def _json_in_text(text):
     if stripped.startswith("{") and stripped.endswith("}"):
         try:
             data = json.loads(stripped)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
+        if "\\u" in stripped:  # it may spell a lone surrogate
+            data = without_surrogates(data)
         return data if isinstance(data, dict) else None
     return None
 
@@ -2364,9 +2366,9 @@ class Importer:
             if skipping:  # the long line ends in this chunk: skip it, scan what follows
                 self.stats.lines_skipped += 1
                 buf, start, skipping = chunk, chunk.find(b"\n") + 1, False
-            elif pending:
-                buf, start = b"".join(pending + [chunk[:end]]), 0
-                end = len(buf)
+            elif pending:  # one copy, as `carry + chunk` would make
+                buf, start = b"".join(pending + [chunk]), 0
+                end += pending_len
             else:
                 buf, start = chunk, 0  # the common case: no copy
             tail = len(chunk) - (chunk.rfind(b"\n") + 1)
@@ -2606,6 +2608,7 @@ def _take_call(calls, call_id):
 
 
 _scan_json = []  # json's own scanner, called directly: json.loads() adds ~2 us a line
+_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _parse_line(line):
@@ -2620,6 +2623,8 @@ def _parse_line(line):
         return None
     if end != len(text) and text[end:].strip():
         return None  # trailing garbage
+    if b"\\u" in line and _ESCAPED_SURROGATE.search(line):  # JSON may spell a lone surrogate
+        data = without_surrogates(data)
     return data if data.__class__ is dict else None
 
 
