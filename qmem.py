@@ -1640,6 +1640,7 @@ class Store:
             self.conn.close()
             raise
         self.conn.create_function("qmem_fold", 1, _fold)
+        self._terms = None  # index_terms(), once read
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
         self.known = None         # bulk load: hashes of every id in the table
 
@@ -1685,7 +1686,8 @@ class Store:
             warn("%s: WAL journal not available here; concurrent use will be slower" % self.path)
         tokenizer = fts5_tokenizer() if version == 0 else None
         if version == 0 and tokenizer is None:
-            warn("this Python's SQLite has no FTS5: local search falls back to a slower LIKE scan")
+            warn("this Python's SQLite has no FTS5: local search falls back to a slower LIKE scan, "
+                 "which finds words and their forms but not near spellings (typos)")
         with self.transaction():
             # Re-read under the write lock: another process may have migrated meanwhile.
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
@@ -1995,6 +1997,16 @@ class Store:
         self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
         if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?", (local_id,)).rowcount:
             self.link_supersessions()  # another correction of it may still stand
+
+    def index_terms(self):
+        """Every term of the full-text index (read once per Store, through an fts5vocab
+        table in this connection's temp schema: nothing is written to the database). One
+        scan reads the whole index, so the list is kept for the next word."""
+        if self._terms is None:
+            self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.qmem_terms USING "
+                              "fts5vocab(main, records_fts, row)")
+            self._terms = [t for (t,) in self.conn.execute("SELECT term FROM temp.qmem_terms")]
+        return self._terms
 
     def failures(self, local_ids):
         """{local id: why the gateway refused it} for these writes."""
@@ -2667,14 +2679,122 @@ def hidden_matches(store, query, project=None, kind=None, scope=None, limit=1000
     return counts
 
 
-def fts_expression(tokens, match_all):
-    """A MATCH expression that can only ever mean 'these words in the text': every token
+# Words a question is made of, in English and Italian: they need not match when the
+# other words do ("how do we deploy" finds what says "deploy"). Accent-folded.
+STOP_WORDS = frozenset("""
+a an and are as at be by can could did do does for from had has have how i if in into is it its
+me my no not of on or our should so than that the their them then there these they this to was
+we were what when where which who why will with would you your
+al alla alle allo agli ai anche che chi ci come con cosa da dal dalla dei del della delle dello
+di dove e gli ha hanno ho i il in la le lo ma mi ne nei nel nella nelle non o per perche piu
+quale quali quando se si sono su sul sulla tra fra un una uno
+""".split())
+MIN_STEM = 3       # a shorter stem would match half the vocabulary as a prefix
+MIN_TYPO_WORD = 5  # shorter words have too many neighbours at one edit
+MIN_PREFIX_WORD = 4  # a word form may be the word with an ending: deploy -> deploys
+
+_EN_SUFFIXES = ("ations", "ation", "ions", "ion", "ments", "ment", "ingly", "edly", "ings", "ing", "ies", "ied",
+                "es", "ed", "ly", "s", "e", "y")
+_IT_SUFFIXES = ("amente", "imente", "mente", "azioni", "azione", "zioni", "zione", "avano", "evano", "ivano",
+                "ando", "endo", "iamo", "ata", "ate", "ati", "ato", "ita", "ite", "iti", "ito", "uta", "ute",
+                "uti", "uto", "are", "ere", "ire", "ano", "ono", "a", "e", "i", "o")
+
+
+def word_stems(word):
+    """Light English and Italian stems of an (accent-folded, lower-case) word, each to be
+    matched as a prefix: deployed -> deploy, caches -> cach, upgrading -> upgrad,
+    supportata -> support, migrazione -> migra. The first suffix of each list that
+    leaves at least MIN_STEM letters is taken off; a doubled final consonant of an
+    English stem is undone (running -> run)."""
+    found = set()
+    for suffixes, english in ((_EN_SUFFIXES, True), (_IT_SUFFIXES, False)):
+        for suffix in suffixes:
+            if word.endswith(suffix) and len(word) - len(suffix) >= MIN_STEM:
+                stem = word[:-len(suffix)]
+                if suffix == "y" and stem[-1] in "aeiou":  # deploy stays deploy; library -> librar
+                    continue
+                if english and len(stem) > MIN_STEM and stem[-1] == stem[-2] and stem[-1] not in "aeiousl":
+                    stem = stem[:-1]
+                if stem != word:
+                    found.add(stem)
+                break
+    return sorted(s for s in found if not any(o != s and s.startswith(o) for o in found))  # support* has supportat*
+
+
+def one_edit_apart(a, b):
+    """Are a and b at most one insertion, deletion, substitution or transposition of
+    two neighbours apart (optimal string alignment distance <= 1)?"""
+    if a == b:
+        return True
+    if abs(len(a) - len(b)) > 1:
+        return False
+    i = 0
+    while i < min(len(a), len(b)) and a[i] == b[i]:
+        i += 1
+    if len(a) == len(b):
+        return a[i + 1:] == b[i + 1:] or (a[i + 1:i + 2] == b[i:i + 1] and a[i:i + 1] == b[i + 1:i + 2]
+                                           and a[i + 2:] == b[i + 2:])
+    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
+    return longer[i + 1:] == shorter[i:]
+
+
+def search_levels(tokens, near=None):
+    """The levels find tries, in order (a generator: a level is made only when the one
+    before found nothing), each as (match, alternatives per word, every word or any): 'all' (every word exact, the last a prefix), 'stemmed' (every word in
+    some form), 'fuzzy' (in some form or a near spelling: near(word) gives the index's
+    terms one edit away; None where there is no vocabulary), 'any' (any word in some
+    form). Stop words are left out when other words remain. A level that would ask what
+    the one before asked is left out."""
+    folded = [_fold(t) for t in tokens]
+    words = [w for w in folded if w not in STOP_WORDS] or folded
+    last = len(words) - 1
+
+    def exact(n, w):
+        return [(w, n == last)]
+
+    def forms(n, w):  # the word as a prefix too (deploy: deploys, deployed), and its stems
+        return [(w, n == last or len(w) >= MIN_PREFIX_WORD)] + [(s, True) for s in word_stems(w)]
+
+    def spellings(n, w):
+        nearby = near(w) if near is not None and len(w) >= MIN_TYPO_WORD else []
+        return forms(n, w) + [(t, False) for t in nearby if t != w]
+    seen = set()
+    for match, alternatives, every in (("all", exact, True), ("stemmed", forms, True), ("fuzzy", spellings, True),
+                                       ("any", forms, False)):
+        if match == "fuzzy" and near is None:
+            continue
+        if not every and len(words) == 1:
+            return
+        level = [alternatives(n, w) for n, w in enumerate(words)]  # lazily: near() reads the vocabulary
+        key = (repr(level), every)
+        if key not in seen:
+            seen.add(key)
+            yield match, level, every
+
+
+def fts_expression(level, every):
+    """A MATCH expression that can only ever mean 'these words in the text': every term
     is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
-    our own filter on the text column, the last one a prefix, joined by AND (all words)
-    or OR (any word). Project and kind are filters (--project, --kind), not words."""
-    quoted = ['text : "%s"' % t.replace('"', '""') for t in tokens]
-    quoted[-1] += "*"
-    return (" AND " if match_all else " OR ").join(quoted)
+    our own filter on the text column, a prefix where asked; a word's forms joined by
+    OR, the words by AND (every word) or OR (any word). Project and kind are filters
+    (--project, --kind), not words."""
+    def term(text, prefix):
+        return 'text : "%s"%s' % (text.replace('"', '""'), "*" if prefix else "")
+    words = ["(%s)" % " OR ".join(term(t, p) for t, p in alternatives) for alternatives in level]
+    return (" AND " if every else " OR ").join(words)
+
+
+def near_spellings(store, word):
+    """The index's terms one edit away from word (a typo's likely intent). A term one
+    edit away shares either word's first half or its second, and only those are
+    compared in full."""
+    half = (len(word) - 1) // 2
+    head, tail = word[:half], word[-max(1, len(word) - half - 2):]
+    return [t for t in store.index_terms() if abs(len(t) - len(word)) <= 1 and (t.startswith(head) or
+            t.endswith(tail)) and t != word and one_edit_apart(word, t)][:MAX_NEAR_SPELLINGS]
+
+
+MAX_NEAR_SPELLINGS = 8
 
 
 # Where a snippet's matched words start and end (private-use characters): the output
@@ -2688,22 +2808,23 @@ _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.c
 def find_local(store, query, project=None, kind=None, scope=None, limit=10,
                include_superseded=False, deleted=False, private=False, include_expired=False,
                highlight=("", "")):
-    """Lexical search of the local index: all words first, then any word.
-    Returns {'match': 'all'|'any'|'none', 'results': [...]}."""
+    """Lexical search of the local index, level by level (search_levels): every word,
+    then word forms, then near spellings, then any word; the first level that finds
+    something answers. Returns {'match': 'all'|'stemmed'|'fuzzy'|'any'|'none',
+    'results': [...]}."""
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
     where, params = _visibility(project, kind, scope, include_superseded, deleted, private, include_expired)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
-    build = _fts_query if store.fts and not store.meta("fts_pending") else _like_query
-    for match_all in (True, False):
-        if not match_all and len(tokens) == 1:
-            break
-        sql, args = build(tokens, match_all, where, params, limit, highlight)
+    use_fts = store.fts and not store.meta("fts_pending")
+    near = (lambda word: near_spellings(store, word)) if use_fts else None
+    for match, level, every in search_levels(tokens, near):
+        sql, args = (_fts_query if use_fts else _like_query)(level, every, where, params, limit, highlight)
         cur = store.conn.execute(sql, args)
         rows = cur.fetchall()
         if rows:
-            return {"match": "all" if match_all else "any", "results": _results(store, cur, rows, tokens)}
+            return {"match": match, "results": _results(store, cur, rows, tokens)}
     return {"match": "none", "results": []}
 
 
@@ -2727,19 +2848,21 @@ def _visibility(project, kind, scope, include_superseded, deleted, private, incl
     return where or ["1"], params
 
 
-def _fts_query(tokens, match_all, where, params, limit, highlight):
+def _fts_query(level, every, where, params, limit, highlight):
     sql = ("SELECT %s, snippet(records_fts, 0, ?, ?, '…', 24) FROM records_fts "
            "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
            "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5) LIMIT ?" % (_RESULT_COLUMNS, " AND ".join(where)))
-    return sql, [highlight[0], highlight[1], fts_expression(tokens, match_all)] + params + [limit]
+    return sql, [highlight[0], highlight[1], fts_expression(level, every)] + params + [limit]
 
 
-def _like_query(tokens, match_all, where, params, limit, highlight):
-    """The same search for a SQLite without FTS5: accent-folded LIKE, newest first."""
-    likes = ["qmem_fold(r.text) LIKE ? ESCAPE '\\'"] * len(tokens)
+def _like_query(level, every, where, params, limit, highlight):
+    """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
+    in the text, so every term acts as a prefix), newest first."""
+    words = ["(%s)" % " OR ".join(["qmem_fold(r.text) LIKE ? ESCAPE '\\'"] * len(alternatives))
+             for alternatives in level]
     sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
-        _RESULT_COLUMNS, (" AND " if match_all else " OR ").join(likes), " AND ".join(where))
-    patterns = ["%" + re.sub(r"([\\%_])", r"\\\1", _fold(t)) + "%" for t in tokens]
+        _RESULT_COLUMNS, (" AND " if every else " OR ").join(words), " AND ".join(where))
+    patterns = ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for alternatives in level for term, _ in alternatives]
     return sql, patterns + params + [limit]
 
 
@@ -4035,11 +4158,16 @@ def _table(rows, width=None, caps=()):
     return lines
 
 
+# What each level of find_local says in a header.
+MATCH_LABELS = {"all": "all words", "stemmed": "word forms", "fuzzy": "near spellings",
+                "any": "partial match (any word)", "none": "no match"}
+
+
 def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     results = doc["results"]
     if not doc.get("index_exists", True):
         out.write("no local index yet at %s: run `qmem.py import` (or `qmem.py pull`) first\n" % doc["db"])
-    label = {"all": "all words", "any": "partial match (any word)", "none": "no match"}[doc["match"]]
+    label = MATCH_LABELS[doc["match"]]
     out.write("%s · %s · %s\n" % (header, plural(len(results), "result"), label))
     if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
         out.write("(the query has no words to search for)\n")

@@ -709,11 +709,12 @@ class NoFts5Tests(QmemTestCase):
         code, out, err = self.run_cli("import")
         self.assertEqual(code, 0)
         self.assertIn("no FTS5", err)
+        self.assertIn("not near spellings", err)
         self.assertEqual(self.find_ids("perche", "citta"), [UUIDS[0]])
         self.assertEqual(self.find_ids("città"), [UUIDS[0]])
         self.assertEqual(self.find_ids("100%"), [UUIDS[0]])
         self.assertEqual(self.find_ids("50%"), [])
-        out = self.ok_json("find", "perche", "nothing")
+        out = self.ok_json("find", "citta", "nothing")
         self.assertEqual(out["match"], "any")
         code, out, err = self.run_cli("find", "perche")
         self.assertEqual(err, "")  # said once, at creation, not on every search
@@ -3087,6 +3088,288 @@ class SecurityLeaseTests(GatewayTestCase):
             with self.assertRaises(qmem.StoreError) as cm:
                 qmem.Store(self.db)
         self.assertIn("written by a newer qmem.py", str(cm.exception))
+
+
+class SearchLevelTests(QmemTestCase):
+    """Part 9: find answers word forms and near spellings, level by level, and says which."""
+
+    def setUp(self):
+        super().setUp()
+        for n, text in enumerate(["Production deploys with Capistrano from the release branch",
+                                  "The circuit breaker opens after three failures",
+                                  "The monolith DB is MySQL 5.7 and must be upgraded",
+                                  "Le città supportate sono Milano e Roma",
+                                  "Il deploy non si fa mai di venerdì (Friday freeze)",
+                                  "The migrazione of the billing database is done",
+                                  "Redis caches session tokens"]):
+            self.put_record(UUIDS[n], text)
+
+    def level(self, *query):
+        doc = self.ok_json("find", *query)
+        return doc["match"], [r["id"] for r in doc["results"]]
+
+    def test_each_level_in_english_and_italian(self):
+        self.assertEqual(self.level("capistrano"), ("all", [UUIDS[0]]))
+        self.assertEqual(self.level("deployed", "capistrano"), ("stemmed", [UUIDS[0]]))
+        self.assertEqual(self.level("upgrading", "mysql"), ("stemmed", [UUIDS[2]]))
+        self.assertEqual(self.level("breakers"), ("stemmed", [UUIDS[1]]))
+        self.assertEqual(self.level("citta", "supportata"), ("stemmed", [UUIDS[3]]))
+        self.assertEqual(self.level("migrato"), ("stemmed", [UUIDS[5]]))
+        self.assertEqual(self.level("circiut", "breaker"), ("fuzzy", [UUIDS[1]]))
+        self.assertEqual(self.level("capistarno"), ("fuzzy", [UUIDS[0]]))
+        self.assertEqual(self.level("suportate"), ("fuzzy", [UUIDS[3]]))
+        self.assertEqual(self.level("redis", "kubernetes")[0], "any")
+        self.assertEqual(self.level("deployed", "friday"), ("stemmed", [UUIDS[4]]))
+
+    def test_an_exact_match_ranks_above_a_word_form(self):
+        self.put_record(UUIDS[20], "Nightly deploy of the docs")
+        match, found = self.level("deploy", "nightly")
+        self.assertEqual((match, found[0]), ("all", UUIDS[20]))
+        self.put_record(UUIDS[21], "the report deployed nightly")
+        self.put_record(UUIDS[22], "the report deploys every night")
+        match, found = self.level("deployed", "report")
+        self.assertEqual((match, found[0]), ("all", UUIDS[21]))
+        match, found = self.level("deploying", "report")
+        self.assertEqual(match, "stemmed")
+        self.assertEqual(set(found), {UUIDS[21], UUIDS[22]})
+
+    def test_stop_words_need_not_match_and_labels_say_the_level(self):
+        self.assertEqual(self.level("how", "do", "we", "deploy", "with", "capistrano?"), ("stemmed", [UUIDS[0]]))
+        self.assertEqual(self.level("what", "is", "the", "release", "branch?"), ("all", [UUIDS[0]]))
+        self.assertEqual(self.level("quali", "sono", "le", "città", "supportate?"), ("all", [UUIDS[3]]))
+        self.assertIn("· word forms", self.ok("find", "breakers"))
+        self.assertIn("· near spellings", self.ok("find", "circiut", "breaker"))
+        self.assertIn("· partial match (any word)", self.ok("find", "redis", "kubernetes"))
+        with mock.patch.object(qmem, "_color_ok", return_value=True):
+            self.assertIn("\x1b[1mbreaker\x1b[0m", self.ok("find", "breakers"))  # the form that matched, in bold
+
+    def test_without_fts5_word_forms_still_match_and_typos_are_said_unavailable(self):
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "like.sqlite")
+        with mock.patch.object(qmem, "FORCE_NO_FTS5", True):
+            code, out, err = self.run_cli("status")
+            store = qmem.Store(os.environ["QMEM_SQLITE"])
+            store.close()
+        self.put_record_at(os.environ["QMEM_SQLITE"], UUIDS[0], "The circuit breaker opens after three failures")
+        self.assertEqual(self.level("breakers"), ("stemmed", [UUIDS[0]]))
+        self.assertEqual(self.level("circiut", "breaker")[0], "any")  # no vocabulary: no near spellings
+
+    def put_record_at(self, path, rid, text):
+        store = qmem.Store(path)
+        try:
+            with store.transaction():
+                store.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+        finally:
+            store.close()
+
+    def test_an_existing_database_needs_no_reimport(self):
+        conn = sqlite3.connect(self.db)
+        conn.execute("PRAGMA user_version=1")  # as an older qmem.py left it
+        conn.commit()
+        conn.close()
+        self.assertEqual(self.level("deployed", "capistrano"), ("stemmed", [UUIDS[0]]))
+        self.assertEqual(self.ok_json("status")["db"]["schema_version"], qmem.SCHEMA_VERSION)
+
+
+RELEVANCE_RECORDS = [
+    # 0-59: English
+    "The monolith DB is MySQL 5.7 and must be upgraded before the billing migration",
+    "Production deploys with Capistrano from the release branch, never from main",
+    "The circuit breaker opens after three consecutive failures of the payment gateway",
+    "Redis caches the session tokens for fifteen minutes",
+    "Kafka consumers commit offsets only after the batch is written to Postgres",
+    "We chose Terraform over Pulumi for the network modules",
+    "The staging cluster runs on three nodes in Frankfurt",
+    "Alerts for disk usage fire at eighty percent on every database host",
+    "Nightly backups are encrypted with age and uploaded to the cold storage bucket",
+    "The frontend bundle must stay under two hundred kilobytes gzipped",
+    "Feature flags are evaluated server side through the Unleash proxy",
+    "The search service indexes documents with Elasticsearch seven",
+    "Logs older than thirty days are deleted by the retention job",
+    "The API rate limit is one hundred requests per minute per token",
+    "Marco prefers tabs over spaces in the Go services",
+    "Integration tests spin up Docker containers for every external dependency",
+    "The mobile app reads its configuration from a remote JSON file",
+    "Certificates are renewed automatically by certbot every sixty days",
+    "Grafana dashboards are provisioned from the monitoring repository",
+    "The data warehouse loads events from the tracking pipeline every hour",
+    "Passwords are hashed with argon2 and a per user salt",
+    "The invoice generator renders PDF files with WeasyPrint",
+    "Customer emails are sent through Postmark with a dedicated IP",
+    "The scheduler retries failed jobs with exponential backoff",
+    "Developers rebase feature branches instead of merging main into them",
+    "The legacy SOAP endpoint is kept only for the accounting partner",
+    "Static assets are served from a CDN with a one year cache header",
+    "The recommendation model is retrained every Sunday night",
+    "Database migrations run in a separate step before the application restarts",
+    "The support team uses Zendesk macros for refund requests",
+    "Kubernetes pods have memory limits of half a gigabyte by default",
+    "The websocket gateway keeps a heartbeat every twenty seconds",
+    "Translations are managed in Crowdin and synced weekly",
+    "The payment provider webhook verifies signatures with a shared secret",
+    "Error reports go to Sentry with the release version attached",
+    "The onboarding wizard stores drafts in local storage",
+    "Load tests showed the checkout endpoint handles two thousand requests per second",
+    "The GraphQL schema is generated from the Prisma models",
+    "Code reviews need two approvals for changes to the billing module",
+    "The CI pipeline caches the node modules between builds",
+    "Security patches are applied to the base images every Tuesday",
+    "The analytics export produces a CSV file for the finance department",
+    "The image resizer uses libvips because ImageMagick was too slow",
+    "User avatars are stored in an S3 bucket with private access",
+    "The cron job that purges expired sessions runs at three in the morning",
+    "Our SLA promises ninety nine point nine percent availability",
+    "The notification service batches push messages for each device",
+    "Accessibility audits are done before every major release",
+    "The VPN gateway drops idle connections after ten minutes",
+    "The search autocomplete debounces keystrokes for two hundred milliseconds",
+    "Incidents are reviewed in a blameless postmortem within a week",
+    "The ledger service writes every transaction to an append only table",
+    "Dependency updates are proposed by Renovate and merged after green builds",
+    "The geocoding cache expires entries after thirty days",
+    "The team decided to deprecate the XML import format next quarter",
+    "Staging databases are refreshed from anonymized production dumps",
+    "The router firmware is upgraded manually during the maintenance window",
+    "Queue workers scale horizontally based on the backlog length",
+    "The documentation site is built with MkDocs and published on merge",
+    "Single sign on uses SAML with the corporate identity provider",
+    # 60-109: Italian
+    "Le città supportate sono Milano, Roma e Torino",
+    "Il deploy in produzione non si fa mai di venerdì (Friday freeze)",
+    "La migrazione del database è stata completata a marzo",
+    "Il server di posta è stato migrato su un nuovo fornitore",
+    "I backup notturni vengono cifrati e copiati su un secondo datacenter",
+    "Il nodo tre del cluster ospita il broker dei messaggi",
+    "Le fatture vengono generate automaticamente alla fine del mese",
+    "Il cliente preferisce ricevere i report via email il lunedì",
+    "La password del wifi dell'ufficio cambia ogni trimestre",
+    "Il modulo dei pagamenti usa le API della banca in sandbox",
+    "Gli utenti amministratori possono esportare i dati in formato CSV",
+    "Le notifiche push sono disattivate durante la notte",
+    "Il firewall blocca tutte le porte tranne la 443 e la 22",
+    "La documentazione tecnica è scritta in italiano e in inglese",
+    "Il magazzino sincronizza le giacenze con il gestionale ogni ora",
+    "Le immagini dei prodotti vengono compresse prima del caricamento",
+    "Il contratto di manutenzione scade alla fine dell'anno",
+    "La connessione al database usa un pool di venti connessioni",
+    "I test di carico vengono eseguiti prima di ogni rilascio importante",
+    "Il team ha scelto Vue al posto di React per il pannello interno",
+    "Le chiavi SSH dei dipendenti vengono revocate il giorno delle dimissioni",
+    "La stampante del secondo piano è collegata alla rete ospiti",
+    "Il sito rallenta quando il catalogo supera diecimila articoli",
+    "Le richieste di rimborso vengono approvate dal responsabile amministrativo",
+    "Il servizio di traduzione automatica è limitato a mille caratteri",
+    "La sede di Bologna apre alle otto e mezza",
+    "I log applicativi vengono conservati per novanta giorni",
+    "La rete interna è divisa in tre sottoreti per reparto",
+    "Il certificato del dominio principale scade a giugno",
+    "Le ferie del reparto tecnico vanno concordate entro aprile",
+    "Il gestionale esporta gli ordini in un file XML ogni notte",
+    "L'assistenza clienti risponde dalle nove alle diciotto",
+    "Il cruscotto commerciale mostra le vendite per regione",
+    "Le copie di sicurezza dei portatili sono gestite dall'ufficio IT",
+    "Il progetto di rinnovamento del sito è rimandato al prossimo anno",
+    "Le email di marketing partono sempre il martedì mattina",
+    "Il sistema di prenotazione delle sale riunioni è stato sostituito",
+    "La fibra dell'ufficio di Napoli è stata potenziata a un gigabit",
+    "Le credenziali del fornitore cloud sono custodite nel vault aziendale",
+    "Il registro delle modifiche viene aggiornato a ogni versione",
+    "Gli ordini sopra i cinquecento euro richiedono una seconda approvazione",
+    "Il calendario condiviso mostra le reperibilità del fine settimana",
+    "La vecchia applicazione desktop non è più supportata",
+    "Le dashboard di monitoraggio sono visibili su uno schermo in sala server",
+    "Il motore di ricerca interno indicizza anche i documenti PDF",
+    "I nuovi assunti ricevono il portatile il primo giorno",
+    "La procedura di emergenza prevede lo spegnimento del gruppo di continuità",
+    "Il preventivo del fornitore di traslochi è stato accettato",
+    "Le riunioni di pianificazione si tengono ogni due settimane",
+    "Il database dei clienti viene anonimizzato per gli ambienti di prova",
+]
+
+# (kind, query, index of the record it must find)
+RELEVANCE_QUERIES = [
+    # exact: the record must come first
+    ("exact", "Capistrano release branch", 1), ("exact", "circuit breaker", 2), ("exact", "Redis session tokens", 3),
+    ("exact", "Kafka offsets", 4), ("exact", "Terraform Pulumi", 5), ("exact", "Frankfurt", 6),
+    ("exact", "disk usage alerts", 7), ("exact", "cold storage bucket", 8), ("exact", "gzipped bundle", 9),
+    ("exact", "Unleash proxy", 10), ("exact", "Elasticsearch", 11), ("exact", "retention job", 12),
+    ("exact", "rate limit", 13), ("exact", "tabs spaces", 14), ("exact", "certbot", 17),
+    ("exact", "argon2 salt", 20), ("exact", "WeasyPrint", 21), ("exact", "Postmark", 22),
+    ("exact", "SOAP endpoint", 25), ("exact", "Zendesk macros", 29), ("exact", "Sentry release", 34),
+    ("exact", "Prisma", 37), ("exact", "libvips", 42), ("exact", "Renovate", 52),
+    ("exact", "MkDocs", 58), ("exact", "SAML", 59), ("exact", "Milano Roma Torino", 60),
+    ("exact", "broker dei messaggi", 65), ("exact", "porte 443", 72), ("exact", "Vue React", 79),
+    ("exact", "sala server", 103), ("exact", "gruppo di continuità", 106),
+    # English word forms
+    ("en_forms", "deployed capistrano", 1), ("en_forms", "breakers open", 2), ("en_forms", "redis caching", 3),
+    ("en_forms", "upgrade mysql", 0), ("en_forms", "committed offsets", 4), ("en_forms", "backup encryption", 8),
+    ("en_forms", "deleting logs", 12), ("en_forms", "retry failed job", 23), ("en_forms", "rebasing branches", 24),
+    ("en_forms", "retraining model", 27), ("en_forms", "migration runs", 28), ("en_forms", "cached node modules", 39),
+    ("en_forms", "patch base image", 40), ("en_forms", "purge expired session", 44),
+    ("en_forms", "batching push message", 46), ("en_forms", "upgrading router firmware", 56),
+    ("en_forms", "scaling queue worker", 57), ("en_forms", "deprecating xml import", 54),
+    ("en_forms", "renewing certificates", 17), ("en_forms", "hashing password", 20),
+    # Italian word forms
+    ("it_forms", "citta supportata", 60), ("it_forms", "migrazioni database", 62), ("it_forms", "server migrazione", 63),
+    ("it_forms", "backup cifrato", 64), ("it_forms", "fattura generata", 66), ("it_forms", "notifica disattivata", 71),
+    ("it_forms", "immagine compressa", 75), ("it_forms", "test eseguito", 78), ("it_forms", "chiave revocata", 80),
+    ("it_forms", "richiesta approvata", 83), ("it_forms", "log conservato", 86), ("it_forms", "ordine esportato", 90),
+    ("it_forms", "copia gestita", 93), ("it_forms", "progetto rimandato", 94), ("it_forms", "sistema sostituito", 96),
+    ("it_forms", "credenziale custodita", 98), ("it_forms", "registro aggiornato", 99),
+    ("it_forms", "applicazione supportata", 102), ("it_forms", "documento indicizzato", 104),
+    ("it_forms", "database anonimizzato", 109),
+    # one typo in a word of five letters or more
+    ("typos", "circiut breaker", 2), ("typos", "capistarno", 1), ("typos", "Kakfa offsets", 4),
+    ("typos", "Terrafrom", 5), ("typos", "Frankfrut", 6), ("typos", "Elastcsearch", 11),
+    ("typos", "certbto", 17), ("typos", "WeasyPirnt", 21), ("typos", "Postmrak", 22),
+    ("typos", "Zendesc macros", 29), ("typos", "Sentyr", 34), ("typos", "libvisp", 42),
+    ("typos", "Renovtae", 52), ("typos", "heartbaet", 31), ("typos", "Crowdni", 32),
+    ("typos", "Grafnaa", 18), ("typos", "postmortme", 50), ("typos", "anonymizde", 55),
+    ("typos", "magazino giacenze", 74), ("typos", "stampante secndo", 81), ("typos", "prenotazone sale", 96),
+    ("typos", "traslcohi", 107), ("typos", "reperibilita calendrio", 101), ("typos", "Bologan", 85),
+    # questions, with stop words
+    ("questions", "how do we deploy with capistrano?", 1), ("questions", "what is the rate limit of the API?", 13),
+    ("questions", "when are the certificates renewed?", 17), ("questions", "where are the user avatars stored?", 43),
+    ("questions", "which dashboards are provisioned?", 18), ("questions", "what does the ledger service write?", 51),
+    ("questions", "how often is the recommendation model retrained?", 27),
+    ("questions", "what is our SLA?", 45), ("questions", "who uses Zendesk?", 29),
+    ("questions", "why libvips instead of ImageMagick?", 42),
+    ("questions", "quali sono le città supportate?", 60), ("questions", "quando scade il contratto di manutenzione?", 76),
+    ("questions", "dove sono custodite le credenziali?", 98), ("questions", "come si fanno i backup notturni?", 64),
+    ("questions", "che cosa ospita il nodo tre?", 65), ("questions", "quando partono le email di marketing?", 95),
+    ("questions", "chi approva le richieste di rimborso?", 83), ("questions", "per quanto tempo si conservano i log?", 86),
+    ("questions", "qual è l'orario dell'assistenza clienti?", 91), ("questions", "quando si tengono le riunioni?", 108),
+]
+
+
+class RelevanceTests(QmemTestCase):
+    """A relevance set of our own, English and Italian: recall@5 per kind of query, and
+    the level that answered."""
+
+    TARGETS = {"exact": 1.0, "en_forms": 0.9, "it_forms": 0.85, "typos": 0.9, "questions": 0.9}
+
+    def test_recall_at_5_and_honest_levels(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with store.transaction():
+            for n, text in enumerate(RELEVANCE_RECORDS):
+                store.upsert(qmem.normalize_record(record(UUIDS[n], text)), qmem.VIEW_FULL)
+        found, total, misses = {}, {}, []
+        for kind, query, want in RELEVANCE_QUERIES:
+            doc = qmem.find_local(store, query, limit=5)
+            ids = [r["id"] for r in doc["results"]]
+            total[kind] = total.get(kind, 0) + 1
+            good = UUIDS[want] in ids and (kind != "exact" or ids[0] == UUIDS[want])
+            found[kind] = found.get(kind, 0) + good
+            if not good:
+                misses.append((kind, query))
+            if kind == "typos":
+                self.assertEqual(doc["match"], "fuzzy", query)  # a typo is answered by near spellings
+            if kind == "exact":
+                self.assertEqual(doc["match"], "all", query)
+        for kind, target in self.TARGETS.items():
+            self.assertGreaterEqual(found[kind] / total[kind], target, (kind, misses))
+        self.assertGreaterEqual(len(RELEVANCE_QUERIES), 100)
+        self.assertGreaterEqual(len(RELEVANCE_RECORDS), 100)
 
 
 class CompatibilityTests(unittest.TestCase):
