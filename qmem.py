@@ -2785,9 +2785,14 @@ def fts_expression(level, every):
 
 
 def near_spellings(store, word):
-    """The index's terms one edit away from word (a typo's likely intent). A term one
-    edit away shares either word's first half or its second, and only those are
-    compared in full."""
+    """The index's terms one edit away from word (a typo's likely intent), for a word
+    that the index holds in no form at all: one it holds is no typo, and asking costs a
+    read of the whole vocabulary. A term one edit away shares either word's first half
+    or its second, and only those are compared in full."""
+    forms = [(word, True)] + [(s, True) for s in word_stems(word)]
+    if store.conn.execute("SELECT 1 FROM records_fts WHERE records_fts MATCH ? LIMIT 1",
+                          (fts_expression([forms], True),)).fetchone():
+        return []
     half = (len(word) - 1) // 2
     head, tail = word[:half], word[-max(1, len(word) - half - 2):]
     return [t for t in store.index_terms() if abs(len(t) - len(word)) <= 1 and (t.startswith(head) or
