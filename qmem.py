@@ -1605,6 +1605,21 @@ def _check_private(path):
                                   "chown it to yourself and chmod go-w")
 
 
+_OUTBOX_BUNDLE_COLUMNS = ("id", "op", "payload", "target", "state", "gateway_id", "duplicate_of", "attempts",
+                          "created_at", "last_error", "last_status")
+
+
+def _bundle_filter(projects, since):
+    where, params = ["1"], []
+    if projects:
+        where.append("project_id IN (%s)" % ", ".join("?" * len(projects)))
+        params += list(projects)
+    if since:
+        where.append("coalesce(updated_at, created_at) >= ?")
+        params.append(since)
+    return " AND ".join(where), params
+
+
 class Store:
     """The local SQLite database: records, FTS index, import progress, outbox."""
 
@@ -1897,6 +1912,45 @@ class Store:
                     self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
                                       (local_id, self.current_id(target)))
             self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
+
+    def bundle_record_count(self, projects, since):
+        where, params = _bundle_filter(projects, since)
+        return self.conn.execute("SELECT count(*) FROM records WHERE pending=0 AND " + where, params).fetchone()[0]
+
+    def bundle_records(self, projects, since):
+        """The records a bundle carries (not this machine's own writes: their outbox rows
+        carry them), as dicts, streamed."""
+        where, params = _bundle_filter(projects, since)
+        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s ORDER BY rid"
+                                % (", ".join(FIELDS), where), params)
+        names = [d[0] for d in cur.description]
+        for row in cur:
+            rec = dict(zip(names, row))
+            rec["private"] = bool(rec["private"])
+            yield rec
+
+    def bundle_outbox(self, projects, since):
+        """The outbox rows a bundle carries, as dicts (filtered on their payload's project)."""
+        cur = self.conn.execute("SELECT %s FROM outbox ORDER BY rid" % ", ".join(_OUTBOX_BUNDLE_COLUMNS))
+        for row in cur:
+            item = dict(zip(_OUTBOX_BUNDLE_COLUMNS, row))
+            if since and iso_from_epoch(item["created_at"]) < since:
+                continue
+            if projects and json.loads(item["payload"]).get("project_id") not in projects:
+                continue
+            yield item
+
+    def settle_write(self, local_id, state, other_id):
+        """Inside a transaction: a write of this machine that another machine delivered
+        (a bundle says so): it takes the gateway id (or is the duplicate of one)."""
+        if state == SYNCED:
+            self.conn.execute("UPDATE outbox SET state='synced', gateway_id=?, claim_token=NULL, lease_until=NULL, "
+                              "done_at=? WHERE id=?", (other_id, time.time(), local_id))
+            self.adopt(local_id, {"id": other_id})
+        else:
+            self.conn.execute("UPDATE outbox SET state='duplicate', duplicate_of=?, claim_token=NULL, "
+                              "lease_until=NULL, done_at=? WHERE id=?", (other_id, time.time(), local_id))
+            self.drop_local(local_id, other_id)
 
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
@@ -2930,7 +2984,8 @@ def local_status(store):
         "lag": {"newest_entry_imported_at": store.meta("newest_entry_at"),
                 "last_import_at": store.meta("last_import_at"),
                 "last_pull_at": store.meta("last_pull_at"),
-                "last_flush_at": store.meta("last_flush_at")},
+                "last_flush_at": store.meta("last_flush_at"), "last_load_at": store.meta("last_load_at"),
+                "last_load_from": store.meta("last_load_from")},
         "duplicates": {"groups": dups[0], "records": dups[1]},
         "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0)},
         "db": {"path": store.path, "bytes": size, "schema_version": SCHEMA_VERSION},
@@ -2945,7 +3000,8 @@ def empty_status(db_path):
                "by_kind": {}, "by_project": {}}
     return {"source": "local_sqlite", "records": records, "outbox": dict.fromkeys(OUTBOX_STATES, 0),
             "coverage": {"complete": 0, "search_hit_only": 0, "complete_share": None},
-            "lag": dict.fromkeys(("newest_entry_imported_at", "last_import_at", "last_pull_at", "last_flush_at")),
+            "lag": dict.fromkeys(("newest_entry_imported_at", "last_import_at", "last_pull_at", "last_flush_at",
+                                  "last_load_at", "last_load_from")),
             "duplicates": {"groups": 0, "records": 0}, "sessions": {"files": 0, "not_sessions": 0},
             "db": {"path": db_path, "bytes": 0, "schema_version": None},
             "fts": {"available": None, "tokenizer": None}, "machine": machine_identity()}
@@ -2998,20 +3054,26 @@ def enqueue(store, op, payload):
     """Put one write in the outbox and its record in the index, in one transaction:
     from here on it is on disk, searchable (marked pending), and will be delivered."""
     local_id = new_local_id()
-    now = time.time()
-    rec = normalize_record(dict(payload, id=local_id, created_at=iso_from_epoch(now),
-                                updated_at=iso_from_epoch(now)))
     with store.transaction():
-        store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at) VALUES(?, ?, ?, ?, ?)",
-                           (local_id, op, json.dumps(payload, ensure_ascii=False, sort_keys=True),
-                            payload.get("supersedes_id"), now))
-        store.upsert(rec, VIEW_FULL, iso_from_epoch(now))
-        store.conn.execute("UPDATE records SET pending=1 WHERE id=?", (local_id,))
-        target = payload.get("supersedes_id")
-        if target:
-            store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
-                               (local_id, store.current_id(target)))
+        add_write(store, local_id, op, json.dumps(payload, ensure_ascii=False, sort_keys=True), time.time())
     return local_id
+
+
+def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
+    """Inside a transaction: an outbox row and the local record of its write (marked
+    waiting, or refused for a failed row); a correction hides its target at once."""
+    payload = json.loads(payload_text)
+    target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
+    store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, done_at) "
+                       "VALUES(?, ?, ?, ?, ?, ?, ?, ?)", (local_id, op, payload_text, target, created_at, state,
+                                                          last_error, created_at if state == FAILED else None))
+    when = iso_from_epoch(created_at)
+    store.upsert(normalize_record(dict(payload, id=local_id, created_at=when, updated_at=when)), VIEW_FULL, when)
+    store.conn.execute("UPDATE records SET pending=? WHERE id=?",
+                       (LOCAL_FAILED if state == FAILED else LOCAL_WAITING, local_id))
+    if target and state != FAILED:
+        store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
+                           (local_id, store.current_id(target)))
 
 
 # What a flush does with a claimed row, beside the final states.
@@ -3424,6 +3486,232 @@ def enrich(store, gateway, ids, progress=None):
     return fetched, unknown, stopped
 
 
+# === Bundles =================================================================
+#
+# The knowledge in and the writes out of an air-gapped host, as one file: gzip-
+# compressed JSON Lines, a header, the records, the outbox rows, and a trailer that
+# counts the lines and holds a SHA-256 of every byte before it. A bundle is checked
+# whole before anything is changed; loading one twice changes nothing.
+
+BUNDLE_FORMAT, BUNDLE_VERSION = "qmem-bundle", 1
+
+
+class BundleError(QmemError):
+    """A file that is not a complete, intact bundle this qmem.py can read."""
+    kind = "bad_bundle"
+
+
+def write_bundle(store, out, projects=None, since=None, records=True, outbox=True):
+    """Write a bundle to the binary stream out (streamed: memory stays flat). Returns
+    the counts of what it holds. One read transaction: a consistent snapshot."""
+    import gzip
+    import hashlib
+    digest, lines = hashlib.sha256(), [0]
+    zipped = gzip.GzipFile(fileobj=out, mode="wb", mtime=0)
+
+    def put(obj):
+        data = (json.dumps(obj, ensure_ascii=False, sort_keys=True) + "\n").encode("utf-8")
+        digest.update(data)
+        zipped.write(data)
+        lines[0] += 1
+    store.conn.execute("BEGIN")
+    try:
+        rows = list(store.bundle_outbox(projects, since)) if outbox else []
+        counts = {"records": store.bundle_record_count(projects, since) if records else 0, "outbox": len(rows)}
+        put({"format": BUNDLE_FORMAT, "format_version": BUNDLE_VERSION, "qmem_version": __version__,
+             "machine": machine_identity(), "created_at": iso_now(), "counts": counts,
+             "filters": {"projects": projects or None, "since": since, "records": records, "outbox": outbox}})
+        for rec in store.bundle_records(projects, since) if records else ():
+            put(dict(rec, type="record"))
+        for row in rows:
+            put(dict(row, type="outbox"))
+    finally:
+        store.conn.execute("COMMIT")
+    trailer = {"type": "end", "lines": lines[0], "sha256": digest.hexdigest()}
+    zipped.write((json.dumps(trailer, sort_keys=True) + "\n").encode("utf-8"))
+    zipped.close()
+    return counts
+
+
+def check_bundle(path):
+    """Read a bundle whole and return its header; BundleError for a file that is not
+    one, is cut short, has a byte changed, or is of a newer format."""
+    import gzip
+    import hashlib
+    import zlib
+    digest, count, header, previous = hashlib.sha256(), 0, None, None
+    try:
+        with gzip.open(path, "rb") as f:
+            for line in f:
+                if previous is not None:
+                    digest.update(previous)
+                    count += 1
+                if header is None:
+                    header = _bundle_line(line, "the header")
+                    if header.get("format") != BUNDLE_FORMAT:
+                        raise BundleError("%s is not a qmem bundle (no qmem-bundle header)" % path)
+                    version = header.get("format_version")
+                    if not isinstance(version, int) or version > BUNDLE_VERSION:
+                        raise BundleError("%s is a bundle of format %r; this qmem.py reads format %d" % (
+                            path, version, BUNDLE_VERSION), hint="load it with a newer qmem.py")
+                previous = line
+    except (OSError, EOFError, zlib.error) as e:
+        raise BundleError("%s is not a complete qmem bundle (%s): nothing was loaded" % (
+            path, getattr(e, "strerror", None) or e))
+    trailer = _bundle_line(previous or b"", "the last line") if header is not None else {}
+    if header is None or trailer.get("type") != "end":
+        raise BundleError("%s is not a complete qmem bundle (its end is missing): nothing was loaded" % path)
+    if trailer.get("lines") != count or trailer.get("sha256") != digest.hexdigest():
+        raise BundleError("%s is damaged (its checksum does not match): nothing was loaded" % path)
+    return header
+
+
+def _bundle_line(line, what):
+    try:
+        obj = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise BundleError("a bundle's %s is not JSON: nothing was loaded" % what)
+    if not isinstance(obj, dict):
+        raise BundleError("a bundle's %s is not a JSON object: nothing was loaded" % what)
+    return obj
+
+
+def bundle_items(path):
+    """The records and outbox rows of a checked bundle, in order."""
+    import gzip
+    with gzip.open(path, "rb") as f:
+        next(f)  # the header
+        for line in f:
+            obj = without_surrogates(_bundle_line(line, "line"))
+            if obj.get("type") in ("record", "outbox"):
+                yield obj
+
+
+def _spool(stream):
+    """Standard input in a private temporary file (a bundle is read twice: checked, then
+    merged). Returns its path."""
+    import tempfile
+    import shutil
+    fd, path = tempfile.mkstemp(prefix="qmem-bundle-")
+    with os.fdopen(fd, "wb") as f:
+        shutil.copyfileobj(stream, f)
+    return path
+
+
+class LoadStats:
+    def __init__(self):
+        self.records_new = self.records_updated = self.records_unchanged = 0
+        self.outbox_added = self.outbox_settled = self.outbox_unchanged = self.skipped = 0
+
+    def as_dict(self):
+        return {"records": {"new": self.records_new, "updated": self.records_updated,
+                            "unchanged": self.records_unchanged},
+                "outbox": {"added": self.outbox_added, "settled": self.outbox_settled,
+                           "unchanged": self.outbox_unchanged},
+                "skipped": self.skipped}
+
+
+def load_bundle(store, path, header, dry_run=False):
+    """Merge a checked bundle, in one transaction (rolled back for a dry run): records
+    under the merge rule; outbox rows this machine lacks, added with their own local
+    ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
+    bundle shows delivered settle the same rows here, without a request."""
+    stats = LoadStats()
+    bulk = not dry_run and store.conn.execute("SELECT count(*) FROM records").fetchone()[0] == 0
+    if bulk:
+        store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
+    try:
+        return _merge_bundle(store, path, header, dry_run, bulk, stats)
+    finally:
+        if bulk and store.meta("fts_pending"):  # rolled back: the index is rebuilt for what is there
+            with store.transaction():
+                store.finish_bulk()
+
+
+def _merge_bundle(store, path, header, dry_run, bulk, stats):
+    with store.transaction():
+        settle = []
+        batch = []
+        for item in bundle_items(path):
+            if item["type"] == "outbox":
+                settle.append(item)
+                continue
+            rec = normalize_record(item)
+            view = item.get("view") if item.get("view") in (VIEW_HIT, VIEW_ARGS, VIEW_FULL) else VIEW_FULL
+            if rec is None or item.get("pending"):  # a write of that machine: it comes with its outbox row
+                stats.skipped += rec is None
+                continue
+            if store.bulk_sql and bulk:
+                batch.append((rec["id"], view, iso_now()) + _FIELD_VALUES(rec))
+                if len(batch) >= 5000:
+                    _merge_batch(store, batch, stats)
+            else:
+                outcome = store.upsert(rec, view, iso_now())
+                stats.records_new += outcome == "new"
+                stats.records_updated += outcome == "updated"
+                stats.records_unchanged += outcome == "same"
+        _merge_batch(store, batch, stats)
+        for row in settle:
+            _load_outbox_row(store, row, stats)
+        store.finish_bulk()
+        store.link_supersessions()
+        if not dry_run:
+            store.set_meta("last_load_at", iso_now())
+            store.set_meta("last_load_from", str(header.get("machine") or "?")[:200])
+        if dry_run:
+            raise _DryRun(stats)
+    return stats
+
+
+class _DryRun(Exception):
+    """Leaves a load's transaction rolled back, with what it would have done."""
+
+    def __init__(self, stats):
+        Exception.__init__(self, "dry run")
+        self.stats = stats
+
+
+def _merge_batch(store, batch, stats):
+    if batch:
+        new, updated = store.merge_many(batch)
+        stats.records_new += new
+        stats.records_updated += updated
+        stats.records_unchanged += len(batch) - new - updated
+        del batch[:]
+
+
+def _load_outbox_row(store, row, stats):
+    """One outbox row of a bundle: added here when new, settling this machine's row
+    when the bundle shows it delivered, else nothing."""
+    local_id, state = row.get("id"), row.get("state")
+    payload, op = row.get("payload"), row.get("op")
+    if not (isinstance(local_id, str) and UUID_RE.fullmatch(local_id) and state in OUTBOX_STATES
+            and isinstance(payload, str) and op in ("store", "correct")):
+        stats.skipped += 1
+        return
+    here = store.outbox_row(local_id)
+    delivered = state in (SYNCED, DUPLICATE)
+    if here is None and not delivered:
+        try:
+            created = float(row.get("created_at"))
+            json.loads(payload)
+        except (TypeError, ValueError):
+            stats.skipped += 1
+            return
+        add_write(store, local_id, op, payload, created, FAILED if state == FAILED else PENDING,
+                  row.get("last_error") if isinstance(row.get("last_error"), str) else None)
+        stats.outbox_added += 1
+    elif here is not None and delivered and here["state"] not in (SYNCED, DUPLICATE):
+        other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
+        if not (isinstance(other, str) and UUID_RE.fullmatch(other)):
+            stats.skipped += 1
+            return
+        store.settle_write(local_id, state, other)
+        stats.outbox_settled += 1
+    else:
+        stats.outbox_unchanged += 1
+
+
 # === Operations ==============================================================
 #
 # What the front ends (the command line; the MCP server) ask for. Each operation
@@ -3716,6 +4004,74 @@ class Operations:
             # The gateway is there and will not take it as configured: still queued, but an error.
             doc.update(error_document(error))
         return self._after_online(doc) if state == SYNCED else doc
+
+    # -- bundles: the knowledge in and the writes out, as one file
+    @utf8_arguments
+    def export(self, path, projects=None, since=None, records_only=False, outbox_only=False, stream=None):
+        """Write a bundle to path (through a temporary file and a rename: an interrupted
+        export leaves no half bundle), or to the binary stream when path is '-'."""
+        if records_only and outbox_only:
+            raise UsageError("--records-only and --outbox-only exclude each other")
+        if since is not None:
+            when = parse_iso(since)
+            if when is None:
+                raise UsageError("--since %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % since)
+            since = iso_from_epoch(when)
+        if not self.has_index():
+            raise StoreError("no local index yet at %s: nothing to export" % self.config.db_path,
+                             hint="run `qmem.py import` or `qmem.py pull` first")
+        options = dict(projects=list(projects or ()) or None, since=since, records=not outbox_only,
+                       outbox=not records_only)
+        if path == "-":
+            counts = write_bundle(self.store(), stream, **options)
+        else:
+            counts = self._export_file(path, options)
+        return {"source": "local_sqlite", "file": path, "counts": counts, "format": BUNDLE_FORMAT,
+                "format_version": BUNDLE_VERSION}
+
+    def _export_file(self, path, options):
+        import tempfile
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
+        except OSError as e:
+            raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                counts = write_bundle(self.store(), f, **options)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            if isinstance(e, OSError):
+                raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
+            raise
+        return counts
+
+    @utf8_arguments
+    def load(self, path, dry_run=False, stream=None):
+        """Check a bundle whole, then merge it (see load_bundle); '-' reads stdin (kept
+        in a private temporary file while it is checked)."""
+        spooled = None
+        if path == "-":
+            spooled = path = _spool(stream)
+        try:
+            if not os.path.isfile(path):
+                raise UsageError("%s: no such bundle" % path)
+            header = check_bundle(path)
+            try:
+                stats = load_bundle(self.store(), path, header, dry_run=dry_run)
+            except _DryRun as d:
+                stats = d.stats
+        finally:
+            if spooled:
+                os.unlink(spooled)
+        return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run), machine=header.get("machine"),
+                    created_at=header.get("created_at"))
 
     # -- the outbox
     def queue(self, state=None):
@@ -4403,6 +4759,22 @@ def show_pull(doc, out):
         plural(doc["pages"], "page"), doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
 
 
+def show_export(doc, out):
+    out.write("export: %s and %s written to %s (%s format %d)\n" % (
+        plural(doc["counts"]["records"], "record"), plural(doc["counts"]["outbox"], "outbox row"),
+        "stdout" if doc["file"] == "-" else doc["file"], doc["format"], doc["format_version"]))
+
+
+def show_load(doc, out):
+    r, o = doc["records"], doc["outbox"]
+    out.write("load%s: bundle of %s, written %s\n" % (" (dry run, nothing changed)" if doc["dry_run"] else "",
+                                                       doc["machine"] or "?", doc["created_at"] or "?"))
+    out.write("  records: %d new, %d updated, %d unchanged\n" % (r["new"], r["updated"], r["unchanged"]))
+    out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered elsewhere), "
+              "%d unchanged%s\n" % (o["added"], o["settled"], o["unchanged"],
+                                   "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -4433,6 +4805,8 @@ def show_status(doc, out):
     out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s\n" % tuple(
         lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
                                     "last_flush_at")))
+    if lag.get("last_load_at"):
+        out.write("last bundle loaded: %s, from %s\n" % (lag["last_load_at"], lag["last_load_from"]))
     out.write("session files indexed: %d\n" % doc["sessions"]["files"])
     out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
         doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
@@ -4444,7 +4818,7 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
              "queue": show_queue, "flush": show_flush,
-             "enrich": show_enrich, "pull": show_pull}
+             "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load}
 
 
 def render(command, doc, json_mode, out=None, bold=False, width=None):
@@ -4660,6 +5034,15 @@ def with_progress(label, work):
         progress.done()
 
 
+def cli_export(ops, a):
+    return ops.export(a.file, projects=a.project, since=a.since, records_only=a.records_only,
+                      outbox_only=a.outbox_only, stream=sys.stdout.buffer if a.file == "-" else None)
+
+
+def cli_load(ops, a):
+    return ops.load(a.file, dry_run=a.dry_run, stream=sys.stdin.buffer if a.file == "-" else None)
+
+
 def cli_flush(ops, a):
     return with_progress("flush", lambda progress: ops.flush(
         retry_failed=a.retry_failed, respect_retry_after=a.respect_retry_after, progress=progress))
@@ -4771,6 +5154,19 @@ def build_parser():
                  "(GET /v1/memories:export).")
     sp.add_argument("--full", action="store_true", help="start over from the beginning")
 
+    sp = command("export", cli_export, "Write the local knowledge and the outbox to one file (a bundle) "
+                 "to carry to another host.")
+    sp.add_argument("file", metavar="FILE", help="the bundle to write (- for stdout; the summary then goes "
+                    "to stderr)")
+    sp.add_argument("--project", action="append", metavar="P", help="only this project (repeatable)")
+    sp.add_argument("--since", metavar="DATE", help="only what changed since this date")
+    sp.add_argument("--records-only", action="store_true", help="the records, not the outbox")
+    sp.add_argument("--outbox-only", action="store_true", help="the outbox (the writes made here), not the records")
+
+    sp = command("load", cli_load, "Merge a bundle written by `export` on another host (checked whole first).")
+    sp.add_argument("file", metavar="FILE", help="the bundle to read (- for stdin)")
+    sp.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+
     sp = command("breaker", cli_breaker, "Show the circuit breaker shared by every qmem process here "
                  "(--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
@@ -4822,7 +5218,9 @@ def main(argv=None):
         args = build_parser().parse_args(argv)
         ops = Operations(load_config(overrides={"localDbPath": args.db}))
         doc = args.func(ops, args)
-        render(args.command, doc, json_mode, bold=_color_ok(), width=_terminal_width())
+        to_stderr = args.command == "export" and args.file == "-"  # stdout holds the bundle
+        render(args.command, doc, json_mode, out=sys.stderr if to_stderr else None, bold=_color_ok(),
+               width=_terminal_width())
         return doc.get("exit_code", EXIT_OK)
     except QmemError as e:
         if debug:

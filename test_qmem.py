@@ -3372,6 +3372,143 @@ class RelevanceTests(QmemTestCase):
         self.assertGreaterEqual(len(RELEVANCE_RECORDS), 100)
 
 
+class BundleTests(GatewayTestCase):
+    """Part 7: knowledge in and writes out of an air-gapped host, as one file, exactly once."""
+
+    def host(self, name, online):
+        """Switch to one of two machines: its own database; a gateway only when online."""
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, name + ".sqlite")
+        if online:
+            os.environ["QMEM_URL"] = self.gw.url
+        else:
+            os.environ.pop("QMEM_URL", None)
+
+    def dump(self, name):
+        conn = sqlite3.connect(os.path.join(self.home, name + ".sqlite"))
+        try:
+            return [line for line in conn.iterdump() if "qmem_terms" not in line]
+        finally:
+            conn.close()
+
+    def records_of(self, name):
+        self.host(name, False)
+        return sorted((r["id"], r["text"], bool(r["superseded_by"]), r["pending"])
+                      for r in self.ok_json("find", "memoria", "--include-superseded", "--limit", "100")["results"])
+
+    def test_the_round_trip_delivers_every_write_once_and_both_hosts_agree(self):
+        old = self.gw.add("memoria condivisa vecchia")
+        self.host("connected", True)
+        self.ok("pull")
+        self.ok("export", os.path.join(self.home, "first.bundle"))
+        self.host("airgapped", False)
+        self.ok("load", os.path.join(self.home, "first.bundle"))
+        self.ok("store", "memoria scritta offline uno", "--project", "p")
+        self.ok("store", "memoria scritta offline due", "--project", "p")
+        self.ok("correct", old["id"], "memoria condivisa corretta")
+        out_bundle = os.path.join(self.home, "out.bundle")
+        self.assertEqual(self.ok_json("export", "--outbox-only", out_bundle)["counts"], {"records": 0, "outbox": 3})
+        self.host("connected", True)
+        doc = self.ok_json("load", out_bundle)
+        self.assertEqual(doc["outbox"], {"added": 3, "settled": 0, "unchanged": 0})
+        self.assertEqual(self.ok_json("load", out_bundle)["outbox"], {"added": 0, "settled": 0, "unchanged": 3})
+        self.assertEqual(self.ok_json("flush")["synced"], 3)
+        self.ok("pull")
+        in_bundle = os.path.join(self.home, "in.bundle")
+        self.ok("export", in_bundle)
+        self.host("airgapped", False)
+        doc = self.ok_json("load", in_bundle)
+        self.assertEqual(doc["outbox"]["settled"], 3)
+        self.assertEqual(self.ok_json("queue")["counts"]["pending"], 0)
+        self.assertIn("last bundle loaded:", self.ok("status"))
+        texts = sorted(r["text"] for r in self.gw.records.values())
+        self.assertEqual(texts, ["memoria condivisa corretta", "memoria condivisa vecchia",
+                                 "memoria scritta offline due", "memoria scritta offline uno"])  # each once
+        self.assertEqual(self.records_of("airgapped"), self.records_of("connected"))
+        self.host("connected", True)
+        self.assertEqual(self.ok_json("flush")["pending"], 0)  # nothing left to send twice
+
+    def test_loading_twice_changes_nothing(self):
+        for n in range(3):
+            self.gw.add("memoria %d" % n)
+        self.host("a", True)
+        self.ok("pull")
+        bundle = os.path.join(self.home, "b.bundle")
+        self.ok("export", bundle)
+        self.host("b", False)
+        self.assertEqual(self.ok_json("load", bundle)["records"]["new"], 3)
+        before = self.dump("b")
+        doc = self.ok_json("load", bundle)
+        self.assertEqual(doc["records"], {"new": 0, "updated": 0, "unchanged": 3})
+        after = [line for line in self.dump("b") if "last_load_at" not in line]
+        self.assertEqual(after, [line for line in before if "last_load_at" not in line])
+
+    def test_a_damaged_bundle_is_refused_and_the_database_is_unchanged(self):
+        for n in range(20):
+            self.gw.add("memoria numero %d con un po' di testo" % n)
+        self.host("a", True)
+        self.ok("pull")
+        self.ok("store", "memoria in coda", "--project", "p", "--queue-only")
+        bundle = os.path.join(self.home, "b.bundle")
+        self.ok("export", bundle)
+        data = read_bytes(bundle)
+        self.host("b", False)
+        self.ok("store", "memoria di b", "--project", "p", "--queue-only")
+        before = self.dump("b")
+        broken = os.path.join(self.home, "broken.bundle")
+        cuts = sorted({1, 10, len(data) // 3, len(data) // 2, len(data) - 9, len(data) - 1})
+        flips = [12, len(data) // 2, len(data) - 5]
+        for damaged in [data[:n] for n in cuts] + [data[:n] + bytes([data[n] ^ 0x40]) + data[n + 1:] for n in flips]:
+            with open(broken, "wb") as f:
+                f.write(damaged)
+            err = self.expect_fail(1, "load", broken)
+            self.assertIn("nothing was loaded", err)
+            self.assertEqual(self.dump("b"), before)
+        with open(broken, "wb") as f:
+            f.write(b"just some text\n")
+        self.assertIn("not a complete qmem bundle", self.expect_fail(1, "load", broken))
+
+    def test_a_newer_format_is_refused_and_a_dry_run_changes_nothing(self):
+        import gzip
+        import hashlib
+        head = (json.dumps({"format": "qmem-bundle", "format_version": 99}) + "\n").encode()
+        with gzip.open(os.path.join(self.home, "new.bundle"), "wb") as f:
+            f.write(head + (json.dumps({"type": "end", "lines": 1, "sha256": hashlib.sha256(head).hexdigest()})
+                            + "\n").encode())
+        self.assertIn("this qmem.py reads format 1", self.expect_fail(1, "load", os.path.join(self.home,
+                                                                                             "new.bundle")))
+        self.gw.add("memoria unica")
+        self.host("a", True)
+        self.ok("pull")
+        bundle = os.path.join(self.home, "a.bundle")
+        self.ok("export", bundle)
+        self.host("b", False)
+        qmem.Store(os.environ["QMEM_SQLITE"]).close()
+        before = self.dump("b")
+        doc = self.ok_json("load", bundle, "--dry-run")
+        self.assertEqual((doc["dry_run"], doc["records"]["new"]), (True, 1))
+        self.assertEqual(self.dump("b"), before)
+
+    def test_through_a_pipe(self):
+        self.gw.add("memoria nel tubo")
+        self.host("a", True)
+        self.ok("pull")
+        env_a = dict(os.environ)
+        self.host("b", False)
+        env_b = dict(os.environ)
+        export = subprocess.Popen([sys.executable, QMEM, "export", "-"], env=env_a, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE)
+        load = subprocess.run([sys.executable, QMEM, "load", "-", "--json"], env=env_b, stdin=export.stdout,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        export.stdout.close()
+        self.assertIn(b"export: 1 record", export.stderr.read())
+        export.stderr.close()
+        export.wait(30)
+        self.assertEqual(json.loads(load.stdout.decode())["records"]["new"], 1)
+        self.assertEqual(self.find_ids("tubo"), [r["id"] for r in self.gw.records.values()])
+        leftovers = [n for n in os.listdir(self.home) if n.startswith(".tmp")]
+        self.assertEqual(leftovers, [])
+
+
 class CompatibilityTests(unittest.TestCase):
 
     def test_source_parses_as_python_3_6(self):
