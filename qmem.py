@@ -3712,6 +3712,262 @@ def _load_outbox_row(store, row, stats):
         stats.outbox_unchanged += 1
 
 
+# === Doctor ==================================================================
+#
+# One command that says what is wrong on this machine and what to do: each check
+# ok / warn / fail with one line of advice. Network checks are separate, so that
+# `doctor --offline` runs in well under a second.
+
+def check(name, status, detail, advice=None):
+    return {"name": name, "status": status, "detail": detail, "advice": advice}
+
+
+def doctor_local(config, config_error=None):
+    """The checks that need no network: Python, SQLite, the database, the config, the
+    breaker, the outbox and the import lag."""
+    checks = [_check_python(), _check_sqlite()]
+    checks += _doctor_config(config, config_error)
+    checks += _check_database(config)
+    checks.append(_check_breaker(config))
+    return checks
+
+
+def _check_python():
+    version = "%d.%d.%d" % sys.version_info[:3]
+    if sys.version_info < (3, 7):
+        return check("python", "warn", "Python %s" % version,
+                     "3.6 cannot bound every read of a TLS answer by the deadline: use 3.7 or newer if you can")
+    return check("python", "ok", "Python %s" % version)
+
+
+def _check_sqlite():
+    tokenizer = fts5_tokenizer()
+    detail = "SQLite %s, %s" % (sqlite3.sqlite_version, "FTS5 " + tokenizer if tokenizer else "no FTS5")
+    if tokenizer is None:
+        return check("sqlite", "warn", detail, "find uses a slower LIKE scan without near spellings: a Python "
+                     "with a newer SQLite searches better")
+    if sqlite3.sqlite_version_info < (3, 24):
+        return check("sqlite", "warn", detail, "SQLite older than 3.24: imports merge row by row (slower)")
+    return check("sqlite", "ok", detail)
+
+
+def _doctor_config(config, config_error):
+    if config_error is not None:
+        return [check("config", "fail", config_error.message, config_error.hint or "fix the config file")]
+    found = [check("config", "ok", "%s%s" % (config.path, "" if os.path.exists(config.path) else
+                                             " (not created yet: defaults)"))]
+    if os.path.exists(config.path) and os.name == "posix":
+        mode = os.stat(config.path).st_mode & 0o777
+        if mode & 0o077 and config.raw.get("apiKey"):
+            found.append(check("config mode", "warn", "%s is mode %04o and holds the API key" % (config.path, mode),
+                               "chmod 600 %s" % config.path))
+    url, key = config["url"], config["apiKey"]
+    if not url:
+        found.append(check("gateway", "warn", "no gateway configured", "set one with `qmem.py config url https://…`"))
+        return found
+    from urllib.parse import urlsplit
+    p = urlsplit(url)
+    if not key:
+        found.append(check("api key", "fail", "no API key configured", "run `qmem.py config apikey`"))
+    if p.scheme == "http" and not is_loopback(p.hostname or ""):
+        found.append(check("plain http", "warn", "the API key travels unencrypted to %s" % p.hostname,
+                           "use an https URL unless this network is trusted"))
+    proxy = _proxy_for(p.scheme, p.hostname or "")
+    if proxy:
+        found.append(check("proxy", "ok", "the gateway is reached through the proxy %s:%d" % proxy,
+                           "set no_proxy=%s if it should not be" % p.hostname))
+    ca = config.values.get("caFile")
+    if ca and not os.path.isfile(ca):
+        found.append(check("ca file", "fail", "caFile %s does not exist" % ca, "`qmem.py config set caFile PATH`"))
+    return found
+
+
+def _check_database(config):
+    path = config.db_path
+    if not os.path.exists(path):
+        return [check("database", "warn", "no local index yet at %s" % path,
+                      "run `qmem.py import` (or `qmem.py pull`)")]
+    try:
+        store = Store(path, create=False)
+    except StoreError as e:
+        return [check("database", "fail", e.message, e.hint)]
+    try:
+        return _check_open_store(store)
+    finally:
+        store.close()
+
+
+def _check_open_store(store):
+    found = []
+    try:
+        integrity = store.conn.execute("PRAGMA quick_check").fetchone()[0]
+    except sqlite3.DatabaseError as e:
+        integrity = str(e)
+    mode = store.conn.execute("PRAGMA journal_mode").fetchone()[0]
+    if integrity != "ok":
+        found.append(check("database", "fail", "%s is damaged (quick_check: %s)" % (store.path, integrity[:200]),
+                           "move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export the "
+                           "outbox first if you can: `qmem.py export --outbox-only FILE`)"))
+    else:
+        found.append(check("database", "ok" if mode == "wal" else "warn", "%s: intact, schema %d, journal %s" % (
+            store.path, SCHEMA_VERSION, mode), None if mode == "wal" else "WAL is not available here: several "
+            "processes at once will wait on each other"))
+    found.append(_check_outbox(store))
+    found.append(_check_import_lag(store))
+    return found
+
+
+def _check_outbox(store):
+    day = time.time() - 86400
+    stuck = store.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE state IN "
+                               "('pending', 'sending', 'failed') AND created_at < ?", (day,)).fetchone()
+    if stuck[0]:
+        return check("outbox", "warn", "%s waiting or refused for more than a day (the oldest %s)" % (
+            plural(stuck[0], "write"), duration(time.time() - stuck[1])),
+            "`qmem.py queue` says why: `qmem.py flush` to deliver, `qmem.py queue --drop ID` to discard, "
+            "`qmem.py export --outbox-only FILE` to carry them to a connected host")
+    waiting = store.outbox_waiting()
+    return check("outbox", "ok", "%s waiting" % plural(waiting, "write") if waiting else "nothing waiting")
+
+
+def _check_import_lag(store):
+    last = parse_iso(store.meta("last_import_at") or "")
+    newest = 0.0
+    for root in session_dirs():
+        for folder, _, names in os.walk(root):
+            for name in names:
+                if name.endswith(".jsonl"):
+                    try:
+                        newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
+                    except OSError:
+                        continue
+    if newest and (last is None or newest > last):
+        return check("import", "warn", "pi sessions changed %s ago and are not imported yet" % duration(
+            max(0, time.time() - newest)), "run `qmem.py import`")
+    return check("import", "ok", "last import %s" % (store.meta("last_import_at") or "never"))
+
+
+def _check_breaker(config):
+    if not config["url"]:
+        return check("breaker", "ok", "no gateway, no breaker")
+    breaker = Breaker.from_config(config)
+    state = breaker.read()
+    if breaker.refuses(state, time.time()):
+        return check("breaker", "warn", "open, retry in %d s: %s" % (ceil_s(breaker.retry_in(state, time.time())),
+                                                                   _why_open_of(state)),
+                     "`qmem.py breaker --reset` (or `qmem.py config test`) tries the gateway now")
+    return check("breaker", "ok", state["state"] + (" (%d of %d failures counted)" % (
+        state["failures"], config["breakerTripAfter"]) if state["failures"] else ""))
+
+
+def _why_open_of(state):
+    last = state["last_detail"] or state["last_error"] or "unknown error"
+    if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
+        return "opened at once: %s" % last
+    return "opened after %s (last: %s)" % (plural(max(1, state["opened_after"]), "failure"), last)
+
+
+def doctor_link(config, clock=time.time):
+    """The network checks, each against the configured budgets: DNS, TCP connect, TLS
+    handshake, GET /v1/status (latency, version, clock skew, the key)."""
+    if not config["url"] or not config["apiKey"]:
+        return []
+    from urllib.parse import urlsplit
+    p = urlsplit(config["url"])
+    found = _probe_steps(p, config)
+    if any(c["status"] == "fail" for c in found):
+        return found
+    gateway = Gateway(config, Breaker.from_config(config), retries=0, bypass_breaker=True)
+    started = time.monotonic()
+    try:
+        resp = gateway.call("GET", "/v1/status")
+    except GatewayError as e:
+        advice = e.hint or ("check the URL, the VPN and the firewall" if e.kind == UNREACHABLE else None)
+        return found + [check("status", "fail", e.message, advice)]
+    finally:
+        gateway.close()
+    took = time.monotonic() - started
+    return found + _judge_status(resp, took, config, clock)
+
+
+def _probe_steps(p, config):
+    """DNS, TCP connect and TLS handshake, timed (to the proxy, when one applies)."""
+    net = _net_classes()
+    budget = config["connectTimeoutMs"] / 1000.0
+    proxy = _proxy_for(p.scheme, p.hostname or "")
+    host, port = proxy or (p.hostname, p.port or (443 if p.scheme == "https" else 80))
+    deadline = net["Deadline"](budget, "connect")
+    found, started = [], time.monotonic()
+    try:
+        _resolve(host, port, deadline)
+    except OSError as e:
+        return [check("dns", "fail", "%s does not resolve (%s)" % (host, _reason(e)), "check the name and the VPN")]
+    found.append(_timed("dns", "%s resolved" % host, time.monotonic() - started, budget))
+    started = time.monotonic()
+    try:
+        sock = _open_socket((host, port), deadline)
+    except OSError as e:
+        return found + [check("connect", "fail", "could not connect to %s:%d (%s)" % (host, port, _reason(e)),
+                              "check the VPN, the firewall and the port")]
+    found.append(_timed("connect", "TCP connect to %s:%d" % (host, port), time.monotonic() - started, budget))
+    try:
+        if p.scheme == "https" and not proxy:
+            import ssl
+            started = time.monotonic()
+            ctx = ssl.create_default_context(cafile=config.values.get("caFile") or None)
+            try:
+                sock = ctx.wrap_socket(sock, server_hostname=p.hostname)
+            except (OSError, ssl.SSLError) as e:
+                return found + [check("tls", "fail", "TLS handshake with %s failed (%s)" % (p.hostname, _reason(e)),
+                                      "for a private CA set caFile (`qmem.py config set caFile PATH`)")]
+            found.append(_timed("tls", "TLS handshake with %s" % p.hostname, time.monotonic() - started, budget))
+    finally:
+        sock.close()
+    return found
+
+
+def _timed(name, what, seconds, budget):
+    """A step of the link against the connect budget: too close to it is a warning."""
+    detail = "%s in %d ms" % (what, seconds * 1000)
+    if seconds > budget / 2:
+        return check(name, "warn", detail, "connectTimeoutMs is %d: too tight for this link, use >= %d" % (
+            budget * 1000, _suggested_budget_ms(seconds)))
+    return check(name, "ok", detail)
+
+
+def _suggested_budget_ms(seconds):
+    return int(-(-seconds * 3 // 1)) * 1000  # three times what it took, in whole seconds
+
+
+def _judge_status(resp, took, config, clock):
+    budget = config["connectTimeoutMs"] / 1000.0
+    found = []
+    if resp.status != 200:
+        return [check("status", "fail", "GET /v1/status answered HTTP %d (%s)" % (resp.status, resp.detail()),
+                      "is the URL the gateway's base URL?")]
+    detail = "GET /v1/status took %.1f s" % took
+    if took > budget / 2:
+        found.append(check("status", "warn", detail, "connectTimeoutMs is %d: too tight for this link, use >= %d"
+                           % (config["connectTimeoutMs"], _suggested_budget_ms(took))))
+    else:
+        found.append(check("status", "ok", detail))
+    found.append(check("api key", "ok", "accepted"))
+    version = resp.data.get("version") if isinstance(resp.data, dict) else None
+    parts = [int(n) for n in re.findall(r"\d+", str(version or ""))[:3]]
+    if parts and parts < [2, 12, 0]:
+        found.append(check("gateway version", "warn", "the gateway is %s" % _shown(version),
+                           "pull needs 2.12.0 or newer (enrich --all works with older ones)"))
+    else:
+        found.append(check("gateway version", "ok", "the gateway is %s" % _shown(version)))
+    server = _http_date(resp.headers.get("Date") or "")
+    if server is not None:
+        skew = clock() - server
+        found.append(check("clock", "warn" if abs(skew) > 60 else "ok", "this clock is %s %s the gateway's" % (
+            duration(abs(skew)), "ahead of" if skew > 0 else "behind"),
+            "set the clock right (NTP): leases and expiry dates depend on it" if abs(skew) > 60 else None))
+    return found
+
+
 # === Operations ==============================================================
 #
 # What the front ends (the command line; the MCP server) ask for. Each operation
@@ -4072,6 +4328,20 @@ class Operations:
                 os.unlink(spooled)
         return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run), machine=header.get("machine"),
                     created_at=header.get("created_at"))
+
+    # -- the doctor
+    def doctor(self, offline=False, config_error=None):
+        """What is wrong here and what to do: every check ok / warn / fail."""
+        checks = doctor_local(self.config, config_error)
+        if not offline and config_error is None:
+            checks += doctor_link(self.config, self.clock)
+        doc = {"checks": checks, "offline": bool(offline),
+               "summary": {s: sum(c["status"] == s for c in checks) for s in ("ok", "warn", "fail")}}
+        failed = [c for c in checks if c["status"] == "fail"]
+        if failed:
+            doc.update(error_document(QmemError("%s failed: %s" % (plural(len(failed), "check"), failed[0]["detail"]),
+                                                kind="doctor", hint=failed[0]["advice"])))
+        return doc
 
     # -- the outbox
     def queue(self, state=None):
@@ -4775,6 +5045,17 @@ def show_load(doc, out):
                                    "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
 
 
+def show_doctor(doc, out):
+    marks = {"ok": "ok  ", "warn": "WARN", "fail": "FAIL"}
+    for c in doc["checks"]:
+        out.write("%s  %-15s %s\n" % (marks[c["status"]], c["name"], c["detail"]))
+        if c["advice"] and c["status"] != "ok":
+            out.write("      %-15s → %s\n" % ("", c["advice"]))
+    s = doc["summary"]
+    out.write("doctor: %d ok, %s, %d failed%s\n" % (s["ok"], plural(s["warn"], "warning"), s["fail"],
+                                                  " (network checks skipped)" if doc["offline"] else ""))
+
+
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
@@ -4818,7 +5099,8 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
              "queue": show_queue, "flush": show_flush,
-             "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load}
+             "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load,
+             "doctor": show_doctor}
 
 
 def render(command, doc, json_mode, out=None, bold=False, width=None):
@@ -5043,6 +5325,10 @@ def cli_load(ops, a):
     return ops.load(a.file, dry_run=a.dry_run, stream=sys.stdin.buffer if a.file == "-" else None)
 
 
+def cli_doctor(ops, a):
+    return ops.doctor(offline=a.offline, config_error=a.config_error)
+
+
 def cli_flush(ops, a):
     return with_progress("flush", lambda progress: ops.flush(
         retry_failed=a.retry_failed, respect_retry_after=a.respect_retry_after, progress=progress))
@@ -5167,6 +5453,10 @@ def build_parser():
     sp.add_argument("file", metavar="FILE", help="the bundle to read (- for stdin)")
     sp.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
 
+    sp = command("doctor", cli_doctor, "Say what is wrong here and what to do: versions, database, config, "
+                 "the link to the gateway, breaker, outbox.")
+    sp.add_argument("--offline", action="store_true", help="skip the network checks")
+
     sp = command("breaker", cli_breaker, "Show the circuit breaker shared by every qmem process here "
                  "(--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
@@ -5216,7 +5506,7 @@ def main(argv=None):
             render_json_version()
             return EXIT_OK
         args = build_parser().parse_args(argv)
-        ops = Operations(load_config(overrides={"localDbPath": args.db}))
+        ops = Operations(_config_for(args))
         doc = args.func(ops, args)
         to_stderr = args.command == "export" and args.file == "-"  # stdout holds the bundle
         render(args.command, doc, json_mode, out=sys.stderr if to_stderr else None, bold=_color_ok(),
@@ -5255,6 +5545,22 @@ def main(argv=None):
     finally:
         if ops is not None:
             ops.close()
+
+
+def _config_for(args):
+    """The configuration; for doctor a broken one is a finding (args.config_error),
+    not the end: it goes on with the defaults."""
+    args.config_error = None
+    try:
+        return load_config(overrides={"localDbPath": args.db})
+    except ConfigError as e:
+        if args.command != "doctor":
+            raise
+        args.config_error = e
+        environ = dict(os.environ, QMEM_CONFIG=os.path.join(os.sep, "nonexistent", "qmem-defaults.json"))
+        for var in ENV_KEYS.values():
+            environ.pop(var, None)
+        return load_config(environ=environ)
 
 
 def _global_options(argv):

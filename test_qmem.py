@@ -808,6 +808,7 @@ class FakeGateway:
         self.requests, self.script, self.connections = [], [], 0
         self.duplicate_texts = {}     # text -> id answered 409 duplicate
         self.export_404 = False
+        self.send_date = False        # a Date header on every answer (the doctor's clock check)
         self.stopping = threading.Event()
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
@@ -864,6 +865,9 @@ class FakeGateway:
     def _send(self, conn, status, obj, extra=None, raw=None, ctype="application/json"):
         payload = raw if raw is not None else json.dumps(obj).encode()
         head = "HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (status, ctype, len(payload))
+        if self.send_date:
+            import email.utils
+            head += "Date: %s\r\n" % email.utils.formatdate(usegmt=True)
         for k, v in (extra or {}).items():
             head += "%s: %s\r\n" % (k, v)
         conn.sendall(head.encode() + b"\r\n" + payload)
@@ -3507,6 +3511,83 @@ class BundleTests(GatewayTestCase):
         self.assertEqual(self.find_ids("tubo"), [r["id"] for r in self.gw.records.values()])
         leftovers = [n for n in os.listdir(self.home) if n.startswith(".tmp")]
         self.assertEqual(leftovers, [])
+
+
+class DoctorTests(GatewayTestCase):
+    """Part 7: doctor names what is wrong, staged one condition at a time."""
+
+    def checks(self, *extra, code=0):
+        out = self.run_cli("doctor", "--json", *extra)
+        self.assertEqual(out[0], code, out[1] + out[2])
+        return {c["name"]: c for c in json.loads(out[1])["checks"]}
+
+    def config_file(self, values, mode=0o600):
+        path = os.path.join(self.home, "c.json")
+        with open(path, "w") as f:
+            json.dump(values, f)
+        os.chmod(path, mode)
+        os.environ["QMEM_CONFIG"] = path
+        return path
+
+    def test_a_healthy_setup_passes_and_offline_is_quick(self):
+        self.gw.send_date = True
+        self.ok("store", "x", "--project", "p")
+        found = self.checks()
+        self.assertEqual({c["status"] for c in found.values()} - {"ok"}, set(), found)
+        for name in ("python", "sqlite", "database", "dns", "connect", "status", "api key", "gateway version",
+                     "clock", "outbox", "breaker"):
+            self.assertIn(name, found)
+        started = time.monotonic()
+        found = self.checks("--offline")
+        self.assertLess(time.monotonic() - started, 1.0)
+        self.assertNotIn("status", found)
+
+    def test_a_tight_budget_against_a_slow_gateway(self):
+        self.config_file({"connectTimeoutMs": 400})
+        self.gw.script = [lambda: time.sleep(0.3)]
+        found = self.checks()
+        self.assertEqual(found["status"]["status"], "warn")
+        self.assertIn("connectTimeoutMs is 400: too tight for this link, use >= 1000", found["status"]["advice"])
+
+    def test_a_config_others_can_read_and_a_key_over_plain_http(self):
+        self.config_file({"apiKey": API_KEY}, mode=0o644)
+        os.environ.pop("QMEM_API_KEY")
+        os.environ["QMEM_URL"] = "http://gateway.example.test:8080"
+        found = self.checks("--offline")
+        self.assertEqual(found["config mode"]["status"], "warn")
+        self.assertEqual(found["plain http"]["status"], "warn")
+        self.assertIn("gateway.example.test", found["plain http"]["detail"])
+
+    def test_an_outbox_row_stuck_for_two_days(self):
+        self.ok("store", "vecchia", "--project", "p", "--queue-only")
+        store = qmem.Store(self.db)
+        store.conn.execute("UPDATE outbox SET created_at=created_at - 2 * 86400")
+        store.close()
+        found = self.checks("--offline")
+        self.assertEqual(found["outbox"]["status"], "warn")
+        self.assertIn("more than a day (the oldest 2 d)", found["outbox"]["detail"])
+
+    def test_a_corrupt_database_fails(self):
+        for n in range(200):
+            self.put_record(UUIDS[n % 190], "testo numero %d " % n * 20)
+        size = os.path.getsize(self.db)
+        with open(self.db, "r+b") as f:
+            f.seek(size // 2)
+            f.write(b"\xde\xad\xbe\xef" * 2048)
+        found = self.checks("--offline", code=1)
+        self.assertEqual(found["database"]["status"], "fail")
+        self.assertIn("rebuild", found["database"]["advice"])
+
+    def test_a_wrong_api_key_fails_and_a_broken_config_is_reported_not_fatal(self):
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        found = self.checks(code=1)
+        self.assertEqual(found["status"]["status"], "fail")
+        self.assertIn("API key rejected", found["status"]["detail"])
+        self.config_file({"offlineQueue": "no"})
+        found = self.checks("--offline", code=1)
+        self.assertEqual(found["config"]["status"], "fail")
+        self.assertIn("offlineQueue must be a JSON boolean", found["config"]["detail"])
+        self.assertIn("1 failed", self.run_cli("doctor", "--offline")[1])
 
 
 class CompatibilityTests(unittest.TestCase):
