@@ -16,6 +16,10 @@ CPython 3.6+.
                                          write a memory (queued while the gateway
                                          is away; `flush` delivers it)
   python3 qmem.py config                 set the gateway URL and API key
+  python3 qmem.py export FILE / load FILE
+                                         carry knowledge and writes to and from an
+                                         air-gapped host, as one checked file
+  python3 qmem.py doctor                 what is wrong here, and what to do
 
 Every command takes --json: exactly one JSON document on stdout, an error too
 ({"error": {"kind", "message", "hint"}, "exit_code": N}).
@@ -34,7 +38,7 @@ Configuration precedence: defaults < config file < environment < flags.
 
 Sections (grep -n '^# ==='), each using only those above it: Errors, Utilities,
 Config, Circuit breaker, Gateway client, Local store, Import, Local search and
-status, Sync, Operations, Output, Command line.
+status, Sync, Bundles, Doctor, Operations, Output, Command line.
 """
 import sys
 
