@@ -730,6 +730,16 @@ class _FileLock:
         return False
 
 
+def why_open(state):
+    """'opened at once: could not connect: …' or 'opened after 3 consecutive failures (last: HTTP 503)'."""
+    last = state["last_detail"] or state["last_error"] or "unknown error"
+    if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
+        return "opened at once: %s" % last
+    if state["opened_after"] > 1:
+        return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
+    return "opened after a failure (%s)" % last
+
+
 # Breaker files this process could not write: path -> the state it keeps instead.
 _BREAKER_IN_MEMORY = {}
 
@@ -3858,17 +3868,10 @@ def _check_breaker(config):
     state = breaker.read()
     if breaker.refuses(state, time.time()):
         return check("breaker", "warn", "open, retry in %d s: %s" % (ceil_s(breaker.retry_in(state, time.time())),
-                                                                   _why_open_of(state)),
+                                                                   why_open(state)),
                      "`qmem.py breaker --reset` (or `qmem.py config test`) tries the gateway now")
     return check("breaker", "ok", state["state"] + (" (%d of %d failures counted)" % (
         state["failures"], config["breakerTripAfter"]) if state["failures"] else ""))
-
-
-def _why_open_of(state):
-    last = state["last_detail"] or state["last_error"] or "unknown error"
-    if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
-        return "opened at once: %s" % last
-    return "opened after %s (last: %s)" % (plural(max(1, state["opened_after"]), "failure"), last)
 
 
 def doctor_link(config, clock=time.time):
@@ -4100,7 +4103,7 @@ class Operations:
         doc.update(state=state["state"], refusing=breaker.refuses(state, now), failures=state["failures"],
                    trips=state["trips"], open_until=iso_from_epoch(state["open_until"]) if is_open else None,
                    opened_at=state["opened_at"] if is_open else None, opened_after=state["opened_after"],
-                   why_open=_why_open(state) if state["state"] != "closed" else None,
+                   why_open=why_open(state) if state["state"] != "closed" else None,
                    retry_in_ms=breaker.retry_in(state, now), last_error=state["last_error"],
                    last_error_at=state["last_error_at"])
         return doc
@@ -4613,16 +4616,6 @@ def _record_out(rec):
     out["pending"], out["failed"] = bool(rec.get("pending")), bool(rec.get("failed"))
     out["complete"] = rec.get("view") == VIEW_FULL
     return out
-
-
-def _why_open(state):
-    """'opened at once: could not connect: …' or 'opened after 3 consecutive failures (last: HTTP 503)'."""
-    last = state["last_detail"] or state["last_error"] or "unknown error"
-    if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
-        return "opened at once: %s" % last
-    if state["opened_after"] > 1:
-        return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
-    return "opened after a failure (%s)" % last
 
 
 def _kept_aside(err, payload, folder):
