@@ -351,7 +351,11 @@ def warn(message):
 
 def stderr_diagnostic(message):
     # Escaped like human output (a gateway's words may hold an ESC); one line.
-    sys.stderr.write("qmem: %s\n" % re.sub("[\x00-\x1f\x7f-\x9f]", lambda m: "\\x%02x" % ord(m.group()), message))
+    line = "qmem: %s\n" % visible(message.replace("\n", "\\n").replace("\t", "\\t"))
+    try:
+        sys.stderr.write(line)
+    except UnicodeEncodeError:  # an ASCII stderr
+        sys.stderr.write(line.encode("ascii", "backslashreplace").decode("ascii"))
 
 
 _diagnostics = [stderr_diagnostic]
@@ -471,7 +475,8 @@ def _check_type(key, value, origin, typed=False):
             raise ConfigError("%s: %s must be between %d and %d, not %d" % (origin, key, low, high, number))
         return number
     if value is not None and not isinstance(value, str):
-        raise ConfigError("%s: %s must be a string, not %s" % (origin, key, json.dumps(value)))
+        shown = "a %s" % type(value).__name__ if key == "apiKey" else json.dumps(value)[:80]  # never the key
+        raise ConfigError("%s: %s must be a string, not %s" % (origin, key, shown))
     return value or None
 
 
@@ -545,6 +550,11 @@ def load_config(environ=None, overrides=None):
     return Config(values, sources, path, raw, breaker, home)
 
 
+def api_key_ok(key):
+    """Can this key travel in an HTTP header as it is: printable ASCII, no spaces?"""
+    return bool(key) and all(0x21 <= ord(c) <= 0x7E for c in key)
+
+
 def _check_config(values, sources, path):
     """What no single value shows: a URL that is no gateway URL, a key that would break
     a header (a CRLF key file), open times the wrong way round. Named by where they came
@@ -559,9 +569,9 @@ def _check_config(values, sources, path):
     key = values["apiKey"]
     if key:
         key = values["apiKey"] = key.strip()  # a trailing CR or LF is an accident of the file
-        if not key or any(c.isspace() or ord(c) < 32 or 0x7F <= ord(c) <= 0x9F for c in key):
-            raise ConfigError("%s: apiKey holds whitespace or control characters" % origin("apiKey"),
-                              hint="set it again with `qmem.py config apikey`")
+        if not api_key_ok(key):
+            raise ConfigError("%s: apiKey holds characters a request header cannot carry (whitespace, "
+                              "controls, non-ASCII)" % origin("apiKey"), hint="set it again with `qmem.py config apikey`")
     if values["breakerBaseMs"] > values["breakerMaxMs"]:
         raise ConfigError("%s: breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
             origin("breakerBaseMs"), values["breakerBaseMs"], values["breakerMaxMs"]))
@@ -603,7 +613,7 @@ def check_url(url):
         raise UsageError("a gateway URL must not carry a user name or password",
                          hint="give the URL without them, and the key with `qmem.py config apikey`")
     if (p.scheme not in ("http", "https") or not p.hostname or not _HOST_RE.match(p.hostname)
-            or any(c.isspace() or ord(c) < 32 for c in url)):
+            or any(c.isspace() or ord(c) < 32 or ord(c) > 126 for c in url)):  # requests are ASCII
         raise UsageError("invalid gateway URL %s" % visible(json.dumps(url)),
                          hint="it must look like https://host[:port][/path]")
     if p.query or p.fragment:
@@ -740,6 +750,10 @@ def why_open(state):
     return "opened after a failure (%s)" % last
 
 
+# The largest number a breaker file may hold (epoch seconds far in the future, counts):
+# NaN, Infinity and 1e300 are corruption, not state.
+_BREAKER_NUMBER_MAX = 1e11
+
 # Breaker files this process could not write: path -> the state it keeps instead.
 _BREAKER_IN_MEMORY = {}
 
@@ -828,7 +842,7 @@ class Breaker:
             if default is None or isinstance(default, str):
                 ok = v is None or isinstance(v, str)
             else:
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= _BREAKER_NUMBER_MAX
             if ok:
                 state[k] = v
             else:
@@ -989,7 +1003,7 @@ class Response:
         if isinstance(detail, list):
             detail = "; ".join(_validation_error(d) for d in detail[:20])
         elif detail is not None and not isinstance(detail, str):
-            detail = json.dumps(detail, ensure_ascii=False)[:500]
+            detail = json.dumps(detail, ensure_ascii=False)
         return self.scrub(detail) if detail else "HTTP %d" % self.status
 
 
@@ -1156,13 +1170,15 @@ class Gateway:
         self.answered = False  # has any call of this command had an answer?
         warn_plain_http(self.url, self.key)
 
-    def scrub(self, text):
-        """Text the gateway sent, made safe to store and print: the API key masked (a
-        gateway may echo the request's headers), controls escaped, at most 500 chars."""
+    def mask(self, text):
+        """Text with the API key masked (a gateway may echo the request's headers)."""
         text = str(text)
-        if self.key and self.key in text:
-            text = text.replace(self.key, mask_secret(self.key))
-        return visible(text)[:500]
+        return text.replace(self.key, mask_secret(self.key)) if self.key and self.key in text else text
+
+    def scrub(self, text):
+        """Text the gateway sent, made safe to store and print: the API key masked, then
+        controls escaped, then cut to 500 characters (in that order: no half key)."""
+        return visible(self.mask(text))[:500]
 
     def close(self):
         if self.conn is not None:
@@ -1317,7 +1333,7 @@ class Gateway:
         try:
             parsed = json.loads(raw.decode("utf-8")) if raw else None
             if b"\\ud" in raw or b"\\uD" in raw:  # a \ud83d escape: lone surrogates may be in it
-                parsed = without_surrogates(parsed)
+                parsed = without_surrogates(parsed)  # (a RecursionError is caught below)
         except RecursionError:
             raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url, resp.status,
                                detail="answer nested too deeply")
@@ -1325,7 +1341,8 @@ class Gateway:
             parsed = None
             if 200 <= resp.status < 300:
                 kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
-                start = " ".join(raw[:NOT_JSON_SHOWN].decode("utf-8", "replace").split())
+                start = " ".join(self.mask(raw[:NOT_JSON_SHOWN + len(self.key)].decode("utf-8", "replace"))
+                                 .split())[:NOT_JSON_SHOWN]  # masked before it is cut: no half key
                 raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s, %d bytes: %s)" % (
                     self.url, self.scrub(kind), len(raw), self.scrub(json.dumps(start, ensure_ascii=False))), resp.status,
                     detail="answer not JSON", hint="an HTML page: a captive portal or a proxy login?"
@@ -1375,7 +1392,11 @@ class Gateway:
             net["DeadlineSSLSocket"] = type("DeadlineSSLSocket", (net["DeadlineMixin"], ssl.SSLSocket), {})
         # Verified, with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by
         # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
-        ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file or None)
+        except (OSError, ssl.SSLError) as e:  # a configuration error, not an unreachable gateway
+            raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (self.ca_file, _reason(e)),
+                               hint="`qmem.py config set caFile PATH` with a PEM file of the CA")
         if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
             ctx.sslsocket_class = net["DeadlineSSLSocket"]
         return ctx
@@ -1582,8 +1603,13 @@ def store_error(e, path):
     if "full" in text:
         return StoreError("local database full: no room left for %s (%s)" % (path, text),
                           hint="free some disk space, then try again", kind="store_full")
-    if "readonly" in text or "read-only" in text:
-        return StoreError("local database %s is read-only" % path, kind="store_readonly")
+    if "readonly" in text or "read-only" in text or "unable to open" in text:
+        return StoreError("cannot open local database %s for writing (%s): a read-only file or folder?" % (
+            path, text), hint="check its permissions, or use another place: --db PATH, QMEM_SQLITE or localDbPath",
+            kind="store_readonly")
+    if "disk I/O" in text:
+        return StoreError("local database %s: disk I/O error (a full or failing disk?)" % path, kind="store_io",
+                          hint="free some space or check the disk, then try again")
     return StoreError("cannot use local database %s: %s" % (path, text))
 
 
@@ -1601,9 +1627,9 @@ def _create_private(path):
 
 
 def _check_private(path):
-    """Refuse a database that another user could read or replace: the file (and its
-    -wal and -shm) must be ours and not writable by others, its folder ours (or root's)
-    and not writable by others."""
+    """Refuse a database that another user could replace: the file (and its -wal and
+    -shm) must be ours and not writable by others, its folder ours (or root's) and not
+    writable by others. (One we create is also unreadable by others: 0600.)"""
     folder = os.path.dirname(os.path.abspath(path))
     for each in (folder, path, path + "-wal", path + "-shm"):
         try:
@@ -1682,8 +1708,9 @@ class Store:
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
             tables = {n for (n,) in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         finally:
-            self.conn.execute("COMMIT")
-        if version > SCHEMA_VERSION:
+            if self.conn.in_transaction:  # a failed read may have ended it already: say that error
+                self.conn.execute("COMMIT")
+        if version > SCHEMA_VERSION and (_QMEM_TABLES <= tables or not tables):
             raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); left untouched" % (
                 self.path, version, SCHEMA_VERSION), hint="use the newer qmem.py")
         if (version == 0 and tables) or (version > 0 and not _QMEM_TABLES <= tables):
@@ -2374,7 +2401,11 @@ class Importer:
         for call_id, name, args, ts in conn.execute(
                 "SELECT call_id, name, args, ts FROM open_calls WHERE path=?", (path,)):
             calls[call_id] = (name, json.loads(args) if args else {}, ts)
-        results, session_id, status, pos = self._read_file(path, offset, calls)
+        try:
+            results, session_id, status, pos = self._read_file(path, offset, calls)
+        except OSError as e:  # unreadable, or gone since it was listed: the next import tries again
+            warn("skipped %s: %s" % (path, e.strerror or e))
+            return 0
         self.stats.bytes_read += pos - offset
         self.stats.files_read += 1
         if status != "ok":
@@ -2490,12 +2521,10 @@ class Importer:
                 found = _take_call({call_id: call}, call_id)
                 return found[1] if found else None
             try:
-                found = records_from_call(name, call_args, msg)
+                for data, view in records_from_call(name, call_args, msg):
+                    self._merge(data, view, seen)
             except (TypeError, ValueError, AttributeError, KeyError, RecursionError):  # a shape nobody writes
                 stats.lines_skipped += 1
-                continue
-            for data, view in found:
-                self._merge(data, view, seen)
 
     def _scan_line(self, line, calls, results):
         """Note a line that mentions qmem_: a tool result to pair, or tool calls."""
@@ -2518,6 +2547,8 @@ class Importer:
 
     def _merge(self, data, view, seen_at):
         rid = data.get("id")
+        if not isinstance(rid, str):  # an id of the wrong type: nothing to merge
+            return
         settled = self.settled.get(rid)
         if settled is not None and view <= VIEW_FULL and settled == (
                 data.get("updated_at") or settled[0], data.get("superseded_by") or settled[1],
@@ -2704,7 +2735,10 @@ def _parse_line(line):
     if end != len(text) and text[end:].strip():
         return None  # trailing garbage
     if b"\\u" in line and _ESCAPED_SURROGATE.search(line):  # JSON may spell a lone surrogate
-        data = without_surrogates(data)
+        try:
+            data = without_surrogates(data)
+        except RecursionError:
+            return None
     return data if data.__class__ is dict else None
 
 
@@ -2723,8 +2757,9 @@ def _words(text):
 
 
 def query_was_cut(query):
-    """Did query_tokens() leave words out (past MAX_QUERY_CHARS or MAX_QUERY_TOKENS)?"""
-    return len(_words(query)) > len(query_tokens(query))
+    """Did query_tokens() leave anything out (past MAX_QUERY_CHARS, also in mid-word, or
+    MAX_QUERY_TOKENS)?"""
+    return len(query) > MAX_QUERY_CHARS or len(_words(query)) > len(query_tokens(query))
 
 
 # Why a matching record is not shown by default, and the flag that shows it.
@@ -2771,9 +2806,9 @@ _IT_SUFFIXES = ("amente", "imente", "mente", "azioni", "azione", "zioni", "zione
 def word_stems(word):
     """Light English and Italian stems of an (accent-folded, lower-case) word, each to be
     matched as a prefix: deployed -> deploy, caches -> cach, upgrading -> upgrad,
-    supportata -> support, migrazione -> migra. The first suffix of each list that
-    leaves at least MIN_STEM letters is taken off; a doubled final consonant of an
-    English stem is undone (running -> run)."""
+    supportata -> support, migrazione -> migr (as migrato). The first suffix of each
+    list that leaves at least MIN_STEM letters is taken off; a doubled final consonant
+    of an English stem is undone (running -> run)."""
     found = set()
     for suffixes, english in ((_EN_SUFFIXES, True), (_IT_SUFFIXES, False)):
         for suffix in suffixes:
@@ -2824,7 +2859,7 @@ def search_levels(tokens, near=None):
         return [(w, n == last or len(w) >= MIN_PREFIX_WORD)] + [(s, True) for s in word_stems(w)]
 
     def spellings(n, w):
-        nearby = near(w) if near is not None and len(w) >= MIN_TYPO_WORD else []
+        nearby = near(w) if near is not None and len(w) >= MIN_TYPO_WORD and w.isalpha() else []  # 50051 is no typo
         return forms(n, w) + [(t, False) for t in nearby if t != w]
     seen = set()
     for match, alternatives, every in (("all", exact, True), ("stemmed", forms, True), ("fuzzy", spellings, True),
@@ -3159,7 +3194,10 @@ def claimant_is_gone(token):
     mine = process_identity()
     if not (boot and namespace and start and pid.isdigit()) or (host, boot, namespace) != mine[:3]:
         return False
-    return not _pid_alive(int(pid)) or _start_time(int(pid)) != start
+    if not _pid_alive(int(pid)):
+        return True
+    now = _start_time(int(pid))
+    return bool(now) and now != start  # the pid lives on in another process (an unreadable one proves nothing)
 
 
 class FlushStats:
@@ -3318,7 +3356,7 @@ class Flusher:
             if not (isinstance(gid, str) and UUID_RE.fullmatch(gid.strip())):
                 self.refused.add(local_id)
                 return Outcome(FAILED, row, status=resp.status, error="the gateway answered HTTP %d without a "
-                               "usable record id (%s)" % (resp.status, _shown(gid)))
+                               "usable record id (%s)" % (resp.status, _shown(gid, resp.scrub)))
             self.delivered[local_id] = gid.strip()
             return Outcome(SYNCED, row, status=resp.status, record=dict(data, id=gid.strip()),
                            sent=json.loads(row[3]))
@@ -3328,7 +3366,7 @@ class Flusher:
             self.delivered[local_id] = original
             similarity = data.get("similarity")
             return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
-                           error="near-identical memory exists (similarity %s)" % _shown(similarity))
+                           error="near-identical memory exists (similarity %s)" % _shown(similarity, resp.scrub))
         if resp.status == 409 or 200 <= resp.status < 300:  # the same key still in flight / odd 2xx
             return Outcome(RETRY, row, error="gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
                            status=resp.status, delay=5)
@@ -3391,9 +3429,11 @@ class Flusher:
         return took
 
 
-def _shown(value):
-    """A value from the gateway in a message: short, escaped."""
-    return visible(json.dumps(value, ensure_ascii=False)[:80])
+def _shown(value, scrub=None):
+    """A value from the gateway in a message: scrubbed (scrub: the gateway's, which masks
+    the key), escaped, short."""
+    text = json.dumps(value, ensure_ascii=False)
+    return (scrub(text) if scrub else visible(text))[:80]
 
 
 class PullStats:
@@ -3463,6 +3503,9 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
             progress.update("%d pages, %d new, %d updated" % (stats.pages, stats.new, stats.updated))
         if not next_cursor or not items:
             return stats
+        if next_cursor == cursor:  # an answer that would ask for the same page for ever
+            raise GatewayError(PROTOCOL, "the gateway's export answered the same cursor twice (%s)" % _shown(
+                next_cursor), hint="the pages so far are kept; this gateway's export is broken, tell its admin")
 
 
 def enrich(store, gateway, ids, progress=None):
@@ -4138,8 +4181,9 @@ class Operations:
     def config_apikey(self, key, on_command_line=False):
         """Save the API key (mode 0600); the document shows it masked."""
         key = (key or "").strip()
-        if not key or any(c.isspace() for c in key):
-            raise UsageError("an API key must be one word, not empty")
+        if not api_key_ok(key):
+            raise UsageError("an API key must be one word of printable ASCII characters, not empty",
+                             hint="nothing was saved")
         if on_command_line:
             warn("a key given on the command line stays in your shell history; prefer "
                  "`qmem.py config apikey` and type it at the prompt")
@@ -4217,7 +4261,11 @@ class Operations:
         _check_id(target, "correct")
         old = {}
         if self.has_index():
-            old = self.store().get(self.store().current_id(target)) or {}
+            try:
+                old = self.store().get(self.store().current_id(target)) or {}
+            except StoreError as e:  # the database is unusable: the words must not be lost
+                raise _kept_aside(e, {"text": (text or "").strip(), "project_id": project or "PROJECT",
+                                      "supersedes_id": target}, os.path.dirname(os.path.abspath(self.config.db_path)))
         project = project or old.get("project_id")
         if not project:
             raise UsageError("%s is not in the local index: say which project with --project" % target)
@@ -4624,10 +4672,15 @@ def _kept_aside(err, payload, folder):
     can be written either, carried in full for the front end to show."""
     import tempfile
     name = "qmem-unsaved-%s-%s.txt" % (time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
-    retry = "qmem.py store --text-file %%s --project %s" % _shell_word(payload["project_id"])
+    retry = "qmem.py store --text-file %s" + "".join(" %s %s" % (flag, _shell_word(str(payload[key])))
+                                                     for key, flag in _RETRY_FLAGS if payload.get(key))
+    if payload.get("private"):
+        retry += " --private"
     for where in (folder, tempfile.gettempdir()):
         path = os.path.join(where, name)
         try:
+            if os.path.isdir(where) and not_private(os.stat(where)):
+                continue  # a folder others may write is no place for the user's words
             atomic_write(path, (payload["text"] + "\n").encode("utf-8"), 0o600)
         except OSError:
             continue
@@ -4639,6 +4692,11 @@ def _kept_aside(err, payload, folder):
                             err.hint + "; " if err.hint else ""))
     failed.unsaved_text = payload["text"]
     return failed
+
+
+# The payload's fields a retried store must carry again, and their flags.
+_RETRY_FLAGS = (("project_id", "--project"), ("kind", "--kind"), ("scope", "--scope"), ("supersedes_id", "--supersedes"),
+                ("supersede_reason", "--reason"), ("expires_at", "--expires"))
 
 
 def _shell_word(text):
@@ -4748,7 +4806,11 @@ def _refused(resp, what):
 # itself. Errors are documents too. Nothing above this section prints.
 
 def emit_json(doc, out=None):
-    (out or sys.stdout).write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
+    out = out or sys.stdout
+    try:
+        out.write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
+    except UnicodeEncodeError:  # an ASCII stdout: the same document, escaped
+        out.write(json.dumps(doc, ensure_ascii=True, sort_keys=True) + "\n")
 
 
 SNIPPET_CHARS = 200  # the longest snippet or text line of human output
@@ -4765,7 +4827,12 @@ class TerminalText:
         on, off = ("\x1b[1m", "\x1b[0m") if self.bold else ("", "")
         if self.bold and HIGHLIGHT[0] in text:  # a snippet cut short must not leave the terminal bold
             text = text.replace("\n", off + "\n")
-        self.out.write(text.replace(HIGHLIGHT[0], on).replace(HIGHLIGHT[1], off))
+        text = text.replace(HIGHLIGHT[0], on).replace(HIGHLIGHT[1], off)
+        try:
+            self.out.write(text)
+        except UnicodeEncodeError:  # an ASCII or Latin-1 terminal: what it cannot show becomes '?'
+            encoding = getattr(self.out, "encoding", None) or "ascii"
+            self.out.write(text.encode(encoding, "replace").decode(encoding))
 
 
 def _fit(text, width):
@@ -4956,8 +5023,11 @@ def show_write(doc, out):
         out.write("%s: %s (in shared memory)\n" % ("stored" if doc["op"] == "store" else "correction stored",
                                                   doc["id"]))
     elif state == DUPLICATE:
-        out.write("not stored: a near-identical memory already exists: %s\n"
-                  "  to change what it says: qmem.py correct %s \"…\"\n" % (doc["duplicate_of"], doc["duplicate_of"]))
+        if doc["duplicate_of"]:
+            out.write("not stored: a near-identical memory already exists: %s\n"
+                      "  to change what it says: qmem.py correct %s \"…\"\n" % (doc["duplicate_of"], doc["duplicate_of"]))
+        else:
+            out.write("not stored: a near-identical memory already exists (the gateway did not say which)\n")
     elif state == FAILED:
         out.write("not stored: the gateway refused it: %s\n  kept in the outbox as failed (%s): fix it and "
                   "`qmem.py flush --retry-failed`, or `qmem.py queue --drop %s`\n" % (
@@ -5295,7 +5365,7 @@ def cli_queue(ops, a):
         if not _interactive():
             raise UsageError("queue --drop asks before discarding", hint="add --yes to discard without asking")
         for it in plan["dropped"]:
-            sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], _one_line(it["text"], 60)))
+            sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
         sys.stderr.write("discard %s and %s? [y/N] " % (
             plural(len(plan["dropped"]), "write"), "its record" if len(plan["dropped"]) == 1 else "their records"))
         sys.stderr.flush()
