@@ -2288,6 +2288,7 @@ _CALL_ID_IN_LINE = re.compile(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
 _SETTLED_MAX = 100000
 _CHUNK = 1 << 22  # bytes read at a time
 MAX_LINE_BYTES = 64 << 20  # a session line longer than this is skipped, not kept
+_QMEM_TOOLS = frozenset(("qmem_store", "qmem_search", "qmem_get", "qmem_correct", "qmem_meta"))
 # Seconds of import work per transaction: each commit rewrites the pages it touched.
 BATCH_S = 1.0
 
@@ -2494,7 +2495,7 @@ class Importer:
         """The lines of buf[start:end] (complete lines) that mention qmem_."""
         hit = buf.find(b"qmem_", start, end)
         while hit != -1:
-            first = max(start, buf.rfind(b"\n", start, hit) + 1)
+            first = buf.rfind(b"\n", start, hit) + 1 or start
             stop = buf.find(b"\n", hit) + 1
             self._scan_line(buf[first:stop], calls, results)
             self.stats.lines_examined += 1
@@ -2504,13 +2505,14 @@ class Importer:
         """Merge the records each qmem tool result tells, with its call's arguments."""
         stats = self.stats
         for msg, ts in results:
-            name = text_of(msg["toolName"])
+            name = msg["toolName"]
+            if name not in _QMEM_TOOLS:  # a name of our own needs no cleaning (the common case)
+                name = text_of(str(name))
             stats.calls[name] = stats.calls.get(name, 0) + 1
             if msg.get("isError"):
                 stats.calls_errored += 1
-            call_id = msg.get("toolCallId")
-            call_id = text_of(call_id) if isinstance(call_id, str) else None
-            if call_id not in calls:
+            call_id = msg.get("toolCallId")  # only looked up: the ids kept come from the calls, cleaned
+            if not isinstance(call_id, str) or call_id not in calls:
                 continue  # a result whose call we never saw: nothing to pair it with
             seen = iso_norm(ts) if isinstance(ts, str) else None
             if seen and (stats.newest_entry_at is None or seen > stats.newest_entry_at):

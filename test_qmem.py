@@ -3598,6 +3598,7 @@ class ReviewTwoTests(GatewayTestCase):
         s = Session(self.sessions, "a.jsonl")
         cid = s.call("qmem_store", {"text": "x", "kind": "fact", "project_id": "p"})
         s.result(cid, "qmem_store", "stored", {"record": {"id": ["x"], "text": "x"}})
+        s.result(["not", "an", "id"], "qmem_store", "odd", {})  # a toolCallId of the wrong type
         s.store(record(UUIDS[0], "buona"))
         s.write()
         doc = self.ok_json("import")
