@@ -3113,7 +3113,7 @@ def enqueue(store, op, payload):
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
     """Inside a transaction: an outbox row and the local record of its write (marked
     waiting, or refused for a failed row); a correction hides its target at once."""
-    payload = json.loads(payload_text)
+    payload = without_surrogates(json.loads(payload_text))  # a bundle's payload may spell one
     target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
     store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, done_at) "
                        "VALUES(?, ?, ?, ?, ?, ?, ?, ?)", (local_id, op, payload_text, target, created_at, state,
@@ -3610,7 +3610,7 @@ def check_bundle(path):
     digest, count, header, previous = hashlib.sha256(), 0, None, None
     try:
         with gzip.open(path, "rb") as f:
-            for line in f:
+            for line in _bundle_lines(f, path):
                 if previous is not None:
                     digest.update(previous)
                     count += 1
@@ -3634,6 +3634,22 @@ def check_bundle(path):
     return header
 
 
+MAX_BUNDLE_LINE = 16 << 20  # bytes; a record is at most a few hundred KiB
+
+
+def _bundle_lines(f, path):
+    """The lines of a bundle, each read with a bound: a crafted line of gigabytes is
+    refused, not read into memory."""
+    while True:
+        line = f.readline(MAX_BUNDLE_LINE + 1)
+        if not line:
+            return
+        if len(line) > MAX_BUNDLE_LINE:
+            raise BundleError("%s holds a line longer than %d MiB: not a qmem bundle, nothing was loaded" % (
+                path, MAX_BUNDLE_LINE >> 20))
+        yield line
+
+
 def _bundle_line(line, what):
     try:
         obj = json.loads(line.decode("utf-8"))
@@ -3648,8 +3664,9 @@ def bundle_items(path):
     """The records and outbox rows of a checked bundle, in order."""
     import gzip
     with gzip.open(path, "rb") as f:
-        next(f)  # the header
-        for line in f:
+        lines = _bundle_lines(f, path)
+        next(lines)  # the header
+        for line in lines:
             obj = _bundle_line(line, "line")
             if b"\\u" in line and _ESCAPED_SURROGATE.search(line):  # only a JSON escape can spell one
                 obj = without_surrogates(obj)
@@ -3750,6 +3767,20 @@ def _merge_batch(store, batch, stats):
         del batch[:]
 
 
+def _loadable_write(store, local_id, payload, created):
+    """Is an outbox row of a bundle a write this machine can take: a JSON object with a
+    text and a project, a time a clock can show, and an id no record here has already
+    (a crafted row must not take over a record)?"""
+    try:
+        body = json.loads(payload)
+        when = float(created)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return (isinstance(body, dict) and isinstance(body.get("text"), str) and body["text"].strip()
+            and isinstance(body.get("project_id"), str) and 0 < when < 1e11
+            and store.get(local_id) is None)
+
+
 def _load_outbox_row(store, row, stats):
     """One outbox row of a bundle: added here when new, settling this machine's row
     when the bundle shows it delivered, else nothing."""
@@ -3762,14 +3793,11 @@ def _load_outbox_row(store, row, stats):
     here = store.outbox_row(local_id)
     delivered = state in (SYNCED, DUPLICATE)
     if here is None and not delivered:
-        try:
-            created = float(row.get("created_at"))
-            json.loads(payload)
-        except (TypeError, ValueError):
+        if not _loadable_write(store, local_id, payload, row.get("created_at")):
             stats.skipped += 1
             return
-        add_write(store, local_id, op, payload, created, FAILED if state == FAILED else PENDING,
-                  row.get("last_error") if isinstance(row.get("last_error"), str) else None)
+        add_write(store, local_id, op, payload, float(row["created_at"]), FAILED if state == FAILED else PENDING,
+                  text_of(row["last_error"]) if isinstance(row.get("last_error"), str) else None)
         stats.outbox_added += 1
     elif here is not None and delivered and here["state"] not in (SYNCED, DUPLICATE):
         other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")

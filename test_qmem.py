@@ -3492,6 +3492,33 @@ class BundleTests(GatewayTestCase):
         self.assertEqual((doc["dry_run"], doc["records"]["new"]), (True, 1))
         self.assertEqual(self.dump("b"), before)
 
+    def crafted(self, items):
+        """A bundle with a right checksum around whatever items it is given."""
+        import gzip
+        import hashlib
+        head = {"format": "qmem-bundle", "format_version": 1, "machine": "crafted", "created_at": "2026-12-01"}
+        data = "".join(json.dumps(obj) + "\n" for obj in [head] + items).encode()
+        path = os.path.join(self.home, "crafted.bundle")
+        with gzip.open(path, "wb") as f:
+            f.write(data + (json.dumps({"type": "end", "lines": len(items) + 1,
+                                        "sha256": hashlib.sha256(data).hexdigest()}) + "\n").encode())
+        return path
+
+    def test_a_crafted_bundle_with_a_right_checksum_costs_its_bad_rows_only(self):
+        self.put_record(UUIDS[0], "un record che esiste")
+        good = {"type": "outbox", "id": UUIDS[10], "op": "store", "state": "pending", "created_at": time.time(),
+                "payload": json.dumps({"text": "buona \ud83d", "kind": "fact", "project_id": "p"})}
+        bad = [dict(good, id=UUIDS[11], payload="[1, 2]"), dict(good, id=UUIDS[12], created_at=float("inf")),
+               dict(good, id=UUIDS[0]), dict(good, id="not-an-id"), {"type": "record", "id": ["x"]}]
+        doc = self.ok_json("load", self.crafted([good] + bad))
+        self.assertEqual((doc["outbox"]["added"], doc["skipped"]), (1, 5))
+        self.assertEqual(self.local_record(UUIDS[0])["pending"], False)  # not taken over
+        self.assertEqual(self.local_record(UUIDS[10])["text"], "buona \ufffd")
+        with mock.patch.object(qmem, "MAX_BUNDLE_LINE", 1000):
+            err = self.expect_fail(1, "load", self.crafted([good, {"type": "record", "text": "x" * 5000}]))
+        self.assertIn("longer than", err)
+
+
     def test_through_a_pipe(self):
         self.gw.add("memoria nel tubo")
         self.host("a", True)
