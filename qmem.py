@@ -1102,9 +1102,14 @@ def _proxy_for(scheme, host, environ=None):
             return None
     from urllib.parse import urlsplit
     p = urlsplit(value if "://" in value else "http://" + value)
+    try:
+        port = p.port or 80
+    except ValueError:
+        _warn_once("ignoring the proxy variable %s: its port is not a number" % visible(value))
+        return None
     if not p.hostname:
         return None
-    return p.hostname, p.port or 80
+    return p.hostname, port
 
 
 def retry_after_seconds(headers, now=None):
@@ -1971,15 +1976,31 @@ class Store:
             yield rec
 
     def bundle_outbox(self, projects, since):
-        """The outbox rows a bundle carries, as dicts (filtered on their payload's project)."""
-        cur = self.conn.execute("SELECT %s FROM outbox ORDER BY rid" % ", ".join(_OUTBOX_BUNDLE_COLUMNS))
-        for row in cur:
-            item = dict(zip(_OUTBOX_BUNDLE_COLUMNS, row))
-            if since and iso_from_epoch(item["created_at"]) < since:
-                continue
-            if projects and json.loads(item["payload"]).get("project_id") not in projects:
-                continue
-            yield item
+        """The outbox rows a bundle carries, as dicts: those of the projects asked for,
+        changed (made or settled) since `since`, and the rows they correct, so that a
+        correction never travels without its target."""
+        rows = [dict(zip(_OUTBOX_BUNDLE_COLUMNS + ("done_at",), row)) for row in self.conn.execute(
+            "SELECT %s, done_at FROM outbox ORDER BY rid" % ", ".join(_OUTBOX_BUNDLE_COLUMNS))]
+        wanted = {r["id"] for r in rows if (not since or iso_from_epoch(max(r["created_at"], r["done_at"] or 0))
+                                             >= since)
+                  and (not projects or json.loads(r["payload"]).get("project_id") in projects)}
+        by_id = {r["id"]: r for r in rows}
+        for r in list(rows):
+            target = r["target"]
+            while r["id"] in wanted and target in by_id and target not in wanted:
+                wanted.add(target)
+                target = by_id[target]["target"]
+        for r in rows:
+            if r["id"] in wanted:
+                r.pop("done_at")
+                yield r
+
+    def refuse_write(self, local_id, reason):
+        """Inside a transaction: a write of this machine that another machine sent and the
+        gateway refused (a bundle says so): failed here too, with the reason."""
+        self.conn.execute("UPDATE outbox SET state='failed', last_error=?, claim_token=NULL, lease_until=NULL, "
+                          "done_at=? WHERE id=? AND state IN ('pending', 'sending')", (reason, time.time(), local_id))
+        self.mark_failed(local_id)
 
     def settle_write(self, local_id, state, other_id):
         """Inside a transaction: a write of this machine that another machine delivered
@@ -3619,7 +3640,7 @@ def check_bundle(path):
                     if header.get("format") != BUNDLE_FORMAT:
                         raise BundleError("%s is not a qmem bundle (no qmem-bundle header)" % path)
                     version = header.get("format_version")
-                    if not isinstance(version, int) or version > BUNDLE_VERSION:
+                    if type(version) is not int or version > BUNDLE_VERSION:
                         raise BundleError("%s is a bundle of format %r; this qmem.py reads format %d" % (
                             path, version, BUNDLE_VERSION), hint="load it with a newer qmem.py")
                 previous = line
@@ -3669,20 +3690,27 @@ def bundle_items(path):
         for line in lines:
             obj = _bundle_line(line, "line")
             if b"\\u" in line and _ESCAPED_SURROGATE.search(line):  # only a JSON escape can spell one
-                obj = without_surrogates(obj)
+                try:
+                    obj = without_surrogates(obj)
+                except RecursionError:
+                    continue
             if obj.get("type") in ("record", "outbox"):
                 yield obj
 
 
-def _spool(stream):
-    """Standard input in a private temporary file (a bundle is read twice: checked, then
-    merged). Returns its path."""
+def _spool_path():
+    """A private temporary file for standard input (a bundle is read twice: checked,
+    then merged)."""
     import tempfile
-    import shutil
     fd, path = tempfile.mkstemp(prefix="qmem-bundle-")
-    with os.fdopen(fd, "wb") as f:
-        shutil.copyfileobj(stream, f)
+    os.close(fd)
     return path
+
+
+def _spool(stream, path):
+    import shutil
+    with open(path, "wb") as f:
+        shutil.copyfileobj(stream, f)
 
 
 class LoadStats:
@@ -3750,6 +3778,20 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats):
     return stats
 
 
+def dry_run_on_nothing(path):
+    """What a load into an empty machine would do, without making a database."""
+    stats = LoadStats()
+    for item in bundle_items(path):
+        if item["type"] == "record" and not item.get("pending"):
+            stats.records_new += 1
+        elif item["type"] == "outbox" and item.get("state") not in (SYNCED, DUPLICATE):
+            if isinstance(item.get("payload"), str) and _valid_write(item["payload"], item.get("created_at")):
+                stats.outbox_added += 1
+            else:
+                stats.skipped += 1
+    return stats
+
+
 class _DryRun(Exception):
     """Leaves a load's transaction rolled back, with what it would have done."""
 
@@ -3768,17 +3810,23 @@ def _merge_batch(store, batch, stats):
 
 
 def _loadable_write(store, local_id, payload, created):
-    """Is an outbox row of a bundle a write this machine can take: a JSON object with a
-    text and a project, a time a clock can show, and an id no record here has already
-    (a crafted row must not take over a record)?"""
+    """Is an outbox row of a bundle a write this machine can take: a valid write (see
+    _valid_write) whose id no record here has already (a crafted row must not take
+    over a record)?"""
+    return _valid_write(payload, created) and store.get(local_id) is None
+
+
+def _valid_write(payload, created):
+    """A payload that store would have accepted (a JSON object with a text of at most
+    MAX_TEXT, a project, a kind) and a time a clock can show."""
     try:
         body = json.loads(payload)
         when = float(created)
     except (TypeError, ValueError, RecursionError):
         return False
-    return (isinstance(body, dict) and isinstance(body.get("text"), str) and body["text"].strip()
-            and isinstance(body.get("project_id"), str) and 0 < when < 1e11
-            and store.get(local_id) is None)
+    return bool(isinstance(body, dict) and isinstance(body.get("text"), str)
+                and 0 < len(body["text"].strip()) <= MAX_TEXT and isinstance(body.get("project_id"), str)
+                and body["project_id"].strip() and body.get("kind") in KINDS and 0 < when < 1e11)
 
 
 def _load_outbox_row(store, row, stats):
@@ -3801,10 +3849,17 @@ def _load_outbox_row(store, row, stats):
         stats.outbox_added += 1
     elif here is not None and delivered and here["state"] not in (SYNCED, DUPLICATE):
         other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
-        if not (isinstance(other, str) and UUID_RE.fullmatch(other)):
+        # The record it was delivered as must be known (the bundle's records are merged
+        # first), and a write is never the duplicate of itself.
+        if not (isinstance(other, str) and UUID_RE.fullmatch(other) and other != local_id
+                and store.get(other) is not None):
             stats.skipped += 1
             return
         store.settle_write(local_id, state, other)
+        stats.outbox_settled += 1
+    elif here is not None and state == FAILED and here["state"] in WAITING:
+        reason = row.get("last_error") if isinstance(row.get("last_error"), str) else "refused by the gateway"
+        store.refuse_write(local_id, "refused where it was sent: %s" % text_of(reason)[:500])
         stats.outbox_settled += 1
     else:
         stats.outbox_unchanged += 1
@@ -3882,7 +3937,7 @@ def _doctor_config(config, config_error):
 
 def _check_database(config):
     path = config.db_path
-    if not os.path.exists(path):
+    if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         return [check("database", "warn", "no local index yet at %s" % path,
                       "run `qmem.py import` (or `qmem.py pull`)")]
     try:
@@ -3907,6 +3962,9 @@ def _check_open_store(store):
                            "move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export the "
                            "outbox first if you can: `qmem.py export --outbox-only FILE`)"))
     else:
+        if os.name == "posix" and os.stat(store.path).st_mode & 0o044:
+            found.append(check("database mode", "warn", "%s is readable by other users (mode %04o)" % (
+                store.path, os.stat(store.path).st_mode & 0o777), "chmod 600 %s" % store.path))
         found.append(check("database", "ok" if mode == "wal" else "warn", "%s: intact, schema %d, journal %s" % (
             store.path, SCHEMA_VERSION, mode), None if mode == "wal" else "WAL is not available here: several "
             "processes at once will wait on each other"))
@@ -3949,7 +4007,14 @@ def _check_breaker(config):
     if not config["url"]:
         return check("breaker", "ok", "no gateway, no breaker")
     breaker = Breaker.from_config(config)
-    state = breaker.read()
+    noticed = []
+    previous = set_diagnostics(noticed.append)  # a corrupt file is a finding here, not a side note
+    try:
+        state = breaker.read()
+    finally:
+        set_diagnostics(previous)
+    if noticed:
+        return check("breaker", "warn", noticed[0], "`qmem.py breaker --reset` rewrites it")
     if breaker.refuses(state, time.time()):
         return check("breaker", "warn", "open, retry in %d s: %s" % (ceil_s(breaker.retry_in(state, time.time())),
                                                                    why_open(state)),
@@ -4009,7 +4074,9 @@ def _probe_steps(p, config):
             try:
                 sock = ctx.wrap_socket(sock, server_hostname=p.hostname)
             except (OSError, ssl.SSLError) as e:
+                plain = "WRONG_VERSION_NUMBER" in str(e) or "EOF" in type(e).__name__ + str(e)
                 return found + [check("tls", "fail", "TLS handshake with %s failed (%s)" % (p.hostname, _reason(e)),
+                                      "the server does not speak TLS there: is the URL http://?" if plain else
                                       "for a private CA set caFile (`qmem.py config set caFile PATH`)")]
             found.append(_timed("tls", "TLS handshake with %s" % p.hostname, time.monotonic() - started, budget))
     finally:
@@ -4375,7 +4442,14 @@ class Operations:
         options = dict(projects=list(projects or ()) or None, since=since, records=not outbox_only,
                        outbox=not records_only)
         if path == "-":
-            counts = write_bundle(self.store(), stream, **options)
+            if stream is None:
+                raise UsageError("export -: there is no stdout to write the bundle to")
+            try:
+                counts = write_bundle(self.store(), stream, **options)
+                stream.flush()
+            except OSError as e:  # a closed pipe, a full disk: the bundle did not arrive
+                raise QmemError("cannot write the bundle to stdout: %s" % (e.strerror or e), kind="io",
+                                hint="nothing was changed here; export to a file instead")
         else:
             counts = self._export_file(path, options)
         return {"source": "local_sqlite", "file": path, "counts": counts, "format": BUNDLE_FORMAT,
@@ -4383,7 +4457,10 @@ class Operations:
 
     def _export_file(self, path, options):
         import tempfile
-        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.lexists(path) and not os.path.islink(path) and not os.path.isfile(path):
+            raise UsageError("%s is not a regular file: refusing to replace it" % path)
+        path = os.path.realpath(path)  # a symlink is written where it points, and stays a link
+        folder = os.path.dirname(path)
         try:
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
         except OSError as e:
@@ -4409,18 +4486,23 @@ class Operations:
         """Check a bundle whole, then merge it (see load_bundle); '-' reads stdin (kept
         in a private temporary file while it is checked)."""
         spooled = None
-        if path == "-":
-            spooled = path = _spool(stream)
         try:
+            if path == "-":
+                spooled = path = _spool_path()
+                _spool(stream, spooled)
             if not os.path.isfile(path):
-                raise UsageError("%s: no such bundle" % path)
+                raise UsageError("%s: %s" % (path, "a folder, not a bundle" if os.path.isdir(path) else
+                                             "no such bundle"))
             header = check_bundle(path)
-            try:
-                stats = load_bundle(self.store(), path, header, dry_run=dry_run)
-            except _DryRun as d:
-                stats = d.stats
+            if dry_run and not self.has_index():  # nothing here yet: everything would be new
+                stats = dry_run_on_nothing(path)
+            else:
+                try:
+                    stats = load_bundle(self.store(), path, header, dry_run=dry_run)
+                except _DryRun as d:
+                    stats = d.stats
         finally:
-            if spooled:
+            if spooled and os.path.exists(spooled):
                 os.unlink(spooled)
         return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run), machine=header.get("machine"),
                     created_at=header.get("created_at"))
@@ -5608,22 +5690,22 @@ def main(argv=None):
         return _run_writer(argv[1])
     argv, json_mode, debug = _global_options(argv)
     set_diagnostics(stderr_diagnostic)  # the command line's own: one line each on stderr
-    ops = None
+    ops = doc_out = None  # doc_out: where documents go when stdout carries data (export -)
     try:
         if "--version" in argv and json_mode:
             render_json_version()
             return EXIT_OK
         args = build_parser().parse_args(argv)
+        if args.command == "export" and args.file == "-":
+            doc_out = sys.stderr
         ops = Operations(_config_for(args))
         doc = args.func(ops, args)
-        to_stderr = args.command == "export" and args.file == "-"  # stdout holds the bundle
-        render(args.command, doc, json_mode, out=sys.stderr if to_stderr else None, bold=_color_ok(),
-               width=_terminal_width())
+        render(args.command, doc, json_mode, out=doc_out, bold=_color_ok(), width=_terminal_width())
         return doc.get("exit_code", EXIT_OK)
     except QmemError as e:
         if debug:
             raise
-        render_error(e, json_mode)
+        render_error(e, json_mode, doc_out)
         return e.exit_code
     except KeyboardInterrupt:
         render_error(Interrupted("interrupted"), json_mode)

@@ -3376,8 +3376,8 @@ class RelevanceTests(QmemTestCase):
         self.assertGreaterEqual(len(RELEVANCE_RECORDS), 100)
 
 
-class BundleTests(GatewayTestCase):
-    """Part 7: knowledge in and writes out of an air-gapped host, as one file, exactly once."""
+class BundleTestCase(GatewayTestCase):
+    """Two machines (two databases, one of them offline) and bundles between them."""
 
     def host(self, name, online):
         """Switch to one of two machines: its own database; a gateway only when online."""
@@ -3398,6 +3398,22 @@ class BundleTests(GatewayTestCase):
         self.host(name, False)
         return sorted((r["id"], r["text"], bool(r["superseded_by"]), r["pending"])
                       for r in self.ok_json("find", "memoria", "--include-superseded", "--limit", "100")["results"])
+
+    def crafted(self, items):
+        """A bundle with a right checksum around whatever items it is given."""
+        import gzip
+        import hashlib
+        head = {"format": "qmem-bundle", "format_version": 1, "machine": "crafted", "created_at": "2026-12-01"}
+        data = "".join(json.dumps(obj) + "\n" for obj in [head] + items).encode()
+        path = os.path.join(self.home, "crafted.bundle")
+        with gzip.open(path, "wb") as f:
+            f.write(data + (json.dumps({"type": "end", "lines": len(items) + 1,
+                                        "sha256": hashlib.sha256(data).hexdigest()}) + "\n").encode())
+        return path
+
+
+class BundleTests(BundleTestCase):
+    """Part 7: knowledge in and writes out of an air-gapped host, as one file, exactly once."""
 
     def test_the_round_trip_delivers_every_write_once_and_both_hosts_agree(self):
         old = self.gw.add("memoria condivisa vecchia")
@@ -3491,18 +3507,6 @@ class BundleTests(GatewayTestCase):
         doc = self.ok_json("load", bundle, "--dry-run")
         self.assertEqual((doc["dry_run"], doc["records"]["new"]), (True, 1))
         self.assertEqual(self.dump("b"), before)
-
-    def crafted(self, items):
-        """A bundle with a right checksum around whatever items it is given."""
-        import gzip
-        import hashlib
-        head = {"format": "qmem-bundle", "format_version": 1, "machine": "crafted", "created_at": "2026-12-01"}
-        data = "".join(json.dumps(obj) + "\n" for obj in [head] + items).encode()
-        path = os.path.join(self.home, "crafted.bundle")
-        with gzip.open(path, "wb") as f:
-            f.write(data + (json.dumps({"type": "end", "lines": len(items) + 1,
-                                        "sha256": hashlib.sha256(data).hexdigest()}) + "\n").encode())
-        return path
 
     def test_a_crafted_bundle_with_a_right_checksum_costs_its_bad_rows_only(self):
         self.put_record(UUIDS[0], "un record che esiste")
@@ -3760,6 +3764,87 @@ class ReviewTwoTests(GatewayTestCase):
                     False, out=ascii_out)
         ascii_out.flush()
         self.assertIn(b"no local index yet", raw.getvalue())
+
+
+class ReviewThreeTests(BundleTestCase):
+    """What a third review (export, load, doctor) found, each reproduced."""
+
+    def test_a_delivery_is_settled_only_onto_a_record_that_is_known(self):
+        local = self.ok_json("store", "da sistemare", "--project", "p", "--queue-only")["local_id"]
+        fake = {"type": "outbox", "id": local, "op": "store", "state": "synced", "gateway_id": UUIDS[50],
+                "created_at": time.time(), "payload": "{}"}
+        itself = dict(fake, state="duplicate", duplicate_of=local)
+        doc = self.ok_json("load", self.crafted([fake, itself]))
+        self.assertEqual((doc["outbox"]["settled"], doc["skipped"]), (0, 2))
+        self.assertEqual(self.ok_json("flush")["synced"], 1)  # still sent, once
+
+    def test_a_correction_travels_with_its_target_and_since_keeps_settlements(self):
+        self.host("a", False)
+        target = self.ok_json("store", "memoria di p1", "--project", "p1")["local_id"]
+        self.ok("correct", target, "memoria corretta", "--project", "p2")
+        bundle = os.path.join(self.home, "p2.bundle")
+        self.assertEqual(self.ok_json("export", "--outbox-only", "--project", "p2", bundle)["counts"]["outbox"], 2)
+        self.host("b", True)
+        self.ok("load", bundle)
+        self.assertEqual(self.ok_json("flush")["synced"], 2)
+        self.ok("pull")
+        store = qmem.Store(os.environ["QMEM_SQLITE"])
+        store.conn.execute("UPDATE outbox SET created_at = created_at - 3 * 86400")
+        store.close()
+        since = qmem.iso_from_epoch(time.time() - 86400)[:10]
+        back = os.path.join(self.home, "back.bundle")
+        self.assertEqual(self.ok_json("export", "--since", since, back)["counts"]["outbox"], 2)
+        self.host("a", False)
+        self.assertEqual(self.ok_json("load", back)["outbox"]["settled"], 2)
+
+    def test_a_refusal_travels_back(self):
+        self.host("a", False)
+        self.ok("store", "rifiutata altrove", "--project", "p")
+        out = os.path.join(self.home, "out.bundle")
+        self.ok("export", "--outbox-only", out)
+        self.host("b", True)
+        self.ok("load", out)
+        self.gw.script = [(422, {"detail": "no"})]
+        self.run_cli("flush")
+        back = os.path.join(self.home, "back.bundle")
+        self.ok("export", back)
+        self.host("a", False)
+        self.ok("load", back)
+        self.assertEqual(self.ok_json("queue")["items"][0]["state"], "failed")
+
+    def test_export_to_a_pipe_that_closes_or_to_something_not_a_file_fails_cleanly(self):
+        self.ok("store", "x", "--project", "p", "--queue-only")
+        proc = subprocess.Popen([sys.executable, QMEM, "export", "-", "--json"], env=dict(os.environ),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader went away at once
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        self.assertEqual(proc.wait(30), 1, err)
+        self.assertIn("cannot write the bundle to stdout", err)
+        self.assertNotIn("Traceback", err)
+        os.mkfifo(os.path.join(self.home, "fifo"))
+        self.assertIn("not a regular file", self.expect_fail(2, "export", os.path.join(self.home, "fifo")))
+
+    def test_loaded_writes_pass_the_checks_of_store_and_a_dry_run_makes_no_database(self):
+        row = {"type": "outbox", "id": UUIDS[60], "op": "store", "state": "pending", "created_at": time.time(),
+               "payload": json.dumps({"text": "x" * 40000, "kind": "fact", "project_id": "p"})}
+        odd = dict(row, id=UUIDS[61], payload=json.dumps({"text": "y", "kind": 3, "project_id": "p"}))
+        path = self.crafted([row, odd])
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "none", "q.sqlite")
+        self.assertEqual(self.ok_json("load", path, "--dry-run")["skipped"], 2)
+        self.assertFalse(os.path.exists(os.environ["QMEM_SQLITE"]))
+        self.assertEqual(self.ok_json("load", path)["skipped"], 2)
+
+    def test_doctor_leaves_an_empty_file_alone_and_a_bad_proxy_variable_is_ignored(self):
+        os.makedirs(os.path.dirname(self.db), exist_ok=True)
+        open(self.db, "w").close()
+        self.run_cli("doctor", "--offline")
+        self.assertEqual(os.path.getsize(self.db), 0)
+        os.environ.update(https_proxy="http://127.0.0.1:99999", http_proxy="http://[::1", NO_PROXY="", no_proxy="")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        code, out, err = self.run_cli("store", "con un proxy rotto", "--project", "p")
+        self.assertEqual(code, 0, err)
+        self.assertIn("queued", out)
 
 
 class CompatibilityTests(unittest.TestCase):
