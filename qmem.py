@@ -1762,6 +1762,20 @@ class Store:
     def transaction(self):
         return _Transaction(self)
 
+    def snapshot(self):
+        """A read transaction: every query inside sees the database as it was at the first."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def reading():
+            self.conn.execute("BEGIN")
+            try:
+                yield self.conn
+            finally:
+                if self.conn.in_transaction:
+                    self.conn.execute("COMMIT")
+        return reading()
+
     def close(self):
         self.conn.close()
 
@@ -2013,6 +2027,22 @@ class Store:
             self.conn.execute("UPDATE outbox SET state='duplicate', duplicate_of=?, claim_token=NULL, "
                               "lease_until=NULL, done_at=? WHERE id=?", (other_id, time.time(), local_id))
             self.drop_local(local_id, other_id)
+
+    def health(self):
+        """(PRAGMA quick_check's verdict, the journal mode), for doctor."""
+        try:
+            integrity = self.conn.execute("PRAGMA quick_check").fetchone()[0]
+        except sqlite3.DatabaseError as e:
+            integrity = str(e)
+        return integrity, self.conn.execute("PRAGMA journal_mode").fetchone()[0]
+
+    def unsettled_before(self, when):
+        """(count, oldest creation time) of writes still waiting or refused, made before when."""
+        return self.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE state IN "
+                                 "('pending', 'sending', 'failed') AND created_at < ?", (when,)).fetchone()
+
+    def is_empty(self):
+        return self.conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
 
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
@@ -3626,8 +3656,7 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
     the counts of what it holds. One read transaction: a consistent snapshot."""
     writer = _BundleWriter(out)
     try:
-        store.conn.execute("BEGIN")
-        try:
+        with store.snapshot():
             rows = list(store.bundle_outbox(projects, since)) if outbox else []
             counts = {"records": store.bundle_record_count(projects, since) if records else 0, "outbox": len(rows)}
             writer.put({"format": BUNDLE_FORMAT, "format_version": BUNDLE_VERSION, "qmem_version": __version__,
@@ -3638,8 +3667,6 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
                 writer.put(dict(rec, type="record"))
             for row in rows:
                 writer.put(dict(row, type="outbox"))
-        finally:
-            store.conn.execute("COMMIT")
         writer.finish()
     except BaseException:
         writer.abandon()
@@ -3757,7 +3784,7 @@ def load_bundle(store, path, header, dry_run=False):
     ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
     bundle shows delivered settle the same rows here, without a request."""
     stats = LoadStats()
-    bulk = not dry_run and store.conn.execute("SELECT count(*) FROM records").fetchone()[0] == 0
+    bulk = not dry_run and store.is_empty()
     if bulk:
         store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
     try:
@@ -3977,11 +4004,7 @@ def _check_database(config):
 
 def _check_open_store(store):
     found = []
-    try:
-        integrity = store.conn.execute("PRAGMA quick_check").fetchone()[0]
-    except sqlite3.DatabaseError as e:
-        integrity = str(e)
-    mode = store.conn.execute("PRAGMA journal_mode").fetchone()[0]
+    integrity, mode = store.health()
     if integrity != "ok":
         found.append(check("database", "fail", "%s is damaged (quick_check: %s)" % (store.path, integrity[:200]),
                            "move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export the "
@@ -3999,9 +4022,7 @@ def _check_open_store(store):
 
 
 def _check_outbox(store):
-    day = time.time() - 86400
-    stuck = store.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE state IN "
-                               "('pending', 'sending', 'failed') AND created_at < ?", (day,)).fetchone()
+    stuck = store.unsettled_before(time.time() - 86400)
     if stuck[0]:
         return check("outbox", "warn", "%s waiting or refused for more than a day (the oldest %s)" % (
             plural(stuck[0], "write"), duration(time.time() - stuck[1])),
