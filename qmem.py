@@ -2144,6 +2144,13 @@ class Store:
         if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?", (local_id,)).rowcount:
             self.link_supersessions()  # another correction of it may still stand
 
+    def refresh(self):
+        """Forget what was cached from the index (its terms) once it has changed, here or in
+        another connection: for a long-lived process, such as the MCP server."""
+        mark = (self.conn.execute("PRAGMA data_version").fetchone()[0], self.conn.total_changes)
+        if mark != getattr(self, "_mark", None):
+            self._terms, self._mark = None, mark
+
     def index_terms(self):
         """Every term of the full-text index (read once per Store, through an fts5vocab
         table in this connection's temp schema: nothing is written to the database). One
@@ -4208,6 +4215,41 @@ def utf8_arguments(method):
     return checked
 
 
+# How agents use the memory well: the MCP server's instructions, and `qmem.py rules`
+# for AGENTS.md, CLAUDE.md or GEMINI.md. Each tool's description repeats its rule's
+# essence (for clients that do not pass instructions on).
+RULES_INTRO = ("qmem is the memory shared by the AI agents of this team: facts, decisions, preferences "
+               "and episodes, per project, on a gateway, with a local index and outbox on this machine.")
+AGENT_RULES = (
+    ("Project", "Pass `project_id` on every call: the project's short name, e.g. its repository's. "
+                "Without it the server uses QMEM_PROJECT, then the name of CLAUDE_PROJECT_DIR, then the git "
+                "root of its own folder; every result says which project it used."),
+    ("Search first", "Before answering about earlier decisions, preferences or facts, search: `qmem_search` "
+                     "asks the shared memory by meaning, `qmem_find` matches words in this machine's index, "
+                     "offline."),
+    ("Scores", "A gateway score of 0.60 or more is a strong match, 0.45-0.60 a weak one to check before "
+               "relying on it. Local results (source `local_sqlite`) have no score: they matched words, "
+               "not meaning."),
+    ("Store", "Store durable knowledge with `qmem_store`: facts, decisions with their reasons, preferences, "
+              "notable episodes; one self-contained memory per call, not chatter."),
+    ("Correct", "When a memory is wrong or outdated, call `qmem_correct` with its id instead of storing a "
+                "contradicting one: the old memory is kept, marked superseded."),
+    ("Discover", "`qmem_meta` lists the projects, kinds and agents the memory holds: use it to find the "
+                 "right `project_id`."),
+    ("Offline", "A write the gateway cannot take now is queued on this machine (status `queued`): "
+                "`qmem_find` sees it at once, other agents only once it is delivered (later, exactly once). "
+                "Do not store it again."),
+    ("Machine", "Memories written here name this machine (hostname and OS) as their source."),
+)
+
+
+def rules_markdown():
+    """The rules as a Markdown section to paste into AGENTS.md, CLAUDE.md or GEMINI.md."""
+    lines = ["## Shared memory (qmem)", "", RULES_INTRO, ""]
+    lines += ["- **%s.** %s" % (title, text) for title, text in AGENT_RULES]
+    return "\n".join(lines) + "\n"
+
+
 class Operations:
     """The operations over one configuration: the store and the gateway are opened on
     first use and closed by close()."""
@@ -4215,6 +4257,9 @@ class Operations:
     def __init__(self, config, clock=time.time):
         self.config, self.clock = config, clock
         self._store = self._gateway = None
+        # A front end that answers first and delivers the outbox after (the MCP server)
+        # sets this, and calls auto_flush() itself once the answer is out.
+        self.flush_after_answer = False
 
     # -- resources
     def has_index(self):
@@ -4231,10 +4276,21 @@ class Operations:
         return self._gateway
 
     def close(self):
-        if self._gateway is not None:
-            self._gateway.close()
+        self.close_gateway()
         if self._store is not None:
             self._store.close()
+
+    def refresh(self):
+        """Before each call of a long-lived front end: see the index as it is now."""
+        if self._store is not None:
+            self._store.refresh()
+
+    def close_gateway(self):
+        """Forget the gateway connection (a server does after every call: a kept-alive
+        connection the gateway has since dropped must not count as a failure)."""
+        if self._gateway is not None:
+            self._gateway.close()
+            self._gateway = None
 
     # -- local
     @utf8_arguments
@@ -4282,6 +4338,11 @@ class Operations:
         if not self.has_index():
             return dict(empty_status(self.config.db_path), index_exists=False)
         return dict(local_status(self.store()), index_exists=True)
+
+    def rules(self):
+        """The rules for agents (see AGENT_RULES), as data and as Markdown."""
+        return {"intro": RULES_INTRO, "rules": [{"title": t, "text": x} for t, x in AGENT_RULES],
+                "markdown": rules_markdown()}
 
     # -- the breaker
     def breaker(self, reset=False):
@@ -4407,8 +4468,9 @@ class Operations:
 
     @utf8_arguments
     def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None, expires=None,
-                private=False, reason=None, queue_only=False):
-        """Write a correction of `target`: project and kind default to the target's."""
+                private=False, reason=None, queue_only=False, default_project=None):
+        """Write a correction of `target`: project and kind default to the target's (the
+        project then to default_project, when the target is not known here)."""
         target = (target or "").strip()
         if not target:
             raise UsageError("correct needs the id of the memory it corrects")
@@ -4420,12 +4482,14 @@ class Operations:
             except StoreError as e:  # the database is unusable: the words must not be lost
                 raise _kept_aside(e, {"text": (text or "").strip(), "project_id": project or "PROJECT",
                                       "supersedes_id": target}, os.path.dirname(os.path.abspath(self.config.db_path)))
-        project = project or old.get("project_id")
+        project_from = "argument" if project else "the corrected memory" if old.get("project_id") else "default"
+        project = project or old.get("project_id") or default_project
         if not project:
-            raise UsageError("%s is not in the local index: say which project with --project" % target)
+            raise UsageError("%s is not in the local index: say which project the correction belongs to" % target,
+                             hint="--project P (project_id, over MCP)")
         payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent, source, expires,
                                  private, target, reason)
-        return self._write("correct", payload, queue_only)
+        return dict(self._write("correct", payload, queue_only), project_from=project_from)
 
     def _write(self, op, payload, queue_only):
         try:
@@ -4454,7 +4518,8 @@ class Operations:
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
                "local_id": local_id, "state": state, "id": row["gateway_id"] or row["duplicate_of"] or local_id,
                "duplicate_of": row["duplicate_of"], "last_error": row["last_error"], "queued": state in WAITING,
-               "degraded": state in WAITING, "reason": None}
+               "degraded": state in WAITING, "reason": None, "project_id": payload["project_id"],
+               "kind": payload["kind"], "agent_id": payload["agent_id"], "provenance": payload["source"]}
         if state in WAITING:
             doc["reason"] = "queued on request (--queue-only)" if queue_only else str(
                 error or row["last_error"] or "retry later")
@@ -4785,7 +4850,7 @@ class Operations:
     def _after_online(self, doc):
         """Every online command ends here: when the gateway answered it, deliver what is
         queued (for a few seconds at most) and say in the document what came of it."""
-        doc["auto_flush"] = self.auto_flush()
+        doc["auto_flush"] = "after the answer" if self.flush_after_answer else self.auto_flush()
         return doc
 
     def auto_flush(self):
@@ -5331,12 +5396,16 @@ def show_status(doc, out):
     out.write("this machine: %s\n" % doc["machine"])
 
 
+def show_rules(doc, out):
+    out.write(doc["markdown"])
+
+
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
              "queue": show_queue, "flush": show_flush,
              "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load,
-             "doctor": show_doctor}
+             "doctor": show_doctor, "rules": show_rules}
 
 
 def render(command, doc, json_mode, out=None, bold=False, width=None):
@@ -5372,6 +5441,727 @@ def render_error(err, json_mode, out=None):
         emit_json(doc, out)
 
 
+# === MCP server ==============================================================
+#
+# `qmem.py mcp`: the same operations for every agent that speaks the Model Context
+# Protocol, over stdio (research/mcp.md): newline-delimited JSON-RPC 2.0, UTF-8 bytes
+# in and out, one message per line, flushed. The handshake era (initialize, with the
+# client's version echoed when it is one of MCP_VERSIONS); any other method gets
+# -32601 at once, before initialize too, so the stateless era's server/discover
+# probe falls back without waiting. Tool failures are results with isError, protocol
+# failures are JSON-RPC errors. The server runs one request at a time, in order.
+
+MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # the newest first
+MAX_MESSAGE = 16 << 20    # bytes in one message (clients allow 10 MiB)
+RESULT_TEXT_CHARS = 1000  # of a memory's text in a list of results; qmem_get gives it whole
+RPC_PARSE, RPC_INVALID, RPC_NO_METHOD, RPC_PARAMS, RPC_INTERNAL = -32700, -32600, -32601, -32602, -32603
+ALL_PROJECTS = "*"        # project_id of a search over every project
+
+
+class RpcError(Exception):
+    """A JSON-RPC error answer (not a tool's failure: that is a result)."""
+
+    def __init__(self, code, message):
+        Exception.__init__(self, message)
+        self.code, self.message = code, message
+
+
+def rpc_error(rid, code, message):
+    return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}}
+
+
+def git_root(folder):
+    """The nearest folder at or above `folder` that holds a .git, or None."""
+    folder = os.path.abspath(folder)
+    while True:
+        if os.path.exists(os.path.join(folder, ".git")):
+            return folder
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return None
+        folder = parent
+
+
+def resolve_project(explicit, environ, cwd):
+    """(project, where it came from): the argument, else QMEM_PROJECT, else the name of
+    CLAUDE_PROJECT_DIR, else the name of the git root of cwd; (None, None) when none
+    says. The server's cwd is where its client started it, often not the project."""
+    if explicit and explicit.strip():
+        return explicit.strip(), "argument"
+    named = (environ.get("QMEM_PROJECT") or "").strip()
+    if named:
+        return named, "QMEM_PROJECT"
+    folder = (environ.get("CLAUDE_PROJECT_DIR") or "").strip()
+    if folder and os.path.basename(os.path.normpath(folder)):
+        return os.path.basename(os.path.normpath(folder)), "CLAUDE_PROJECT_DIR"
+    root = git_root(cwd) if cwd else None
+    if root and os.path.basename(root):
+        return os.path.basename(root), "the git root of %s" % cwd
+    return None, None
+
+
+# -- tools: what each takes (a plain JSON Schema: one type per property) and says
+
+def _prop(kind, about, **extra):
+    return dict(extra, type=kind, description=about)
+
+
+_PROJECT = _prop("string", "the project's short name, e.g. its repository's (default: QMEM_PROJECT, "
+                 "CLAUDE_PROJECT_DIR's name, or the git root of the server's folder)")
+_READ_PROJECT = _prop("string", "only this project (default as for writes; \"*\" searches every project)")
+_KIND = _prop("string", "fact | decision | preference | episode", enum=list(KINDS))
+_FILTER_KIND = _prop("string", "only this kind", enum=list(KINDS))
+_SCOPE = _prop("string", "e.g. project, global, agent")
+_ID = _prop("string", "a memory id (from qmem_search or qmem_find)")
+
+
+class McpTool:
+    """One tool: its listing, the arguments it takes, and the server method that runs it."""
+
+    def __init__(self, name, title, description, properties, required, read_only, idempotent, aliases=None):
+        self.name, self.title, self.description = name, title, description
+        self.properties, self.required = properties, required
+        self.read_only, self.idempotent = read_only, idempotent
+        self.aliases = aliases or {}
+        self.method = "tool_" + name[len("qmem_"):]
+
+    def listing(self):
+        return {"name": self.name, "title": self.title, "description": self.description,
+                "inputSchema": {"type": "object", "properties": self.properties, "required": self.required},
+                "annotations": {"title": self.title, "readOnlyHint": self.read_only, "destructiveHint": False,
+                                "idempotentHint": self.idempotent, "openWorldHint": False}}
+
+    def arguments(self, given):
+        """The arguments, each converted to its declared type the way models send them
+        ("5" for 5, "true" for true, "Decision" for decision); null is absent. An unknown
+        or missing argument is a UsageError (the tool's result, not a protocol error)."""
+        args = {}
+        for name, value in given.items():
+            key = self.aliases.get(name, name)
+            if key not in self.properties:
+                raise UsageError("%s takes no argument %r" % (self.name, _clip(str(name), 40)),
+                                 hint="its arguments are %s" % ", ".join(self.properties))
+            if value is not None:
+                try:
+                    args[key] = _mcp_value(key, value, self.properties[key])
+                except UsageError as e:
+                    e.hint = "call %s again with %s as its inputSchema says" % (self.name, key)
+                    raise
+        missing = [n for n in self.required if n not in args]
+        if missing:
+            raise UsageError("%s needs %s" % (self.name, " and ".join(missing)),
+                             hint="call it again with %s" % ", ".join(missing))
+        return args
+
+
+def _clip(text, width):
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+_BOOLEANS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False,
+             "off": False}
+
+
+def _mcp_value(name, value, prop):
+    """One argument converted to the property's type, or a UsageError saying what it
+    must be."""
+    kind, shown = prop["type"], _clip(json.dumps(value, ensure_ascii=False), 40)
+    if kind == "string":
+        if isinstance(value, bool) or not isinstance(value, (str, int)):
+            raise UsageError("%s must be a string, not %s" % (name, shown))
+        value = str(value)
+        if "enum" in prop:
+            if value.strip().lower() not in prop["enum"]:
+                raise UsageError("%s must be one of %s, not %s" % (name, ", ".join(prop["enum"]), shown))
+            return value.strip().lower()
+        return value
+    if kind == "boolean":
+        word = str(value).strip().lower() if isinstance(value, (str, int)) else None
+        if isinstance(value, bool) or word in _BOOLEANS:
+            return value if isinstance(value, bool) else _BOOLEANS[word]
+        raise UsageError("%s must be true or false, not %s" % (name, shown))
+    if kind == "integer":
+        number = _mcp_number(value, r"\s*[+-]?\d{1,9}\s*", int)
+        if number is None or number != int(number):
+            raise UsageError("%s must be a whole number, not %s" % (name, shown))
+        number = int(number)
+    else:
+        number = _mcp_number(value, r"\s*[+-]?(\d+\.?\d*|\.\d+)\s*", float)
+        if number is None:
+            raise UsageError("%s must be a number, not %s" % (name, shown))
+    if not prop.get("minimum", number) <= number <= prop.get("maximum", number):
+        raise UsageError("%s must be between %s and %s, not %s" % (name, prop["minimum"], prop["maximum"], shown))
+    return number
+
+
+def _mcp_number(value, pattern, convert):
+    import math
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        return convert(value) if re.fullmatch(pattern, value) else None
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return value
+    return None
+
+
+MCP_TOOLS = (
+    McpTool("qmem_search", "Search the shared memory",
+            "Search the memory shared by every agent, by meaning (the gateway). Use it before answering about "
+            "earlier decisions, preferences or facts. Scores: 0.60 or more is a strong match, 0.45-0.60 weak. "
+            "When the gateway cannot be reached the answer comes from this machine's local index, says so "
+            "(source local_sqlite, degraded) and has no scores. Pass project_id.",
+            {"query": _prop("string", "what to look for, in plain words"), "project_id": _READ_PROJECT,
+             "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
+             "top_k": _prop("integer", "at most this many results (default 8)", minimum=1, maximum=100),
+             "include_superseded": _prop("boolean", "also corrected memories (default false)"),
+             "min_score": _prop("number", "drop results scoring below this", minimum=0, maximum=1)},
+            ["query"], read_only=True, idempotent=True, aliases={"q": "query", "limit": "top_k"}),
+    McpTool("qmem_find", "Find words in the local index",
+            "Find memories by their words in this machine's local index: offline, fast, lexical (not by "
+            "meaning), so results have no score. It also sees writes queued here and not yet shared. "
+            "Pass project_id.",
+            {"query": _prop("string", "words to look for (all must match; word forms and near spellings "
+                                      "are tried next)"),
+             "project_id": _READ_PROJECT, "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
+             "limit": _prop("integer", "at most this many results (default 10)", minimum=1, maximum=MAX_LIMIT),
+             "include_superseded": _prop("boolean", "also corrected memories (default false)")},
+            ["query"], read_only=True, idempotent=True, aliases={"q": "query", "top_k": "limit"}),
+    McpTool("qmem_get", "Get one memory",
+            "One memory in full by its id: its text, project, kind, and whether it was corrected "
+            "(superseded_by) or deleted. From the gateway, else from this machine's local index (labelled).",
+            {"id": _ID}, ["id"], read_only=True, idempotent=True, aliases={"memory_id": "id"}),
+    McpTool("qmem_store", "Store a memory",
+            "Store one durable memory for every agent: a fact, a decision with its reason, a preference, a "
+            "notable episode; self-contained, not chatter. Pass project_id. If it contradicts a memory, use "
+            "qmem_correct instead. When the gateway cannot take it now it is queued here (status queued): "
+            "not yet visible to other agents, delivered later exactly once; do not store it again.",
+            {"text": _prop("string", "the memory, self-contained"), "project_id": _PROJECT, "kind": _KIND,
+             "scope": _SCOPE, "private": _prop("boolean", "hidden from searches unless asked for"),
+             "expires_at": _prop("string", "hidden from searches after this date (YYYY-MM-DD)"),
+             "agent_id": _prop("string", "who writes it (default: the client's name)")},
+            ["text"], read_only=False, idempotent=False, aliases={"project": "project_id", "type": "kind"}),
+    McpTool("qmem_correct", "Correct a memory",
+            "Correct a memory that is wrong or outdated: a new memory supersedes it, and the old one is kept, "
+            "marked superseded. Use it instead of storing a contradicting memory. Project and kind default to "
+            "the corrected memory's. Queued here like qmem_store when the gateway cannot take it now.",
+            {"id": _prop("string", "the id of the memory it corrects"), "text": _prop("string", "the corrected "
+                                                                                        "memory, whole"),
+             "reason": _prop("string", "why the old memory was wrong"), "project_id": _PROJECT, "kind": _KIND,
+             "agent_id": _prop("string", "who writes it (default: the client's name)")},
+            ["id", "text"], read_only=False, idempotent=False,
+            aliases={"memory_id": "id", "supersedes_id": "id", "project": "project_id"}),
+    McpTool("qmem_meta", "What the memory holds",
+            "What the memory holds: its projects, kinds per scope, agents, corrected and deleted counts; and "
+            "here, the project this server uses by default and the writes queued on this machine. Use it to "
+            "find the right project_id.",
+            {}, [], read_only=True, idempotent=True),
+)
+MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
+
+
+def mcp_instructions():
+    """The server's instructions (clients cap them at 2 KB): the rules, plain."""
+    return RULES_INTRO + "\n" + "\n".join("- %s" % text.replace("`", "") for _, text in AGENT_RULES)
+
+
+# -- results: what the model reads (structuredContent, and the same as JSON text)
+
+def tool_result(structured, is_error=False):
+    """A tools/call result: Claude Code shows the model only structuredContent, Gemini
+    CLI only the text, so the text is the same document."""
+    return {"content": [{"type": "text", "text": json.dumps(structured, ensure_ascii=False)}],
+            "structuredContent": structured, "isError": bool(is_error)}
+
+
+def _memories(n):
+    return "1 memory" if n == 1 else "%d memories" % n
+
+
+def _str_or_none(value):
+    return value if isinstance(value, str) else None
+
+
+def _memory_out(rec, whole=False):
+    """A record (the gateway's answer, or a local row) as a result shows it: only the
+    record's own fields, each of its type; the text cut in a list of results."""
+    out = {"id": _str_or_none(rec.get("id"))}
+    for key in FIELDS:
+        value = rec.get(key)
+        if key == "private":
+            out[key] = value is True or value == 1
+        elif isinstance(value, str):
+            out[key] = value
+        elif value is None and (whole or key in ("superseded_by", "deleted_at")):
+            out[key] = None
+    text = out.get("text") or ""
+    if not whole and len(text) > RESULT_TEXT_CHARS:
+        out["text"], out["text_cut"] = text[:RESULT_TEXT_CHARS] + "…", True
+    if rec.get("pending"):
+        out["queued"] = True  # written here, not yet shared
+    if rec.get("failed"):
+        out["refused"] = rec.get("failed_reason") or "refused by the gateway"
+    score = rec.get("score")
+    if isinstance(score, (int, float)) and not isinstance(score, bool):
+        out["score"] = round(score, 3)
+    return out
+
+
+def _in_project(project):
+    return " in project %s" % project if project else " in every project"
+
+
+class McpServer:
+    """The protocol over one connection: handle(message) -> reply (or None). Its
+    Operations is made at the first tool call, so a broken configuration or database
+    costs tool results that say so, never the handshake or the tool list."""
+
+    def __init__(self, load, environ=None, cwd=None, clock=time.time):
+        self.load, self.clock = load, clock  # load() -> Config, or ConfigError
+        self.environ = os.environ if environ is None else environ
+        self.cwd = cwd
+        self.ops = self.config_stamp = None
+        self.agent = "qmem.py mcp"
+        self.warnings = []
+
+    def close(self):
+        if self.ops is not None:
+            self.ops.close()
+
+    # -- messages
+    def handle_line(self, raw):
+        """One line off the wire (bytes) -> the reply, or None."""
+        raw = raw.strip()
+        if not raw:
+            return None
+        try:
+            message = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            return rpc_error(None, RPC_PARSE, "Parse error: the message is not UTF-8")
+        except (ValueError, RecursionError):
+            return rpc_error(None, RPC_PARSE, "Parse error: the line is not one JSON value")
+        return self.handle(message)
+
+    def handle(self, message):
+        if isinstance(message, list):  # a batch (2025-03-26): the replies in one array
+            if not message:
+                return rpc_error(None, RPC_INVALID, "Invalid request: an empty batch")
+            replies = [r for r in map(self._one, message) if r is not None]
+            return replies or None
+        return self._one(message)
+
+    def _one(self, msg):
+        if not isinstance(msg, dict):
+            return rpc_error(None, RPC_INVALID, "Invalid request: a message is a JSON object")
+        if "method" not in msg and ("result" in msg or "error" in msg):
+            return None  # an answer: this server sends no requests
+        is_request, rid = "id" in msg, msg.get("id")
+        if is_request and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
+            return rpc_error(None, RPC_INVALID, "Invalid request: an id is a string or an integer")
+        method = msg.get("method")
+        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str):
+            return rpc_error(rid, RPC_INVALID, 'Invalid request: it needs "jsonrpc": "2.0" and a method') \
+                if is_request else None
+        if not is_request:
+            # notifications/initialized; notifications/cancelled names a request that was
+            # answered before this line was read (one at a time); others mean nothing here.
+            return None
+        params = {} if msg.get("params") is None else msg["params"]
+        handler = self.METHODS.get(method)
+        if handler is None:
+            return rpc_error(rid, RPC_NO_METHOD, "Method not found: %s" % _clip(method, 100))
+        if not isinstance(params, dict):
+            return rpc_error(rid, RPC_PARAMS, "Invalid params: params is an object")
+        try:
+            return {"jsonrpc": "2.0", "id": rid, "result": handler(self, params)}
+        except RpcError as e:
+            return rpc_error(rid, e.code, e.message)
+
+    def initialize(self, params):
+        asked = params.get("protocolVersion")
+        client = params.get("clientInfo")
+        name = client.get("name") if isinstance(client, dict) else None
+        if isinstance(name, str) and visible(name).strip():
+            self.agent = _clip(visible(name).strip(), 64)
+        return {"protocolVersion": asked if asked in MCP_VERSIONS else MCP_VERSIONS[0],
+                "capabilities": {"tools": {"listChanged": False}},
+                "serverInfo": {"name": "qmem", "title": "qmem shared memory", "version": __version__},
+                "instructions": mcp_instructions()}
+
+    def ping(self, params):
+        return {}
+
+    def tools_list(self, params):
+        if params.get("cursor") is not None:
+            raise RpcError(RPC_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
+        return {"tools": [t.listing() for t in MCP_TOOLS]}
+
+    def tools_call(self, params):
+        name, arguments = params.get("name"), params.get("arguments")
+        if not isinstance(name, str):
+            raise RpcError(RPC_PARAMS, "Invalid params: tools/call needs the name of a tool")
+        tool = MCP_TOOL_NAMES.get(name)
+        if tool is None:
+            raise RpcError(RPC_PARAMS, "Unknown tool: %s (the tools are %s)" % (
+                _clip(name, 100), ", ".join(MCP_TOOL_NAMES)))
+        if arguments is not None and not isinstance(arguments, dict):
+            raise RpcError(RPC_PARAMS, "Invalid params: the arguments of %s are an object" % name)
+        return self.run_tool(tool, arguments or {})
+
+    METHODS = {"initialize": initialize, "ping": ping, "tools/list": tools_list, "tools/call": tools_call}
+
+    # -- tools
+    def run_tool(self, tool, given):
+        """A tool's result: what it did, or (isError) why not and what to do next."""
+        self.warnings = []
+        previous = set_diagnostics(self._diagnostic)
+        try:
+            args = tool.arguments(given)
+            structured = getattr(self, tool.method)(self.operations(), args)
+        except QmemError as e:
+            structured = self._failure(e)
+        except sqlite3.Error as e:  # one no layer expected
+            structured = self._failure(store_error(e, self.ops.config.db_path if self.ops else "the database"))
+        except Exception as e:  # a bug: the server goes on, and says only what it was
+            stderr_diagnostic("internal error in %s: %s" % (tool.name, type(e).__name__))
+            structured = self._failure(QmemError("internal error (%s): a bug in qmem.py" % type(e).__name__,
+                                                 kind="internal", hint="the server goes on; other calls work"))
+        finally:
+            set_diagnostics(previous)
+        if self.warnings:
+            structured["warnings"] = self.warnings
+        return tool_result(structured, structured["status"] in ("error", "failed") or "error" in structured)
+
+    def _diagnostic(self, message):
+        """warn() while a tool runs: on stderr, and in the result (the model sees it)."""
+        stderr_diagnostic(message)
+        if len(self.warnings) < 10:
+            self.warnings.append(_clip(message, 300))
+
+    def _failure(self, err):
+        hint = err.hint or {"not_found": "ids come from qmem_search or qmem_find results",
+                            "usage": "correct the arguments and call the tool again"}.get(err.kind)
+        note = err.message + (". Next: %s." % hint.rstrip(".") if hint else ".")
+        out = {"status": "error", "error": err.kind, "note": note}
+        if getattr(err, "unsaved_text", None) is not None:
+            out["unsaved_text"] = err.unsaved_text
+        return out
+
+    def operations(self):
+        """The Operations, made again when the config file changed since (a `qmem.py
+        config url …` reaches every running server at its next call)."""
+        if self.ops is not None and self.config_stamp != _file_stamp(self.ops.config.path):
+            self.ops.close()
+            self.ops = None
+        if self.ops is None:
+            config = self.load()
+            self.config_stamp = _file_stamp(config.path)
+            self.ops = Operations(config, clock=self.clock)
+            self.ops.flush_after_answer = True
+        self.ops.refresh()
+        return self.ops
+
+    def after_answer(self):
+        """Once an answer is out: deliver what is queued if this call reached the gateway
+        (within AUTO_FLUSH_S), then drop the connection."""
+        if self.ops is None:
+            return
+        previous = set_diagnostics(stderr_diagnostic)
+        try:
+            self.ops.auto_flush()
+        except (QmemError, sqlite3.Error) as e:
+            stderr_diagnostic("automatic flush: %s" % e)
+        finally:
+            self.ops.close_gateway()
+            set_diagnostics(previous)
+
+    def project(self, explicit):
+        return resolve_project(explicit, self.environ, self.cwd)
+
+    def _write_project(self, explicit):
+        project, where = self.project(explicit)
+        if project is None:
+            raise UsageError("no project: pass project_id (the project's short name, e.g. its repository's)",
+                             hint="or start the server with QMEM_PROJECT set; qmem_meta lists the projects")
+        return project, where
+
+    def _read_project(self, explicit):
+        if explicit is not None and explicit.strip() == ALL_PROJECTS:
+            return None, "argument"
+        return self.project(explicit)
+
+    def tool_search(self, ops, a):
+        project, where = self._read_project(a.get("project_id"))
+        doc = ops.search(a["query"], project=project, kind=a.get("kind"), scope=a.get("scope"),
+                         top_k=a.get("top_k", 8), include_superseded=a.get("include_superseded", False),
+                         min_score=a.get("min_score"))
+        return self._found(doc, project, where)
+
+    def tool_find(self, ops, a):
+        project, where = self._read_project(a.get("project_id"))
+        doc = ops.find(a["query"], project=project, kind=a.get("kind"), scope=a.get("scope"),
+                       limit=a.get("limit", 10), include_superseded=a.get("include_superseded", False))
+        return self._found(doc, project, where)
+
+    def _found(self, doc, project, where):
+        results = [_memory_out(r) for r in doc["results"] if isinstance(r, dict)]
+        out = {"status": "found" if results else "empty", "source": doc["source"], "degraded": doc["degraded"],
+               "project_id": project, "project_from": where, "note": _found_note(doc, results, project, where)}
+        if doc["degraded"]:
+            out["reason"] = doc["reason"]
+        if doc["source"] == "local_sqlite":
+            out["match"] = MATCH_LABELS[doc["match"]]
+        hidden = {k: v for k, v in (doc.get("hidden") or {}).items() if v}
+        if hidden:
+            out["hidden"] = hidden
+        out["results"] = results
+        return out
+
+    def tool_get(self, ops, a):
+        doc = ops.get(_mcp_id(a["id"]))
+        record = _memory_out(doc["record"], whole=True)
+        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"], "id": record["id"],
+               "project_id": record.get("project_id"), "project_from": "the memory",
+               "note": _get_note(doc, record)}
+        if doc["degraded"]:
+            out["reason"] = doc["reason"]
+        out["record"] = record
+        return out
+
+    def tool_meta(self, ops, a):
+        doc = ops.meta()
+        project, where = self.project(None)
+        queued = ops.store().outbox_waiting() if ops.has_index() else 0
+        where_from = "from the gateway" if doc["source"] == "gateway" else \
+            "from this machine's local index, because the gateway could not be asked (%s)" % doc["reason"]
+        note = "What the memory holds, %s; %s queued on this machine%s." % (
+            where_from, plural(queued, "write"),
+            "; this server files writes without a project_id under %s (from %s)" % (project, where) if project
+            else "; writes need a project_id (this server has no default)")
+        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"], "project_id": project,
+               "project_from": where, "note": note}
+        if doc["degraded"]:
+            out["reason"] = doc["reason"]
+        out.update({k: doc.get(k) for k in ("projects", "scopes", "agents", "superseded", "deleted")})
+        out["queued_here"] = queued
+        return out
+
+    def tool_store(self, ops, a):
+        project, where = self._write_project(a.get("project_id"))
+        doc = ops.store_memory(a["text"], project, kind=a.get("kind"), scope=a.get("scope"),
+                               agent=a.get("agent_id") or self.agent, expires=a.get("expires_at"),
+                               private=a.get("private", False))
+        return _written(doc, where)
+
+    def tool_correct(self, ops, a):
+        default, where = self.project(a.get("project_id"))
+        doc = ops.correct(_mcp_id(a["id"]), a["text"], project=a.get("project_id"), default_project=default,
+                          kind=a.get("kind"), agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
+        return _written(doc, where if doc["project_from"] == "default" else doc["project_from"],
+                        corrects=a["id"].strip())
+
+
+def _file_stamp(path):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def _mcp_id(value):
+    value = value.strip()
+    if not UUID_RE.fullmatch(value):
+        raise UsageError("%r is not a memory id" % _clip(value, 60),
+                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 and come from qmem_search or "
+                              "qmem_find results")
+    return value
+
+
+def _found_note(doc, results, project, where):
+    n, scope = len(results), _in_project(project)
+    if doc["source"] == "gateway":
+        if not n:
+            return "No memory matched%s in the shared memory.%s" % (scope, _wider(project, where))
+        return ("%s from the shared memory (gateway)%s, best first: a score of 0.60 or more is a strong match, "
+                "0.45-0.60 a weak one." % (_memories(n), scope))
+    if not doc.get("index_exists", True):
+        head = "There is no local index on this machine yet (`qmem.py import` or `qmem.py pull` makes one)"
+    elif n:
+        head = "%s from the local index on this machine%s, matched by %s (words, not meaning: no scores)" % (
+            _memories(n), scope, MATCH_LABELS[doc["match"]])
+    else:
+        head = "No memory matched%s in the local index on this machine" % scope
+    if doc["degraded"]:
+        head = "The gateway could not be asked (%s), so this answer is a fallback. %s; memories stored " \
+               "elsewhere since the last `qmem.py pull` may be missing" % (doc["reason"], head)
+    hidden = sum((doc.get("hidden") or {}).values())
+    if hidden:
+        head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
+    return head + "." + ("" if n or not doc.get("index_exists", True) else _wider(project, where))
+
+
+def _wider(project, where):
+    if project and where != "argument":
+        return " Only project %s (from %s) was searched: pass project_id \"*\" to search every project." % (
+            project, where)
+    return " Try other words%s." % (", or project_id \"*\" for every project" if project else "")
+
+
+def _get_note(doc, record):
+    rid = record["id"]
+    if doc["source"] == "outbox":
+        note = ("Memory %s was written on this machine and the gateway refused it (%s)" % (rid, record["refused"])
+                if record.get("refused") else
+                "Memory %s was written on this machine and is still queued: not yet visible to other agents" % rid)
+    elif doc["source"] == "gateway":
+        note = "Memory %s in full, from the shared memory (gateway)" % rid
+    else:
+        note = ("Memory %s from the local index on this machine, a fallback: the gateway could not be asked "
+                "(%s), so it may be out of date" % (rid, doc["reason"]))
+    if record.get("superseded_by"):
+        note += "; it was corrected: %s supersedes it" % record["superseded_by"]
+    if record.get("deleted_at"):
+        note += "; it was deleted at %s" % record["deleted_at"]
+    return note + "."
+
+
+def _written(doc, where, corrects=None):
+    """A write's result: stored, queued, duplicate or failed, and what that means."""
+    state, rid, project = doc["state"], doc["id"], doc["project_id"]
+    status = {SYNCED: "stored", DUPLICATE: "duplicate", FAILED: "failed"}.get(state, "queued")
+    what = ("correction of %s" % corrects) if corrects else "memory"
+    if status == "stored":
+        note = "Stored as %s in the shared memory (project %s, kind %s): every agent can find it now." % (
+            rid, project, doc["kind"])
+        if corrects:
+            note = note[:-1] + "; it supersedes %s." % corrects
+    elif status == "duplicate":
+        note = ("Not stored again: the shared memory already holds a near-identical memory, %s. If this %s "
+                "changes what that one says, correct it with qmem_correct and that id." % (rid, what))
+    elif status == "failed":
+        note = ("Not stored: the gateway refused this %s (%s). Change what it refused and call the tool "
+                "again; the refused copy stays in `qmem.py queue` until it is dropped." % (what, doc["last_error"]))
+    else:
+        note = ("Not shared yet: the gateway could not take it (%s), so it is queued on this machine as %s "
+                "(project %s). qmem_find finds it here now; other agents see it once it is delivered (after a "
+                "later call that reaches the gateway, or `qmem.py flush`). Do not store it again." % (
+                    doc["reason"], rid, project))
+        if doc.get("error"):
+            note += " It will not be delivered until this is fixed: %s." % str(QmemError(
+                doc["error"]["message"], doc["error"]["hint"]))
+    out = {"status": status, "source": doc["source"], "degraded": doc["degraded"], "id": rid,
+           "project_id": project, "project_from": where, "kind": doc["kind"], "note": note}
+    if corrects:
+        out["corrects"] = corrects
+    if status == "queued":
+        out.update(local_id=doc["local_id"], reason=doc["reason"])
+    out.update(agent_id=doc["agent_id"], machine=doc["provenance"])
+    if doc.get("error"):
+        out["error"] = doc["error"]["kind"]
+    return out
+
+
+# -- the wire
+
+class _Stop(BaseException):
+    """SIGTERM (or SIGINT) while the server waits for a message: end cleanly."""
+
+
+def mcp_wire():
+    """The protocol's own copies of fds 0 and 1; then fd 0 reads nothing and fd 1 goes
+    to stderr, so a stray print (or a child process) can neither corrupt the output nor
+    eat the input."""
+    wire_in, wire_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    try:
+        os.dup2(2, 1)
+    except OSError:  # no stderr either
+        os.dup2(null, 1)
+    os.close(null)
+    sys.stdin, sys.stdout = open(os.devnull), sys.stderr
+    return wire_in, wire_out
+
+
+def read_message(stream):
+    """The next message line (bytes); b"" for a line over MAX_MESSAGE (skipped to its
+    end); None at the end of the input. A last line without its newline is kept only
+    when it is whole JSON: else the input ended in the middle of a message."""
+    line = stream.readline(MAX_MESSAGE + 1)
+    if not line:
+        return None
+    if len(line) > MAX_MESSAGE and not line.endswith(b"\n"):
+        while True:
+            rest = stream.readline(1 << 20)
+            if not rest or rest.endswith(b"\n"):
+                return b""
+    if not line.endswith(b"\n"):
+        try:
+            json.loads(line.decode("utf-8"))
+        except (ValueError, RecursionError):
+            warn("the input ended in the middle of a message (%d bytes): it is not answered" % len(line))
+            return None
+    return line
+
+
+def encode_message(reply):
+    """One message as its line: compact JSON in UTF-8 (U+2028 and U+2029 escaped, as
+    some readers split lines there; ASCII when a text holds a lone surrogate)."""
+    try:
+        text = json.dumps(reply, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return (text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(reply, separators=(",", ":"), allow_nan=False) + "\n").encode("ascii")
+
+
+def serve_mcp(server, wire_in, wire_out):
+    """Answer messages in order until the input ends or SIGTERM comes: a signal while a
+    request runs lets it finish and be answered first. Returns the exit code."""
+    import signal
+    state = {"busy": False, "stop": False}
+
+    def on_signal(signum, frame):
+        if not state["busy"]:
+            raise _Stop()
+        state["stop"] = True
+
+    for name in ("SIGTERM", "SIGINT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), on_signal)
+    try:
+        while not state["stop"]:
+            line = read_message(wire_in)
+            if line is None:
+                break
+            state["busy"] = True
+            reply = server.handle_line(line) if line else rpc_error(
+                None, RPC_INVALID, "Invalid request: a message over %d MiB" % (MAX_MESSAGE >> 20))
+            if reply is not None and not _send(wire_out, reply):
+                break
+            server.after_answer()
+            state["busy"] = False
+    except _Stop:
+        pass
+    finally:
+        server.close()
+    return EXIT_OK
+
+
+def _send(wire_out, reply):
+    try:
+        data = encode_message(reply)
+    except (TypeError, ValueError):  # a bug: the request still gets an answer
+        rid = reply.get("id") if isinstance(reply, dict) else None
+        data = encode_message(rpc_error(rid, RPC_INTERNAL, "Internal error: the answer could not be encoded"))
+    try:
+        wire_out.write(data)
+        wire_out.flush()
+    except OSError:  # the client is gone
+        return False
+    return True
+
+
 # === Command line ============================================================
 
 def cli_import(ops, a):
@@ -5398,6 +6188,22 @@ def cli_find(ops, a):
 
 def cli_status(ops, a):
     return ops.status()
+
+
+def cli_rules(ops, a):
+    return ops.rules()
+
+
+def run_mcp(args):
+    """`qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
+    first message: the configuration and the database at the first tool call."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # a folder deleted under the client
+        cwd = None
+    server = McpServer(lambda: load_config(overrides={"localDbPath": args.db}), cwd=cwd)
+    wire_in, wire_out = mcp_wire()
+    return serve_mcp(server, wire_in, wire_out)
 
 
 def cli_search(ops, a):
@@ -5702,6 +6508,13 @@ def build_parser():
                  "the link to the gateway, breaker, outbox.")
     sp.add_argument("--offline", action="store_true", help="skip the network checks")
 
+    command("mcp", run_mcp, "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
+            "qmem_store, qmem_correct, qmem_meta.",
+            epilog="Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s mcp` "
+            "(see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__))
+    command("rules", cli_rules, "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md "
+            "(the MCP server's instructions).")
+
     sp = command("breaker", cli_breaker, "Show the circuit breaker shared by every qmem process here "
                  "(--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
@@ -5751,6 +6564,8 @@ def main(argv=None):
             render_json_version()
             return EXIT_OK
         args = build_parser().parse_args(argv)
+        if args.command == "mcp":
+            return run_mcp(args)
         if args.command == "export" and args.file == "-":
             doc_out = sys.stderr
         ops = Operations(_config_for(args))
@@ -5799,7 +6614,7 @@ def _config_for(args):
     try:
         return load_config(overrides={"localDbPath": args.db})
     except ConfigError as e:
-        if args.command != "doctor":
+        if args.command not in ("doctor", "rules"):
             raise
         args.config_error = e
         environ = dict(os.environ, QMEM_CONFIG=os.path.join(os.sep, "nonexistent", "qmem-defaults.json"))

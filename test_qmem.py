@@ -3847,6 +3847,558 @@ class ReviewThreeTests(BundleTestCase):
         self.assertIn("queued", out)
 
 
+# --- qmem.py mcp: the server as a client drives it, over pipes -----------------
+
+class McpProcess:
+    """`qmem.py mcp` as a subprocess over pipes. Every line it writes to stdout is kept
+    and must be one JSON-RPC message; stderr is kept apart."""
+
+    def __init__(self, test, env=None, cwd=None):
+        import queue
+        import threading
+        self.test = test
+        self.proc = subprocess.Popen([sys.executable, QMEM, "mcp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env or dict(os.environ), cwd=cwd or test.home)
+        test.addCleanup(self.kill)
+        self.lines, self.replies = [], queue.Queue()
+        self.err = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+        self.next_id = 100
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self.replies.put(line)
+        self.replies.put(None)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    def send(self, message):
+        data = message if isinstance(message, bytes) else (json.dumps(message) + "\n").encode("utf-8")
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def recv(self, timeout=20):
+        import queue
+        try:
+            line = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            self.test.fail("no answer from qmem.py mcp within %s s" % timeout)
+        self.test.assertIsNotNone(line, "qmem.py mcp closed its output; stderr: %s" % self.stderr())
+        self.test.assertTrue(line.endswith(b"\n"))
+        return json.loads(line.decode("utf-8"))
+
+    def request(self, method, params=None, rid=None):
+        if rid is None:
+            rid, self.next_id = self.next_id, self.next_id + 1
+        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
+        reply = self.recv()
+        self.test.assertEqual(reply.get("id"), rid, reply)
+        return reply
+
+    def initialize(self, version="2025-11-25", client="test-client"):
+        reply = self.request("initialize", {"protocolVersion": version, "capabilities": {},
+                                            "clientInfo": {"name": client, "version": "1"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return reply["result"]
+
+    def call(self, tool, **arguments):
+        """A tools/call result; its text content must say what its structuredContent says."""
+        reply = self.request("tools/call", {"name": tool, "arguments": arguments})
+        self.test.assertIn("result", reply, reply)
+        result = reply["result"]
+        self.test.assertEqual(json.loads(result["content"][0]["text"]), result["structuredContent"])
+        for key in ("status", "note"):
+            self.test.assertIn(key, result["structuredContent"])
+        return result
+
+    def close(self, timeout=10):
+        """Close stdin (as clients do); the exit code, after checking stdout was protocol only."""
+        self.proc.stdin.close()
+        code = self.proc.wait(timeout)
+        self.assert_protocol_only()
+        return code
+
+    def assert_protocol_only(self):
+        for line in self.lines:
+            message = json.loads(line.decode("utf-8"))
+            for each in message if isinstance(message, list) else [message]:
+                self.test.assertEqual(each["jsonrpc"], "2.0")
+                self.test.assertIn("id", each)
+                self.test.assertTrue(("result" in each) != ("error" in each), each)
+
+    def stderr(self):
+        return b"".join(self.err).decode("utf-8", "replace")
+
+
+class McpTestCase(GatewayTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.workdir = os.path.join(self.home, "work")
+        os.makedirs(self.workdir)
+
+    def server(self, **env):
+        environ = dict(os.environ)
+        environ.update(env)
+        for name, value in env.items():
+            if value is None:
+                del environ[name]
+        server = McpProcess(self, environ, cwd=self.workdir)
+        return server
+
+    def offline(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+
+    def outbox_rows(self):
+        conn = sqlite3.connect(self.db)
+        try:
+            return conn.execute("SELECT id, state FROM outbox").fetchall()
+        finally:
+            conn.close()
+
+
+class McpProtocolTests(McpTestCase):
+
+    def test_handshake_echoes_each_known_version_and_answers_newest_otherwise(self):
+        server = self.server()
+        for version in qmem.MCP_VERSIONS:
+            result = server.initialize(version)
+            self.assertEqual(result["protocolVersion"], version)
+            self.assertEqual(result["capabilities"], {"tools": {"listChanged": False}})
+            self.assertEqual(result["serverInfo"]["name"], "qmem")
+        for asked in ("2099-01-01", "2026-07-28", None, 7):
+            reply = server.request("initialize", {"protocolVersion": asked, "capabilities": {}})
+            self.assertEqual(reply["result"]["protocolVersion"], "2025-11-25")
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(server.stderr(), "")
+
+    def test_server_discover_and_unknown_methods_get_32601_at_once_before_initialize(self):
+        server = self.server()
+        started = time.monotonic()
+        reply = server.request("server/discover", {"_meta": {}}, rid="server-discover-probe-1")
+        self.assertLess(time.monotonic() - started, 3.0)  # the interpreter's start included
+        self.assertEqual(reply["error"]["code"], -32601)
+        for method in ("resources/list", "prompts/list", "logging/setLevel", "completion/complete"):
+            self.assertEqual(server.request(method)["error"]["code"], -32601)
+        started = time.monotonic()
+        self.assertEqual(server.request("no/such")["error"]["code"], -32601)
+        self.assertLess(time.monotonic() - started, 0.5)
+        self.assertEqual(server.initialize()["protocolVersion"], "2025-11-25")
+        self.assertEqual(server.close(), 0)
+
+    def test_ids_zero_and_strings_notifications_unanswered(self):
+        server = self.server()
+        self.assertEqual(server.request("ping", rid=0), {"jsonrpc": "2.0", "id": 0, "result": {}})
+        self.assertEqual(server.request("ping", rid="abc-1")["id"], "abc-1")
+        server.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        server.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 0}})
+        server.send({"jsonrpc": "2.0", "method": "notifications/whatever"})
+        self.assertEqual(server.request("ping", rid=5)["id"], 5)  # the first answer after them
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(len(server.lines), 3)
+
+    def test_malformed_messages_get_json_rpc_errors_and_the_server_goes_on(self):
+        server = self.server()
+        cases = [(b"{not json\n", -32700), (b"\xff\xfe{}\n", -32700), (b"[" * 100000 + b"\n", -32700),
+                 (b"42\n", -32600), (b"[]\n", -32600), (b'{"jsonrpc":"2.0","id":null,"method":"ping"}\n', -32600),
+                 (b'{"jsonrpc":"2.0","id":true,"method":"ping"}\n', -32600),
+                 (b'{"id":1,"method":"ping"}\n', -32600), (b'{"jsonrpc":"2.0","id":2}\n', -32600),
+                 (b'{"jsonrpc":"2.0","id":3,"method":"tools/list","params":[1]}\n', -32602)]
+        for raw, code in cases:
+            server.send(raw)
+            reply = server.recv()
+            self.assertEqual(reply["error"]["code"], code, raw[:40])
+        server.send(b"\n   \n")  # blank lines are nothing
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(server.close(), 0)
+        self.assertNotIn("Traceback", server.stderr())
+
+    def test_a_batch_gets_one_array_without_the_notifications(self):
+        server = self.server()
+        server.send([{"jsonrpc": "2.0", "id": 1, "method": "ping"}, {"jsonrpc": "2.0", "method": "notifications/x"},
+                     {"jsonrpc": "2.0", "id": 2, "method": "nope"}])
+        replies = server.recv()
+        self.assertEqual([r["id"] for r in replies], [1, 2])
+        self.assertEqual(replies[1]["error"]["code"], -32601)
+        self.assertEqual(server.close(), 0)
+
+    def test_200_pipelined_requests_are_answered_in_order(self):
+        self.put_record(UUIDS[0], "circuit breaker opens after three failures")
+        server = self.server()
+        methods = ["ping", "tools/list", "tools/call"]
+        burst = b"".join((json.dumps({"jsonrpc": "2.0", "id": n if n % 2 else "s%d" % n, "method": methods[n % 3],
+                                      "params": {"name": "qmem_find", "arguments": {"query": "breaker %d" % n,
+                                                                                    "project_id": "*"}}})
+                          + "\n").encode() for n in range(200))
+        server.send(burst)
+        for n in range(200):
+            reply = server.recv()
+            self.assertEqual(reply["id"], n if n % 2 else "s%d" % n)
+            self.assertIn("result", reply)
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(len(server.lines), 200)
+
+    def test_eof_in_the_middle_of_a_request_exits_cleanly_unanswered(self):
+        server = self.server()
+        self.assertEqual(server.request("ping")["result"], {})
+        server.send(b'{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"qmem_fi')
+        self.assertEqual(server.close(timeout=5), 0)
+        self.assertEqual(len(server.lines), 1)
+        self.assertIn("the input ended in the middle of a message", server.stderr())
+        self.assertNotIn("Traceback", server.stderr())
+
+    def test_sigterm_ends_it_cleanly(self):
+        import signal
+        server = self.server()
+        self.assertEqual(server.request("ping")["result"], {})
+        server.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(server.proc.wait(5), 0)
+        self.assertEqual(server.stderr(), "")
+
+    def test_a_message_over_the_limit_is_refused_and_the_next_one_answered(self):
+        server = self.server()
+        with mock.patch.object(qmem, "MAX_MESSAGE", 1 << 20):  # the child keeps its own: 16 MiB
+            big = b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"' + b"a" * ((16 << 20) + 10) + b'"}}\n'
+        server.send(big)
+        self.assertEqual(server.recv()["error"]["code"], -32600)
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(server.close(), 0)
+
+    def test_tools_list_is_portable_and_the_same_online_and_offline(self):
+        online = self.server()
+        tools = online.request("tools/list")["result"]["tools"]
+        self.assertEqual(online.close(), 0)
+        self.offline()
+        os.environ["QMEM_API_KEY"] = ""
+        offline = self.server()
+        self.assertEqual(offline.request("tools/list")["result"]["tools"], tools)
+        self.assertEqual(offline.request("tools/list", {"cursor": "x"})["error"]["code"], -32602)
+        self.assertEqual(offline.close(), 0)
+        self.assertEqual([t["name"] for t in tools], ["qmem_search", "qmem_find", "qmem_get", "qmem_store",
+                                                      "qmem_correct", "qmem_meta"])
+        for tool in tools:
+            self.assertRegex(tool["name"], r"\A[A-Za-z0-9_.-]{1,128}\Z")
+            self.assertLessEqual(len(tool["description"].encode("utf-8")), 2048)
+            schema = tool["inputSchema"]
+            self.assertEqual(schema["type"], "object")
+            self.assertLessEqual(set(schema["required"]), set(schema["properties"]))
+            for name, prop in schema["properties"].items():
+                self.assertIn(prop["type"], ("string", "integer", "number", "boolean"), name)
+                self.assertTrue(prop["description"])
+                self.assertFalse({"oneOf", "anyOf", "allOf"} & set(prop))
+            if "kind" in schema["properties"]:
+                self.assertEqual(schema["properties"]["kind"]["enum"], list(qmem.KINDS))
+            notes = tool["annotations"]
+            self.assertEqual(set(notes) - {"title"}, {"readOnlyHint", "destructiveHint", "idempotentHint",
+                                                      "openWorldHint"})
+            self.assertIs(notes["destructiveHint"], False)
+            self.assertIs(notes["openWorldHint"], False)
+            self.assertIs(notes["readOnlyHint"], tool["name"] not in ("qmem_store", "qmem_correct"))
+        by_name = {t["name"]: t for t in tools}
+        self.assertEqual(by_name["qmem_store"]["inputSchema"]["required"], ["text"])
+        self.assertEqual(by_name["qmem_correct"]["inputSchema"]["required"], ["id", "text"])
+
+    def test_instructions_carry_the_rules_under_2_kb_and_rules_prints_them(self):
+        server = self.server()
+        instructions = server.initialize()["instructions"]
+        self.assertEqual(server.close(), 0)
+        self.assertLessEqual(len(instructions.encode("utf-8")), 2048)
+        for essential in ("project_id", "0.60", "0.45", "qmem_correct", "qmem_meta", "queued",
+                          "not yet" if "not yet" in instructions else "only once it is delivered", "hostname"):
+            self.assertIn(essential, instructions)
+        markdown = self.ok("rules")
+        self.assertTrue(markdown.startswith("## Shared memory (qmem)\n"))
+        for _, text in qmem.AGENT_RULES:
+            self.assertIn(text, markdown)
+            self.assertIn(text.replace("`", ""), instructions)
+        self.assertEqual(self.ok_json("rules")["markdown"], markdown)
+
+    def test_unknown_tool_and_malformed_calls_are_32602(self):
+        server = self.server()
+        self.assertEqual(server.request("tools/call", {"name": "qmem_nope", "arguments": {}})["error"]["code"], -32602)
+        self.assertEqual(server.request("tools/call", {"arguments": {}})["error"]["code"], -32602)
+        self.assertEqual(server.request("tools/call", {"name": "qmem_find", "arguments": "query=x"})["error"]["code"],
+                         -32602)
+        self.assertEqual(server.request("tools/call")["error"]["code"], -32602)
+        self.assertEqual(server.close(), 0)
+
+    def test_bad_arguments_are_results_that_say_what_to_do(self):
+        server = self.server()
+        for tool, arguments, words in (
+                ("qmem_find", {}, "needs query"), ("qmem_search", {"query": "x", "top_k": "many"}, "whole number"),
+                ("qmem_search", {"query": "x", "top_k": 0}, "between 1 and 100"),
+                ("qmem_store", {"text": "x", "kind": "opinion", "project_id": "p"}, "one of fact"),
+                ("qmem_store", {"text": "x", "projet": "p"}, "takes no argument 'projet'"),
+                ("qmem_store", {"text": "   ", "project_id": "p"}, "empty"),
+                ("qmem_get", {"id": "not-an-id"}, "is not a memory id"),
+                ("qmem_find", {"query": "x", "include_superseded": "maybe"}, "true or false"),
+                ("qmem_search", {"query": "x", "min_score": 3}, "between 0 and 1")):
+            result = server.call(tool, **arguments)
+            self.assertIs(result["isError"], True, (tool, arguments))
+            self.assertEqual(result["structuredContent"]["status"], "error")
+            self.assertIn(words, result["structuredContent"]["note"])
+            self.assertIn("Next: ", result["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        self.assertFalse(os.path.exists(self.db))  # nothing was written for them
+
+    def test_models_strings_for_numbers_and_booleans_and_kind_case_are_taken(self):
+        server = self.server()
+        result = server.call("qmem_store", text="Backups run at 02:30", kind="Decision", project_id="infra",
+                             private="false")
+        self.assertEqual(result["structuredContent"]["status"], "stored")
+        self.assertEqual(self.gw.posts()[-1][3]["kind"], "decision")
+        found = server.call("qmem_search", q="backups", top_k="3", include_superseded="true")
+        self.assertEqual(self.gw.requests[-1][3]["top_k"], 3)
+        self.assertIs(self.gw.requests[-1][3]["include_superseded"], True)
+        self.assertEqual(found["structuredContent"]["status"], "found")
+        self.assertEqual(server.close(), 0)
+
+    def test_a_broken_config_costs_tool_results_not_the_handshake(self):
+        config = os.path.join(self.home, "broken.json")
+        with open(config, "w") as f:
+            f.write("{broken")
+        server = self.server(QMEM_CONFIG=config)
+        self.assertEqual(server.initialize()["protocolVersion"], "2025-11-25")
+        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
+        result = server.call("qmem_find", query="x")
+        self.assertIs(result["isError"], True)
+        self.assertIn(config, result["structuredContent"]["note"])
+        with open(config, "w") as f:
+            f.write("{}")
+        self.assertIs(server.call("qmem_find", query="x")["isError"], False)  # read again at the next call
+        self.assertEqual(server.close(), 0)
+
+    def test_nothing_but_json_rpc_on_stdout_diagnostics_go_to_stderr(self):
+        breaker = os.path.join(self.home, "breaker.json")
+        with open(breaker, "w") as f:
+            f.write("not json")  # warn(): a corrupt breaker file
+        server = self.server(QMEM_BREAKER_FILE=breaker)
+        server.initialize()
+        result = server.call("qmem_search", query="anything", project_id="*")
+        self.assertEqual(server.close(), 0)
+        self.assertIn("qmem: ", server.stderr())
+        self.assertTrue(result["structuredContent"]["warnings"])
+        self.assertEqual(len(server.lines), 2)
+
+
+class McpToolTests(McpTestCase):
+
+    def test_each_tool_online(self):
+        old = self.gw.add("The staging database runs Postgres 15")
+        server = self.server()
+        server.initialize(client="claude-code")
+        stored = server.call("qmem_store", text="Backups run at 02:30, after VACUUM", kind="decision",
+                             project_id="infra")
+        s = stored["structuredContent"]
+        self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"], s["project_id"],
+                          s["project_from"]), (False, "stored", "gateway", False, "infra", "argument"))
+        self.assertIn(s["id"], self.gw.records)
+        self.assertIn("every agent can find it now", s["note"])
+        sent = self.gw.posts()[-1][3]
+        self.assertEqual(sent["agent_id"], "claude-code")
+        self.assertEqual(sent["source"], qmem.machine_identity())  # this machine: hostname and OS
+        self.assertEqual(s["machine"], qmem.machine_identity())
+        found = server.call("qmem_search", query="postgres", project_id="infra")["structuredContent"]
+        self.assertEqual((found["status"], found["source"], found["degraded"]), ("found", "gateway", False))
+        self.assertEqual(found["results"][0]["id"], old["id"])
+        self.assertEqual(found["results"][0]["score"], 0.71)
+        self.assertIn("0.60 or more is a strong match", found["note"])
+        got = server.call("qmem_get", id=old["id"])["structuredContent"]
+        self.assertEqual((got["source"], got["record"]["text"], got["project_id"]),
+                         ("gateway", old["text"], "infra"))
+        fixed = server.call("qmem_correct", id=old["id"], text="The staging database runs Postgres 16",
+                            reason="upgraded")["structuredContent"]
+        self.assertEqual((fixed["status"], fixed["corrects"], fixed["project_id"], fixed["project_from"]),
+                         ("stored", old["id"], "infra", "the corrected memory"))
+        self.assertEqual(self.gw.records[old["id"]]["superseded_by"], fixed["id"])
+        got = server.call("qmem_get", id=old["id"])["structuredContent"]
+        self.assertIn("%s supersedes it" % fixed["id"], got["note"])
+        meta = server.call("qmem_meta")["structuredContent"]
+        self.assertEqual((meta["source"], meta["projects"], meta["queued_here"]), ("gateway", {"infra": 3}, 0))
+        local = server.call("qmem_find", query="Backups VACUUM", project_id="infra")["structuredContent"]
+        self.assertEqual((local["source"], local["results"][0]["id"]), ("local_sqlite", s["id"]))
+        self.assertNotIn("score", local["results"][0])
+        self.assertIn("no scores", local["note"])
+        self.assertEqual(server.close(), 0)
+
+    def test_each_tool_offline_and_the_queued_write_is_delivered_once_later(self):
+        known = self.gw.add("Deploys use blue/green on node-3")
+        self.ok("search", "deploys")  # the local index knows it
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        server = self.server()
+        server.initialize()
+        stored = server.call("qmem_store", text="Città cluster hosts staging from Q3", project_id="infra")
+        s = stored["structuredContent"]
+        self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"]),
+                         (False, "queued", "outbox", True))
+        self.assertEqual(s["id"], s["local_id"])
+        for words in ("Not shared yet", "could not take it (could not connect", "queued on this machine",
+                      "Do not store it again"):
+            self.assertIn(words, s["note"])
+        found = server.call("qmem_find", query="citta staging", project_id="infra")["structuredContent"]
+        self.assertEqual(found["results"][0]["id"], s["id"])
+        self.assertIs(found["results"][0]["queued"], True)
+        fallback = server.call("qmem_search", query="deploys", project_id="infra")
+        f = fallback["structuredContent"]
+        self.assertEqual((fallback["isError"], f["source"], f["degraded"]), (False, "local_sqlite", True))
+        self.assertIn("fallback", f["note"])
+        self.assertIn("gateway unreachable", f["reason"])
+        self.assertEqual(f["results"][0]["id"], known["id"])
+        self.assertNotIn("score", f["results"][0])
+        got = server.call("qmem_get", id=known["id"])["structuredContent"]
+        self.assertEqual((got["source"], got["degraded"]), ("local_sqlite", True))
+        self.assertIn("a fallback", got["note"])
+        mine = server.call("qmem_get", id=s["id"])["structuredContent"]
+        self.assertEqual(mine["source"], "outbox")
+        self.assertIn("still queued", mine["note"])
+        meta = server.call("qmem_meta")["structuredContent"]
+        self.assertEqual((meta["source"], meta["degraded"], meta["queued_here"]), ("local_sqlite", True, 1))
+        unknown = server.call("qmem_get", id=UUIDS[5])
+        self.assertIs(unknown["isError"], True)
+        self.assertIn("qmem_search or qmem_find", unknown["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(self.outbox_rows(), [(s["id"], "pending")])
+        # Later the gateway is back: the next online call of a server delivers it, once.
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        server = self.server()
+        server.call("qmem_meta")
+        server.request("ping")  # answered after the automatic flush
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(self.outbox_rows(), [(s["id"], "synced")])
+        self.assertEqual(self.ok_json("flush")["synced"], 0)
+        texts = [r["text"] for r in self.gw.records.values()]
+        self.assertEqual(texts.count("Città cluster hosts staging from Q3"), 1)
+        self.assertEqual(len(self.gw.posts()), 1)
+
+    def test_non_ascii_is_stored_byte_exact_under_a_legacy_code_page(self):
+        text = "héllo 世界 \u2028 ∑ 🎉 «città»"
+        self.offline()
+        server = self.server(PYTHONIOENCODING="cp1252")
+        result = server.call("qmem_store", text=text, project_id="infra")
+        found = server.call("qmem_find", query="héllo", project_id="infra")
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(found["structuredContent"]["results"][0]["text"], text)
+        conn = sqlite3.connect(self.db)
+        try:
+            stored = conn.execute("SELECT text FROM records WHERE id=?", (result["structuredContent"]["id"],)).fetchone()
+        finally:
+            conn.close()
+        self.assertEqual(stored[0].encode("utf-8"), text.encode("utf-8"))
+        self.assertNotIn(b"\xe2\x80\xa8", b"".join(server.lines))  # U+2028 travels escaped
+
+    def test_the_project_comes_from_the_argument_then_the_environment_then_git(self):
+        os.makedirs(os.path.join(self.workdir, ".git"))
+        server = self.server(QMEM_PROJECT="from-env", CLAUDE_PROJECT_DIR="/home/u/claude-proj")
+        s = server.call("qmem_store", text="one")["structuredContent"]
+        self.assertEqual((s["project_id"], s["project_from"]), ("from-env", "QMEM_PROJECT"))
+        self.assertEqual(server.call("qmem_store", text="two", project_id="mine")["structuredContent"]["project_id"],
+                         "mine")
+        self.assertEqual(server.close(), 0)
+        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR="/home/u/claude-proj/")
+        s = server.call("qmem_store", text="three")["structuredContent"]
+        self.assertEqual((s["project_id"], s["project_from"]), ("claude-proj", "CLAUDE_PROJECT_DIR"))
+        self.assertEqual(server.close(), 0)
+        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR=None)
+        s = server.call("qmem_store", text="four")["structuredContent"]
+        self.assertEqual((s["project_id"], s["project_from"]), ("work", "the git root of %s" % self.workdir))
+        found = server.call("qmem_find", query="four")["structuredContent"]
+        self.assertEqual(found["project_id"], "work")
+        everywhere = server.call("qmem_find", query="three", project_id="*")["structuredContent"]
+        self.assertEqual((everywhere["project_id"], len(everywhere["results"])), (None, 1))
+        self.assertEqual(server.close(), 0)
+        self.assertEqual([p[3]["project_id"] for p in self.gw.posts()], ["from-env", "mine", "claude-proj", "work"])
+        os.rmdir(os.path.join(self.workdir, ".git"))
+        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR=None)
+        refused = server.call("qmem_store", text="five")
+        self.assertIs(refused["isError"], True)
+        self.assertIn("pass project_id", refused["structuredContent"]["note"])
+        missing = server.call("qmem_find", query="four")["structuredContent"]
+        self.assertEqual((missing["project_id"], missing["results"][0]["project_id"]), (None, "work"))
+        self.assertEqual(server.close(), 0)
+
+    def test_a_filter_the_model_did_not_ask_for_says_how_to_widen_it(self):
+        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
+        server = self.server(QMEM_PROJECT="web")
+        empty = server.call("qmem_find", query="release train")["structuredContent"]
+        self.assertEqual(empty["status"], "empty")
+        self.assertIn('Only project web (from QMEM_PROJECT) was searched: pass project_id "*"', empty["note"])
+        self.assertEqual(server.close(), 0)
+
+    def test_failed_duplicate_and_rejected_key_writes_are_honest(self):
+        server = self.server()
+        self.gw.duplicate_texts["same again"] = UUIDS[7]
+        dup = server.call("qmem_store", text="same again", project_id="infra")
+        self.assertEqual((dup["isError"], dup["structuredContent"]["status"], dup["structuredContent"]["id"]),
+                         (False, "duplicate", UUIDS[7]))
+        self.assertIn("qmem_correct", dup["structuredContent"]["note"])
+        self.gw.script.append((422, {"detail": "text too vague"}, None))
+        failed = server.call("qmem_store", text="vague", project_id="infra")
+        self.assertEqual((failed["isError"], failed["structuredContent"]["status"]), (True, "failed"))
+        self.assertIn("text too vague", failed["structuredContent"]["note"])
+        self.gw.key = "another-key"
+        rejected = server.call("qmem_store", text="kept for later", project_id="infra")
+        r = rejected["structuredContent"]
+        self.assertEqual((rejected["isError"], r["status"], r["error"]), (True, "queued", "auth"))
+        self.assertIn("Do not store it again", r["note"])
+        self.assertIn("config apikey", r["note"])
+        self.assertEqual(server.close(), 0)
+        self.assertNotIn(API_KEY, b"".join(server.lines).decode("utf-8") + server.stderr())
+
+    def test_two_servers_share_one_outbox_and_each_write_is_delivered_once(self):
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        servers = [self.server(), self.server()]
+        ids = []
+        for n in range(5):
+            for i, server in enumerate(servers):
+                ids.append(server.call("qmem_store", text="note %d from server %d" % (n, i),
+                                       project_id="infra")["structuredContent"]["id"])
+        self.assertEqual(len(set(ids)), 10)
+        for server in servers:
+            self.assertEqual(server.close(), 0)
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        servers = [self.server(), self.server()]
+        for server in servers:  # both deliver at once, racing for the same rows
+            server.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "qmem_meta"}})
+        for server in servers:
+            server.recv()
+            server.request("ping")
+            self.assertEqual(server.close(), 0)
+        self.ok("flush")
+        self.assertEqual(sorted(state for _, state in self.outbox_rows()), ["synced"] * 10)
+        self.assertEqual(len(self.gw.records), 10)
+
+    def test_a_config_change_reaches_a_running_server(self):
+        self.offline()
+        os.environ.pop("QMEM_URL")
+        config = os.path.join(self.home, "config.json")
+        with open(config, "w") as f:
+            json.dump({"url": "http://127.0.0.1:%d" % closed_port()}, f)
+        server = self.server(QMEM_CONFIG=config)
+        self.assertEqual(server.call("qmem_meta")["structuredContent"]["source"], "local_sqlite")
+        with open(config, "w") as f:
+            json.dump({"url": self.gw.url, "pad": "x"}, f)
+        self.assertEqual(server.call("qmem_meta")["structuredContent"]["source"], "gateway")
+        self.assertEqual(server.close(), 0)
+
+
 class CompatibilityTests(unittest.TestCase):
 
     def test_source_parses_as_python_3_6(self):
