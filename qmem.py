@@ -2161,6 +2161,12 @@ class Store:
             self._terms = [t for (t,) in self.conn.execute("SELECT term FROM temp.qmem_terms")]
         return self._terms
 
+    def waiting_write(self, op, payload_text):
+        """The local id of a write with exactly this payload still waiting to be sent, or None."""
+        row = self.conn.execute("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, ?) LIMIT 1",
+                                (op, payload_text) + WAITING).fetchone()
+        return row[0] if row else None
+
     def failures(self, local_ids):
         """{local id: why the gateway refused it} for these writes."""
         marks = ", ".join("?" * len(local_ids))
@@ -3162,10 +3168,20 @@ def new_local_id():
 def enqueue(store, op, payload):
     """Put one write in the outbox and its record in the index, in one transaction:
     from here on it is on disk, searchable (marked pending), and will be delivered."""
-    local_id = new_local_id()
+    return enqueue_once(store, op, payload)[0]
+
+
+def enqueue_once(store, op, payload):
+    """enqueue(), unless the very same write still waits here (a call retried, a model
+    asking twice): then it is that write. Returns (local id, whether it was waiting)."""
+    payload_text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     with store.transaction():
-        add_write(store, local_id, op, json.dumps(payload, ensure_ascii=False, sort_keys=True), time.time())
-    return local_id
+        waiting = store.waiting_write(op, payload_text)
+        if waiting is not None:
+            return waiting, True
+        local_id = new_local_id()
+        add_write(store, local_id, op, payload_text, time.time())
+    return local_id, False
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
@@ -4494,7 +4510,7 @@ class Operations:
     def _write(self, op, payload, queue_only):
         try:
             store = self.store()
-            local_id = enqueue(store, op, payload)
+            local_id, repeated = enqueue_once(store, op, payload)
         except StoreError as e:  # busy, full, unusable: the words must not be lost
             raise _kept_aside(e, payload, os.path.dirname(os.path.abspath(self.config.db_path)))
         error = None
@@ -4519,10 +4535,12 @@ class Operations:
                "local_id": local_id, "state": state, "id": row["gateway_id"] or row["duplicate_of"] or local_id,
                "duplicate_of": row["duplicate_of"], "last_error": row["last_error"], "queued": state in WAITING,
                "degraded": state in WAITING, "reason": None, "project_id": payload["project_id"],
-               "kind": payload["kind"], "agent_id": payload["agent_id"], "provenance": payload["source"]}
+               "kind": payload["kind"], "agent_id": payload["agent_id"], "provenance": payload["source"],
+               "already_queued": repeated}
         if state in WAITING:
-            doc["reason"] = "queued on request (--queue-only)" if queue_only else str(
-                error or row["last_error"] or "retry later")
+            doc["reason"] = "queued on request (--queue-only)" if queue_only else (
+                self.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
+                str(error or row["last_error"] or "retry later"))
             if row["next_attempt_at"] > self.clock() + 60:
                 doc["next_attempt_at"] = iso_from_epoch(row["next_attempt_at"])
         if state == FAILED:
@@ -5269,6 +5287,8 @@ def show_write(doc, out):
     else:
         out.write("queued: not yet in shared memory; other agents will see it after `flush`\n"
                   "  local id %s (%s)\n" % (doc["local_id"], doc["reason"]))
+        if doc.get("already_queued"):
+            out.write("  the very same write was already waiting here: it is not queued twice\n")
         if doc.get("next_attempt_at"):
             out.write("  next attempt after %s\n" % when_utc(parse_iso(doc["next_attempt_at"])))
         if doc.get("error"):
@@ -6043,10 +6063,12 @@ def _written(doc, where, corrects=None):
         note = ("Not stored: the gateway refused this %s (%s). Change what it refused and call the tool "
                 "again; the refused copy stays in `qmem.py queue` until it is dropped." % (what, doc["last_error"]))
     else:
-        note = ("Not shared yet: the gateway could not take it (%s), so it is queued on this machine as %s "
-                "(project %s). qmem_find finds it here now; other agents see it once it is delivered (after a "
-                "later call that reaches the gateway, or `qmem.py flush`). Do not store it again." % (
-                    doc["reason"], rid, project))
+        note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could not take it: "
+                "%s. qmem_find finds it here now; other agents see it once it is delivered (after a later call "
+                "that reaches the gateway, or `qmem.py flush`). Do not store it again." % (
+                    rid, project, doc["reason"]))
+        if doc["already_queued"]:
+            note += " (The very same write was already waiting here: it is not queued twice.)"
         if doc.get("error"):
             note += " It will not be delivered until this is fixed: %s." % str(QmemError(
                 doc["error"]["message"], doc["error"]["hint"]))

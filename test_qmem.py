@@ -3983,8 +3983,10 @@ class McpProtocolTests(McpTestCase):
             reply = server.request("initialize", {"protocolVersion": asked, "capabilities": {}})
             self.assertEqual(reply["result"]["protocolVersion"], "2025-11-25")
         self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
         self.assertEqual(server.close(), 0)
         self.assertEqual(server.stderr(), "")
+        self.assertFalse(os.path.exists(os.path.dirname(self.db)))  # nothing opened before a tool call
 
     def test_server_discover_and_unknown_methods_get_32601_at_once_before_initialize(self):
         server = self.server()
@@ -4247,7 +4249,7 @@ class McpToolTests(McpTestCase):
         self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"]),
                          (False, "queued", "outbox", True))
         self.assertEqual(s["id"], s["local_id"])
-        for words in ("Not shared yet", "could not take it (could not connect", "queued on this machine",
+        for words in ("Not shared yet", "queued on this machine", "could not take it: gateway unreachable",
                       "Do not store it again"):
             self.assertIn(words, s["note"])
         found = server.call("qmem_find", query="citta staging", project_id="infra")["structuredContent"]
@@ -4285,6 +4287,22 @@ class McpToolTests(McpTestCase):
         texts = [r["text"] for r in self.gw.records.values()]
         self.assertEqual(texts.count("Città cluster hosts staging from Q3"), 1)
         self.assertEqual(len(self.gw.posts()), 1)
+
+    def test_the_same_write_asked_twice_offline_is_queued_once(self):
+        self.offline()
+        server = self.server()
+        first = server.call("qmem_store", text="Releases are cut on Thursdays", project_id="web")["structuredContent"]
+        again = server.call("qmem_store", text="Releases are cut on Thursdays", project_id="web")["structuredContent"]
+        other = server.call("qmem_store", text="Releases are cut on Thursdays", project_id="api")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        self.assertEqual((again["status"], again["id"]), ("queued", first["id"]))
+        self.assertIn("not queued twice", again["note"])
+        self.assertNotIn("not queued twice", first["note"])
+        self.assertNotEqual(other["id"], first["id"])
+        self.assertEqual(len(self.outbox_rows()), 2)
+        self.assertNotIn("not queued twice", self.ok("store", "Releases are cut on Thursdays", "--project", "web"))
+        self.assertIn("not queued twice", self.ok("store", "Releases are cut on Thursdays", "--project", "web"))
+        self.assertEqual(len(self.outbox_rows()), 3)  # the command line's own agent_id: another write
 
     def test_non_ascii_is_stored_byte_exact_under_a_legacy_code_page(self):
         text = "héllo 世界 \u2028 ∑ 🎉 «città»"
