@@ -4276,6 +4276,7 @@ class Operations:
         # A front end that answers first and delivers the outbox after (the MCP server)
         # sets this, and calls auto_flush() itself once the answer is out.
         self.flush_after_answer = False
+        self.retries = RETRIES  # of a failing gateway, per call (the MCP server: none, it has a fallback)
 
     # -- resources
     def has_index(self):
@@ -4288,7 +4289,8 @@ class Operations:
 
     def gateway(self):
         if self._gateway is None:
-            self._gateway = Gateway(self.config, Breaker.from_config(self.config, clock=self.clock))
+            self._gateway = Gateway(self.config, Breaker.from_config(self.config, clock=self.clock),
+                                    retries=self.retries)
         return self._gateway
 
     def close(self):
@@ -5878,6 +5880,7 @@ class McpServer:
             self.config_stamp = _file_stamp(config.path)
             self.ops = Operations(config, clock=self.clock)
             self.ops.flush_after_answer = True
+            self.ops.retries = 0  # an agent waits: a fallback or a queued write now beats a retry later
         self.ops.refresh()
         return self.ops
 

@@ -4350,6 +4350,20 @@ class McpToolTests(McpTestCase):
         self.assertEqual((missing["project_id"], missing["results"][0]["project_id"]), (None, "work"))
         self.assertEqual(server.close(), 0)
 
+    def test_a_failing_gateway_is_tried_once_per_call(self):
+        self.gw.add("the gateway is busy today")
+        self.gw.script += [(503, {"detail": "busy"}, {"Retry-After": "0"})] * 2
+        server = self.server()
+        answer = server.call("qmem_search", query="busy", project_id="*")["structuredContent"]
+        self.assertEqual((answer["source"], answer["degraded"]), ("local_sqlite", True))
+        self.assertIn("HTTP 503", answer["reason"])
+        self.assertEqual(len(self.gw.posts("/v1/memories:search")), 1)  # the command line tries 3 times
+        self.assertEqual(server.call("qmem_search", query="busy", project_id="*")["structuredContent"]["source"],
+                         "local_sqlite")
+        self.assertEqual(server.call("qmem_search", query="busy", project_id="*")["structuredContent"]["source"],
+                         "gateway")
+        self.assertEqual(server.close(), 0)
+
     def test_a_filter_the_model_did_not_ask_for_says_how_to_widen_it(self):
         self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
         server = self.server(QMEM_PROJECT="web")
