@@ -4073,8 +4073,7 @@ class McpProtocolTests(McpTestCase):
 
     def test_a_message_over_the_limit_is_refused_and_the_next_one_answered(self):
         server = self.server()
-        with mock.patch.object(qmem, "MAX_MESSAGE", 1 << 20):  # the child keeps its own: 16 MiB
-            big = b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"' + b"a" * ((16 << 20) + 10) + b'"}}\n'
+        big = b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"' + b"a" * qmem.MAX_MESSAGE + b'"}}\n'
         server.send(big)
         self.assertEqual(server.recv()["error"]["code"], -32600)
         self.assertEqual(server.request("ping")["result"], {})
