@@ -6142,12 +6142,13 @@ def encode_message(reply):
 
 def serve_mcp(server, wire_in, wire_out):
     """Answer messages in order until the input ends or SIGTERM comes: a signal while a
-    request runs lets it finish and be answered first. Returns the exit code."""
+    request runs lets it finish and be answered first; a second one ends it at once (a
+    write is in the outbox before any network, so nothing is lost). Returns the exit code."""
     import signal
     state = {"busy": False, "stop": False}
 
     def on_signal(signum, frame):
-        if not state["busy"]:
+        if state["stop"] or not state["busy"]:
             raise _Stop()
         state["stop"] = True
 

@@ -4071,6 +4071,45 @@ class McpProtocolTests(McpTestCase):
         self.assertEqual(server.proc.wait(5), 0)
         self.assertEqual(server.stderr(), "")
 
+    def test_sigterm_during_a_call_answers_it_first_and_a_second_one_ends_at_once(self):
+        import signal
+        self.gw.script += ["silent", "silent"]
+        server = self.server(QMEM_CONFIG=self._config(connectTimeoutMs=1500))
+        server.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                     "params": {"name": "qmem_search", "arguments": {"query": "x", "project_id": "*"}}})
+        self._wait_for_requests(1)  # the call now waits on the silent gateway
+        server.proc.send_signal(signal.SIGTERM)
+        reply = server.recv()
+        self.assertEqual((reply["id"], reply["result"]["structuredContent"]["source"]), (1, "local_sqlite"))
+        self.assertEqual(server.proc.wait(5), 0)
+        self.ok("breaker", "--reset")  # the silent gateway opened it
+        server = self.server(QMEM_CONFIG=self._config(connectTimeoutMs=20000))
+        server.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                     "params": {"name": "qmem_store", "arguments": {"text": "kept", "project_id": "p"}}})
+        self._wait_for_requests(2)
+        started = time.monotonic()
+        while server.proc.poll() is None and time.monotonic() - started < 5:
+            server.proc.send_signal(signal.SIGTERM)  # signals close together may arrive as one
+            try:
+                server.proc.wait(0.1)
+            except subprocess.TimeoutExpired:
+                pass
+        self.assertEqual(server.proc.returncode, 0)
+        self.assertLess(time.monotonic() - started, 3)  # not the 20 s the gateway would take
+        self.assertNotIn("Traceback", server.stderr())
+        self.assertEqual([state for _, state in self.outbox_rows()], ["pending"])  # given back on the way out
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+
+    def _wait_for_requests(self, n):
+        with self.gw.arrived:
+            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.requests) >= n, 10))
+
+    def _config(self, **values):
+        path = os.path.join(self.home, "config-%d.json" % len(os.listdir(self.home)))
+        with open(path, "w") as f:
+            json.dump(values, f)
+        return path
+
     def test_a_message_over_the_limit_is_refused_and_the_next_one_answered(self):
         server = self.server()
         big = b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"' + b"a" * qmem.MAX_MESSAGE + b'"}}\n'
