@@ -5476,6 +5476,7 @@ def render_error(err, json_mode, out=None):
 MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # the newest first
 MAX_MESSAGE = 16 << 20    # bytes in one message (clients allow 10 MiB)
 RESULT_TEXT_CHARS = 1000  # of a memory's text in a list of results; qmem_get gives it whole
+MCP_MAX_RESULTS = 50      # of one search: a model's context is small (Claude Code caps a result at 25k tokens)
 RPC_PARSE, RPC_INVALID, RPC_NO_METHOD, RPC_PARAMS, RPC_INTERNAL = -32700, -32600, -32601, -32602, -32603
 ALL_PROJECTS = "*"        # project_id of a search over every project
 
@@ -5635,7 +5636,7 @@ MCP_TOOLS = (
             "(source local_sqlite, degraded) and has no scores. Pass project_id.",
             {"query": _prop("string", "what to look for, in plain words"), "project_id": _READ_PROJECT,
              "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
-             "top_k": _prop("integer", "at most this many results (default 8)", minimum=1, maximum=100),
+             "top_k": _prop("integer", "at most this many results (default 8)", minimum=1, maximum=MCP_MAX_RESULTS),
              "include_superseded": _prop("boolean", "also corrected memories (default false)"),
              "min_score": _prop("number", "drop results scoring below this", minimum=0, maximum=1)},
             ["query"], read_only=True, idempotent=True, aliases={"q": "query", "limit": "top_k"}),
@@ -5646,7 +5647,8 @@ MCP_TOOLS = (
             {"query": _prop("string", "words to look for (all must match; word forms and near spellings "
                                       "are tried next)"),
              "project_id": _READ_PROJECT, "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
-             "limit": _prop("integer", "at most this many results (default 10)", minimum=1, maximum=MAX_LIMIT),
+             "limit": _prop("integer", "at most this many results (default 10)", minimum=1,
+                            maximum=MCP_MAX_RESULTS),
              "include_superseded": _prop("boolean", "also corrected memories (default false)")},
             ["query"], read_only=True, idempotent=True, aliases={"q": "query", "top_k": "limit"}),
     McpTool("qmem_get", "Get one memory",

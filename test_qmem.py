@@ -4180,7 +4180,8 @@ class McpProtocolTests(McpTestCase):
         server = self.server()
         for tool, arguments, words in (
                 ("qmem_find", {}, "needs query"), ("qmem_search", {"query": "x", "top_k": "many"}, "whole number"),
-                ("qmem_search", {"query": "x", "top_k": 0}, "between 1 and 100"),
+                ("qmem_search", {"query": "x", "top_k": 0}, "between 1 and 50"),
+                ("qmem_find", {"query": "x", "limit": 51}, "between 1 and 50"),
                 ("qmem_store", {"text": "x", "kind": "opinion", "project_id": "p"}, "one of fact"),
                 ("qmem_store", {"text": "x", "projet": "p"}, "takes no argument 'projet'"),
                 ("qmem_store", {"text": "   ", "project_id": "p"}, "empty"),
@@ -4400,6 +4401,18 @@ class McpToolTests(McpTestCase):
                          "local_sqlite")
         self.assertEqual(server.call("qmem_search", query="busy", project_id="*")["structuredContent"]["source"],
                          "gateway")
+        self.assertEqual(server.close(), 0)
+
+    def test_long_memories_are_cut_in_lists_and_whole_from_get(self):
+        text = "retention policy " + "words " * 2000
+        self.put_record(UUIDS[0], text)
+        self.offline()
+        server = self.server()
+        hit = server.call("qmem_find", query="retention policy", project_id="*")["structuredContent"]["results"][0]
+        self.assertEqual((len(hit["text"]), hit["text_cut"]), (qmem.RESULT_TEXT_CHARS + 1, True))
+        whole = server.call("qmem_get", id=UUIDS[0])["structuredContent"]["record"]
+        self.assertEqual(whole["text"], text)
+        self.assertNotIn("text_cut", whole)
         self.assertEqual(server.close(), 0)
 
     def test_a_filter_the_model_did_not_ask_for_says_how_to_widen_it(self):
