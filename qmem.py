@@ -4486,9 +4486,9 @@ class Operations:
 
     @utf8_arguments
     def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None, expires=None,
-                private=False, reason=None, queue_only=False, default_project=None):
-        """Write a correction of `target`: project and kind default to the target's (the
-        project then to default_project, when the target is not known here)."""
+                private=False, reason=None, queue_only=False):
+        """Write a correction of `target`: project and kind default to the target's, as the
+        local index knows it, else as the gateway does."""
         target = (target or "").strip()
         if not target:
             raise UsageError("correct needs the id of the memory it corrects")
@@ -4500,14 +4500,28 @@ class Operations:
             except StoreError as e:  # the database is unusable: the words must not be lost
                 raise _kept_aside(e, {"text": (text or "").strip(), "project_id": project or "PROJECT",
                                       "supersedes_id": target}, os.path.dirname(os.path.abspath(self.config.db_path)))
-        project_from = "argument" if project else "the corrected memory" if old.get("project_id") else "default"
-        project = project or old.get("project_id") or default_project
-        if not project:
-            raise UsageError("%s is not in the local index: say which project the correction belongs to" % target,
-                             hint="--project P (project_id, over MCP)")
+        if not old and not (project and kind):
+            old = self._remote_target(target, needed=not project)
+        project_from = "argument" if project else "the corrected memory"
+        project = project or old.get("project_id")
         payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent, source, expires,
                                  private, target, reason)
         return dict(self._write("correct", payload, queue_only), project_from=project_from)
+
+    def _remote_target(self, target, needed):
+        """The project and kind of a memory this machine does not know, from the gateway.
+        An unknown id is refused; when the gateway cannot say, {} (or, if the project
+        was `needed`, a usage error asking for it)."""
+        try:
+            record = self.get(target)["record"]
+        except QmemError as e:
+            if e.kind == "not_found":
+                raise
+            if not needed:
+                return {}
+            raise UsageError("%s: say which project the correction belongs to" % e.message,
+                             hint="--project P (project_id, over MCP)")
+        return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
 
     def _write(self, op, payload, queue_only):
         try:
@@ -4812,7 +4826,8 @@ class Operations:
             fb = self._fallback(e, require_remote)
             if local is None:
                 raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
-                    rid, fb["reason"]), kind="not_found")
+                    rid, fb["reason"]), kind="unavailable",
+                    hint="try again once the gateway is back; `qmem.py find` searches this machine meanwhile")
             return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
         self.store().merge_seen([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
@@ -5865,7 +5880,7 @@ class McpServer:
     def _failure(self, err):
         hint = err.hint or {"not_found": "ids come from qmem_search or qmem_find results",
                             "usage": "correct the arguments and call the tool again"}.get(err.kind)
-        note = err.message + (". Next: %s." % hint.rstrip(".") if hint else ".")
+        note = _for_agents(err.message + (". Next: %s." % hint.rstrip(".") if hint else "."))
         out = {"status": "error", "error": err.kind, "note": note}
         if getattr(err, "unsaved_text", None) is not None:
             out["unsaved_text"] = err.unsaved_text
@@ -5979,11 +5994,17 @@ class McpServer:
         return _written(doc, where)
 
     def tool_correct(self, ops, a):
-        default, where = self.project(a.get("project_id"))
-        doc = ops.correct(_mcp_id(a["id"]), a["text"], project=a.get("project_id"), default_project=default,
-                          kind=a.get("kind"), agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
-        return _written(doc, where if doc["project_from"] == "default" else doc["project_from"],
-                        corrects=a["id"].strip())
+        doc = ops.correct(_mcp_id(a["id"]), a["text"], project=a.get("project_id"), kind=a.get("kind"),
+                          agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
+        return _written(doc, doc["project_from"], corrects=a["id"].strip())
+
+
+def _for_agents(text):
+    """Words written for the command line, with its commands that are tools here named
+    as the tools."""
+    for command in ("find", "search", "get", "store", "correct", "meta"):
+        text = text.replace("`qmem.py %s`" % command, "qmem_" + command)
+    return text
 
 
 def _file_stamp(path):

@@ -1993,7 +1993,7 @@ class JsonEverywhereTests(GatewayTestCase):
         self.assertEqual(one(3, "search", "x", "--require-remote")["error"]["kind"], "remote_required")
         self.assertEqual(one(3, "get", "x", "--require-remote")["exit_code"], 3)
         self.assertEqual(one(3, "meta", "--require-remote")["exit_code"], 3)
-        self.assertEqual(one(1, "get", "not-here-either")["error"]["kind"], "not_found")
+        self.assertEqual(one(1, "get", "not-here-either")["error"]["kind"], "unavailable")  # maybe a real id: it cannot be checked now
         self.assertEqual(one(1, "pull")["error"]["kind"], "breaker_open")  # opened by the first call
         self.assertEqual(one(1, "enrich", "some-id")["error"]["kind"], "stopped")
         self.ok("store", "offline", "--project", "p")
@@ -4311,7 +4311,8 @@ class McpToolTests(McpTestCase):
         self.assertEqual((meta["source"], meta["degraded"], meta["queued_here"]), ("local_sqlite", True, 1))
         unknown = server.call("qmem_get", id=UUIDS[5])
         self.assertIs(unknown["isError"], True)
-        self.assertIn("qmem_search or qmem_find", unknown["structuredContent"]["note"])
+        self.assertEqual(unknown["structuredContent"]["error"], "unavailable")  # it may exist: it cannot be checked
+        self.assertIn("once the gateway is back; qmem_find searches this machine", unknown["structuredContent"]["note"])
         self.assertEqual(server.close(), 0)
         self.assertEqual(self.outbox_rows(), [(s["id"], "pending")])
         # Later the gateway is back: the next online call of a server delivers it, once.
@@ -4388,6 +4389,26 @@ class McpToolTests(McpTestCase):
         missing = server.call("qmem_find", query="four")["structuredContent"]
         self.assertEqual((missing["project_id"], missing["results"][0]["project_id"]), (None, "work"))
         self.assertEqual(server.close(), 0)
+
+    def test_a_correction_of_a_memory_known_only_to_the_gateway_keeps_its_project_and_kind(self):
+        target = self.gw.add("Deploys use blue/green", kind="decision", project="infra")
+        server = self.server(CLAUDE_PROJECT_DIR="/home/u/webapp")
+        fixed = server.call("qmem_correct", id=target["id"], text="Deploys use canary releases")["structuredContent"]
+        self.assertEqual((fixed["status"], fixed["project_id"], fixed["kind"], fixed["project_from"]),
+                         ("stored", "infra", "decision", "the corrected memory"))
+        unknown = server.call("qmem_correct", id=UUIDS[9], text="whatever")
+        self.assertEqual((unknown["isError"], unknown["structuredContent"]["error"]), (True, "not_found"))
+        self.assertEqual(server.close(), 0)
+        other = self.gw.add("Staging runs on node-2", project="infra")
+        self.offline()
+        server = self.server(CLAUDE_PROJECT_DIR="/home/u/webapp")
+        refused = server.call("qmem_correct", id=other["id"], text="Staging runs on node-4")
+        self.assertIs(refused["isError"], True)
+        self.assertIn("say which project the correction belongs to", refused["structuredContent"]["note"])
+        queued = server.call("qmem_correct", id=other["id"], text="Staging runs on node-4", project_id="infra")
+        self.assertEqual(queued["structuredContent"]["status"], "queued")
+        self.assertEqual(server.close(), 0)
+        self.assertEqual([p[3]["project_id"] for p in self.gw.posts()], ["infra"])
 
     def test_a_failing_gateway_is_tried_once_per_call(self):
         self.gw.add("the gateway is busy today")
