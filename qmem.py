@@ -2049,9 +2049,14 @@ class Store:
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
 
     def outbox_ready(self, now):
-        """Writes a flush would send now."""
+        """Writes a flush would send now (not counting those of a claimant since gone)."""
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND next_attempt_at<=? "
                                  "OR state='sending' AND lease_until<?", (now, now)).fetchone()[0]
+
+    def claim_tokens(self, now):
+        """The claims on writes being sent, whose leases still run."""
+        return [t for (t,) in self.conn.execute(
+            "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?", (now,))]
 
     def current_id(self, record_id):
         """The id a record is known by here now: a local id of a write that has since
@@ -3312,8 +3317,7 @@ class Flusher:
     def _reclaim_dead(self, now):
         """Rows whose claimant is proven dead are free at once: a killed flusher must not
         hold them for the rest of its lease. Nothing else ends a lease early."""
-        for (token,) in self.store.conn.execute(
-                "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?", (now,)).fetchall():
+        for token in self.store.claim_tokens(now):
             if claimant_is_gone(token):
                 self.store.conn.execute("UPDATE outbox SET lease_until=0 WHERE claim_token=? AND state='sending'",
                                         (token,))
@@ -4893,9 +4897,9 @@ class Operations:
         (or the gateway has not answered this command)."""
         if self._gateway is None or not self._gateway.answered or not self.has_index():
             return None
-        store = self.store()
-        if not store.outbox_ready(self.clock()):
-            return None
+        store, now = self.store(), self.clock()
+        if not store.outbox_ready(now) and not any(claimant_is_gone(t) for t in store.claim_tokens(now)):
+            return None  # (a killed flusher's writes are ready: the flush takes them over)
         try:
             stats = Flusher(store, self._gateway, clock=self.clock).run(budget_s=AUTO_FLUSH_S)
             error = stats.stopped
@@ -6164,32 +6168,28 @@ def encode_message(reply):
 
 
 def serve_mcp(server, wire_in, wire_out):
-    """Answer messages in order until the input ends or SIGTERM comes: a signal while a
-    request runs lets it finish and be answered first; a second one ends it at once (a
-    write is in the outbox before any network, so nothing is lost). Returns the exit code."""
+    """Answer messages in order until the input ends or SIGTERM comes, which ends the
+    server at once, also in the middle of a call: a write is in the outbox before any
+    network, a transaction rolls back, a claim is given back, and the client that sent
+    SIGTERM waits for no answer. Returns the exit code."""
     import signal
-    state = {"busy": False, "stop": False}
 
     def on_signal(signum, frame):
-        if state["stop"] or not state["busy"]:
-            raise _Stop()
-        state["stop"] = True
+        raise _Stop()
 
     for name in ("SIGTERM", "SIGINT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), on_signal)
     try:
-        while not state["stop"]:
+        while True:
             line = read_message(wire_in)
             if line is None:
                 break
-            state["busy"] = True
             reply = server.handle_line(line) if line else rpc_error(
                 None, RPC_INVALID, "Invalid request: a message over %d MiB" % (MAX_MESSAGE >> 20))
             if reply is not None and not _send(wire_out, reply):
                 break
             server.after_answer()
-            state["busy"] = False
     except _Stop:
         pass
     finally:
