@@ -1173,6 +1173,7 @@ class Gateway:
         self.conn = self.sock = None
         self.prefix = ""
         self.answered = False  # has any call of this command had an answer?
+        self.key_rejected = False  # ... and was it a 401 or 403?
         warn_plain_http(self.url, self.key)
 
     def mask(self, text):
@@ -1213,6 +1214,7 @@ class Gateway:
                 if not (clean and attempt == 0):  # a clean state has nothing to close
                     self.breaker.success()
                 if resp.status in (401, 403):
+                    self.key_rejected = True
                     raise GatewayError(AUTH, "API key rejected by the gateway (HTTP %d)" % resp.status,
                                        resp.status, hint="set the right one with `qmem.py config apikey`")
                 return resp
@@ -4558,6 +4560,7 @@ class Operations:
                "kind": payload["kind"], "agent_id": payload["agent_id"], "provenance": payload["source"],
                "already_queued": repeated}
         if state in WAITING:
+            doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
             doc["reason"] = "queued on request (--queue-only)" if queue_only else (
                 self.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
                 str(error or row["last_error"] or "retry later"))
@@ -4797,8 +4800,8 @@ class Operations:
             doc.update(self._find_local(query, project, kind, scope, top_k, include_superseded=include_superseded,
                                         highlight=highlight))
             return doc
-        results = [_hit(r) for r in results if isinstance(r, dict)]
-        self.store().merge_seen(results, VIEW_HIT)
+        results = [_hit(r) for r in results if isinstance(r, dict)][:top_k]  # no more than was asked
+        self._remember(results, VIEW_HIT)
         return self._after_online({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
                                    "retry_in_ms": None, "query": query, "results": results})
 
@@ -4809,9 +4812,13 @@ class Operations:
         rid = (record_id or "").strip()
         if not rid:
             raise UsageError("get needs a memory id")
-        if self.has_index():  # a local id of a write delivered since: its gateway id
-            rid = self.store().current_id(rid)
-        local = self.store().get(rid) if self.has_index() else None
+        local = None
+        try:
+            if self.has_index():  # a local id of a write delivered since: its gateway id
+                rid = self.store().current_id(rid)
+                local = self.store().get(rid)
+        except StoreError as e:  # the gateway can still answer
+            warn("the local index cannot be read (%s): asking the gateway only" % e.message)
         if local is not None and (local["pending"] or local["failed"]):
             # Written here and still queued (or refused): the gateway does not know this id.
             record = _record_out(local)
@@ -4824,8 +4831,9 @@ class Operations:
                 raise QmemError("no such memory: %s (the gateway does not know this id)" % rid, kind="not_found")
             if resp.status != 200:
                 raise _refused(resp, "request")
-            if normalize_record(resp.data) is None:
-                raise GatewayError(AMBIGUOUS, "the gateway's answer is not a record", detail="answer not a record")
+            if normalize_record(resp.data) is None or resp.data.get("id") != rid:
+                raise GatewayError(AMBIGUOUS, "the gateway's answer is not the record asked for",
+                                   detail="answer not the record")
         except GatewayError as e:
             fb = self._fallback(e, require_remote)
             if local is None:
@@ -4833,8 +4841,16 @@ class Operations:
                     rid, fb["reason"]), kind="unavailable",
                     hint="try again once the gateway is back; `qmem.py find` searches this machine meanwhile")
             return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
-        self.store().merge_seen([resp.data], VIEW_FULL)
+        self._remember([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
+
+    def _remember(self, records, view):
+        """Keep what the gateway said in the local index: an index that cannot take it
+        (corrupt, read-only, full) costs a warning, not the answer."""
+        try:
+            self.store().merge_seen(records, view)
+        except (StoreError, sqlite3.Error) as e:
+            warn("the local index could not keep this answer: %s" % getattr(e, "message", e))
 
     def meta(self, require_remote=False):
         """What the memory holds; from the local index (labelled) when the gateway cannot say."""
@@ -4895,18 +4911,22 @@ class Operations:
     def auto_flush(self):
         """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
         (or the gateway has not answered this command)."""
-        if self._gateway is None or not self._gateway.answered or not self.has_index():
+        gateway = self._gateway
+        if gateway is None or not gateway.answered or gateway.key_rejected or not self.has_index():
             return None
-        store, now = self.store(), self.clock()
-        if not store.outbox_ready(now) and not any(claimant_is_gone(t) for t in store.claim_tokens(now)):
-            return None  # (a killed flusher's writes are ready: the flush takes them over)
         try:
-            stats = Flusher(store, self._gateway, clock=self.clock).run(budget_s=AUTO_FLUSH_S)
+            store, now = self.store(), self.clock()
+            if not store.outbox_ready(now) and not any(claimant_is_gone(t) for t in store.claim_tokens(now)):
+                return None  # (a killed flusher's writes are ready: the flush takes them over)
+            stats = Flusher(store, gateway, clock=self.clock).run(budget_s=AUTO_FLUSH_S)
             error = stats.stopped
+            waiting = store.outbox_waiting()
         except QmemError as e:
-            stats, error = FlushStats(), str(e)
+            stats, error, waiting = FlushStats(), str(e), None
+        except sqlite3.Error as e:
+            stats, error, waiting = FlushStats(), str(store_error(e, self.config.db_path)), None
         return {"synced": len(stats.synced), "duplicate": len(stats.duplicate), "failed": len(stats.failed),
-                "still_queued": store.outbox_waiting(), "error": error}
+                "still_queued": waiting, "error": error}
 
 
 MAX_LIMIT = 1000  # results of one find
@@ -5401,10 +5421,11 @@ def show_doctor(doc, out):
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
-    if not af or not (af["synced"] or af["duplicate"] or af["failed"] or af["error"]):
+    if not isinstance(af, dict) or not (af["synced"] or af["duplicate"] or af["failed"] or af["error"]):
         return
-    out.write("delivered %s queued here (%d duplicates, %d failed; %d still queued)%s\n" % (
-        plural(af["synced"], "write"), af["duplicate"], af["failed"], af["still_queued"],
+    left = "" if af["still_queued"] is None else "; %d still queued" % af["still_queued"]
+    out.write("delivered %s queued here (%d duplicates, %d failed%s)%s\n" % (
+        plural(af["synced"], "write"), af["duplicate"], af["failed"], left,
         "; stopped: %s" % af["error"] if af["error"] else ""))
 
 
@@ -5498,6 +5519,8 @@ RESULT_TEXT_CHARS = 1000  # of a memory's text in a list of results; qmem_get gi
 MCP_MAX_RESULTS = 50      # of one search: a model's context is small (Claude Code caps a result at 25k tokens)
 RPC_PARSE, RPC_INVALID, RPC_NO_METHOD, RPC_PARAMS, RPC_INTERNAL = -32700, -32600, -32601, -32602, -32603
 ALL_PROJECTS = "*"        # project_id of a search over every project
+MAX_PROJECT = 100         # characters of a project name
+RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results, all together
 
 
 class RpcError(Exception):
@@ -5560,11 +5583,11 @@ _ID = _prop("string", "a memory id (from qmem_search or qmem_find)")
 class McpTool:
     """One tool: its listing, the arguments it takes, and the server method that runs it."""
 
-    def __init__(self, name, title, description, properties, required, read_only, idempotent, aliases=None):
+    def __init__(self, name, title, description, properties, required, read_only, idempotent):
         self.name, self.title, self.description = name, title, description
         self.properties, self.required = properties, required
         self.read_only, self.idempotent = read_only, idempotent
-        self.aliases = aliases or {}
+        self.aliases = {a: p for a, p in MCP_ALIASES.items() if p in properties}
         self.method = "tool_" + name[len("qmem_"):]
 
     def listing(self):
@@ -5583,6 +5606,9 @@ class McpTool:
             if key not in self.properties:
                 raise UsageError("%s takes no argument %r" % (self.name, _clip(str(name), 40)),
                                  hint="its arguments are %s" % ", ".join(self.properties))
+            if key != name and given.get(key) is not None and value is not None:
+                raise UsageError("%s got both %s and %s" % (self.name, key, _clip(str(name), 40)),
+                                 hint="give %s only" % key)
             if value is not None:
                 try:
                     args[key] = _mcp_value(key, value, self.properties[key])
@@ -5594,6 +5620,11 @@ class McpTool:
             raise UsageError("%s needs %s" % (self.name, " and ".join(missing)),
                              hint="call it again with %s" % ", ".join(missing))
         return args
+
+
+# Names models use for an argument, taken where the tool has the argument they mean.
+MCP_ALIASES = {"q": "query", "project": "project_id", "type": "kind", "memory_id": "id",
+               "supersedes_id": "id", "limit": "top_k", "top_k": "limit"}
 
 
 def _clip(text, width):
@@ -5623,12 +5654,12 @@ def _mcp_value(name, value, prop):
             return value if isinstance(value, bool) else _BOOLEANS[word]
         raise UsageError("%s must be true or false, not %s" % (name, shown))
     if kind == "integer":
-        number = _mcp_number(value, r"\s*[+-]?\d{1,9}\s*", int)
+        number = _mcp_number(value, r"\s*[+-]?\d{1,9}(\.0*)?\s*", float)
         if number is None or number != int(number):
             raise UsageError("%s must be a whole number, not %s" % (name, shown))
         number = int(number)
     else:
-        number = _mcp_number(value, r"\s*[+-]?(\d+\.?\d*|\.\d+)\s*", float)
+        number = _mcp_number(value, r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?\s*", float)
         if number is None:
             raise UsageError("%s must be a number, not %s" % (name, shown))
     if not prop.get("minimum", number) <= number <= prop.get("maximum", number):
@@ -5658,7 +5689,7 @@ MCP_TOOLS = (
              "top_k": _prop("integer", "at most this many results (default 8)", minimum=1, maximum=MCP_MAX_RESULTS),
              "include_superseded": _prop("boolean", "also corrected memories (default false)"),
              "min_score": _prop("number", "drop results scoring below this", minimum=0, maximum=1)},
-            ["query"], read_only=True, idempotent=True, aliases={"q": "query", "limit": "top_k"}),
+            ["query"], read_only=True, idempotent=True),
     McpTool("qmem_find", "Find words in the local index",
             "Find memories by their words in this machine's local index: offline, fast, lexical (not by "
             "meaning), so results have no score. It also sees writes queued here and not yet shared. "
@@ -5669,11 +5700,12 @@ MCP_TOOLS = (
              "limit": _prop("integer", "at most this many results (default 10)", minimum=1,
                             maximum=MCP_MAX_RESULTS),
              "include_superseded": _prop("boolean", "also corrected memories (default false)")},
-            ["query"], read_only=True, idempotent=True, aliases={"q": "query", "top_k": "limit"}),
+            ["query"], read_only=True, idempotent=True),
     McpTool("qmem_get", "Get one memory",
             "One memory in full by its id: its text, project, kind, and whether it was corrected "
             "(superseded_by) or deleted. From the gateway, else from this machine's local index (labelled).",
-            {"id": _ID}, ["id"], read_only=True, idempotent=True, aliases={"memory_id": "id"}),
+            {"id": _ID, "project_id": _prop("string", "not needed: a memory's own project is reported")},
+            ["id"], read_only=True, idempotent=True),
     McpTool("qmem_store", "Store a memory",
             "Store one durable memory for every agent: a fact, a decision with its reason, a preference, a "
             "notable episode; self-contained, not chatter. Pass project_id. If it contradicts a memory, use "
@@ -5683,7 +5715,7 @@ MCP_TOOLS = (
              "scope": _SCOPE, "private": _prop("boolean", "hidden from searches unless asked for"),
              "expires_at": _prop("string", "hidden from searches after this date (YYYY-MM-DD)"),
              "agent_id": _prop("string", "who writes it (default: the client's name)")},
-            ["text"], read_only=False, idempotent=False, aliases={"project": "project_id", "type": "kind"}),
+            ["text"], read_only=False, idempotent=False),
     McpTool("qmem_correct", "Correct a memory",
             "Correct a memory that is wrong or outdated: a new memory supersedes it, and the old one is kept, "
             "marked superseded. Use it instead of storing a contradicting memory. Project and kind default to "
@@ -5692,13 +5724,13 @@ MCP_TOOLS = (
                                                                                         "memory, whole"),
              "reason": _prop("string", "why the old memory was wrong"), "project_id": _PROJECT, "kind": _KIND,
              "agent_id": _prop("string", "who writes it (default: the client's name)")},
-            ["id", "text"], read_only=False, idempotent=False,
-            aliases={"memory_id": "id", "supersedes_id": "id", "project": "project_id"}),
+            ["id", "text"], read_only=False, idempotent=False),
     McpTool("qmem_meta", "What the memory holds",
             "What the memory holds: its projects, kinds per scope, agents, corrected and deleted counts; and "
             "here, the project this server uses by default and the writes queued on this machine. Use it to "
             "find the right project_id.",
-            {}, [], read_only=True, idempotent=True),
+            {"project_id": _prop("string", "the project to report as this call's (default: the server's)")},
+            [], read_only=True, idempotent=True),
 )
 MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
 
@@ -5725,9 +5757,9 @@ def _str_or_none(value):
     return value if isinstance(value, str) else None
 
 
-def _memory_out(rec, whole=False):
+def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
     """A record (the gateway's answer, or a local row) as a result shows it: only the
-    record's own fields, each of its type; the text cut in a list of results."""
+    record's own fields, each of its type; the text cut to `cut` in a list of results."""
     out = {"id": _str_or_none(rec.get("id"))}
     for key in FIELDS:
         value = rec.get(key)
@@ -5738,8 +5770,8 @@ def _memory_out(rec, whole=False):
         elif value is None and (whole or key in ("superseded_by", "deleted_at")):
             out[key] = None
     text = out.get("text") or ""
-    if not whole and len(text) > RESULT_TEXT_CHARS:
-        out["text"], out["text_cut"] = text[:RESULT_TEXT_CHARS] + "…", True
+    if not whole and len(text) > cut:
+        out["text"], out["text_cut"] = text[:cut] + "…", True
     if rec.get("pending"):
         out["queued"] = True  # written here, not yet shared
     if rec.get("failed"):
@@ -5775,6 +5807,8 @@ class McpServer:
     def handle_line(self, raw):
         """One line off the wire (bytes) -> the reply, or None."""
         raw = raw.strip()
+        if raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark some writers put first
+            raw = raw[3:]
         if not raw:
             return None
         try:
@@ -5824,8 +5858,9 @@ class McpServer:
         asked = params.get("protocolVersion")
         client = params.get("clientInfo")
         name = client.get("name") if isinstance(client, dict) else None
-        if isinstance(name, str) and visible(name).strip():
-            self.agent = _clip(visible(name).strip(), 64)
+        name = _printable(name) if isinstance(name, str) else ""
+        if name:
+            self.agent = _clip(name, 64)
         return {"protocolVersion": asked if asked in MCP_VERSIONS else MCP_VERSIONS[0],
                 "capabilities": {"tools": {"listChanged": False}},
                 "serverInfo": {"name": "qmem", "title": "qmem shared memory", "version": __version__},
@@ -5882,12 +5917,15 @@ class McpServer:
             self.warnings.append(_clip(message, 300))
 
     def _failure(self, err):
-        hint = err.hint or {"not_found": "ids come from qmem_search or qmem_find results",
-                            "usage": "correct the arguments and call the tool again"}.get(err.kind)
+        hint = err.hint or _NEXT_STEPS.get(err.kind)
+        unsaved = getattr(err, "unsaved_text", None)
+        if unsaved is not None:
+            hint = hint.replace("your text follows in full on stderr", "the text is in unsaved_text: store it "
+                                "again once the database is usable")
         note = _for_agents(err.message + (". Next: %s." % hint.rstrip(".") if hint else "."))
         out = {"status": "error", "error": err.kind, "note": note}
-        if getattr(err, "unsaved_text", None) is not None:
-            out["unsaved_text"] = err.unsaved_text
+        if unsaved is not None:
+            out["unsaved_text"] = unsaved
         return out
 
     def operations(self):
@@ -5926,13 +5964,18 @@ class McpServer:
         project, where = self.project(explicit)
         if project is None:
             raise UsageError("no project: pass project_id (the project's short name, e.g. its repository's)",
-                             hint="or start the server with QMEM_PROJECT set; qmem_meta lists the projects")
-        return project, where
+                             hint="qmem_meta lists the projects; a server started with QMEM_PROJECT set "
+                                  "uses that one")
+        if project == ALL_PROJECTS:
+            raise UsageError('project "*" (from %s) means every project, to search; a memory belongs to one' % where,
+                             hint="pass project_id, the project's short name")
+        return _check_project(project, where), where
 
     def _read_project(self, explicit):
-        if explicit is not None and explicit.strip() == ALL_PROJECTS:
-            return None, "argument"
-        return self.project(explicit)
+        project, where = self.project(explicit)
+        if project == ALL_PROJECTS:
+            return None, where
+        return (_check_project(project, where) if project else None), where
 
     def tool_search(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
@@ -5948,7 +5991,12 @@ class McpServer:
         return self._found(doc, project, where)
 
     def _found(self, doc, project, where):
-        results = [_memory_out(r) for r in doc["results"] if isinstance(r, dict)]
+        hits = [r for r in doc["results"] if isinstance(r.get("id"), str)]
+        if len(hits) < len(doc["results"]):
+            warn("%d of the results had no id: left out" % (len(doc["results"]) - len(hits)))
+        # Many long memories must not flood a model's context: each is cut to its share.
+        cut = max(200, min(RESULT_TEXT_CHARS, RESULTS_TEXT_BUDGET // max(1, len(hits))))
+        results = [_memory_out(r, cut=cut) for r in hits]
         out = {"status": "found" if results else "empty", "source": doc["source"], "degraded": doc["degraded"],
                "project_id": project, "project_from": where, "note": _found_note(doc, results, project, where)}
         if doc["degraded"]:
@@ -5974,14 +6022,18 @@ class McpServer:
 
     def tool_meta(self, ops, a):
         doc = ops.meta()
-        project, where = self.project(None)
-        queued = ops.store().outbox_waiting() if ops.has_index() else 0
+        project, where = self._read_project(a.get("project_id"))
+        try:
+            queued = ops.store().outbox_waiting() if ops.has_index() else 0
+        except StoreError as e:
+            warn("the local outbox cannot be read: %s" % e.message)
+            queued = None
         where_from = "from the gateway" if doc["source"] == "gateway" else \
             "from this machine's local index, because the gateway could not be asked (%s)" % doc["reason"]
         note = "What the memory holds, %s; %s queued on this machine%s." % (
-            where_from, plural(queued, "write"),
-            "; this server files writes without a project_id under %s (from %s)" % (project, where) if project
-            else "; writes need a project_id (this server has no default)")
+            where_from, "?" if queued is None else plural(queued, "write"),
+            "; writes without a project_id go to project %s (from %s)" % (project, where) if project
+            else "; writes need a project_id (there is no default)")
         out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"], "project_id": project,
                "project_from": where, "note": note}
         if doc["degraded"]:
@@ -5992,6 +6044,9 @@ class McpServer:
 
     def tool_store(self, ops, a):
         project, where = self._write_project(a.get("project_id"))
+        if a.get("expires_at") and parse_iso(a["expires_at"]) is None:
+            raise UsageError("expires_at %s is not a date" % json.dumps(_clip(a["expires_at"], 40)),
+                             hint="use YYYY-MM-DD or an ISO-8601 time")
         doc = ops.store_memory(a["text"], project, kind=a.get("kind"), scope=a.get("scope"),
                                agent=a.get("agent_id") or self.agent, expires=a.get("expires_at"),
                                private=a.get("private", False))
@@ -6001,6 +6056,33 @@ class McpServer:
         doc = ops.correct(_mcp_id(a["id"]), a["text"], project=a.get("project_id"), kind=a.get("kind"),
                           agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
         return _written(doc, doc["project_from"], corrects=a["id"].strip())
+
+
+# The next step for a failure that does not name one, by its kind.
+_NEXT_STEPS = {
+    "not_found": "ids come from qmem_search or qmem_find results",
+    "usage": "correct the arguments and call the tool again",
+    "config": "fix the file it names or move it aside (`qmem.py doctor` says more); until then every tool "
+              "fails the same way",
+    UNREACHABLE: "try again later; qmem_find searches this machine's index meanwhile",
+    AMBIGUOUS: "try again later; qmem_find searches this machine's index meanwhile",
+    BREAKER_OPEN: "try again later, or ask the user to run `qmem.py breaker --reset` once the gateway is back; "
+                  "qmem_find searches this machine's index meanwhile",
+}
+
+
+def _printable(text):
+    """Text with what cannot be shown or stored taken out (controls, lone surrogates), trimmed."""
+    return "".join(ch for ch in text if ch.isprintable() and not 0xD800 <= ord(ch) <= 0xDFFF).strip()
+
+
+def _check_project(project, where):
+    """A project name as a filter or a label: printable, at most MAX_PROJECT characters."""
+    if len(project) > MAX_PROJECT or _printable(project) != project:
+        raise UsageError("the project %s (from %s) is not a project name: it must be at most %d printable "
+                         "characters" % (json.dumps(_clip(project, 60)), where, MAX_PROJECT),
+                         hint="pass project_id, the project's short name (qmem_meta lists them)")
+    return project
 
 
 def _for_agents(text):
@@ -6038,17 +6120,24 @@ def _found_note(doc, results, project, where):
     if not doc.get("index_exists", True):
         head = "There is no local index on this machine yet (`qmem.py import` or `qmem.py pull` makes one)"
     elif n:
-        head = "%s from the local index on this machine%s, matched by %s (words, not meaning: no scores)" % (
-            _memories(n), scope, MATCH_LABELS[doc["match"]])
+        head = "%s from the local index on this machine%s, %s (words, not meaning: no scores)" % (
+            _memories(n), scope, _MATCHED_BY[doc["match"]])
     else:
         head = "No memory matched%s in the local index on this machine" % scope
     if doc["degraded"]:
-        head = "The gateway could not be asked (%s), so this answer is a fallback. %s; memories stored " \
-               "elsewhere since the last `qmem.py pull` may be missing" % (doc["reason"], head)
+        head = "The gateway could not be asked (%s), so this answer is a fallback. %s" % (doc["reason"], head)
+        if doc.get("index_exists", True):
+            head += "; memories stored elsewhere since the last `qmem.py pull` may be missing"
     hidden = sum((doc.get("hidden") or {}).values())
     if hidden:
         head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
     return head + "." + ("" if n or not doc.get("index_exists", True) else _wider(project, where))
+
+
+# How a list of local results matched, in a note.
+_MATCHED_BY = {"all": "matching every word", "stemmed": "matching forms of the words",
+               "fuzzy": "matching near spellings of the words", "any": "matching only some of the words",
+               "none": "matching nothing"}
 
 
 def _wider(project, where):
@@ -6093,10 +6182,12 @@ def _written(doc, where, corrects=None):
         note = ("Not stored: the gateway refused this %s (%s). Change what it refused and call the tool "
                 "again; the refused copy stays in `qmem.py queue` until it is dropped." % (what, doc["last_error"]))
     else:
+        when = ("once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
+                if doc.get("not_configured") else
+                "after a later call that reaches the gateway, or `qmem.py flush`")
         note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could not take it: "
-                "%s. qmem_find finds it here now; other agents see it once it is delivered (after a later call "
-                "that reaches the gateway, or `qmem.py flush`). Do not store it again." % (
-                    rid, project, doc["reason"]))
+                "%s. qmem_find finds it here now; other agents see it once it is delivered (%s). Do not store it "
+                "again." % (rid, project, doc["reason"], when))
         if doc["already_queued"]:
             note += " (The very same write was already waiting here: it is not queued twice.)"
         if doc.get("error"):

@@ -4504,6 +4504,124 @@ class McpToolTests(McpTestCase):
         self.assertEqual(server.close(), 0)
 
 
+class McpReviewTests(McpTestCase):
+    """What a fresh-eyes review of `qmem.py mcp` found, each fixed."""
+
+    def test_project_names_are_checked_and_star_means_every_project_only_for_reads(self):
+        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
+        server = self.server(QMEM_PROJECT="*")
+        self.assertEqual(len(server.call("qmem_find", query="release train")["structuredContent"]["results"]), 1)
+        for project in ("*", "a\x1b[31mb", "\u200binfra", "p" * 101):
+            refused = server.call("qmem_store", text="x", project_id=project)
+            self.assertIs(refused["isError"], True, project)
+        self.assertIn('"*" (from argument) means every project', server.call(
+            "qmem_store", text="x", project_id="*")["structuredContent"]["note"])
+        self.assertIn("from QMEM_PROJECT", server.call("qmem_store", text="x")["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(self.gw.posts(), [])
+
+    def test_every_tool_takes_project_id_and_the_same_aliases(self):
+        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
+        self.offline()
+        server = self.server()
+        self.assertEqual(len(server.call("qmem_find", q="release", project="infra")["structuredContent"]["results"]),
+                         1)
+        self.assertEqual(server.call("qmem_get", id=UUIDS[0], project_id="infra")["structuredContent"]["project_id"],
+                         "infra")
+        meta = server.call("qmem_meta", project_id="infra")["structuredContent"]
+        self.assertEqual((meta["project_id"], meta["project_from"]), ("infra", "argument"))
+        both = server.call("qmem_find", q="release", query="train")
+        self.assertIs(both["isError"], True)
+        self.assertIn("got both query and q", both["structuredContent"]["note"])
+        self.assertEqual(server.call("qmem_find", query="release", limit="5.0", project_id="*")["isError"], False)
+        self.assertEqual(server.call("qmem_search", query="release", min_score="1e-1", project_id="*")["isError"],
+                         False)
+        self.assertEqual(server.close(), 0)
+
+    def test_a_client_name_that_is_not_text_does_not_break_writes(self):
+        server = self.server()
+        server.send(b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
+                    b'"clientInfo":{"name":"evil\\ud800\\u001b[31m-client"}}}\n')
+        self.assertEqual(server.recv()["id"], 1)
+        stored = server.call("qmem_store", text="a plain memory", project_id="infra")["structuredContent"]
+        self.assertEqual((stored["status"], stored["agent_id"]), ("stored", "evil[31m-client"))
+        self.assertEqual(server.close(), 0)
+
+    def test_a_line_with_a_byte_order_mark_is_answered(self):
+        server = self.server()
+        server.send(b'\xef\xbb\xbf{"jsonrpc":"2.0","id":7,"method":"ping"}\n')
+        self.assertEqual(server.recv(), {"jsonrpc": "2.0", "id": 7, "result": {}})
+        self.assertEqual(server.close(), 0)
+
+    def test_many_long_results_share_a_text_budget(self):
+        store = qmem.Store(self.db)
+        with store.transaction():
+            for n in range(50):
+                store.upsert(qmem.normalize_record(record(UUIDS[n], "budget item %d " % n + "word " * 400)),
+                             qmem.VIEW_FULL)
+        store.close()
+        server = self.server()
+        found = server.call("qmem_find", query="budget item", limit=50, project_id="*")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(len(found["results"]), 50)
+        self.assertLessEqual(sum(len(r["text"]) for r in found["results"]), qmem.RESULTS_TEXT_BUDGET + 50)
+        self.assertTrue(all(r["text_cut"] for r in found["results"]))
+
+    def test_a_gateway_that_sends_too_much_or_not_memories_is_cut_down(self):
+        for n in range(20):
+            self.gw.add("flood %d" % n)
+        real = self.gw.app
+
+        def flood(method, target, headers, data):
+            status, body, extra = real(method, target, headers, data)
+            if target == "/v1/memories:search":
+                body = {"results": [dict(r) for r in self.gw.records.values()] + [{"text": "no id"}, 7]}
+            return status, body, extra
+        self.gw.app = flood
+        server = self.server()
+        found = server.call("qmem_search", query="flood", top_k=3, project_id="*")["structuredContent"]
+        self.assertEqual(len(found["results"]), 3)
+        self.assertEqual(server.close(), 0)
+
+    def test_no_automatic_flush_after_the_key_was_rejected(self):
+        self.gw.key = "another-key"
+        server = self.server()
+        first = server.call("qmem_store", text="kept until the key is fixed", project_id="infra")
+        self.assertEqual(first["structuredContent"]["status"], "queued")
+        server.request("ping")
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(len(self.gw.posts()), 1)  # the write itself; no flush behind it with the same key
+
+    def test_a_broken_local_index_does_not_spoil_what_the_gateway_answered(self):
+        rec = self.gw.add("blue/green deploys on node-3")
+        os.makedirs(os.path.dirname(self.db))
+        with open(self.db, "wb") as f:
+            f.write(b"this is not a database" * 100)
+        server = self.server()
+        found = server.call("qmem_search", query="deploys", project_id="*")
+        got = server.call("qmem_get", id=rec["id"])
+        self.assertEqual(server.close(), 0)
+        self.assertEqual((found["isError"], found["structuredContent"]["source"]), (False, "gateway"))
+        self.assertTrue(found["structuredContent"]["warnings"])
+        self.assertEqual((got["isError"], got["structuredContent"]["record"]["text"]), (False, rec["text"]))
+
+    def test_notes_say_the_next_step_for_the_case_at_hand(self):
+        os.environ.pop("QMEM_URL")
+        server = self.server()
+        queued = server.call("qmem_store", text="no gateway yet", project_id="infra")["structuredContent"]
+        self.assertIn("once a gateway is configured (`qmem.py config url`)", queued["note"])
+        bad_date = server.call("qmem_store", text="x", project_id="infra", expires_at="tomorrow")
+        self.assertIn("expires_at \"tomorrow\" is not a date", bad_date["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        config = os.path.join(self.home, "broken.json")
+        with open(config, "w") as f:
+            f.write("{broken")
+        server = self.server(QMEM_CONFIG=config)
+        self.assertIn("Next: fix the file it names or move it aside", server.call(
+            "qmem_find", query="x")["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+
+
 class CompatibilityTests(unittest.TestCase):
 
     def test_source_parses_as_python_3_6(self):
