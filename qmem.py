@@ -4911,14 +4911,27 @@ class Operations:
     def auto_flush(self):
         """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
         (or the gateway has not answered this command)."""
+        try:
+            if not self.auto_flush_due():
+                return None
+        except (StoreError, sqlite3.Error):
+            return None
+        return self.deliver_ready()
+
+    def auto_flush_due(self):
+        """Did this command reach the gateway (with a key it took), and is something in the
+        outbox ready to go (a killed flusher's writes too: a flush takes them over)?"""
         gateway = self._gateway
         if gateway is None or not gateway.answered or gateway.key_rejected or not self.has_index():
-            return None
+            return False
+        store, now = self.store(), self.clock()
+        return bool(store.outbox_ready(now) or any(claimant_is_gone(t) for t in store.claim_tokens(now)))
+
+    def deliver_ready(self):
+        """The automatic flush: what is ready, within AUTO_FLUSH_S; its counts."""
         try:
-            store, now = self.store(), self.clock()
-            if not store.outbox_ready(now) and not any(claimant_is_gone(t) for t in store.claim_tokens(now)):
-                return None  # (a killed flusher's writes are ready: the flush takes them over)
-            stats = Flusher(store, gateway, clock=self.clock).run(budget_s=AUTO_FLUSH_S)
+            store = self.store()
+            stats = Flusher(store, self.gateway(), clock=self.clock).run(budget_s=AUTO_FLUSH_S)
             error = stats.stopped
             waiting = store.outbox_waiting()
         except QmemError as e:
@@ -5798,10 +5811,15 @@ class McpServer:
         self.ops = self.config_stamp = None
         self.agent = "qmem.py mcp"
         self.warnings = []
+        self.flusher = None  # the background flush, while one runs
 
     def close(self):
         if self.ops is not None:
             self.ops.close()
+
+    def flusher_thread_is_not_me(self):
+        import threading
+        return self.flusher is None or threading.current_thread() is not self.flusher
 
     # -- messages
     def handle_line(self, raw):
@@ -5911,9 +5929,10 @@ class McpServer:
         return tool_result(structured, structured["status"] in ("error", "failed") or "error" in structured)
 
     def _diagnostic(self, message):
-        """warn() while a tool runs: on stderr, and in the result (the model sees it)."""
+        """warn() while a tool runs: on stderr, and in the result (the model sees it; not
+        what the background flush says)."""
         stderr_diagnostic(message)
-        if len(self.warnings) < 10:
+        if len(self.warnings) < 10 and self.flusher_thread_is_not_me():
             self.warnings.append(_clip(message, 300))
 
     def _failure(self, err):
@@ -5944,18 +5963,37 @@ class McpServer:
         return self.ops
 
     def after_answer(self):
-        """Once an answer is out: deliver what is queued if this call reached the gateway
-        (within AUTO_FLUSH_S), then drop the connection."""
+        """Once an answer is out: drop the gateway connection, and if this call reached the
+        gateway and writes are ready, deliver them in the background (one flush at a
+        time, on its own connections), so that no answer waits for it."""
         if self.ops is None:
             return
-        previous = set_diagnostics(stderr_diagnostic)
         try:
-            self.ops.auto_flush()
-        except (QmemError, sqlite3.Error) as e:
-            stderr_diagnostic("automatic flush: %s" % e)
+            due = self.ops.auto_flush_due()
+        except (QmemError, sqlite3.Error):
+            due = False
+        self.ops.close_gateway()
+        if due and (self.flusher is None or not self.flusher.is_alive()):
+            import threading
+            self.flusher = threading.Thread(target=self._flush, args=(self.ops.config,), daemon=True)
+            self.flusher.start()
+
+    def _flush(self, config):
+        ops = Operations(config, clock=self.clock)
+        try:
+            done = ops.deliver_ready()
+            if done["error"] and not (done["synced"] or done["duplicate"]):
+                stderr_diagnostic("automatic flush: %s" % done["error"])
+        except Exception as e:  # a bug: the server goes on without it
+            stderr_diagnostic("automatic flush: internal error (%s)" % type(e).__name__)
         finally:
-            self.ops.close_gateway()
-            set_diagnostics(previous)
+            ops.close()
+
+    def finish(self, wait_s=AUTO_FLUSH_S + 1):
+        """At the end of the input: give a background flush a moment to end (a killed one
+        costs nothing: its writes are taken over by the next)."""
+        if self.flusher is not None:
+            self.flusher.join(wait_s)
 
     def project(self, explicit):
         return resolve_project(explicit, self.environ, self.cwd)
@@ -6281,6 +6319,7 @@ def serve_mcp(server, wire_in, wire_out):
             if reply is not None and not _send(wire_out, reply):
                 break
             server.after_answer()
+        server.finish()
     except _Stop:
         pass
     finally:

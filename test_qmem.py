@@ -4592,6 +4592,28 @@ class McpReviewTests(McpTestCase):
         self.assertEqual(server.close(), 0)
         self.assertEqual(len(self.gw.posts()), 1)  # the write itself; no flush behind it with the same key
 
+    def test_a_stalled_automatic_flush_delays_no_answer(self):
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        self.ok("store", "waits for the gateway", "--project", "infra")
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        self.gw.script += [None, "silent"]  # the search is answered, the flush behind it is not
+        config = os.path.join(self.home, "tight.json")
+        with open(config, "w") as f:
+            json.dump({"connectTimeoutMs": 2000}, f)
+        server = self.server(QMEM_CONFIG=config)
+        self.assertEqual(server.call("qmem_search", query="x", project_id="*")["structuredContent"]["source"],
+                         "gateway")
+        with self.gw.arrived:  # the flush's POST has reached the silent gateway
+            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.posts()) >= 1, 10))
+        started = time.monotonic()
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertLess(time.monotonic() - started, 1.0)  # not the 2 s the flush waits
+        self.assertEqual(server.close(), 0)
+        self.ok("breaker", "--reset")  # the silent gateway opened it
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+
     def test_a_broken_local_index_does_not_spoil_what_the_gateway_answered(self):
         rec = self.gw.add("blue/green deploys on node-3")
         os.makedirs(os.path.dirname(self.db))
