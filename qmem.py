@@ -6152,7 +6152,7 @@ def _found_note(doc, results, project, where):
     n, scope = len(results), _in_project(project)
     if doc["source"] == "gateway":
         if not n:
-            return "No memory matched%s in the shared memory.%s" % (scope, _wider(project, where))
+            return "No memory matched%s in the shared memory%s." % (scope, _wider(project, where))
         return ("%s from the shared memory (gateway)%s, best first: a score of 0.60 or more is a strong match, "
                 "0.45-0.60 a weak one." % (_memories(n), scope))
     if not doc.get("index_exists", True):
@@ -6163,13 +6163,13 @@ def _found_note(doc, results, project, where):
     else:
         head = "No memory matched%s in the local index on this machine" % scope
     if doc["degraded"]:
-        head = "The gateway could not be asked (%s), so this answer is a fallback. %s" % (doc["reason"], head)
+        head = "A fallback, as the gateway could not be asked (%s): %s" % (doc["reason"], head[:1].lower() + head[1:])
         if doc.get("index_exists", True):
             head += "; memories stored elsewhere since the last `qmem.py pull` may be missing"
     hidden = sum((doc.get("hidden") or {}).values())
     if hidden:
         head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
-    return head + "." + ("" if n or not doc.get("index_exists", True) else _wider(project, where))
+    return head + ("" if n or not doc.get("index_exists", True) else _wider(project, where)) + "."
 
 
 # How a list of local results matched, in a note.
@@ -6180,9 +6180,9 @@ _MATCHED_BY = {"all": "matching every word", "stemmed": "matching forms of the w
 
 def _wider(project, where):
     if project and where != "argument":
-        return " Only project %s (from %s) was searched: pass project_id \"*\" to search every project." % (
+        return "; only project %s (from %s) was searched: pass project_id \"*\" to search every project" % (
             project, where)
-    return " Try other words%s." % (", or project_id \"*\" for every project" if project else "")
+    return "; try other words%s" % (", or project_id \"*\" for every project" if project else "")
 
 
 def _get_note(doc, record):
@@ -6214,23 +6214,24 @@ def _written(doc, where, corrects=None):
         if corrects:
             note = note[:-1] + "; it supersedes %s." % corrects
     elif status == "duplicate":
-        note = ("Not stored again: the shared memory already holds a near-identical memory, %s. If this %s "
+        note = ("Not stored again: the shared memory already holds a near-identical memory, %s; if this %s "
                 "changes what that one says, correct it with qmem_correct and that id." % (rid, what))
     elif status == "failed":
-        note = ("Not stored: the gateway refused this %s (%s). Change what it refused and call the tool "
-                "again; the refused copy stays in `qmem.py queue` until it is dropped." % (what, doc["last_error"]))
+        note = ("Not stored: the gateway refused this %s (%s); change what it refused and call the tool "
+                "again (the refused copy stays in `qmem.py queue` until it is dropped)." % (what, doc["last_error"]))
     else:
         when = ("once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
                 if doc.get("not_configured") else
                 "after a later call that reaches the gateway, or `qmem.py flush`")
-        note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could not take it: "
-                "%s. qmem_find finds it here now; other agents see it once it is delivered (%s). Do not store it "
-                "again." % (rid, project, doc["reason"], when))
+        note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could not take it "
+                "(%s); qmem_find finds it here now, other agents once it is delivered (%s), so do not store it "
+                "again" % (rid, project, doc["reason"], when))
         if doc["already_queued"]:
-            note += " (The very same write was already waiting here: it is not queued twice.)"
+            note += "; the very same write was already waiting here and is not queued twice"
         if doc.get("error"):
-            note += " It will not be delivered until this is fixed: %s." % str(QmemError(
+            note += "; it will not be delivered until this is fixed: %s" % str(QmemError(
                 doc["error"]["message"], doc["error"]["hint"]))
+        note += "."
     out = {"status": status, "source": doc["source"], "degraded": doc["degraded"], "id": rid,
            "project_id": project, "project_from": where, "kind": doc["kind"], "note": note}
     if corrects:

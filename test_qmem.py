@@ -3922,6 +3922,8 @@ class McpProcess:
         self.test.assertEqual(json.loads(result["content"][0]["text"]), result["structuredContent"])
         for key in ("status", "note"):
             self.test.assertIn(key, result["structuredContent"])
+        if not result["isError"]:  # one sentence (an error's adds one: what to do next)
+            self.test.assertNotRegex(result["structuredContent"]["note"], r"[.!?] [A-Z]")
         return result
 
     def close(self, timeout=10):
@@ -4289,8 +4291,8 @@ class McpToolTests(McpTestCase):
         self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"]),
                          (False, "queued", "outbox", True))
         self.assertEqual(s["id"], s["local_id"])
-        for words in ("Not shared yet", "queued on this machine", "could not take it: gateway unreachable",
-                      "Do not store it again"):
+        for words in ("Not shared yet", "queued on this machine", "could not take it (gateway unreachable",
+                      "do not store it again"):
             self.assertIn(words, s["note"])
         found = server.call("qmem_find", query="citta staging", project_id="infra")["structuredContent"]
         self.assertEqual(found["results"][0]["id"], s["id"])
@@ -4442,7 +4444,7 @@ class McpToolTests(McpTestCase):
         server = self.server(QMEM_PROJECT="web")
         empty = server.call("qmem_find", query="release train")["structuredContent"]
         self.assertEqual(empty["status"], "empty")
-        self.assertIn('Only project web (from QMEM_PROJECT) was searched: pass project_id "*"', empty["note"])
+        self.assertIn('only project web (from QMEM_PROJECT) was searched: pass project_id "*"', empty["note"])
         self.assertEqual(server.close(), 0)
 
     def test_failed_duplicate_and_rejected_key_writes_are_honest(self):
@@ -4460,7 +4462,7 @@ class McpToolTests(McpTestCase):
         rejected = server.call("qmem_store", text="kept for later", project_id="infra")
         r = rejected["structuredContent"]
         self.assertEqual((rejected["isError"], r["status"], r["error"]), (True, "queued", "auth"))
-        self.assertIn("Do not store it again", r["note"])
+        self.assertIn("do not store it again", r["note"])
         self.assertIn("config apikey", r["note"])
         self.assertEqual(server.close(), 0)
         self.assertNotIn(API_KEY, b"".join(server.lines).decode("utf-8") + server.stderr())
