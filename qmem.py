@@ -5924,6 +5924,10 @@ class McpServer:
                                                  kind="internal", hint="the server goes on; other calls work"))
         finally:
             set_diagnostics(previous)
+        if "project_from" not in structured:  # a failure: the project the call would have used
+            explicit = given.get("project_id", given.get("project"))
+            project, where = self.project(explicit if isinstance(explicit, str) else None)
+            structured.update(project_id=_clip(project, MAX_PROJECT) if project else None, project_from=where)
         if self.warnings:
             structured["warnings"] = self.warnings
         return tool_result(structured, structured["status"] in ("error", "failed") or "error" in structured)

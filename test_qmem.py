@@ -4196,6 +4196,7 @@ class McpProtocolTests(McpTestCase):
             self.assertEqual(result["structuredContent"]["status"], "error")
             self.assertIn(words, result["structuredContent"]["note"])
             self.assertIn("Next: ", result["structuredContent"]["note"])
+            self.assertIn("project_from", result["structuredContent"])
         self.assertEqual(server.close(), 0)
         self.assertFalse(os.path.exists(self.db))  # nothing was written for them
 
