@@ -20,6 +20,8 @@ CPython 3.6+.
                                          carry knowledge and writes to and from an
                                          air-gapped host, as one checked file
   python3 qmem.py doctor                 what is wrong here, and what to do
+  python3 qmem.py mcp                    the same memory for AI agents, as an MCP
+                                         server on stdio (`rules`: their rules)
 
 Every command takes --json: exactly one JSON document on stdout, an error too
 ({"error": {"kind", "message", "hint"}, "exit_code": N}).
@@ -38,7 +40,7 @@ Configuration precedence: defaults < config file < environment < flags.
 
 Sections (grep -n '^# ==='), each using only those above it: Errors, Utilities,
 Config, Circuit breaker, Gateway client, Local store, Import, Local search and
-status, Sync, Bundles, Doctor, Operations, Output, Command line.
+status, Sync, Bundles, Doctor, Operations, Output, MCP server, Command line.
 """
 import sys
 
