@@ -2170,6 +2170,19 @@ class Store:
             self._terms = [t for (t,) in self.conn.execute("SELECT term FROM temp.qmem_terms")]
         return self._terms
 
+    def unsent_targets(self, local_id, most=100):
+        """The writes still waiting here that this one corrects, directly or through
+        others, oldest first."""
+        chain, current = [], local_id
+        for _ in range(most):
+            row = self.conn.execute("SELECT t.id FROM outbox o JOIN outbox t ON t.id = o.target WHERE o.id=? "
+                                    "AND t.state IN (?, ?)", (current,) + WAITING).fetchone()
+            if row is None:
+                break
+            chain.insert(0, row[0])
+            current = row[0]
+        return chain
+
     def waiting_write(self, op, payload_text):
         """The local id of a write with exactly this payload still waiting to be sent, or None."""
         row = self.conn.execute("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, ?) LIMIT 1",
@@ -3180,17 +3193,20 @@ def enqueue(store, op, payload):
     return enqueue_once(store, op, payload)[0]
 
 
-def enqueue_once(store, op, payload):
+def enqueue_once(store, op, payload, claim=None):
     """enqueue(), unless the very same write still waits here (a call retried, a model
-    asking twice): then it is that write. Returns (local id, whether it was waiting)."""
+    asking twice): then it is that write. claim(local_id) -> token, when given, claims
+    a new write in the same transaction. Returns (local id, whether it was waiting,
+    the claim's token or None)."""
     payload_text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     with store.transaction():
         waiting = store.waiting_write(op, payload_text)
         if waiting is not None:
-            return waiting, True
+            return waiting, True, None
         local_id = new_local_id()
         add_write(store, local_id, op, payload_text, time.time())
-    return local_id, False
+        token = claim(local_id) if claim is not None else None
+    return local_id, False, token
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
@@ -3326,9 +3342,21 @@ class Flusher:
                 self.store.conn.execute("UPDATE outbox SET lease_until=0 WHERE claim_token=? AND state='sending'",
                                         (token,))
 
-    def claim(self, only=None):
+    def claim_new(self, local_id):
+        """Inside the transaction that queues a write: claim it for its writer at once, so
+        that no other flusher takes it before its writer sends it. Returns the token."""
+        now, token = self.clock(), claim_token()
+        self.store.conn.execute("UPDATE outbox SET state='sending', claim_token=?, lease_until=?, "
+                                "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, ?) "
+                                "WHERE id=? AND state='pending'", (token, now + self.lease_s, now, local_id))
+        return token
+
+    def claim(self, only=None, token=None):
         """Take up to `batch` ready rows (committed before any HTTP): pending ones whose
-        time has come, and sending ones whose lease has run out."""
+        time has come, and sending ones whose lease has run out. With a token: the rows
+        still held by that claim (see claim_new)."""
+        if token is not None:
+            return token, self._claimed(token)
         now, token = self.clock(), claim_token()
         where = "((state='pending' AND next_attempt_at<=:now) OR (state='sending' AND lease_until<:now))"
         if only is not None:
@@ -3340,19 +3368,23 @@ class Flusher:
                 "UPDATE outbox SET state='sending', claim_token=:t, lease_until=:now + :lease, "
                 "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, :now) WHERE rid IN ("
                 "SELECT rid FROM outbox WHERE %s ORDER BY rid LIMIT :n)" % where, params)
-            rows = self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE claim_token=? "
-                                           "ORDER BY rid", (token,)).fetchall()
+            rows = self._claimed(token)
         return token, rows
 
-    def run(self, only=None, budget_s=None, progress=None):
-        """Flush ready rows (or just the row `only`) until none is left, the gateway goes
-        away, or budget_s seconds have passed. Returns FlushStats. Interrupted, it
-        records what was answered and gives the rest back."""
+    def _claimed(self, token):
+        return self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE claim_token=? "
+                                       "AND state='sending' ORDER BY rid", (token,)).fetchall()
+
+    def run(self, only=None, budget_s=None, progress=None, claimed=None):
+        """Flush ready rows (or just the row `only`, or the rows claimed with token `claimed`)
+        until none is left, the gateway goes away, or budget_s seconds have passed.
+        Returns FlushStats. Interrupted, it records what was answered and gives the
+        rest back."""
         stats = FlushStats()
         give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
             claimed_at = self.clock()
-            token, rows = self.claim(only)
+            token, rows = self.claim(only) if claimed is None else self.claim(only, claimed)
             if not rows:
                 break
             done = []
@@ -3361,7 +3393,7 @@ class Flusher:
             finally:  # also on Ctrl-C: what was answered is kept, the rest goes back
                 sent = {o.row[0] for o in done}
                 self._finish(token, done + [Outcome(RELEASE, r) for r in rows if r[0] not in sent], stats)
-            if only is not None:
+            if only is not None or claimed is not None:
                 break
         if stats.synced or stats.duplicate or stats.failed:
             with self.store.transaction():
@@ -4508,13 +4540,28 @@ class Operations:
             except StoreError as e:  # the database is unusable: the words must not be lost
                 raise _kept_aside(e, {"text": (text or "").strip(), "project_id": project or "PROJECT",
                                       "supersedes_id": target}, os.path.dirname(os.path.abspath(self.config.db_path)))
+        if old.get("failed"):
+            raise UsageError("%s was refused by the gateway and never stored: there is nothing to correct" % target,
+                             hint="store the corrected text as a new memory (`qmem.py store`)")
         if not old and not (project and kind):
             old = self._remote_target(target, needed=not project)
         project_from = "argument" if project else "the corrected memory"
+        kind_from = "argument" if kind else "the corrected memory" if old.get("kind") else "default"
         project = project or old.get("project_id")
         payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent, source, expires,
                                  private, target, reason)
-        return dict(self._write("correct", payload, queue_only), project_from=project_from)
+        return dict(self._write("correct", payload, queue_only), project_from=project_from, kind_from=kind_from)
+
+    def _send_now(self, store, gateway, local_id, token):
+        """Send a write just queued, after the queued writes it corrects (oldest first:
+        it waits for them); the first error that stopped a send, or None."""
+        error = None
+        for earlier in store.unsent_targets(local_id):
+            error = Flusher(store, gateway, clock=self.clock).run(only=earlier).stop_error
+            if error is not None:
+                break
+        stats = Flusher(store, gateway, clock=self.clock).run(only=None if token else local_id, claimed=token)
+        return error or stats.stop_error
 
     def _remote_target(self, target, needed):
         """The project and kind of a memory this machine does not know, from the gateway.
@@ -4523,26 +4570,30 @@ class Operations:
         try:
             record = self.get(target)["record"]
         except QmemError as e:
-            if e.kind == "not_found":
-                raise
+            if e.kind == "not_found" or e.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+                raise  # an unknown id; a key, certificate or address to fix first
             if not needed:
                 return {}
-            raise UsageError("%s: say which project the correction belongs to" % e.message,
-                             hint="--project P (project_id, over MCP)")
+            raise UsageError("%s: say which project the correction belongs to" % e.message, hint=PROJECT_HINT)
         return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
 
     def _write(self, op, payload, queue_only):
-        try:
-            store = self.store()
-            local_id, repeated = enqueue_once(store, op, payload)
-        except StoreError as e:  # busy, full, unusable: the words must not be lost
-            raise _kept_aside(e, payload, os.path.dirname(os.path.abspath(self.config.db_path)))
-        error = None
+        gateway = error = None
         if not queue_only:
             try:
-                error = Flusher(store, self.gateway(), clock=self.clock).run(only=local_id).stop_error
+                gateway = self.gateway()
             except GatewayError as e:  # not configured
                 error = e
+        try:
+            store = self.store()
+            # Claimed as it is queued: no other flusher (another agent's server) takes it first.
+            claim = Flusher(store, gateway, clock=self.clock).claim_new if gateway is not None else None
+            local_id, repeated, token = enqueue_once(store, op, payload, claim)
+        except StoreError as e:  # busy, full, unusable: the words must not be lost
+            raise _kept_aside(e, payload, os.path.dirname(os.path.abspath(self.config.db_path)))
+        if gateway is not None:
+            try:
+                error = self._send_now(store, gateway, local_id, token)
             except KeyboardInterrupt:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
                                   hint="`qmem.py flush` delivers it")
@@ -4560,7 +4611,7 @@ class Operations:
                "duplicate_of": row["duplicate_of"], "last_error": row["last_error"], "queued": state in WAITING,
                "degraded": state in WAITING, "reason": None, "project_id": payload["project_id"],
                "kind": payload["kind"], "agent_id": payload["agent_id"], "provenance": payload["source"],
-               "already_queued": repeated}
+               "already_queued": repeated, "private": payload["private"]}
         if state in WAITING:
             doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
             doc["reason"] = "queued on request (--queue-only)" if queue_only else (
@@ -4841,7 +4892,8 @@ class Operations:
             if local is None:
                 raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
                     rid, fb["reason"]), kind="unavailable",
-                    hint="try again once the gateway is back; `qmem.py find` searches this machine meanwhile")
+                    hint=("no gateway is configured here (`qmem.py config url`)" if e.kind == NOT_CONFIGURED else
+                          "try again once the gateway is back") + "; `qmem.py find` searches this machine meanwhile")
             return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
         self._remember([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
@@ -4945,6 +4997,7 @@ class Operations:
 
 
 MAX_LIMIT = 1000  # results of one find
+PROJECT_HINT = "give it with --project P"  # the MCP server says: pass project_id
 
 
 def _check_query(query, command, example):
@@ -5995,7 +6048,7 @@ class McpServer:
         finally:
             ops.close()
 
-    def finish(self, wait_s=AUTO_FLUSH_S + 1):
+    def finish(self, wait_s=1.5):
         """At the end of the input: give a background flush a moment to end (a killed one
         costs nothing: its writes are taken over by the next)."""
         if self.flusher is not None:
@@ -6088,9 +6141,11 @@ class McpServer:
 
     def tool_store(self, ops, a):
         project, where = self._write_project(a.get("project_id"))
-        if a.get("expires_at") and parse_iso(a["expires_at"]) is None:
-            raise UsageError("expires_at %s is not a date" % json.dumps(_clip(a["expires_at"], 40)),
-                             hint="use YYYY-MM-DD or an ISO-8601 time")
+        expires = parse_iso(a["expires_at"]) if a.get("expires_at") else None
+        if a.get("expires_at") and (expires is None or expires <= time.time()):
+            raise UsageError("expires_at %s is %s" % (json.dumps(_clip(a["expires_at"], 40)),
+                                                      "not a date" if expires is None else "already past"),
+                             hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
         doc = ops.store_memory(a["text"], project, kind=a.get("kind"), scope=a.get("scope"),
                                agent=a.get("agent_id") or self.agent, expires=a.get("expires_at"),
                                private=a.get("private", False))
@@ -6134,7 +6189,7 @@ def _for_agents(text):
     as the tools."""
     for command in ("find", "search", "get", "store", "correct", "meta"):
         text = text.replace("`qmem.py %s`" % command, "qmem_" + command)
-    return text
+    return text.replace(PROJECT_HINT, "pass project_id")
 
 
 def _file_stamp(path):
@@ -6215,8 +6270,9 @@ def _written(doc, where, corrects=None):
     status = {SYNCED: "stored", DUPLICATE: "duplicate", FAILED: "failed"}.get(state, "queued")
     what = ("correction of %s" % corrects) if corrects else "memory"
     if status == "stored":
-        note = "Stored as %s in the shared memory (project %s, kind %s): every agent can find it now." % (
-            rid, project, doc["kind"])
+        note = "Stored as %s in the shared memory (project %s, kind %s): %s." % (
+            rid, project, doc["kind"], "every agent can find it now" if not doc["private"] else
+            "private, so searches show it only when asked for private memories")
         if corrects:
             note = note[:-1] + "; it supersedes %s." % corrects
     elif status == "duplicate":
@@ -6232,18 +6288,26 @@ def _written(doc, where, corrects=None):
         note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could not take it "
                 "(%s); qmem_find finds it here now, other agents once it is delivered (%s), so do not store it "
                 "again" % (rid, project, doc["reason"], when))
+        if doc.get("next_attempt_at"):
+            note += "; the gateway asked to wait: the next attempt is after %s" % when_utc(
+                parse_iso(doc["next_attempt_at"]))
         if doc["already_queued"]:
             note += "; the very same write was already waiting here and is not queued twice"
         if doc.get("error"):
             note += "; it will not be delivered until this is fixed: %s" % str(QmemError(
                 doc["error"]["message"], doc["error"]["hint"]))
         note += "."
+    if corrects and doc.get("kind_from") == "default":
+        note = note[:-1] + "; the corrected memory's kind could not be looked up, so this one is a fact (pass " \
+                           "kind to say otherwise)."
     out = {"status": status, "source": doc["source"], "degraded": doc["degraded"], "id": rid,
            "project_id": project, "project_from": where, "kind": doc["kind"], "note": note}
     if corrects:
         out["corrects"] = corrects
     if status == "queued":
         out.update(local_id=doc["local_id"], reason=doc["reason"])
+        if doc.get("next_attempt_at"):
+            out["next_attempt_at"] = doc["next_attempt_at"]
     out.update(agent_id=doc["agent_id"], machine=doc["provenance"])
     if doc.get("error"):
         out["error"] = doc["error"]["kind"]

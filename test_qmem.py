@@ -4617,6 +4617,72 @@ class McpReviewTests(McpTestCase):
         self.ok("breaker", "--reset")  # the silent gateway opened it
         self.assertEqual(self.ok_json("flush")["synced"], 1)
 
+    def test_a_correction_of_a_queued_memory_sends_both_once_the_gateway_is_there(self):
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        server = self.server()
+        first = server.call("qmem_store", text="Staging runs Postgres 15", project_id="infra")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        server = self.server()
+        fixed = server.call("qmem_correct", id=first["id"], text="Staging runs Postgres 16")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        self.assertEqual((fixed["status"], fixed["project_id"]), ("stored", "infra"))
+        self.assertEqual([p[3]["text"] for p in self.gw.posts()], ["Staging runs Postgres 15",
+                                                                    "Staging runs Postgres 16"])
+        old_id = self.gw.posts()[1][3]["supersedes_id"]
+        self.assertEqual(self.gw.records[old_id]["superseded_by"], fixed["id"])
+
+    def test_a_write_is_claimed_by_its_writer_as_it_is_queued(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        mine = qmem.Flusher(store, None)
+        local_id, _, token = qmem.enqueue_once(store, "store", {"text": "x", "kind": "fact", "project_id": "p"},
+                                               mine.claim_new)
+        self.assertEqual(qmem.Flusher(store, None).claim()[1], [])  # another flusher finds nothing to take
+        self.assertEqual([r[1] for r in mine.claim(None, token)[1]], [local_id])
+
+    def test_a_refused_write_cannot_be_corrected_it_was_never_stored(self):
+        self.gw.script.append((422, {"detail": "too vague"}, None))
+        server = self.server()
+        refused = server.call("qmem_store", text="vague", project_id="infra")["structuredContent"]
+        again = server.call("qmem_correct", id=refused["id"], text="precise")
+        self.assertEqual(server.close(), 0)
+        self.assertIs(again["isError"], True)
+        self.assertIn("never stored", again["structuredContent"]["note"])
+        self.assertIn("qmem_store", again["structuredContent"]["note"])
+        self.assertEqual(len(self.gw.posts()), 1)
+
+    def test_second_review_notes(self):
+        target = self.gw.add("Deploys use blue/green", kind="decision")
+        server = self.server()
+        private = server.call("qmem_store", text="my own note", project_id="infra", private=True)
+        self.assertIn("private, so searches show it only", private["structuredContent"]["note"])
+        past = server.call("qmem_store", text="x", project_id="infra", expires_at="2020-01-01")
+        self.assertIn("already past", past["structuredContent"]["note"])
+        self.gw.script.append((503, {"detail": "busy"}, {"Retry-After": "7200"}))
+        later = server.call("qmem_store", text="wait two hours", project_id="infra")["structuredContent"]
+        self.assertEqual(later["status"], "queued")
+        self.assertIn("the next attempt is after", later["note"])
+        self.assertIn("next_attempt_at", later)
+        self.assertEqual(server.close(), 0)
+        self.gw.key = "another-key"
+        server = self.server()
+        rejected = server.call("qmem_correct", id=target["id"], text="Deploys use canary")
+        self.assertEqual(rejected["structuredContent"]["error"], "auth")  # not "usage": the key is what to fix
+        self.assertEqual(server.close(), 0)
+        self.offline()
+        server = self.server()
+        guessed = server.call("qmem_correct", id=target["id"], text="Deploys use canary", project_id="infra")
+        self.assertIn("kind could not be looked up, so this one is a fact", guessed["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        os.environ.pop("QMEM_URL")
+        server = self.server()
+        self.assertIn("no gateway is configured here", server.call(
+            "qmem_get", id=UUIDS[3])["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+
     def test_a_broken_local_index_does_not_spoil_what_the_gateway_answered(self):
         rec = self.gw.add("blue/green deploys on node-3")
         os.makedirs(os.path.dirname(self.db))
