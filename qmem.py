@@ -6392,7 +6392,12 @@ def serve_mcp(server, wire_in, wire_out):
             server.after_answer()
         server.finish()
     except _Stop:
-        pass
+        # A call cut half-way leaves half-made objects (an HTTP response without its
+        # socket) whose finalizers would complain on stderr at exit: close the store,
+        # and leave now.
+        server.close()
+        sys.stderr.flush()
+        os._exit(EXIT_OK)
     finally:
         server.close()
     return EXIT_OK
