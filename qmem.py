@@ -3351,12 +3351,9 @@ class Flusher:
                                 "WHERE id=? AND state='pending'", (token, now + self.lease_s, now, local_id))
         return token
 
-    def claim(self, only=None, token=None):
+    def claim(self, only=None):
         """Take up to `batch` ready rows (committed before any HTTP): pending ones whose
-        time has come, and sending ones whose lease has run out. With a token: the rows
-        still held by that claim (see claim_new)."""
-        if token is not None:
-            return token, self._claimed(token)
+        time has come, and sending ones whose lease has run out."""
         now, token = self.clock(), claim_token()
         where = "((state='pending' AND next_attempt_at<=:now) OR (state='sending' AND lease_until<:now))"
         if only is not None:
@@ -3372,6 +3369,7 @@ class Flusher:
         return token, rows
 
     def _claimed(self, token):
+        """The rows a claim still holds."""
         return self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE claim_token=? "
                                        "AND state='sending' ORDER BY rid", (token,)).fetchall()
 
@@ -3384,7 +3382,7 @@ class Flusher:
         give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
             claimed_at = self.clock()
-            token, rows = self.claim(only) if claimed is None else self.claim(only, claimed)
+            token, rows = self.claim(only) if claimed is None else (claimed, self._claimed(claimed))
             if not rows:
                 break
             done = []
@@ -4314,7 +4312,7 @@ class Operations:
         self.config, self.clock = config, clock
         self._store = self._gateway = None
         # A front end that answers first and delivers the outbox after (the MCP server)
-        # sets this, and calls auto_flush() itself once the answer is out.
+        # sets this, and runs auto_flush_due() / deliver_ready() itself once the answer is out.
         self.flush_after_answer = False
         self.retries = RETRIES  # of a failing gateway, per call (the MCP server: none, it has a fallback)
 
@@ -5625,8 +5623,9 @@ def resolve_project(explicit, environ, cwd):
     if named:
         return named, "QMEM_PROJECT"
     folder = (environ.get("CLAUDE_PROJECT_DIR") or "").strip()
-    if folder and os.path.basename(os.path.normpath(folder)):
-        return os.path.basename(os.path.normpath(folder)), "CLAUDE_PROJECT_DIR"
+    name = os.path.basename(os.path.normpath(folder)) if folder else ""
+    if name:
+        return name, "CLAUDE_PROJECT_DIR"
     root = git_root(cwd) if cwd else None
     if root and os.path.basename(root):
         return os.path.basename(root), "the git root of %s" % cwd
@@ -5672,10 +5671,10 @@ class McpTool:
         for name, value in given.items():
             key = self.aliases.get(name, name)
             if key not in self.properties:
-                raise UsageError("%s takes no argument %r" % (self.name, _clip(str(name), 40)),
+                raise UsageError("%s takes no argument %r" % (self.name, _fit(str(name), 40)),
                                  hint="its arguments are %s" % ", ".join(self.properties))
             if key != name and given.get(key) is not None and value is not None:
-                raise UsageError("%s got both %s and %s" % (self.name, key, _clip(str(name), 40)),
+                raise UsageError("%s got both %s and %s" % (self.name, key, _fit(str(name), 40)),
                                  hint="give %s only" % key)
             if value is not None:
                 try:
@@ -5695,10 +5694,6 @@ MCP_ALIASES = {"q": "query", "project": "project_id", "type": "kind", "memory_id
                "supersedes_id": "id", "limit": "top_k", "top_k": "limit"}
 
 
-def _clip(text, width):
-    return text if len(text) <= width else text[:width - 1] + "…"
-
-
 _BOOLEANS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False,
              "off": False}
 
@@ -5706,7 +5701,7 @@ _BOOLEANS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "
 def _mcp_value(name, value, prop):
     """One argument converted to the property's type, or a UsageError saying what it
     must be."""
-    kind, shown = prop["type"], _clip(json.dumps(value, ensure_ascii=False), 40)
+    kind, shown = prop["type"], _fit(json.dumps(value, ensure_ascii=False), 40)
     if kind == "string":
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise UsageError("%s must be a string, not %s" % (name, shown))
@@ -5722,12 +5717,12 @@ def _mcp_value(name, value, prop):
             return value if isinstance(value, bool) else _BOOLEANS[word]
         raise UsageError("%s must be true or false, not %s" % (name, shown))
     if kind == "integer":
-        number = _mcp_number(value, r"\s*[+-]?\d{1,9}(\.0*)?\s*", float)
+        number = _mcp_number(value, r"\s*[+-]?\d{1,9}(\.0*)?\s*")
         if number is None or number != int(number):
             raise UsageError("%s must be a whole number, not %s" % (name, shown))
         number = int(number)
     else:
-        number = _mcp_number(value, r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?\s*", float)
+        number = _mcp_number(value, r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?\s*")
         if number is None:
             raise UsageError("%s must be a number, not %s" % (name, shown))
     if not prop.get("minimum", number) <= number <= prop.get("maximum", number):
@@ -5735,12 +5730,13 @@ def _mcp_value(name, value, prop):
     return number
 
 
-def _mcp_number(value, pattern, convert):
+def _mcp_number(value, pattern):
+    """A finite number, or a string of one that matches pattern; else None."""
     import math
     if isinstance(value, bool):
         return None
     if isinstance(value, str):
-        return convert(value) if re.fullmatch(pattern, value) else None
+        return float(value) if re.fullmatch(pattern, value) else None
     if isinstance(value, (int, float)) and math.isfinite(value):
         return value
     return None
@@ -5919,7 +5915,7 @@ class McpServer:
         params = {} if msg.get("params") is None else msg["params"]
         handler = self.METHODS.get(method)
         if handler is None:
-            return rpc_error(rid, RPC_NO_METHOD, "Method not found: %s" % _clip(method, 100))
+            return rpc_error(rid, RPC_NO_METHOD, "Method not found: %s" % _fit(method, 100))
         if not isinstance(params, dict):
             return rpc_error(rid, RPC_PARAMS, "Invalid params: params is an object")
         try:
@@ -5933,7 +5929,7 @@ class McpServer:
         name = client.get("name") if isinstance(client, dict) else None
         name = _printable(name) if isinstance(name, str) else ""
         if name:
-            self.agent = _clip(name, 64)
+            self.agent = _fit(name, 64)
         return {"protocolVersion": asked if asked in MCP_VERSIONS else MCP_VERSIONS[0],
                 "capabilities": {"tools": {"listChanged": False}},
                 "serverInfo": {"name": "qmem", "title": "qmem shared memory", "version": __version__},
@@ -5954,7 +5950,7 @@ class McpServer:
         tool = MCP_TOOL_NAMES.get(name)
         if tool is None:
             raise RpcError(RPC_PARAMS, "Unknown tool: %s (the tools are %s)" % (
-                _clip(name, 100), ", ".join(MCP_TOOL_NAMES)))
+                _fit(name, 100), ", ".join(MCP_TOOL_NAMES)))
         if arguments is not None and not isinstance(arguments, dict):
             raise RpcError(RPC_PARAMS, "Invalid params: the arguments of %s are an object" % name)
         return self.run_tool(tool, arguments or {})
@@ -5982,7 +5978,7 @@ class McpServer:
         if "project_from" not in structured:  # a failure: the project the call would have used
             explicit = given.get("project_id", given.get("project"))
             project, where = self.project(explicit if isinstance(explicit, str) else None)
-            structured.update(project_id=_clip(project, MAX_PROJECT) if project else None, project_from=where)
+            structured.update(project_id=_fit(project, MAX_PROJECT) if project else None, project_from=where)
         if self.warnings:
             structured["warnings"] = self.warnings
         return tool_result(structured, structured["status"] in ("error", "failed") or "error" in structured)
@@ -5992,7 +5988,7 @@ class McpServer:
         what the background flush says)."""
         stderr_diagnostic(message)
         if len(self.warnings) < 10 and self.flusher_thread_is_not_me():
-            self.warnings.append(_clip(message, 300))
+            self.warnings.append(_fit(message, 300))
 
     def _failure(self, err):
         hint = err.hint or _NEXT_STEPS.get(err.kind)
@@ -6143,7 +6139,7 @@ class McpServer:
         project, where = self._write_project(a.get("project_id"))
         expires = parse_iso(a["expires_at"]) if a.get("expires_at") else None
         if a.get("expires_at") and (expires is None or expires <= time.time()):
-            raise UsageError("expires_at %s is %s" % (json.dumps(_clip(a["expires_at"], 40)),
+            raise UsageError("expires_at %s is %s" % (json.dumps(_fit(a["expires_at"], 40)),
                                                       "not a date" if expires is None else "already past"),
                              hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
         doc = ops.store_memory(a["text"], project, kind=a.get("kind"), scope=a.get("scope"),
@@ -6179,7 +6175,7 @@ def _check_project(project, where):
     """A project name as a filter or a label: printable, at most MAX_PROJECT characters."""
     if len(project) > MAX_PROJECT or _printable(project) != project:
         raise UsageError("the project %s (from %s) is not a project name: it must be at most %d printable "
-                         "characters" % (json.dumps(_clip(project, 60)), where, MAX_PROJECT),
+                         "characters" % (json.dumps(_fit(project, 60)), where, MAX_PROJECT),
                          hint="pass project_id, the project's short name (qmem_meta lists them)")
     return project
 
@@ -6203,7 +6199,7 @@ def _file_stamp(path):
 def _mcp_id(value):
     value = value.strip()
     if not UUID_RE.fullmatch(value):
-        raise UsageError("%r is not a memory id" % _clip(value, 60),
+        raise UsageError("%r is not a memory id" % _fit(value, 60),
                          hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 and come from qmem_search or "
                               "qmem_find results")
     return value
@@ -6317,7 +6313,7 @@ def _written(doc, where, corrects=None):
 # -- the wire
 
 class _Stop(BaseException):
-    """SIGTERM (or SIGINT) while the server waits for a message: end cleanly."""
+    """SIGTERM (or SIGINT): end now, between messages or in the middle of a call."""
 
 
 def mcp_wire():

@@ -4641,7 +4641,7 @@ class McpReviewTests(McpTestCase):
         local_id, _, token = qmem.enqueue_once(store, "store", {"text": "x", "kind": "fact", "project_id": "p"},
                                                mine.claim_new)
         self.assertEqual(qmem.Flusher(store, None).claim()[1], [])  # another flusher finds nothing to take
-        self.assertEqual([r[1] for r in mine.claim(None, token)[1]], [local_id])
+        self.assertEqual([r[1] for r in mine._claimed(token)], [local_id])
 
     def test_a_refused_write_cannot_be_corrected_it_was_never_stored(self):
         self.gw.script.append((422, {"detail": "too vague"}, None))
