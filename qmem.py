@@ -1448,6 +1448,14 @@ def _reason(e):
 
 
 # === Local store =============================================================
+#
+# THE RULE: nothing but SQLite opens the database file or its -wal / -shm. Closing any
+# descriptor of a file drops every POSIX lock this process holds on it, those of its
+# SQLite connections included (sqlite.org/howtocorrupt.html §2.2): another process then
+# believes it is the last, checkpoints and deletes the WAL under our live connections,
+# and their later commits are lost. stat() and lstat() are fine; so is creating a file
+# that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
+# Each thread opens its own connection (the MCP server's background flush too).
 
 SCHEMA_VERSION = 2  # 2: claim tokens carry the claimant's identity; refused writes are marked
 # Outbox states (the CHECK of the outbox table).
@@ -1624,7 +1632,8 @@ def store_error(e, path):
 
 def _create_private(path):
     """A new, empty database file, 0600 from its creation (SQLite gives its -wal and
-    -shm files the same mode), in folders made 0700."""
+    -shm files the same mode), in folders made 0700. O_EXCL: never a file that exists
+    (see the rule at the top of this section)."""
     try:
         make_private_dirs(os.path.dirname(os.path.abspath(path)))
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -1679,11 +1688,6 @@ class Store:
                 raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`" % path)
             _create_private(path)
         _check_private(path)
-        if os.path.isfile(path) and os.path.getsize(path) >= 16:
-            with open(path, "rb") as f:
-                if f.read(16) != b"SQLite format 3\x00":
-                    raise StoreError("%s is not a SQLite database; refusing to touch it "
-                                     "(move it aside or set QMEM_SQLITE)" % path)
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
         # the one style that behaves the same on every Python (reliability.md §4.1).
         try:
@@ -1699,6 +1703,9 @@ class Store:
             self.fts = self.meta("fts") != "none"
         except sqlite3.Error as e:
             self.conn.close()
+            if "not a database" in str(e):  # SQLite read the header and wrote nothing
+                raise StoreError("%s is not a SQLite database; refusing to touch it (move it aside or "
+                                 "set QMEM_SQLITE)" % path)
             raise store_error(e, path)
         except StoreError:
             self.conn.close()

@@ -242,6 +242,45 @@ class StoreTests(QmemTestCase):
         err = self.expect_fail(1, "status")
         self.assertIn("not a SQLite database", err)
         self.assertEqual(read_bytes(self.db), before)
+        with open(self.db, "wb") as f:
+            f.write(b"notes")  # shorter than a header: SQLite still reads it, and refuses it
+        err = self.expect_fail(1, "store", "--queue-only", "--project", "p", "--kind", "fact", "x")
+        self.assertIn("not a SQLite database", err)
+        self.assertEqual(read_bytes(self.db), b"notes")
+        self.assertFalse(os.path.exists(self.db + "-wal") or os.path.exists(self.db + "-shm"))
+
+    def test_a_second_store_in_one_process_keeps_the_first_ones_locks(self):
+        """Part 10: a process with two connections (the MCP server and its background
+        flush) while other processes come and go. Opening and closing the file outside
+        SQLite dropped the process's locks: the next process to close deleted the WAL
+        under the live connection, and a write it was told was queued was lost."""
+        child = ("import os, sys; sys.path.insert(0, %r); import qmem\n"
+                 "first = qmem.Store(sys.argv[1])\n"
+                 "qmem.enqueue(first, 'store', {'text': 'w1'})\n"
+                 "second = qmem.Store(sys.argv[1])\n"
+                 "print('open', flush=True); sys.stdin.readline()\n"
+                 "qmem.enqueue(first, 'store', {'text': 'w2'})\n"
+                 "print('queued', flush=True); sys.stdin.readline()\n" % HERE)
+        write = ("store", "--queue-only", "--project", "p", "--kind", "fact")
+        self.ok(*write + ("w0",))
+        proc = subprocess.Popen([sys.executable, "-c", child, self.db], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, universal_newlines=True)
+        self.addCleanup(proc.wait)
+        self.addCleanup(proc.kill)
+        self.assertEqual(proc.stdout.readline(), "open\n")
+        self.ok(*write + ("w3",))  # this process comes and goes while the other is open
+        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under a live connection")
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        self.assertEqual(proc.stdout.readline(), "queued\n")
+        self.ok(*write + ("w4",))
+        proc.kill()  # told "queued": it must be on disk without a clean close
+        proc.wait()
+        conn = sqlite3.connect(self.db)
+        self.addCleanup(conn.close)
+        texts = sorted(json.loads(p)["text"] for (p,) in conn.execute("SELECT payload FROM outbox"))
+        self.assertEqual(texts, ["w0", "w1", "w2", "w3", "w4"])
+        self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
 
     def test_merge_never_replaces_known_data_with_missing_data(self):
         store = qmem.Store(self.db)
