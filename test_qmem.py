@@ -22,6 +22,7 @@ import qmem
 HERE = os.path.dirname(os.path.abspath(__file__))
 QMEM = os.path.join(HERE, "qmem.py")
 UUIDS = ["%08x-0000-4000-8000-%012x" % (n, n) for n in range(1, 200)]
+TODAY = time.strftime("%Y-%m-%d", time.gmtime())  # the fake gateway's records are of today
 
 
 class QmemTestCase(unittest.TestCase):
@@ -969,7 +970,7 @@ class FakeGateway:
     def _create(self, data):
         import uuid
         self.clock = getattr(self, "clock", 0) + 1
-        now = "2026-11-30T10:%02d:%02d.000Z" % (self.clock // 60 % 60, self.clock % 60)
+        now = "%sT00:%02d:%02d.000Z" % (TODAY, self.clock // 60 % 60, self.clock % 60)
         rid = str(uuid.uuid4())
         rec = record(rid, data["text"], data["kind"], data["project_id"], created_at=now, updated_at=now,
                      agent_id=data.get("agent_id"), scope=data.get("scope") or "project", source=data.get("source"),
@@ -984,7 +985,7 @@ class FakeGateway:
     def delete(self, rid):
         with self.lock:
             self.clock += 1
-            now = "2026-11-30T11:%02d:%02d.000Z" % (self.clock // 60 % 60, self.clock % 60)
+            now = "%sT01:%02d:%02d.000Z" % (TODAY, self.clock // 60 % 60, self.clock % 60)
             self.records[rid].update(deleted_at=now, updated_at=now)
 
     def posts(self, path="/v1/memories"):
