@@ -413,6 +413,69 @@ def machine_identity():
     return "%s (%s)" % (hostname(), os_name or "unknown OS")
 
 
+def _pid_alive(pid):
+    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) is not a probe on Windows
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def _read_small(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read(4096).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
+def _start_time(pid):
+    """A process's start time in clock ticks since boot (Linux), or '' where unknown."""
+    line = _read_small("/proc/%d/stat" % pid)
+    fields = line[line.rfind(")") + 1:].split()
+    return fields[19] if len(fields) > 19 else ""
+
+
+def process_identity(pid=None):
+    """What names a process of this machine beyond doubt: (host, boot id, pid
+    namespace, pid, start time). Where the system does not tell (boot id, namespace,
+    start time: Linux only), the parts are '' and the identity proves nothing."""
+    pid = os.getpid() if pid is None else pid
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except (OSError, AttributeError):
+        namespace = ""
+    return (hostname(), _read_small("/proc/sys/kernel/random/boot_id"), namespace, str(pid), _start_time(pid))
+
+
+def claim_token():
+    """A claim (of outbox rows, of the breaker's probe): the claimant's identity, then a
+    random part (one token per claim)."""
+    return "|".join(process_identity() + (os.urandom(6).hex(),))
+
+
+def claimant_is_gone(token):
+    """Does the token prove that the process that claimed is dead (same host, same boot,
+    same pid namespace, and its pid gone or reused since)? Anything less proves
+    nothing: a claim of another machine, of a container, of an older qmem.py, or from
+    a system without /proc waits for its lease to run out."""
+    parts = (token or "").split("|")
+    if len(parts) != 6:
+        return False
+    host, boot, namespace, pid, start, _ = parts
+    mine = process_identity()
+    if not (boot and namespace and start and pid.isdigit()) or (host, boot, namespace) != mine[:3]:
+        return False
+    if not _pid_alive(int(pid)):
+        return True
+    now = _start_time(int(pid))
+    return bool(now) and now != start  # the pid lives on in another process (an unreadable one proves nothing)
+
+
 # === Config ==================================================================
 
 DEFAULTS = {
@@ -766,7 +829,8 @@ class Breaker:
 
     closed     calls go through; `failures` counts consecutive ambiguous failures
     open       calls fail at once, without network I/O, until `open_until`
-    half_open  one process (the holder of the probe lease) tries; the others fail fast
+    half_open  one process (the holder of the probe lease) tries; the others fail fast,
+               until its lease runs out or it is proven dead (claimant_is_gone)
 
     An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
     open it; each consecutive opening doubles the open time, from base up to max; any
@@ -778,7 +842,7 @@ class Breaker:
         self.path, self.url, self.key = path, url, normalize_url(url) if url else ""
         self.base_s, self.max_s, self.trip_after = base_ms / 1000.0, max_ms / 1000.0, trip_after
         self.lease_s, self.clock, self.rand = lease_s, clock, rand
-        self.token = "%s-%s" % (os.getpid(), os.urandom(4).hex())
+        self.token = claim_token()  # a probe of a process proven dead is taken over at once
         self.probing = False
 
     @classmethod
@@ -892,7 +956,8 @@ class Breaker:
         if state["state"] == "open":
             return now < state["open_until"] <= now + 1.2 * self.max_s
         if state["state"] == "half_open":
-            return state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
+            return (state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
+                    and not claimant_is_gone(state["probe_token"]))
         return False
 
     def is_open(self):
@@ -3244,68 +3309,6 @@ class Outcome:
                  duplicate_of=None, held=False):
         self.action, self.row, self.error, self.status, self.delay = action, row, error, status, delay
         self.record, self.sent, self.duplicate_of, self.held = record, sent, duplicate_of, held
-
-
-def _pid_alive(pid):
-    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) is not a probe on Windows
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
-def _read_small(path):
-    try:
-        with open(path, "rb") as f:
-            return f.read(4096).decode("ascii", "replace").strip()
-    except OSError:
-        return ""
-
-
-def _start_time(pid):
-    """A process's start time in clock ticks since boot (Linux), or '' where unknown."""
-    line = _read_small("/proc/%d/stat" % pid)
-    fields = line[line.rfind(")") + 1:].split()
-    return fields[19] if len(fields) > 19 else ""
-
-
-def process_identity(pid=None):
-    """What names a process of this machine beyond doubt: (host, boot id, pid
-    namespace, pid, start time). Where the system does not tell (boot id, namespace,
-    start time: Linux only), the parts are '' and the identity proves nothing."""
-    pid = os.getpid() if pid is None else pid
-    try:
-        namespace = os.readlink("/proc/self/ns/pid")
-    except (OSError, AttributeError):
-        namespace = ""
-    return (hostname(), _read_small("/proc/sys/kernel/random/boot_id"), namespace, str(pid), _start_time(pid))
-
-
-def claim_token():
-    """A flusher's claim: its identity, then a random part (one token per claim)."""
-    return "|".join(process_identity() + (os.urandom(6).hex(),))
-
-
-def claimant_is_gone(token):
-    """Does the token prove that the process that claimed is dead (same host, same boot,
-    same pid namespace, and its pid gone or reused since)? Anything less proves
-    nothing: a claim of another machine, of a container, of an older qmem.py, or from
-    a system without /proc waits for its lease to run out."""
-    parts = (token or "").split("|")
-    if len(parts) != 6:
-        return False
-    host, boot, namespace, pid, start, _ = parts
-    mine = process_identity()
-    if not (boot and namespace and start and pid.isdigit()) or (host, boot, namespace) != mine[:3]:
-        return False
-    if not _pid_alive(int(pid)):
-        return True
-    now = _start_time(int(pid))
-    return bool(now) and now != start  # the pid lives on in another process (an unreadable one proves nothing)
 
 
 class FlushStats:

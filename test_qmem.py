@@ -1313,6 +1313,29 @@ class BreakerTests(GatewayTestCase):
         self.now += 51              # its lease expires
         self.breaker().admit()
 
+    def test_a_prober_proven_dead_frees_the_probe_at_once(self):
+        """Part 10: a flush SIGKILLed mid-request held the half-open probe, and for its
+        whole lease every process answered "another process is probing it" while the
+        gateway was up. A live prober keeps it."""
+        child = ("import sys, time; sys.path.insert(0, %r); import qmem\n"
+                 "b = qmem.Breaker(sys.argv[1], sys.argv[2], base_ms=1, max_ms=1, lease_s=50)\n"
+                 "b.failure('unreachable', 'refused'); time.sleep(0.01); b.admit()\n"
+                 "print(b.read()['state'], flush=True); time.sleep(60)\n" % HERE)
+        proc = subprocess.Popen([sys.executable, "-c", child, self.breaker_file, self.gw.url],
+                                stdout=subprocess.PIPE, universal_newlines=True)
+        self.addCleanup(proc.wait)
+        self.addCleanup(proc.kill)
+        self.assertEqual(proc.stdout.readline(), "half_open\n")
+        mine = lambda: qmem.Breaker(self.breaker_file, self.gw.url, lease_s=50)  # noqa: E731
+        with self.assertRaises(qmem.GatewayError) as cm:
+            mine().admit()
+        self.assertIn("another process is probing it", str(cm.exception))
+        proc.kill()
+        proc.wait()
+        gw = self.closing(qmem.Gateway(self.config(), breaker=mine()))
+        self.assertEqual(gw.call("GET", "/v1/status").status, 200)
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
     def test_failure_while_open_does_not_extend_it(self):
         b = self.breaker()
         b.failure("unreachable", "refused")
