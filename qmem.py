@@ -2104,13 +2104,46 @@ class Store:
                               "lease_until=NULL, done_at=? WHERE id=?", (other_id, time.time(), local_id))
             self.drop_local(local_id, other_id)
 
-    def health(self):
-        """(PRAGMA quick_check's verdict, the journal mode), for doctor."""
+    def journal_mode(self):
+        return self.conn.execute("PRAGMA journal_mode").fetchone()[0]
+
+    def integrity(self, budget_s):
+        """Check every page, every index against its table (PRAGMA integrity_check: quick_check
+        skips that), and the text index against the records, for at most budget_s seconds.
+        Returns ('ok' | 'damaged' | 'unfinished', what it found). A text index left empty
+        on purpose (a bulk import still to finish it: fts_pending) is not damage."""
+        give_up = time.monotonic() + budget_s
+        self.conn.set_progress_handler(lambda: time.monotonic() > give_up, 1000)
         try:
-            integrity = self.conn.execute("PRAGMA quick_check").fetchone()[0]
+            pending = self.meta("fts_pending")
+            found = [m for (m,) in self.conn.execute("PRAGMA integrity_check(20)")
+                     if m != "ok" and not (pending and "records_fts" in m)]  # 3.44+ checks FTS5 too
+            if self.fts and not pending and not found:
+                self._check_text_index(found)
         except sqlite3.DatabaseError as e:
-            integrity = str(e)
-        return integrity, self.conn.execute("PRAGMA journal_mode").fetchone()[0]
+            if "interrupt" in str(e):
+                return "unfinished", []
+            found = [str(e)]  # the check itself could not read: damaged beyond a list
+        finally:
+            self.conn.set_progress_handler(None, 0)
+        return ("damaged" if found else "ok"), found
+
+    def _check_text_index(self, found):
+        try:  # rank 1: against the records it indexes (external content), not only itself
+            self.conn.execute("INSERT INTO records_fts(records_fts, rank) VALUES('integrity-check', 1)")
+        except sqlite3.DatabaseError as e:
+            if "malformed" not in str(e) and "corrupt" not in str(e):
+                raise
+            found.append("the text index does not match the records (%s)" % e)
+
+    def repair(self):
+        """Rebuild every index from its table (REINDEX) and the text index from the records,
+        inside SQLite, in one transaction. What a table itself lost it cannot bring back."""
+        with self.transaction():
+            self.conn.execute("REINDEX")
+            if self.fts:
+                self.conn.execute("INSERT INTO records_fts(records_fts) VALUES('rebuild')")
+                self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
 
     def unsettled_before(self, when):
         """(count, oldest creation time) of writes still waiting or refused, made before when."""
@@ -4073,13 +4106,40 @@ def _check_database(config):
         store.close()
 
 
+INTEGRITY_BUDGET_S = 30.0  # doctor's integrity check: a larger index is said to be unchecked
+REBUILD_ADVICE = ("move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export the outbox "
+                  "first if you can: `qmem.py export --outbox-only FILE`)")
+
+
+def repair_database(config):
+    """doctor --repair: REINDEX and the text index rebuilt, as a check of its own."""
+    try:
+        store = Store(config.db_path, create=False)
+    except StoreError as e:
+        return check("repair", "fail", "not repaired: %s" % e.message, e.hint)
+    try:
+        store.repair()
+    except (StoreError, sqlite3.Error) as e:
+        err = e if isinstance(e, StoreError) else store_error(e, store.path)
+        return check("repair", "fail", "REINDEX failed: %s" % err.message, REBUILD_ADVICE)
+    finally:
+        store.close()
+    return check("repair", "ok", "every index rebuilt from its table (REINDEX), the text index from the "
+                 "records")
+
+
 def _check_open_store(store):
     found = []
-    integrity, mode = store.health()
-    if integrity != "ok":
-        found.append(check("database", "fail", "%s is damaged (quick_check: %s)" % (store.path, integrity[:200]),
-                           "move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export the "
-                           "outbox first if you can: `qmem.py export --outbox-only FILE`)"))
+    verdict, findings = store.integrity(INTEGRITY_BUDGET_S)
+    mode = store.journal_mode()
+    if verdict == "damaged":
+        found.append(check("database", "fail", "%s is damaged (integrity_check: %s%s)" % (
+            store.path, visible(findings[0])[:200], "; %d more" % (len(findings) - 1) if len(findings) > 1
+            else ""), "run `qmem.py doctor --repair` (REINDEX and a rebuild of the text index, inside "
+            "SQLite); if that does not mend it, " + REBUILD_ADVICE))
+    elif verdict == "unfinished":
+        found.append(check("database", "warn", "%s: the integrity check did not finish within %d s" % (
+            store.path, INTEGRITY_BUDGET_S), "run `qmem.py doctor --offline` again when the machine is idle"))
     else:
         if os.name == "posix" and os.stat(store.path).st_mode & 0o044:
             found.append(check("database mode", "warn", "%s is readable by other users (mode %04o)" % (
@@ -4721,9 +4781,11 @@ class Operations:
                     created_at=header.get("created_at"))
 
     # -- the doctor
-    def doctor(self, offline=False, config_error=None):
-        """What is wrong here and what to do: every check ok / warn / fail."""
-        checks = doctor_local(self.config, config_error)
+    def doctor(self, offline=False, config_error=None, repair=False):
+        """What is wrong here and what to do: every check ok / warn / fail (repair=True
+        first rebuilds the database's indexes)."""
+        checks = [repair_database(self.config)] if repair and config_error is None else []
+        checks += doctor_local(self.config, config_error)
         if not offline and config_error is None:
             checks += doctor_link(self.config, self.clock)
         doc = {"checks": checks, "offline": bool(offline),
@@ -6638,7 +6700,7 @@ def cli_load(ops, a):
 
 
 def cli_doctor(ops, a):
-    return ops.doctor(offline=a.offline, config_error=a.config_error)
+    return ops.doctor(offline=a.offline, config_error=a.config_error, repair=a.repair)
 
 
 def cli_flush(ops, a):
@@ -6768,6 +6830,8 @@ def build_parser():
     sp = command("doctor", cli_doctor, "Say what is wrong here and what to do: versions, database, config, "
                  "the link to the gateway, breaker, outbox.")
     sp.add_argument("--offline", action="store_true", help="skip the network checks")
+    sp.add_argument("--repair", action="store_true", help="first rebuild the local database's indexes "
+                    "(REINDEX) and its text index, inside SQLite")
 
     command("mcp", run_mcp, "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
             "qmem_store, qmem_correct, qmem_meta.",

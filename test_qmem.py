@@ -3673,6 +3673,53 @@ class DoctorTests(GatewayTestCase):
         self.assertEqual(found["database"]["status"], "fail")
         self.assertIn("rebuild", found["database"]["advice"])
 
+    def break_index(self, name="outbox_ready"):
+        """Rows missing from an index: what a WAL deleted under a live connection left
+        (part 10's soak). The index is made empty, then its schema says it is whole."""
+        conn = sqlite3.connect(self.db, isolation_level=None)
+        sql = conn.execute("SELECT sql FROM sqlite_master WHERE name=?", (name,)).fetchone()[0]
+        conn.execute("DROP INDEX %s" % name)
+        conn.execute(sql + " WHERE 0")
+        conn.execute("PRAGMA writable_schema=ON")
+        conn.execute("UPDATE sqlite_master SET sql=? WHERE name=?", (sql, name))
+        conn.close()
+
+    def test_rows_missing_from_an_index_fail_offline_and_repair_mends_them(self):
+        """Part 10: quick_check called such a database "intact"."""
+        for n in range(3):
+            self.ok("store", "scrittura %d" % n, "--project", "p", "--queue-only")
+        self.break_index()
+        found = self.checks("--offline", code=1)
+        self.assertEqual(found["database"]["status"], "fail")
+        self.assertIn("row 1 missing from index outbox_ready", found["database"]["detail"])
+        self.assertIn("`qmem.py doctor --repair`", found["database"]["advice"])
+        found = self.checks("--offline", "--repair")
+        self.assertEqual((found["repair"]["status"], found["database"]["status"]), ("ok", "ok"))
+        self.assertEqual(len(self.ok_json("queue")["items"]), 3)
+
+    def test_a_text_index_out_of_step_fails_and_one_left_empty_on_purpose_does_not(self):
+        self.put_record(UUIDS[0], "il backup notturno")
+        conn = sqlite3.connect(self.db)
+        conn.execute("UPDATE records SET text='testo cambiato' WHERE id=?", (UUIDS[0],))
+        conn.commit()
+        found = self.checks("--offline", code=1)
+        self.assertIn("the text index does not match the records", found["database"]["detail"])
+        self.assertEqual(self.checks("--offline", "--repair")["database"]["status"], "ok")
+        self.assertEqual(self.find_ids("cambiato"), [UUIDS[0]])
+        conn.execute("INSERT INTO records_fts(records_fts) VALUES('delete-all')")
+        conn.execute("INSERT INTO meta VALUES('fts_pending', '1')")  # an import cut short
+        conn.commit()
+        conn.close()
+        self.assertEqual(self.checks("--offline")["database"]["status"], "ok")
+
+    def test_an_integrity_check_cut_short_is_not_ok(self):
+        for n in range(30):  # enough work for the check to be asked whether to go on
+            self.put_record(UUIDS[n], "il backup notturno numero %d" % n)
+        with mock.patch.object(qmem, "INTEGRITY_BUDGET_S", -1):
+            found = self.checks("--offline")
+        self.assertEqual(found["database"]["status"], "warn")
+        self.assertIn("did not finish", found["database"]["detail"])
+
     def test_a_wrong_api_key_fails_and_a_broken_config_is_reported_not_fatal(self):
         os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
         found = self.checks(code=1)
