@@ -3364,6 +3364,46 @@ class FlushStats:
             kept.append(outcome.row[1])
 
 
+# A flush that failed on this machine's side (the disk, the database), not the gateway's:
+# its writes are stuck, and every later result says so until a flush ends without such
+# an error. Kept in the meta table, where every process sees it, or, where the database
+# cannot take even that, in this process.
+_FLUSH_ERROR = "flush_error"
+_FLUSH_ERRORS = {}  # database path -> the error, when its meta row could not be written
+
+
+def note_flush_error(path, store, message):
+    value = json.dumps({"error": message, "at": iso_now()})
+    try:
+        with store.transaction():
+            store.set_meta(_FLUSH_ERROR, value)
+        _FLUSH_ERRORS.pop(path, None)
+    except (AttributeError, StoreError, sqlite3.Error):  # no store, or one that cannot write
+        _FLUSH_ERRORS[path] = value
+
+
+def clear_flush_error(store):
+    _FLUSH_ERRORS.pop(store.path, None)
+    if store.meta(_FLUSH_ERROR) is not None:
+        with store.transaction():
+            store.conn.execute("DELETE FROM meta WHERE key=?", (_FLUSH_ERROR,))
+
+
+def flush_error(path, store=None):
+    """{'error', 'at'} of the last flush that failed here, or None."""
+    value = None
+    if store is not None:
+        try:
+            value = store.meta(_FLUSH_ERROR)
+        except sqlite3.Error:
+            pass
+    try:
+        data = json.loads(value or _FLUSH_ERRORS.get(path) or "null")
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("error"), str) else None
+
+
 class Flusher:
     """Delivers the outbox under the invariants of design.md: creation order, a lease
     and a fencing token per claimed row, the same Idempotency-Key on every attempt,
@@ -4462,8 +4502,8 @@ class Operations:
     def status(self):
         """What the local side knows (an empty account on a fresh machine)."""
         if not self.has_index():
-            return dict(empty_status(self.config.db_path), index_exists=False)
-        return dict(local_status(self.store()), index_exists=True)
+            return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None)
+        return dict(local_status(self.store()), index_exists=True, writes_stuck=self.writes_stuck())
 
     def rules(self):
         """The rules for agents (see AGENT_RULES), as data and as Markdown."""
@@ -4800,9 +4840,11 @@ class Operations:
     def queue(self, state=None):
         """The outbox, oldest first (empty on a fresh machine)."""
         if not self.has_index():
-            return {"source": "outbox", "counts": dict.fromkeys(OUTBOX_STATES, 0), "items": []}
+            return {"source": "outbox", "counts": dict.fromkeys(OUTBOX_STATES, 0), "items": [],
+                    "writes_stuck": self.writes_stuck()}
         store = self.store()
-        return {"source": "outbox", "counts": store.outbox_counts(), "items": store.outbox_items(state, self.clock())}
+        return {"source": "outbox", "counts": store.outbox_counts(), "items": store.outbox_items(state, self.clock()),
+                "writes_stuck": self.writes_stuck()}
 
     @utf8_arguments
     def drop(self, ids, force=False, dry_run=False):
@@ -4844,7 +4886,7 @@ class Operations:
         gateway = self.gateway()
         if not respect_retry_after:
             store.make_due(self.clock())
-        stats = Flusher(store, gateway, clock=self.clock).run(progress=progress)
+        stats = self._flush_outbox(store, progress=progress)
         doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
                    failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i in stats.failed])
         err = stats.stop_error
@@ -5032,6 +5074,29 @@ class Operations:
         doc["auto_flush"] = "after the answer" if self.flush_after_answer else self.auto_flush()
         return doc
 
+    def _flush_outbox(self, store, **run):
+        """Flusher.run(). A failure of this machine's side (the disk, the database) is kept
+        for every later result to say (writes_stuck); a flush that ends without one
+        clears it."""
+        try:
+            stats = Flusher(store, self.gateway(), clock=self.clock).run(**run)
+            clear_flush_error(store)
+        except (StoreError, sqlite3.Error) as e:
+            err = e if isinstance(e, StoreError) else store_error(e, store.path)
+            note_flush_error(store.path, store, err.message)
+            raise err
+        return stats
+
+    def writes_stuck(self):
+        """While the last flush here failed on this machine's side: the sentence every
+        result carries (a store not opened yet is not opened for it). Else None."""
+        found = flush_error(self.config.db_path, self._store)
+        if found is None:
+            return None
+        return ("writes are stuck here: the last flush failed on this machine's side (%s, at %s); they wait "
+                "in the outbox, not yet in shared memory: `qmem.py doctor` says what is wrong, `qmem.py flush` "
+                "tries again" % (_fit(found["error"], 300), found.get("at")))
+
     def auto_flush(self):
         """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
         (or the gateway has not answered this command)."""
@@ -5053,15 +5118,16 @@ class Operations:
 
     def deliver_ready(self):
         """The automatic flush: what is ready, within AUTO_FLUSH_S; its counts."""
+        store = None
         try:
             store = self.store()
-            stats = Flusher(store, self.gateway(), clock=self.clock).run(budget_s=AUTO_FLUSH_S)
-            error = stats.stopped
-            waiting = store.outbox_waiting()
-        except QmemError as e:
-            stats, error, waiting = FlushStats(), str(e), None
-        except sqlite3.Error as e:
-            stats, error, waiting = FlushStats(), str(store_error(e, self.config.db_path)), None
+            stats = self._flush_outbox(store, budget_s=AUTO_FLUSH_S)
+            error, waiting = stats.stopped, store.outbox_waiting()
+        except (QmemError, sqlite3.Error) as e:
+            err = store_error(e, self.config.db_path) if isinstance(e, sqlite3.Error) else e
+            if store is None and isinstance(err, StoreError):  # not even opened: kept in memory
+                note_flush_error(self.config.db_path, None, err.message)
+            stats, error, waiting = FlushStats(), str(err), None
         return {"synced": len(stats.synced), "duplicate": len(stats.duplicate), "failed": len(stats.failed),
                 "still_queued": waiting, "error": error}
 
@@ -5488,6 +5554,7 @@ def show_queue(doc, out):
             out.write("%s %s  %-9s %s\n" % ("would drop" if doc["dry_run"] else "dropped", it["local_id"],
                                             it["state"], _one_line(it["text"], 60)))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
+    show_stuck(doc, out)
     items = doc.get("items", ())
     rows = [(it["local_id"], it["state"], ("1 try" if it["attempts"] == 1 else "%d tries" % it["attempts"]),
              duration(it["age_s"]) + " old",
@@ -5505,6 +5572,11 @@ def show_queue(doc, out):
     if FAILED in shown:
         out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries them again, "
                   "`qmem.py queue --drop ID` discards one\n")
+
+
+def show_stuck(doc, out):
+    if doc.get("writes_stuck"):
+        out.write("  %s\n" % doc["writes_stuck"])
 
 
 def show_flush(doc, out):
@@ -5582,6 +5654,7 @@ def show_status(doc, out):
     out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
         cov["complete"], cov["search_hit_only"], share))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["outbox"].items()))
+    show_stuck(doc, out)
     out.write("duplicates: %s stored under more than one id (%s)\n" % (
         plural(doc["duplicates"]["groups"], "text"), plural(doc["duplicates"]["records"], "record")))
     out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s\n" % tuple(
@@ -6051,9 +6124,18 @@ class McpServer:
             explicit = given.get("project_id", given.get("project"))
             project, where = self.project(explicit if isinstance(explicit, str) else None)
             structured.update(project_id=_fit(project, MAX_PROJECT) if project else None, project_from=where)
+        stuck = self._writes_stuck()
+        if stuck:
+            structured["writes_stuck"] = stuck
         if self.warnings:
             structured["warnings"] = self.warnings
         return tool_result(structured, structured["status"] in ("error", "failed") or "error" in structured)
+
+    def _writes_stuck(self):
+        try:
+            return self.ops.writes_stuck() if self.ops is not None else None
+        except QmemError:
+            return None
 
     def _diagnostic(self, message):
         """warn() while a tool runs: on stderr, and in the result (the model sees it; not
@@ -6895,6 +6977,9 @@ def main(argv=None):
             doc_out = sys.stderr
         ops = Operations(_config_for(args))
         doc = args.func(ops, args)
+        stuck = ops.writes_stuck() if "writes_stuck" not in doc else None
+        if stuck:
+            warn(stuck)
         render(args.command, doc, json_mode, out=doc_out, bold=_color_ok(), width=_terminal_width())
         return doc.get("exit_code", EXIT_OK)
     except QmemError as e:

@@ -2145,6 +2145,32 @@ class FlushInvariantTests(GatewayTestCase):
         self.assertEqual(len(self.gw.records), len(ids))
         self.assertEqual(store.conn.execute("SELECT count(*) FROM records WHERE pending=1").fetchone()[0], 0)
 
+    def test_a_flush_that_fails_here_is_said_by_every_result_until_one_succeeds(self):
+        """Part 10: the MCP servers' background flushes failed with 'disk I/O error' for
+        minutes, and every agent was still told "queued" as if all was well."""
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        broken = mock.patch.object(qmem.Flusher, "claim", side_effect=sqlite3.OperationalError("disk I/O error"))
+        with broken:
+            code, _, err = self.run_cli("search", "coda")
+        self.assertEqual(code, 0)
+        self.assertIn("writes are stuck here: the last flush failed on this machine's side", err)
+        self.assertIn("disk I/O error", self.ok_json("status")["writes_stuck"])
+        self.assertIn("writes are stuck here", self.ok("queue"))
+        code, _, err = self.run_cli("find", "coda")
+        self.assertEqual(err.count("writes are stuck here"), 1, err)
+        self.assertIn("`qmem.py doctor` says what is wrong, `qmem.py flush` tries again", err)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertIsNone(self.ok_json("status")["writes_stuck"])
+        self.assertNotIn("stuck", self.run_cli("find", "coda")[2])
+
+    def test_a_flush_error_where_the_database_takes_nothing_is_kept_in_the_process(self):
+        ops = qmem.Operations(qmem.load_config())
+        self.addCleanup(ops.close)
+        self.addCleanup(qmem._FLUSH_ERRORS.clear)
+        with mock.patch.object(qmem.Store, "__init__", side_effect=qmem.StoreError("database unusable")):
+            self.assertEqual(ops.deliver_ready()["error"], "database unusable")
+        self.assertIn("database unusable", ops.writes_stuck())
+
     def test_sigkill_at_random_points_loses_nothing_and_duplicates_nothing(self):
         import random
         import signal
@@ -4351,6 +4377,33 @@ class McpProtocolTests(McpTestCase):
 
 
 class McpToolTests(McpTestCase):
+
+
+    def test_a_background_flush_that_fails_here_is_told_in_every_later_result(self):
+        """Part 10: 58 'automatic flush: disk I/O error' lines on the servers' stderr,
+        and the agents were never told. In-process: the flush made to fail on cue."""
+        self.addCleanup(qmem._FLUSH_ERRORS.clear)
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        server = qmem.McpServer(qmem.load_config, cwd=self.workdir)
+        self.addCleanup(server.close)
+
+        def call(**arguments):
+            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                   "params": {"name": "qmem_find", "arguments": arguments}})
+            result = reply["result"]
+            self.assertEqual(json.loads(result["content"][0]["text"]), result["structuredContent"])
+            return result["structuredContent"]
+        self.assertNotIn("writes_stuck", call(query="coda", project_id="p"))
+        failing = sqlite3.OperationalError("disk I/O error")
+        with mock.patch.object(qmem.Flusher, "claim", side_effect=failing):
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                server._flush(server.ops.config)
+        self.assertIn("automatic flush: local database", err.getvalue())
+        for _ in range(2):
+            self.assertIn("disk I/O error", call(query="coda", project_id="p")["writes_stuck"])
+        with contextlib.redirect_stderr(io.StringIO()):
+            server._flush(server.ops.config)
+        self.assertNotIn("writes_stuck", call(query="coda", project_id="p"))
 
     def test_each_tool_online(self):
         old = self.gw.add("The staging database runs Postgres 15")
