@@ -433,11 +433,11 @@ def _read_small(path):
         return ""
 
 
-def _start_time(pid):
-    """A process's start time in clock ticks since boot (Linux), or '' where unknown."""
+def _proc_stat(pid):
+    """(state, start time in clock ticks since boot) of a process (Linux), or ('', '')."""
     line = _read_small("/proc/%d/stat" % pid)
     fields = line[line.rfind(")") + 1:].split()
-    return fields[19] if len(fields) > 19 else ""
+    return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
 
 
 def process_identity(pid=None):
@@ -449,7 +449,8 @@ def process_identity(pid=None):
         namespace = os.readlink("/proc/self/ns/pid")
     except (OSError, AttributeError):
         namespace = ""
-    return (hostname(), _read_small("/proc/sys/kernel/random/boot_id"), namespace, str(pid), _start_time(pid))
+    boot = _read_small("/proc/sys/kernel/random/boot_id")
+    return (hostname(), boot, namespace, str(pid), _proc_stat(pid)[1])
 
 
 def claim_token():
@@ -460,7 +461,7 @@ def claim_token():
 
 def claimant_is_gone(token):
     """Does the token prove that the process that claimed is dead (same host, same boot,
-    same pid namespace, and its pid gone or reused since)? Anything less proves
+    same pid namespace, and its pid gone, a zombie, or reused since)? Anything less proves
     nothing: a claim of another machine, of a container, of an older qmem.py, or from
     a system without /proc waits for its lease to run out."""
     parts = (token or "").split("|")
@@ -472,8 +473,10 @@ def claimant_is_gone(token):
         return False
     if not _pid_alive(int(pid)):
         return True
-    now = _start_time(int(pid))
-    return bool(now) and now != start  # the pid lives on in another process (an unreadable one proves nothing)
+    state, now = _proc_stat(int(pid))
+    # Killed but not reaped by its parent yet (Z), or its pid lives on in another
+    # process; an unreadable one proves nothing.
+    return state in ("Z", "X") or (bool(now) and now != start)
 
 
 # === Config ==================================================================
@@ -956,7 +959,8 @@ class Breaker:
         if state["state"] == "open":
             return now < state["open_until"] <= now + 1.2 * self.max_s
         if state["state"] == "half_open":
-            return (state["probe_token"] != self.token and now < state["probe_until"] <= now + 2 * self.lease_s
+            theirs = state["probe_token"] != self.token
+            return (theirs and now < state["probe_until"] <= now + 2 * self.lease_s
                     and not claimant_is_gone(state["probe_token"]))
         return False
 
@@ -1769,8 +1773,8 @@ class Store:
         except sqlite3.Error as e:
             self.conn.close()
             if "not a database" in str(e):  # SQLite read the header and wrote nothing
-                raise StoreError("%s is not a SQLite database; refusing to touch it (move it aside or "
-                                 "set QMEM_SQLITE)" % path)
+                raise StoreError("%s is not a SQLite database; refusing to touch it (move it "
+                                 "aside or set QMEM_SQLITE)" % path)
             raise store_error(e, path)
         except StoreError:
             self.conn.close()
@@ -2130,7 +2134,8 @@ class Store:
 
     def _check_text_index(self, found):
         try:  # rank 1: against the records it indexes (external content), not only itself
-            self.conn.execute("INSERT INTO records_fts(records_fts, rank) VALUES('integrity-check', 1)")
+            self.conn.execute("INSERT INTO records_fts(records_fts, rank) "
+                              "VALUES('integrity-check', 1)")
         except sqlite3.DatabaseError as e:
             if "malformed" not in str(e) and "corrupt" not in str(e):
                 raise
@@ -4147,8 +4152,8 @@ def _check_database(config):
 
 
 INTEGRITY_BUDGET_S = 30.0  # doctor's integrity check: a larger index is said to be unchecked
-REBUILD_ADVICE = ("move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export the outbox "
-                  "first if you can: `qmem.py export --outbox-only FILE`)")
+REBUILD_ADVICE = ("move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export "
+                  "the outbox first if you can: `qmem.py export --outbox-only FILE`)")
 
 
 def repair_database(config):
@@ -4164,8 +4169,8 @@ def repair_database(config):
         return check("repair", "fail", "REINDEX failed: %s" % err.message, REBUILD_ADVICE)
     finally:
         store.close()
-    return check("repair", "ok", "every index rebuilt from its table (REINDEX), the text index from the "
-                 "records")
+    return check("repair", "ok", "every index rebuilt from its table (REINDEX), the text index "
+                 "from the records")
 
 
 def _check_open_store(store):
@@ -4173,13 +4178,15 @@ def _check_open_store(store):
     verdict, findings = store.integrity(INTEGRITY_BUDGET_S)
     mode = store.journal_mode()
     if verdict == "damaged":
+        more = "; %d more" % (len(findings) - 1) if len(findings) > 1 else ""
         found.append(check("database", "fail", "%s is damaged (integrity_check: %s%s)" % (
-            store.path, visible(findings[0])[:200], "; %d more" % (len(findings) - 1) if len(findings) > 1
-            else ""), "run `qmem.py doctor --repair` (REINDEX and a rebuild of the text index, inside "
-            "SQLite); if that does not mend it, " + REBUILD_ADVICE))
+            store.path, visible(findings[0])[:200], more), "run `qmem.py doctor --repair` (REINDEX "
+            "and a rebuild of the text index, inside SQLite); if that does not mend it, "
+            + REBUILD_ADVICE))
     elif verdict == "unfinished":
-        found.append(check("database", "warn", "%s: the integrity check did not finish within %d s" % (
-            store.path, INTEGRITY_BUDGET_S), "run `qmem.py doctor --offline` again when the machine is idle"))
+        found.append(check("database", "warn", "%s: the integrity check did not finish within %d s"
+                           % (store.path, INTEGRITY_BUDGET_S),
+                           "run `qmem.py doctor --offline` again when the machine is idle"))
     else:
         if os.name == "posix" and os.stat(store.path).st_mode & 0o044:
             found.append(check("database mode", "warn", "%s is readable by other users (mode %04o)" % (
@@ -4843,7 +4850,8 @@ class Operations:
             return {"source": "outbox", "counts": dict.fromkeys(OUTBOX_STATES, 0), "items": [],
                     "writes_stuck": self.writes_stuck()}
         store = self.store()
-        return {"source": "outbox", "counts": store.outbox_counts(), "items": store.outbox_items(state, self.clock()),
+        items = store.outbox_items(state, self.clock())
+        return {"source": "outbox", "counts": store.outbox_counts(), "items": items,
                 "writes_stuck": self.writes_stuck()}
 
     @utf8_arguments
@@ -5093,9 +5101,9 @@ class Operations:
         found = flush_error(self.config.db_path, self._store)
         if found is None:
             return None
-        return ("writes are stuck here: the last flush failed on this machine's side (%s, at %s); they wait "
-                "in the outbox, not yet in shared memory: `qmem.py doctor` says what is wrong, `qmem.py flush` "
-                "tries again" % (_fit(found["error"], 300), found.get("at")))
+        return ("writes are stuck here: the last flush failed on this machine's side (%s, at %s); "
+                "they wait in the outbox, not yet in shared memory: `qmem.py doctor` says what is "
+                "wrong, `qmem.py flush` tries again" % (_fit(found["error"], 300), found.get("at")))
 
     def auto_flush(self):
         """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
@@ -6912,8 +6920,8 @@ def build_parser():
     sp = command("doctor", cli_doctor, "Say what is wrong here and what to do: versions, database, config, "
                  "the link to the gateway, breaker, outbox.")
     sp.add_argument("--offline", action="store_true", help="skip the network checks")
-    sp.add_argument("--repair", action="store_true", help="first rebuild the local database's indexes "
-                    "(REINDEX) and its text index, inside SQLite")
+    sp.add_argument("--repair", action="store_true", help="first rebuild the local database's "
+                    "indexes (REINDEX) and its text index, inside SQLite")
 
     command("mcp", run_mcp, "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
             "qmem_store, qmem_correct, qmem_meta.",

@@ -270,7 +270,7 @@ class StoreTests(QmemTestCase):
         self.addCleanup(proc.kill)
         self.assertEqual(proc.stdout.readline(), "open\n")
         self.ok(*write + ("w3",))  # this process comes and goes while the other is open
-        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under a live connection")
+        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under a connection")
         proc.stdin.write("\n")
         proc.stdin.flush()
         self.assertEqual(proc.stdout.readline(), "queued\n")
@@ -2149,7 +2149,8 @@ class FlushInvariantTests(GatewayTestCase):
         """Part 10: the MCP servers' background flushes failed with 'disk I/O error' for
         minutes, and every agent was still told "queued" as if all was well."""
         self.ok("store", "in coda", "--project", "p", "--queue-only")
-        broken = mock.patch.object(qmem.Flusher, "claim", side_effect=sqlite3.OperationalError("disk I/O error"))
+        failing = sqlite3.OperationalError("disk I/O error")
+        broken = mock.patch.object(qmem.Flusher, "claim", side_effect=failing)
         with broken:
             code, _, err = self.run_cli("search", "coda")
         self.assertEqual(code, 0)
@@ -2167,7 +2168,8 @@ class FlushInvariantTests(GatewayTestCase):
         ops = qmem.Operations(qmem.load_config())
         self.addCleanup(ops.close)
         self.addCleanup(qmem._FLUSH_ERRORS.clear)
-        with mock.patch.object(qmem.Store, "__init__", side_effect=qmem.StoreError("database unusable")):
+        unusable = qmem.StoreError("database unusable")
+        with mock.patch.object(qmem.Store, "__init__", side_effect=unusable):
             self.assertEqual(ops.deliver_ready()["error"], "database unusable")
         self.assertIn("database unusable", ops.writes_stuck())
 
@@ -3868,8 +3870,25 @@ class ReviewTwoTests(GatewayTestCase):
 
     def test_an_unreadable_start_time_proves_nothing(self):
         token = qmem.claim_token()
-        with mock.patch.object(qmem, "_start_time", return_value=""):
+        with mock.patch.object(qmem, "_proc_stat", return_value=("", "")):
             self.assertFalse(qmem.claimant_is_gone(token))
+
+    def test_a_claimant_killed_and_not_reaped_yet_is_gone(self):
+        """Part 10's soak: a client that killed its server had not waited for it yet,
+        and the zombie's claim held the write for the whole lease."""
+        child = ("import sys; sys.path.insert(0, %r); import qmem; "
+                 "print(qmem.claim_token(), flush=True); input()" % HERE)
+        proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, universal_newlines=True)
+        self.addCleanup(proc.wait)
+        token = proc.stdout.readline().strip()
+        self.assertFalse(qmem.claimant_is_gone(token))
+        os.kill(proc.pid, 9)  # and not waited for: a zombie until proc.wait()
+        for _ in range(200):  # the kernel makes it one within moments
+            if qmem._proc_stat(proc.pid)[0] == "Z":
+                break
+            time.sleep(0.01)
+        self.assertTrue(qmem.claimant_is_gone(token))
 
     def test_numbers_are_no_typos_and_a_query_cut_mid_word_says_so(self):
         self.put_record(UUIDS[0], "grpc listens on port 50052")
@@ -4874,6 +4893,172 @@ class McpReviewTests(McpTestCase):
         self.assertIn("Next: fix the file it names or move it aside", server.call(
             "qmem_find", query="x")["structuredContent"]["note"])
         self.assertEqual(server.close(), 0)
+
+
+class SoakTests(McpTestCase):
+    """Part 10: several agents on one machine. Three `qmem.py mcp` servers, CLI writers
+    and flushes share one database, outbox and breaker, against a gateway that fails on
+    a fixed schedule (resets, cut bodies, replies lost after storing, 503s, stalls,
+    slow answers), with a server and a flush SIGKILLed mid-call. Every write its
+    writer was told is stored or queued reaches the gateway exactly once."""
+
+    SEED = 20261202
+    FAULTS = ["close", "cut_real", "drop_after_store", "silent", "slow",
+              (503, {"detail": "busy"}, {"Retry-After": "0"})]
+
+    def setUp(self):
+        super().setUp()
+        config = os.path.join(self.home, ".config", "pi-qmem", "config.json")
+        os.makedirs(os.path.dirname(config))
+        with open(config, "w") as f:
+            json.dump({"connectTimeoutMs": 300, "timeoutMs": 500, "breakerBaseMs": 20,
+                       "breakerMaxMs": 50, "breakerTripAfter": 2}, f)
+        os.chmod(config, 0o600)
+        gw = self.gw
+        real_app = gw.app
+
+        def app(*request):  # one request at a time, as a real store would serialise them
+            with gw.lock:
+                return real_app(*request)
+        gw.app = app
+        self.told, self.untold, self.outputs, self.errors = [], [], [], []
+
+    def schedule(self, n):
+        import random
+        rng = random.Random(self.SEED)
+        slow = lambda: time.sleep(0.2)  # noqa: E731
+        faults = [slow if a == "slow" else a for a in self.FAULTS]
+        return [rng.choice(faults) if rng.random() < 0.4 else None for _ in range(n)]
+
+    def cli(self, *argv):
+        proc = subprocess.run([sys.executable, QMEM] + list(argv), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, universal_newlines=True,
+                              env=dict(os.environ), timeout=60)
+        self.outputs.append(proc.stdout + proc.stderr)
+        return proc
+
+    def cli_writer(self, name, count, queue_only=False):
+        for n in range(count):
+            text = "soak %s %d" % (name, n)
+            extra = ("--queue-only",) if n % 2 or queue_only else ()
+            proc = self.cli("store", text, "--project", "soak", "--json", *extra)
+            (self.told if proc.returncode == 0 else self.untold).append(text)
+
+    def cron(self):
+        for _ in range(4):
+            self.cli("flush")
+            self.cli("search", "soak")  # an online read: its automatic flush delivers too
+
+    def agent(self, server, name, count):
+        for n in range(count):
+            text = "soak %s %d" % (name, n)
+            result = server.call("qmem_store", text=text, project_id="soak", kind="fact")
+            status = result["structuredContent"]["status"]
+            (self.told if status in ("stored", "queued") else self.untold).append(text)
+            if n % 3 == 2:
+                server.call("qmem_find", query="soak %s" % name, project_id="soak")
+
+    def in_threads(self, *jobs):
+        import threading
+
+        def guarded(job):
+            try:
+                job()
+            except BaseException as e:  # an assertion in a thread: reported by the test
+                self.errors.append("%s: %s" % (type(e).__name__, e))
+        threads = [threading.Thread(target=guarded, args=(job,)) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+
+    def wait_for_request(self, before):
+        with self.gw.arrived:
+            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.requests) > before, 20))
+
+    def test_agents_writers_and_flushes_on_one_database_deliver_each_write_once(self):
+        import signal
+        servers = [self.server() for _ in range(3)]
+        for s in servers:
+            s.initialize()
+        self.gw.script = self.schedule(90)
+        # Everyone at once, through the faults.
+        agents = [lambda s=s, i=i: self.agent(s, "agent%d" % i, 8) for i, s in enumerate(servers)]
+        self.in_threads(lambda: self.cli_writer("cli", 8), self.cron, *agents)
+        self.assertEqual(self.errors, [])
+        # A server killed mid-call: its write was queued before any network.
+        self.ok("breaker", "--reset")  # so that the call goes out, and is cut there
+        self.gw.script = ["silent"]
+        before = len(self.gw.requests)
+        servers[0].send({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+            "name": "qmem_store", "arguments": {"text": "soak killed", "project_id": "soak"}}})
+        self.wait_for_request(before)
+        servers[0].proc.send_signal(signal.SIGKILL)
+        servers[0].proc.wait()  # as its client does
+        self.untold.append("soak killed")
+        # A flush killed mid-request, holding its claims (and the probe, if it was one).
+        self.cli_writer("queued", 2)
+        self.ok("breaker", "--reset")
+        self.gw.script = ["silent"]
+        before = len(self.gw.requests)
+        flush = subprocess.Popen([sys.executable, QMEM, "flush"], env=dict(os.environ),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(flush.wait)
+        self.wait_for_request(before)
+        flush.kill()
+        flush.wait()
+        self.gw.script = []
+        # The healthy gateway. Each survivor's call delivers ready writes in the background
+        # (its second connection), while other processes come and go.
+        self.cli("flush")
+        for n, s in enumerate(servers[1:]):
+            self.cli_writer("ready%d" % n, 1, queue_only=True)
+            self.agent(s, "late%d" % n, 1)
+            self.wait_until_delivered()
+        self.cli_writer("passing", 1)
+        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under live servers")
+        for n, s in enumerate(servers[1:]):
+            self.agent(s, "last%d" % n, 1)
+        servers[1].proc.kill()  # told "stored" or "queued": on disk without a clean close
+        servers[1].proc.wait()
+        self.outputs.append(servers[2].stderr())
+        self.assertEqual(servers[2].close(), 0)
+        self.wait_until_delivered(flush=True)
+        self.assertEqual(self.errors, [])
+        self.assert_exactly_once()
+
+    def wait_until_delivered(self, flush=False):
+        """Until nothing waits in the outbox (a flush each round when asked), or 15 s."""
+        give_up = time.monotonic() + 15
+        while time.monotonic() < give_up:
+            if flush:
+                self.cli("flush")
+            conn = sqlite3.connect(self.db)
+            try:
+                waiting = conn.execute("SELECT count(*) FROM outbox "
+                                       "WHERE state IN ('pending', 'sending')").fetchone()[0]
+            finally:
+                conn.close()
+            if not waiting:
+                return
+            time.sleep(0.05)  # the breaker's open time (at most breakerMaxMs) runs out
+
+    def assert_exactly_once(self):
+        import collections
+        stored = collections.Counter(r["text"] for r in self.gw.records.values())
+        self.assertGreaterEqual(len(self.told), 20)
+        self.assertEqual([t for t in self.told if stored[t] != 1], [], "told: not exactly once")
+        self.assertEqual([t for t in self.untold if stored[t] > 1], [], "untold: delivered twice")
+        self.assertEqual(set(stored) - set(self.told) - set(self.untold), set())
+        conn = sqlite3.connect(self.db)
+        self.addCleanup(conn.close)
+        self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+        left = conn.execute("SELECT state, count(*) FROM outbox WHERE state != 'synced' "
+                            "GROUP BY state").fetchall()
+        self.assertEqual(left, [])
+        for text in self.outputs:
+            for bad in ("Traceback", "database is locked", "internal", "malformed", "disk I/O"):
+                self.assertNotIn(bad, text)
 
 
 class CompatibilityTests(unittest.TestCase):
