@@ -230,6 +230,19 @@ def mask_secret(key):
     return key[:3] + "…" + key[-4:]
 
 
+_USERINFO_RE = re.compile(r"(\A|//)[^/?#@]*@")
+
+
+def mask_url(url):
+    """A URL as it may be shown anywhere: no user name or password, no query or fragment
+    (they may hold a token), escaped and short; a value that is no string is named."""
+    if not isinstance(url, str):
+        return "(a %s, not a URL)" % type(url).__name__
+    shown = _USERINFO_RE.sub("\\1…@", url.strip(), count=1)
+    cut = re.split(r"[?#]", shown, 1)
+    return visible(cut[0] + ("?…" if len(cut) > 1 else ""))[:200]
+
+
 def make_private_dirs(folder):
     """Create the missing folders of a path, each 0700 whatever the umask (os.makedirs
     gives intermediate folders the umask's mode since Python 3.7)."""
@@ -503,6 +516,7 @@ class Config:
     def __init__(self, values, sources, path, raw, breaker_path, home):
         self.values, self.sources, self.path, self.raw = values, sources, path, raw
         self.breaker_path, self.home = breaker_path, home
+        self.key_withheld = None  # why the file's API key is not sent to this URL (see below)
 
     def __getitem__(self, key):
         return self.values[key]
@@ -543,7 +557,8 @@ def _check_type(key, value, origin, typed=False):
             raise ConfigError("%s: %s must be between %d and %d, not %d" % (origin, key, low, high, number))
         return number
     if value is not None and not isinstance(value, str):
-        shown = "a %s" % type(value).__name__ if key == "apiKey" else json.dumps(value)[:80]  # never the key
+        shown = ("a %s" % type(value).__name__ if key in ("apiKey", "url")  # never a key or password
+                 else json.dumps(value)[:80])
         raise ConfigError("%s: %s must be a string, not %s" % (origin, key, shown))
     return value or None
 
@@ -613,9 +628,44 @@ def load_config(environ=None, overrides=None):
     if values["localDbPath"]:
         values["localDbPath"] = os.path.expanduser(values["localDbPath"])
     _check_config(values, sources, path)
+    withheld = _key_withheld(values, sources, raw, path)
+    if withheld:
+        values["apiKey"] = None
     breaker = environ.get("QMEM_BREAKER_FILE") or os.path.join(home, ".local", "share", "pi-qmem",
                                                                "breaker.json")
-    return Config(values, sources, path, raw, breaker, home)
+    config = Config(values, sources, path, raw, breaker, home)
+    config.key_withheld = withheld
+    return config
+
+
+def gateway_of(url):
+    """What a key is bound to: (scheme, host in lower case, port with its default)."""
+    from urllib.parse import urlsplit
+    try:
+        p = urlsplit(url.strip())
+        scheme = p.scheme.lower()
+        return scheme, (p.hostname or "").lower(), p.port or {"https": 443, "http": 80}.get(scheme)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _key_withheld(values, sources, raw, path):
+    """Why the config file's API key must not go to the URL in use (None: it may). A key
+    is sent only to the gateway of the file's own url: a QMEM_URL set for another one (a
+    project's .mcp.json can set it) gets no key from the file."""
+    if sources["apiKey"] != "file" or not values["url"]:
+        return None
+    saved = raw.get("url")
+    if not isinstance(saved, str) or not saved.strip():
+        return "the API key in config file %s was saved with no url, so it is sent nowhere" % path
+    if gateway_of(saved) != gateway_of(values["url"]):
+        return "the API key in config file %s is for %s, not for %s (from %s)" % (
+            path, mask_url(saved), mask_url(values["url"]), sources["url"])
+    return None
+
+
+KEY_ELSEWHERE_HINT = ("give that gateway's key in QMEM_API_KEY, or point QMEM_CONFIG at a config file "
+                      "made for it (`qmem.py config url URL`, then `qmem.py config apikey`)")
 
 
 def api_key_ok(key):
@@ -682,10 +732,10 @@ def check_url(url):
                          hint="give the URL without them, and the key with `qmem.py config apikey`")
     if (p.scheme not in ("http", "https") or not p.hostname or not _HOST_RE.match(p.hostname)
             or any(c.isspace() or ord(c) < 32 or ord(c) > 126 for c in url)):  # requests are ASCII
-        raise UsageError("invalid gateway URL %s" % visible(json.dumps(url)),
+        raise UsageError("invalid gateway URL %s" % mask_url(url),
                          hint="it must look like https://host[:port][/path]")
     if p.query or p.fragment:
-        raise UsageError("invalid gateway URL %s: no query or fragment, please" % visible(json.dumps(url)))
+        raise UsageError("invalid gateway URL %s: no query or fragment, please" % mask_url(url))
     return url.rstrip("/")
 
 
@@ -1176,7 +1226,7 @@ def _proxy_for(scheme, host, environ=None):
     try:
         port = p.port or 80
     except ValueError:
-        _warn_once("ignoring the proxy variable %s: its port is not a number" % visible(value))
+        _warn_once("ignoring the proxy variable %s: its port is not a number" % mask_url(value))
         return None
     if not p.hostname:
         return None
@@ -1227,6 +1277,9 @@ class Gateway:
         if not url:
             raise GatewayError(NOT_CONFIGURED, "no gateway configured", hint="run `qmem.py config url https://…`",
                                detail="no gateway configured")
+        if not self.key and config.key_withheld:
+            raise GatewayError(NOT_CONFIGURED, "no API key for this gateway: %s" % config.key_withheld,
+                               hint=KEY_ELSEWHERE_HINT, detail="no API key for this gateway")
         if not self.key:
             raise GatewayError(NOT_CONFIGURED, "no API key configured", hint="run `qmem.py config apikey`",
                                detail="no API key configured")
@@ -4121,7 +4174,10 @@ def _doctor_config(config, config_error):
         return found
     from urllib.parse import urlsplit
     p = urlsplit(url)
-    if not key:
+    if not key and config.key_withheld:
+        found.append(check("api key", "fail", "no API key for this gateway: " + config.key_withheld,
+                           KEY_ELSEWHERE_HINT))
+    elif not key:
         found.append(check("api key", "fail", "no API key configured", "run `qmem.py config apikey`"))
     if p.scheme == "http" and not is_loopback(p.hostname or ""):
         found.append(check("plain http", "warn", "the API key travels unencrypted to %s" % p.hostname,
@@ -4572,6 +4628,10 @@ class Operations:
         if not api_key_ok(key):
             raise UsageError("an API key must be one word of printable ASCII characters, not empty",
                              hint="nothing was saved")
+        if not isinstance(self.config.raw.get("url"), str) or not self.config.raw["url"].strip():
+            raise UsageError("set the gateway's URL in %s first: a key is sent only to the gateway it "
+                             "was saved for" % self.config.path,
+                             hint="`qmem.py config url https://…`, then `qmem.py config apikey`")
         if on_command_line:
             warn("a key given on the command line stays in your shell history; prefer "
                  "`qmem.py config apikey` and type it at the prompt")
@@ -5048,7 +5108,8 @@ class Operations:
             raise err
         reason = self.failure_reason(err)
         if require_remote:
-            raise RemoteRequired("gateway not usable and --require-remote given: %s" % reason["reason"])
+            raise RemoteRequired("gateway not usable and --require-remote given: %s" % reason["reason"],
+                                 hint=err.hint if err.kind == NOT_CONFIGURED else None)
         if not self.config["localFallback"]:
             raise err
         return reason
@@ -5177,10 +5238,10 @@ def _kept_aside(err, payload, folder):
     can be written either, carried in full for the front end to show."""
     import tempfile
     name = "qmem-unsaved-%s-%s.txt" % (time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
-    retry = "qmem.py store --text-file %s" + "".join(" %s %s" % (flag, _shell_word(str(payload[key])))
-                                                     for key, flag in _RETRY_FLAGS if payload.get(key))
+    flags = "".join(" %s %s" % (flag, _shell_word(str(payload[key])))
+                    for key, flag in _RETRY_FLAGS if payload.get(key))
     if payload.get("private"):
-        retry += " --private"
+        flags += " --private"
     for where in (folder, tempfile.gettempdir()):
         path = os.path.join(where, name)
         try:
@@ -5191,7 +5252,8 @@ def _kept_aside(err, payload, folder):
             continue
         return StoreError("%s; nothing was queued" % err.message, kind=err.kind,
                           hint="%syour text is saved in %s: once the database is usable, `%s`" % (
-                              err.hint + "; " if err.hint else "", path, retry % _shell_word(path)))
+                              err.hint + "; " if err.hint else "", path,
+                              "qmem.py store --text-file %s%s" % (_shell_word(path), flags)))
     failed = StoreError("%s; nothing was queued, and no file could hold your text either" % err.message,
                         kind=err.kind, hint="%syour text follows in full on stderr" % (
                             err.hint + "; " if err.hint else ""))

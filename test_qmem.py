@@ -1464,12 +1464,14 @@ class ConfigCommandTests(GatewayTestCase):
         self.assertFalse(os.path.exists(self.cfg))
 
     def test_apikey_on_the_command_line_works_with_a_warning(self):
+        self.ok("config", "url", self.gw.url)  # a key is saved for a gateway (part 11)
         code, out, err = self.run_cli("config", "apikey", API_KEY)
         self.assertEqual(code, 0)
         self.assertIn("shell history", err)
         self.assertNotIn(API_KEY, out + err)
 
     def test_plain_http_to_a_remote_host_warns(self):
+        self.ok("config", "url", "http://127.0.0.1:8080")
         with mock.patch("sys.stdin", io.StringIO(API_KEY)):
             self.ok("config", "apikey")
         code, out, err = self.run_cli("config", "url", "http://gateway.example")
@@ -2478,6 +2480,20 @@ class HardeningStoreTests(QmemTestCase):
         self.ok("store", "--text-file", saved, "--project", "demo", "--queue-only")  # at once, nothing lost
         self.assertEqual([r["text"] for r in self.ok_json("queue")["items"]], ["parole da non perdere"])
 
+    def test_a_percent_sign_in_a_field_of_a_write_kept_aside(self):
+        """Part 11: --project team-100%done while the database was busy: internal error,
+        and the message never said where the text was saved."""
+        release = self.hold_the_database()
+        try:
+            with mock.patch.object(qmem, "BUSY_TIMEOUT_S", 0.2):
+                code, out, err = self.run_cli("store", "sconto del 50%", "--project", "team-100%done")
+        finally:
+            release()
+        self.assertEqual(code, 1)
+        self.assertNotIn("internal error", err)
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        self.assertIn("qmem.py store --text-file %s --project team-100%%done" % saved, err)
+
     def full_database(self, real_init=qmem.Store.__init__):
         """Stores whose file may not grow: SQLite answers SQLITE_FULL like a full disk."""
         def init(store, *args, **kw):
@@ -2834,6 +2850,7 @@ class ReviewFixTests(GatewayTestCase):
 
     def test_config_set_null_unsets_and_times_must_agree(self):
         os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "url", self.gw.url)
         self.ok("config", "apikey", "sk-some-key-123456")
         self.ok("config", "set", "apiKey", "null")
         with open(os.environ["QMEM_CONFIG"]) as f:
@@ -2898,6 +2915,66 @@ class SecurityKeyTests(GatewayTestCase):
         for where, text in (("output", out + err), ("queue", queue), ("breaker.json", breaker), ("outbox", stored)):
             self.assertNotIn(API_KEY, text, where)
         self.assertIn(qmem.mask_secret(API_KEY), queue)
+
+    def key_file(self, values):
+        path = os.path.join(self.home, ".config", "pi-qmem", "config.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(values, f)
+        os.chmod(path, 0o600)
+        os.environ.pop("QMEM_API_KEY")
+        return path
+
+    def test_the_files_key_goes_only_to_the_files_gateway(self):
+        """Part 11: a QMEM_URL naming another gateway (a project's .mcp.json can set it)
+        received the key saved in config.json for this one."""
+        other = FakeGateway(key="sk-other-0000000000000")
+        self.addCleanup(other.close)
+        self.key_file({"url": self.gw.url.replace("127.0.0.1", "LOCALHOST").replace("http://", "HTTP://"),
+                       "apiKey": API_KEY})
+        os.environ["QMEM_URL"] = self.gw.url.replace("127.0.0.1", "localhost")
+        self.assertEqual(self.ok_json("search", "x")["source"], "gateway")  # the same gateway, spelt otherwise
+        os.environ["QMEM_URL"] = other.url
+        code, out, err = self.run_cli("search", "x", "--require-remote")
+        self.assertEqual(code, 3, err)
+        self.assertIn("no API key for this gateway: the API key in config file", err)
+        self.assertIn("QMEM_API_KEY", err)
+        self.assertEqual([r for r in other.requests if API_KEY in json.dumps(r[2])], [])
+        found = {c["name"]: c for c in self.run_cli("doctor", "--offline", "--json")[1] and
+                 json.loads(self.run_cli("doctor", "--offline", "--json")[1])["checks"]}
+        self.assertEqual(found["api key"]["status"], "fail")
+        self.assertIn("QMEM_CONFIG", found["api key"]["advice"])
+        os.environ["QMEM_API_KEY"] = "sk-other-0000000000000"
+        self.assertEqual(self.ok_json("search", "x")["source"], "gateway")
+
+    def test_a_key_saved_with_no_url_is_sent_nowhere_and_apikey_asks_for_the_url_first(self):
+        path = self.key_file({"apiKey": API_KEY})
+        code, out, err = self.run_cli("search", "x", "--require-remote")
+        self.assertEqual(code, 3, err)
+        self.assertIn("saved with no url, so it is sent nowhere", err)
+        self.assertEqual([r for r in self.gw.requests if API_KEY in json.dumps(r[2])], [])
+        os.remove(path)
+        with mock.patch("sys.stdin", io.StringIO(API_KEY + "\n")):
+            err = self.expect_fail(2, "config", "apikey")
+        self.assertIn("`qmem.py config url https://…`, then `qmem.py config apikey`", err)
+        self.assertFalse(os.path.exists(path))
+
+    def test_urls_are_shown_without_passwords_or_tokens(self):
+        os.environ.pop("NO_PROXY")
+        os.environ.pop("no_proxy")
+        os.environ["https_proxy"] = "http://proxyuser:hunter2@proxy.example:80x"
+        os.environ["QMEM_URL"] = "https://gw.example.test"
+        code, out, err = self.run_cli("doctor", "--offline")
+        self.assertNotIn("hunter2", out + err)
+        self.assertIn("…@proxy.example:80x", err)
+        os.environ["QMEM_URL"] = "https://gw.example.test/?token=hunter2"
+        code, out, err = self.run_cli("search", "x")
+        self.assertEqual(code, 2)
+        self.assertNotIn("hunter2", out + err)
+        path = self.key_file({"url": {"https://u:hunter2@gw": 1}})
+        code, out, err = self.run_cli("status")
+        self.assertNotIn("hunter2", out + err)
+        self.assertIn("%s: url must be a string, not a dict" % path, err)
 
     def test_a_url_with_credentials_is_refused_from_every_source(self):
         os.environ["QMEM_URL"] = "https://user:hunter2@127.0.0.1:9"
@@ -3673,9 +3750,9 @@ class DoctorTests(GatewayTestCase):
         self.assertIn("connectTimeoutMs is 400: too tight for this link, use >= 1000", found["status"]["advice"])
 
     def test_a_config_others_can_read_and_a_key_over_plain_http(self):
-        self.config_file({"apiKey": API_KEY}, mode=0o644)
+        self.config_file({"apiKey": API_KEY, "url": "http://gateway.example.test:8080"}, mode=0o644)
         os.environ.pop("QMEM_API_KEY")
-        os.environ["QMEM_URL"] = "http://gateway.example.test:8080"
+        os.environ.pop("QMEM_URL")
         found = self.checks("--offline")
         self.assertEqual(found["config mode"]["status"], "warn")
         self.assertEqual(found["plain http"]["status"], "warn")
