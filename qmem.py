@@ -1769,9 +1769,12 @@ def _create_private(path):
 def _check_private(path):
     """Refuse a database that another user could replace: the file (and its -wal and
     -shm) must be ours and not writable by others, its folder ours (or root's) and not
-    writable by others. (One we create is also unreadable by others: 0600.)"""
-    folder = os.path.dirname(os.path.abspath(path))
-    for each in (folder, path, path + "-wal", path + "-shm"):
+    writable by others. (One we create is also unreadable by others: 0600.) Through a
+    symlink, SQLite keeps -wal and -shm beside the target: they are judged there, and
+    both folders. stat() only: see the rule at the top of this section."""
+    real = os.path.realpath(path)
+    folders = {os.path.dirname(os.path.abspath(path)), os.path.dirname(real)}
+    for each in sorted(folders) + [real, real + "-wal", real + "-shm"]:
         try:
             st = os.stat(each)
         except FileNotFoundError:
@@ -1779,7 +1782,7 @@ def _check_private(path):
         except OSError as e:
             raise StoreError("cannot use local database %s: %s" % (path, e.strerror or e))
         unsafe = not_private(st)
-        if unsafe and not (each == folder and st.st_uid == 0 and not st.st_mode & 0o022):
+        if unsafe and not (each in folders and st.st_uid == 0 and not st.st_mode & 0o022):
             raise StoreError("%s is %s: another user could read or replace the local database" % (each, unsafe),
                              hint="use a folder of your own (--db PATH, QMEM_SQLITE or localDbPath), or "
                                   "chown it to yourself and chmod go-w")
@@ -4837,10 +4840,13 @@ class Operations:
 
     def _export_file(self, path, options):
         import tempfile
-        if os.path.lexists(path) and not os.path.islink(path) and not os.path.isfile(path):
-            raise UsageError("%s is not a regular file: refusing to replace it" % path)
-        path = os.path.realpath(path)  # a symlink is written where it points, and stays a link
-        folder = os.path.dirname(path)
+        if os.path.islink(path):  # in a shared folder it could point at any file of yours
+            raise UsageError("%s is a symbolic link: refusing to write through it" % path,
+                             hint="name the file itself, or - for standard output")
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise UsageError("%s is not a regular file: refusing to replace it" % path,
+                             hint="name a regular file, or - for standard output")
+        folder = os.path.dirname(os.path.abspath(path))
         try:
             fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
         except OSError as e:

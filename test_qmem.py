@@ -10,6 +10,7 @@ import json
 import os
 import re
 import sqlite3
+import stat
 import subprocess
 import sys
 import tempfile
@@ -3100,6 +3101,44 @@ class SecurityOtherUserTests(QmemTestCase):
         code, out, err = self.run_cli("search", "x")
         self.assertEqual(code, 0)
         self.assertNotIn("Traceback", err)
+
+
+    def test_export_never_replaces_what_a_link_points_to_nor_a_file_that_is_not_regular(self):
+        """Part 11: another user's link in /tmp replaced the user's ~/.bashrc."""
+        self.put_record(UUIDS[0], "una memoria")
+        bashrc = os.path.join(self.home, ".bashrc")
+        with open(bashrc, "w") as f:
+            f.write("export PATH=~/bin:$PATH\n")
+        shared = os.path.join(self.home, "tmp")
+        os.mkdir(shared)
+        link = os.path.join(shared, "out.bundle")
+        os.symlink(bashrc, link)
+        err = self.expect_fail(2, "export", link)
+        self.assertIn("is a symbolic link: refusing to write through it", err)
+        self.assertEqual(read_bytes(bashrc), b"export PATH=~/bin:$PATH\n")
+        self.assertTrue(os.path.islink(link))
+        fifo = os.path.join(shared, "fifo")
+        os.mkfifo(fifo)
+        self.assertIn("not a regular file", self.expect_fail(2, "export", fifo))
+        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode))
+        self.ok("export", os.path.join(shared, "real.bundle"))
+
+    def test_a_database_reached_through_a_link_is_judged_where_sqlite_keeps_its_files(self):
+        """Part 11: SQLite keeps -wal and -shm beside a symlink's target; a -wal another
+        user planted there sent the attacker's row with the user's key."""
+        target = os.path.join(self.home, "elsewhere", "q.sqlite")
+        os.makedirs(os.path.dirname(target), mode=0o700)
+        link = os.path.join(self.home, "q.sqlite")
+        os.symlink(target, link)
+        self.ok("--db", link, "store", "vero", "--project", "p", "--queue-only")
+        self.assertTrue(os.path.exists(target))
+        uid = self.need_other_uid()
+        planted = target + "-wal"
+        with open(planted, "wb") as f:
+            f.write(b"")
+        os.chown(planted, uid, -1)
+        err = self.expect_fail(1, "--db", link, "flush")
+        self.assertIn("%s is owned by another user" % planted, err)
 
 
 class SecurityUntrustedDataTests(GatewayTestCase):
