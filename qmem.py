@@ -5017,11 +5017,14 @@ class Operations:
     # -- the gateway, with the local index as fallback
     @utf8_arguments
     def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
-               min_score=None, require_remote=False, highlight=("", "")):
-        """Semantic search on the gateway; the local index answers (labelled) when it cannot."""
+               min_score=None, require_remote=False, highlight=("", ""), private=False):
+        """Semantic search on the gateway; the local index answers (labelled) when it cannot.
+        Private records only when asked for: the gateway has no such filter, so it is
+        asked for more, to still fill top_k."""
         query = _check_query(query, "search", "how do we deploy")
         top_k = _check_int(top_k, "--top-k", 1, 100)
-        body = {"query": query, "top_k": top_k, "include_superseded": bool(include_superseded)}
+        asked = top_k if private else min(100, 2 * top_k + 8)
+        body = {"query": query, "top_k": asked, "include_superseded": bool(include_superseded)}
         for key, value in (("kind", kind), ("project_id", project), ("scope", scope),
                            ("min_score", _check_score(min_score))):
             if value is not None:
@@ -5037,9 +5040,10 @@ class Operations:
         except GatewayError as e:
             doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True, query=query)
             doc.update(self._find_local(query, project, kind, scope, top_k, include_superseded=include_superseded,
-                                        highlight=highlight))
+                                        highlight=highlight, private=private))
             return doc
-        results = [_hit(r) for r in results if isinstance(r, dict)][:top_k]  # no more than was asked
+        results = [_hit(r) for r in results if isinstance(r, dict)]
+        results = [r for r in results if private or r.get("private") is not True][:top_k]
         self._remember(results, VIEW_HIT)
         return self._after_online({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
                                    "retry_in_ms": None, "query": query, "results": results})
@@ -5494,7 +5498,9 @@ def show_search(doc, out):
         out.write("%s %-6s  %s  %s  %s  %s%s  %s\n" % (
             "%.2f" % score if score is not None else "  - ", band, r.get("id"), r.get("kind") or "-",
             r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
-            "  [superseded]" if r.get("superseded_by") else "", _one_line(str(r.get("text") or ""))))
+            "".join("  [%s]" % f for f, on in (("superseded", r.get("superseded_by")),
+                                               ("private", r.get("private") is True)) if on),
+            _one_line(str(r.get("text") or ""))))
 
 
 def show_get(doc, out):
@@ -5973,6 +5979,7 @@ MCP_TOOLS = (
              "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
              "top_k": _prop("integer", "at most this many results (default 8)", minimum=1, maximum=MCP_MAX_RESULTS),
              "include_superseded": _prop("boolean", "also corrected memories (default false)"),
+             "private": _prop("boolean", "also memories marked private (default false)"),
              "min_score": _prop("number", "drop results scoring below this", minimum=0, maximum=1)},
             ["query"], read_only=True, idempotent=True),
     McpTool("qmem_find", "Find words in the local index",
@@ -6304,7 +6311,7 @@ class McpServer:
         project, where = self._read_project(a.get("project_id"))
         doc = ops.search(a["query"], project=project, kind=a.get("kind"), scope=a.get("scope"),
                          top_k=a.get("top_k", 8), include_superseded=a.get("include_superseded", False),
-                         min_score=a.get("min_score"))
+                         min_score=a.get("min_score"), private=a.get("private", False))
         return self._found(doc, project, where)
 
     def tool_find(self, ops, a):
@@ -6691,7 +6698,7 @@ def cli_search(ops, a):
     marks = HIGHLIGHT if not a.json else ("", "")
     return ops.search(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope, top_k=a.top_k,
                       include_superseded=a.include_superseded, min_score=a.min_score,
-                      require_remote=a.require_remote, highlight=marks)
+                      require_remote=a.require_remote, highlight=marks, private=a.private)
 
 
 def cli_get(ops, a):
@@ -6927,6 +6934,7 @@ def build_parser():
     sp.add_argument("--top-k", "--limit", dest="top_k", default=8, help="at most this many results (default 8)")
     sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
     sp.add_argument("--min-score", type=float, help="drop results scoring below this (0-1)")
+    sp.add_argument("--private", action="store_true", help="also show private records")
     add_remote(sp)
 
     sp = command("get", cli_get, "One record in full, from the gateway (refreshing the local copy) or "

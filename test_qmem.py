@@ -1516,7 +1516,28 @@ class SearchGetMetaTests(GatewayTestCase):
         doc = self.ok_json("search", "deploy", "--project", "infra", "--top-k", "3", "--min-score", "0.5")
         self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("gateway", False, False))
         body = self.gw.requests[-1][3]
-        self.assertEqual((body["project_id"], body["top_k"], body["min_score"]), ("infra", 3, 0.5))
+        # 2 * 3 + 8: private hits are left out here, so the gateway is asked for more (part 11)
+        self.assertEqual((body["project_id"], body["top_k"], body["min_score"]), ("infra", 14, 0.5))
+        self.assertEqual(len(doc["results"]), 1)
+
+    def test_private_records_stay_out_of_search_unless_asked_and_are_marked(self):
+        """Part 11: with the gateway up, search and qmem_search returned private records,
+        unmarked."""
+        public = self.gw.add("la chiave del deploy pubblica")
+        secret = self.gw.add("la chiave del deploy privata", private=True)
+        self.assertEqual([r["id"] for r in self.ok_json("search", "deploy")["results"]], [public["id"]])
+        both = self.ok_json("search", "deploy", "--private")["results"]
+        self.assertEqual({r["id"] for r in both}, {public["id"], secret["id"]})
+        self.assertIn("[private]", [l for l in self.ok("search", "deploy", "--private").splitlines()
+                                    if secret["id"] in l][0])
+        server = qmem.McpServer(qmem.load_config)
+        self.addCleanup(server.close)
+        for private, expected in ((False, [public["id"]]), (True, [public["id"], secret["id"]])):
+            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "qmem_search", "arguments": {"query": "deploy", "project_id": "*", "private": private}}})
+            results = reply["result"]["structuredContent"]["results"]
+            self.assertEqual(sorted(r["id"] for r in results), sorted(expected))
+            self.assertEqual([r["private"] for r in results if r["id"] == secret["id"]], [True] if private else [])
 
     def test_search_falls_back_with_a_label_and_require_remote_exits_3(self):
         rec = self.gw.add("circuit breaker half-open probe")
