@@ -132,6 +132,11 @@ class StoreError(QmemError):
     kind = "store"
 
 
+class OutboxFull(StoreError):
+    """A write past outboxMaxMB: refused, its text kept aside (never in the outbox)."""
+    kind = "outbox_full"
+
+
 # The kinds of GatewayError, and what each means for the caller.
 UNREACHABLE = "unreachable"        # could not connect, or no headers within connectTimeoutMs
 AMBIGUOUS = "ambiguous"            # 5xx, 429, body stalled, cut off or not JSON: the gateway is failing
@@ -506,6 +511,7 @@ DEFAULTS = {
     "breakerMaxMs": 600000,
     "breakerTripAfter": 3,
     "caFile": None,
+    "outboxMaxMB": 64,  # writes waiting here (not yet settled), at most: see enqueue_once
 }
 ENV_KEYS = {"url": "QMEM_URL", "apiKey": "QMEM_API_KEY", "localDbPath": "QMEM_SQLITE"}
 
@@ -529,7 +535,8 @@ class Config:
 
 # The range of each numeric key: a budget of years, or a breaker that never opens, is a typo.
 NUMBER_RANGES = {"connectTimeoutMs": (1, 600000), "timeoutMs": (1, 3600000), "breakerBaseMs": (1, 86400000),
-                 "breakerMaxMs": (1, 7 * 86400000), "breakerTripAfter": (1, 1000)}
+                 "breakerMaxMs": (1, 7 * 86400000), "breakerTripAfter": (1, 1000),
+                 "outboxMaxMB": (1, 1 << 20)}
 
 
 def _check_type(key, value, origin, typed=False):
@@ -2214,6 +2221,11 @@ class Store:
     def is_empty(self):
         return self.conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
 
+    def outbox_bytes(self):
+        """The bytes of the payloads of writes not yet settled (waiting or refused)."""
+        return self.conn.execute("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) FROM outbox "
+                                 "WHERE state IN ('pending', 'sending', 'failed')").fetchone()[0]
+
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
@@ -3337,6 +3349,8 @@ def local_meta(store):
 # the row's local id as Idempotency-Key, and do their HTTP outside any transaction.
 
 MAX_TEXT = 32000           # characters in one memory
+MAX_PROJECT = 100          # characters of a project name
+MAX_FIELD = 300            # characters of a scope, an agent, a source, a correction's reason
 MAX_TEXT_BYTES = 4 * MAX_TEXT  # the most UTF-8 bytes MAX_TEXT characters can take
 LEASE_S = 120.0            # at least; a claimed row belongs to its flusher this long
 CLAIM_BATCH = 100          # rows claimed (and finished) per transaction
@@ -3359,20 +3373,33 @@ def enqueue(store, op, payload):
     return enqueue_once(store, op, payload)[0]
 
 
-def enqueue_once(store, op, payload, claim=None):
+def enqueue_once(store, op, payload, claim=None, max_mb=None):
     """enqueue(), unless the very same write still waits here (a call retried, a model
     asking twice): then it is that write. claim(local_id) -> token, when given, claims
-    a new write in the same transaction. Returns (local id, whether it was waiting,
-    the claim's token or None)."""
+    a new write in the same transaction. OutboxFull when the writes not yet settled
+    would pass max_mb. Returns (local id, whether it was waiting, the claim's token or
+    None)."""
     payload_text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     with store.transaction():
         waiting = store.waiting_write(op, payload_text)
         if waiting is not None:
             return waiting, True, None
+        check_outbox_room(store, len(payload_text.encode("utf-8")), max_mb)
         local_id = new_local_id()
         add_write(store, local_id, op, payload_text, time.time())
         token = claim(local_id) if claim is not None else None
     return local_id, False, token
+
+
+def check_outbox_room(store, size, max_mb):
+    """Inside a transaction: OutboxFull unless `size` more bytes fit in max_mb (the
+    payloads of the writes not yet settled: waiting or refused; settled ones do not
+    count)."""
+    if max_mb is not None and store.outbox_bytes() + size > max_mb << 20:
+        raise OutboxFull("the outbox is full: the writes waiting here take more than outboxMaxMB "
+                         "(%d MB)" % max_mb, hint="deliver them with `qmem.py flush` (on an air-gapped "
+                         "host carry them out: `qmem.py export --outbox-only FILE`), discard some with "
+                         "`qmem.py queue --drop ID`, or raise the bound: `qmem.py config set outboxMaxMB N`")
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
@@ -3974,16 +4001,17 @@ class LoadStats:
     def __init__(self):
         self.records_new = self.records_updated = self.records_unchanged = 0
         self.outbox_added = self.outbox_settled = self.outbox_unchanged = self.skipped = 0
+        self.outbox_full = 0  # writes not loaded: past outboxMaxMB
 
     def as_dict(self):
         return {"records": {"new": self.records_new, "updated": self.records_updated,
                             "unchanged": self.records_unchanged},
                 "outbox": {"added": self.outbox_added, "settled": self.outbox_settled,
-                           "unchanged": self.outbox_unchanged},
+                           "unchanged": self.outbox_unchanged, "not_loaded_outbox_full": self.outbox_full},
                 "skipped": self.skipped}
 
 
-def load_bundle(store, path, header, dry_run=False):
+def load_bundle(store, path, header, dry_run=False, max_mb=None):
     """Merge a checked bundle, in one transaction (rolled back for a dry run): records
     under the merge rule; outbox rows this machine lacks, added with their own local
     ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
@@ -3993,14 +4021,14 @@ def load_bundle(store, path, header, dry_run=False):
     if bulk:
         store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
     try:
-        return _merge_bundle(store, path, header, dry_run, bulk, stats)
+        return _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb)
     finally:
         if bulk and store.meta("fts_pending"):  # rolled back: the index is rebuilt for what is there
             with store.transaction():
                 store.finish_bulk()
 
 
-def _merge_bundle(store, path, header, dry_run, bulk, stats):
+def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb):
     with store.transaction():
         settle = []
         batch = []
@@ -4024,7 +4052,7 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats):
                 stats.records_unchanged += outcome == "same"
         _merge_batch(store, batch, stats)
         for row in settle:
-            _load_outbox_row(store, row, stats)
+            _load_outbox_row(store, row, stats, max_mb)
         store.finish_bulk()
         store.link_supersessions()
         if not dry_run:
@@ -4086,7 +4114,7 @@ def _valid_write(payload, created):
                 and body["project_id"].strip() and body.get("kind") in KINDS and 0 < when < 1e11)
 
 
-def _load_outbox_row(store, row, stats):
+def _load_outbox_row(store, row, stats, max_mb=None):
     """One outbox row of a bundle: added here when new, settling this machine's row
     when the bundle shows it delivered, else nothing."""
     local_id, state = row.get("id"), row.get("state")
@@ -4100,6 +4128,12 @@ def _load_outbox_row(store, row, stats):
     if here is None and not delivered:
         if not _loadable_write(store, local_id, payload, row.get("created_at")):
             stats.skipped += 1
+            return
+        try:
+            check_outbox_room(store, len(payload.encode("utf-8")), max_mb)
+        except OutboxFull:
+            stats.skipped += 1
+            stats.outbox_full += 1
             return
         add_write(store, local_id, op, payload, float(row["created_at"]), FAILED if state == FAILED else PENDING,
                   text_of(row["last_error"]) if isinstance(row.get("last_error"), str) else None)
@@ -4766,7 +4800,8 @@ class Operations:
             store = self.store()
             # Claimed as it is queued: no other flusher (another agent's server) takes it first.
             claim = Flusher(store, gateway, clock=self.clock).claim_new if gateway is not None else None
-            local_id, repeated, token = enqueue_once(store, op, payload, claim)
+            local_id, repeated, token = enqueue_once(store, op, payload, claim,
+                                                     max_mb=self.config["outboxMaxMB"])
         except StoreError as e:  # busy, full, unusable: the words must not be lost
             raise _kept_aside(e, payload, os.path.dirname(os.path.abspath(self.config.db_path)))
         if gateway is not None:
@@ -4884,7 +4919,8 @@ class Operations:
                 stats = dry_run_on_nothing(path)
             else:
                 try:
-                    stats = load_bundle(self.store(), path, header, dry_run=dry_run)
+                    stats = load_bundle(self.store(), path, header, dry_run=dry_run,
+                                        max_mb=self.config["outboxMaxMB"])
                 except _DryRun as d:
                     stats = d.stats
         finally:
@@ -5314,8 +5350,14 @@ def _write_payload(text, project, kind, scope, agent, source, expires, private, 
         raise UsageError("--project is required (the project this memory belongs to)")
     if kind not in KINDS:
         raise UsageError("kind must be one of %s, not %r" % (", ".join(KINDS), kind))
+    for name, value, bound in (("project", project.strip(), MAX_PROJECT), ("scope", scope, MAX_FIELD),
+                               ("agent", agent, MAX_FIELD), ("source", source, MAX_FIELD),
+                               ("reason", reason, MAX_FIELD)):
+        if value and len(value) > bound:
+            raise UsageError("the %s is %d characters; it may have at most %d" % (name, len(value), bound),
+                             hint="nothing was done; give a shorter one")
     payload = {"text": text, "kind": kind, "project_id": project.strip(), "agent_id": agent or "qmem.py",
-               "source": source or machine_identity(), "private": bool(private)}
+               "source": source or machine_identity()[:MAX_FIELD], "private": bool(private)}
     if scope:
         payload["scope"] = scope
     if expires:
@@ -5697,6 +5739,9 @@ def show_load(doc, out):
     out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered elsewhere), "
               "%d unchanged%s\n" % (o["added"], o["settled"], o["unchanged"],
                                    "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
+    if o.get("not_loaded_outbox_full"):
+        out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load it "
+                  "again\n" % plural(o["not_loaded_outbox_full"], "write"))
 
 
 def show_doctor(doc, out):
@@ -5812,7 +5857,6 @@ RESULT_TEXT_CHARS = 1000  # of a memory's text in a list of results; qmem_get gi
 MCP_MAX_RESULTS = 50      # of one search: a model's context is small (Claude Code caps a result at 25k tokens)
 RPC_PARSE, RPC_INVALID, RPC_NO_METHOD, RPC_PARAMS, RPC_INTERNAL = -32700, -32600, -32601, -32602, -32603
 ALL_PROJECTS = "*"        # project_id of a search over every project
-MAX_PROJECT = 100         # characters of a project name
 RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results, all together
 
 
@@ -6057,8 +6101,8 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
         value = rec.get(key)
         if key == "private":
             out[key] = value is True or value == 1
-        elif isinstance(value, str):
-            out[key] = value
+        elif isinstance(value, str):  # whatever a gateway or a bundle holds: bounded here
+            out[key] = value if key == "text" else _fit(value, MAX_FIELD)
         elif value is None and (whole or key in ("superseded_by", "deleted_at")):
             out[key] = None
     text = out.get("text") or ""

@@ -1659,6 +1659,38 @@ class WriteTests(GatewayTestCase):
         self.assertEqual(self.ok_json("queue")["items"], [])
         self.assertEqual(self.gw.posts(), [])
 
+    def test_every_field_of_a_write_is_bounded(self):
+        """Part 11: scope, agent, source and reason of 10 MiB each were queued."""
+        huge = "x" * (qmem.MAX_FIELD + 1)
+        for argv in (("--scope", huge), ("--agent", huge), ("--source", huge),
+                     ("--project", "p" * 101), ("--supersedes", UUIDS[0], "--reason", huge)):
+            err = self.expect_fail(2, "store", "testo", "--project", "p", *argv)
+            self.assertIn("it may have at most", err)
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.gw.posts(), [])
+        with mock.patch.object(qmem, "machine_identity", return_value="h" * 1000):
+            doc = self.ok_json("store", "testo", "--project", "p", "--queue-only")
+        self.assertEqual(len(doc["provenance"]), qmem.MAX_FIELD)  # a default is cut, not refused
+
+    def test_a_write_past_the_outbox_bound_is_refused_and_kept_aside(self):
+        """Part 11: 200 calls grew the database by 100 MB in 5 s; the outbox had no bound."""
+        config = os.path.join(self.home, "c.json")
+        with open(config, "w") as f:
+            json.dump({"outboxMaxMB": 1}, f)
+        os.environ["QMEM_CONFIG"] = config
+        big = "x" * 30000  # 1 MiB holds 34 such writes
+        for n in range(34):
+            self.ok("store", "%s %d" % (big, n), "--project", "p", "--queue-only")
+        err = self.expect_fail(1, "store", big + " troppo", "--project", "p", "--queue-only")
+        self.assertIn("the outbox is full: the writes waiting here take more than outboxMaxMB (1 MB)", err)
+        self.assertIn("`qmem.py flush`", err)
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
+        texts = [r["text"] for r in self.ok_json("queue")["items"]]
+        self.assertEqual((len(texts), [t for t in texts if "troppo" in t]), (34, []))
+        self.assertEqual(self.ok_json("flush")["synced"], 34)  # delivered: room again
+        self.ok("store", "--text-file", saved, "--project", "p", "--queue-only")
+
     def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
         self.go_offline()
         out = self.ok("store", "La coda locale è cercabile subito", "--project", "infra")
@@ -4534,6 +4566,24 @@ class McpProtocolTests(McpTestCase):
 
 class McpToolTests(McpTestCase):
 
+
+    def test_an_agents_fields_are_bounded_and_results_cut_every_field(self):
+        """Part 11: an agent's 10 MiB agent_id was queued, and a later qmem_find answer was
+        21 MB, far past the result budget."""
+        server = qmem.McpServer(qmem.load_config, cwd=self.workdir)
+        self.addCleanup(server.close)
+
+        def call(name, **arguments):
+            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                   "params": {"name": name, "arguments": arguments}})
+            return reply["result"]
+        refused = call("qmem_store", text="x", project_id="p", agent_id="a" * 100000)
+        self.assertTrue(refused["isError"])
+        self.assertIn("the agent is 100000 characters; it may have at most", refused["structuredContent"]["note"])
+        self.assertEqual(self.gw.posts(), [])
+        self.put_record(UUIDS[0], "ricordo lungo", scope="s" * 100000, source="o" * 100000)
+        found = call("qmem_find", query="ricordo", project_id="*")["structuredContent"]["results"][0]
+        self.assertLessEqual(max(len(v) for v in found.values() if isinstance(v, str)), qmem.MAX_FIELD)
 
     def test_a_background_flush_that_fails_here_is_told_in_every_later_result(self):
         """Part 10: 58 'automatic flush: disk I/O error' lines on the servers' stderr,
