@@ -1594,6 +1594,7 @@ WAITING = (PENDING, SENDING)  # written here, will still be sent
 # in the outbox, or that the gateway refused (its outbox row is failed).
 LOCAL_WAITING, LOCAL_FAILED = 1, 2
 _FTS_COLUMNS = "text, project_id, kind"
+SECRETS_MASKED = "1"  # the version of _SECRET_KINDS the stored records are masked with
 
 
 def _m001_initial(conn, fts_tokenizer):
@@ -1826,6 +1827,10 @@ class Store:
             self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as e:
             raise store_error(e, path)
+        self.conn.create_function("qmem_fold", 1, _fold)
+        self._terms = None  # index_terms(), once read
+        self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
+        self.known = None         # bulk load: hashes of every id in the table
         try:
             self.conn.execute("PRAGMA busy_timeout=%d" % int(BUSY_TIMEOUT_S * 1000))
             version = self._check_ours()
@@ -1833,6 +1838,8 @@ class Store:
                 self._migrate(version)
             self.conn.execute("PRAGMA synchronous=FULL")
             self.fts = self.meta("fts") != "none"
+            if self.meta("secrets_masked") != SECRETS_MASKED:
+                self._mask_stored_secrets()
         except sqlite3.Error as e:
             self.conn.close()
             if "not a database" in str(e):  # SQLite read the header and wrote nothing
@@ -1842,10 +1849,6 @@ class Store:
         except StoreError:
             self.conn.close()
             raise
-        self.conn.create_function("qmem_fold", 1, _fold)
-        self._terms = None  # index_terms(), once read
-        self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
-        self.known = None         # bulk load: hashes of every id in the table
 
     def _check_ours(self):
         """The schema version of a database this qmem.py may use; StoreError for one of
@@ -1866,6 +1869,22 @@ class Store:
                 self.path, ", ".join(sorted(tables)[:5]) or "none"),
                 hint="give qmem.py a file of its own: --db PATH, QMEM_SQLITE or localDbPath")
         return version
+
+    def _mask_stored_secrets(self):
+        """Once per database (and per change of the patterns): mask the credentials in the
+        records stored before qmem.py masked them (see mask_secrets)."""
+        try:
+            with self.transaction():
+                for rid, text, project, kind in self.conn.execute(
+                        "SELECT rid, text, project_id, kind FROM records").fetchall():
+                    masked = mask_secrets(text)
+                    if masked != text:
+                        self._unindex(rid, {"text": text, "project_id": project, "kind": kind})
+                        self.conn.execute("UPDATE records SET text=? WHERE rid=?", (masked, rid))
+                        self._index(rid, {"text": masked, "project_id": project, "kind": kind})
+                self.set_meta("secrets_masked", SECRETS_MASKED)
+        except StoreError:  # busy or read-only: the next command that can write does it
+            pass
 
     def begin_bulk(self):
         """Prepare for merging many records: remember which ids exist (so a new one costs
@@ -2415,6 +2434,60 @@ _FIELD_VALUES = operator.itemgetter(*FIELDS)  # rec -> its FIELDS values, in ord
 _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
 
 
+# Credentials agents see and might store: refused as a write unless a person asks
+# (--allow-secret), and masked on every path into the local index (normalize_record).
+# Few and precise: hex ids, UUIDs and shas pass. Python's re spends ~30 µs a text on
+# these, so a gate of plain substring tests (~2 µs) comes first.
+_SECRET_KINDS = tuple((what, re.compile(pattern, flags)) for what, pattern, flags in (
+    ("a private key block", r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----(?:.*?-----END "
+     r"(?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----|.*)", re.DOTALL),  # to its end, or the text's
+    ("an AWS access key id", r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0),
+    ("a GitHub token", r"\b(?:gh[pousr]_[A-Za-z0-9]{36,}|github_pat_[A-Za-z0-9_]{60,})", 0),
+    ("a GitLab token", r"\bglpat-[A-Za-z0-9_-]{20,}", 0),
+    ("a Slack token", r"\bxox[abposr]-[A-Za-z0-9-]{10,}", 0),
+    ("a Google API key", r"\bAIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])", 0),
+    ("a Stripe secret key", r"\b[rs]k_live_[0-9A-Za-z]{20,}", 0),
+    ("an OpenAI or Anthropic key", r"\bsk-(?:proj-|ant-(?:api|admin)\d\d-)?[A-Za-z0-9_-]{32,}", 0),
+    ("a JSON Web Token", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", 0),
+    # name=value, name: value; not a placeholder ($VAR, <...>, {...}, %s, ****, xxxx)
+    ("a password, secret or token assignment", r"(?<![a-z])(?:password|passwd|pwd|secret|token|"
+     r"api[_-]?key|access[_-]?key|client[_-]?secret)[\"']?\s*[:=]\s*[\"']?"
+     r"(?![$<{%*]|x{4})([^\s\"',;]{6,})", re.IGNORECASE)))
+
+
+def _may_hold_secret(text):
+    if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "_" in text or "glpat-" in text
+            or "xox" in text or "AIza" in text or "sk-" in text or "eyJ" in text):
+        return True
+    if "=" in text or ":" in text:
+        low = text.lower()
+        return "pass" in low or "pwd" in low or "secret" in low or "token" in low or "key" in low
+    return False
+
+
+def find_secret(text):
+    """(what kind of credential, its character offset) of the first one in text, or None."""
+    if not text or not _may_hold_secret(text):
+        return None
+    for what, pattern in _SECRET_KINDS:
+        m = pattern.search(text)
+        if m:
+            return what, m.start()
+    return None
+
+
+def mask_secrets(text):
+    """text with every credential replaced by a mark (an assignment keeps its name)."""
+    if not text or not _may_hold_secret(text):
+        return text
+    for what, pattern in _SECRET_KINDS:
+        if pattern.groups:
+            text = pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + "[masked]", text)
+        else:
+            text = pattern.sub("[masked: %s]" % what.split(" ", 1)[1], text)
+    return text
+
+
 def normalize_record(data):
     """A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
     when it has no usable id. Unknown fields are ignored; wrong types count as missing."""
@@ -2438,6 +2511,8 @@ def normalize_record(data):
             rec[f] = iso_norm(value)
     private = get("private")
     rec["private"] = int(private) if private is True or private is False else None
+    if rec["text"] is not None and _may_hold_secret(rec["text"]):
+        rec["text"] = mask_secrets(rec["text"])
     if rec["kind"] is not None:
         rec["kind"] = rec["kind"].lower()
     return rec
@@ -4007,7 +4082,8 @@ class LoadStats:
         return {"records": {"new": self.records_new, "updated": self.records_updated,
                             "unchanged": self.records_unchanged},
                 "outbox": {"added": self.outbox_added, "settled": self.outbox_settled,
-                           "unchanged": self.outbox_unchanged, "not_loaded_outbox_full": self.outbox_full},
+                           "unchanged": self.outbox_unchanged},
+                "not_loaded_outbox_full": self.outbox_full,
                 "skipped": self.skipped}
 
 
@@ -4728,17 +4804,19 @@ class Operations:
     # -- writes
     @utf8_arguments
     def store_memory(self, text, project, kind=None, scope=None, agent=None, source=None, expires=None,
-                     private=False, supersedes=None, reason=None, queue_only=False):
+                     private=False, supersedes=None, reason=None, queue_only=False,
+                     allow_secret=False):
         """Write a memory: into the outbox and the index at once, then to the gateway
-        (unless queue_only); it stays queued while the gateway cannot take it."""
+        (unless queue_only); it stays queued while the gateway cannot take it. A text
+        holding a credential is refused unless allow_secret (never offered to agents)."""
         supersedes = _check_id((supersedes or "").strip(), "--supersedes") if supersedes else None
         payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires, private,
                                  supersedes, reason)
-        return self._write("store", payload, queue_only)
+        return self._write("store", payload, queue_only, allow_secret)
 
     @utf8_arguments
     def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None, expires=None,
-                private=False, reason=None, queue_only=False):
+                private=False, reason=None, queue_only=False, allow_secret=False):
         """Write a correction of `target`: project and kind default to the target's, as the
         local index knows it, else as the gateway does."""
         target = (target or "").strip()
@@ -4762,7 +4840,8 @@ class Operations:
         project = project or old.get("project_id")
         payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent, source, expires,
                                  private, target, reason)
-        return dict(self._write("correct", payload, queue_only), project_from=project_from, kind_from=kind_from)
+        doc = self._write("correct", payload, queue_only, allow_secret)
+        return dict(doc, project_from=project_from, kind_from=kind_from)
 
     def _send_now(self, store, gateway, local_id, token):
         """Send a write just queued, after the queued writes it corrects (oldest first:
@@ -4789,7 +4868,16 @@ class Operations:
             raise UsageError("%s: say which project the correction belongs to" % e.message, hint=PROJECT_HINT)
         return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
 
-    def _write(self, op, payload, queue_only):
+    def _write(self, op, payload, queue_only, allow_secret=False):
+        folder = os.path.dirname(os.path.abspath(self.config.db_path))
+        found = None if allow_secret else find_secret(payload["text"])
+        if found:  # kept only in a private file: never in the outbox, a bundle or a retry
+            raise _kept_aside(QmemError(
+                "not stored: the text holds %s (at character %d), and shared memory is read by "
+                "the whole team" % (found[0], found[1] + 1), kind="secret",
+                hint="take the credential out and store it again (a person who means it: "
+                     "`--allow-secret`)"),
+                payload, folder)
         gateway = error = None
         if not queue_only:
             try:
@@ -4803,7 +4891,7 @@ class Operations:
             local_id, repeated, token = enqueue_once(store, op, payload, claim,
                                                      max_mb=self.config["outboxMaxMB"])
         except StoreError as e:  # busy, full, unusable: the words must not be lost
-            raise _kept_aside(e, payload, os.path.dirname(os.path.abspath(self.config.db_path)))
+            raise _kept_aside(e, payload, folder)
         if gateway is not None:
             try:
                 error = self._send_now(store, gateway, local_id, token)
@@ -5297,7 +5385,7 @@ def _kept_aside(err, payload, folder):
         except OSError:
             continue
         return StoreError("%s; nothing was queued" % err.message, kind=err.kind,
-                          hint="%syour text is saved in %s: once the database is usable, `%s`" % (
+                          hint="%syour text is saved in %s: to store it after that, `%s`" % (
                               err.hint + "; " if err.hint else "", path,
                               "qmem.py store --text-file %s%s" % (_shell_word(path), flags)))
     failed = StoreError("%s; nothing was queued, and no file could hold your text either" % err.message,
@@ -5739,9 +5827,9 @@ def show_load(doc, out):
     out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered elsewhere), "
               "%d unchanged%s\n" % (o["added"], o["settled"], o["unchanged"],
                                    "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
-    if o.get("not_loaded_outbox_full"):
+    if doc.get("not_loaded_outbox_full"):
         out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load it "
-                  "again\n" % plural(o["not_loaded_outbox_full"], "write"))
+                  "again\n" % plural(doc["not_loaded_outbox_full"], "write"))
 
 
 def show_doctor(doc, out):
@@ -6849,7 +6937,7 @@ def _decoded_text(data):
 
 def _write_options(a):
     return dict(kind=a.kind, scope=a.scope, agent=a.agent, source=a.source, expires=a.expires, private=a.private,
-                reason=a.reason, queue_only=a.queue_only)
+                reason=a.reason, queue_only=a.queue_only, allow_secret=a.allow_secret)
 
 
 def cli_store(ops, a):
@@ -7073,6 +7161,8 @@ def add_write_options(sp, default_kind, reason):
     sp.add_argument("--private", action="store_true", help="hidden from search unless asked for")
     sp.add_argument("--reason", help=reason)
     sp.add_argument("--queue-only", action="store_true", help="only queue it; `flush` sends it")
+    sp.add_argument("--allow-secret", action="store_true", help="store it even though its text "
+                    "holds what looks like a credential (a key, a token, a password)")
 
 
 def add_remote(sp):

@@ -1691,6 +1691,53 @@ class WriteTests(GatewayTestCase):
         self.assertEqual(self.ok_json("flush")["synced"], 34)  # delivered: room again
         self.ok("store", "--text-file", saved, "--project", "p", "--queue-only")
 
+    def test_a_credential_is_refused_kept_aside_and_stored_only_when_a_person_asks(self):
+        """Part 11: a store whose text held a private key, a cloud key or password=... was
+        shared with the whole team as it was."""
+        cases = (("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk=\n", "a private key block"),
+                 ("usa la chiave AKIAIOSFODNN7EXAMPLE per S3", "an AWS access key id"),
+                 ("token ghp_" + "a1B2" * 9 + " del bot", "a GitHub token"),
+                 ("il db: DB_PASSWORD=s3cr3t-pass", "a password, secret or token assignment"),
+                 ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl", "a JSON Web Token"))
+        for text, what in cases:
+            err = self.expect_fail(1, "store", text, "--project", "p")
+            self.assertIn("not stored: the text holds %s (at character" % what, err)
+            saved = re.search(r"your text is saved in (\S+):", err).group(1)
+            self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
+        self.assertEqual((self.ok_json("queue")["items"], self.gw.posts()), ([], []))
+        for innocent in ("commit 3f2a9c1e8b7d6f5a4e3d2c1b0a9f8e7d6c5b4a3f", "id " + UUIDS[3],
+                         "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+                         "tokenizer=unicode61, the password is read from $DB_PASSWORD",
+                         "password=<la tua password>", "token=${GITHUB_TOKEN}",
+                         "key_id 0xDEADBEEF"):
+            self.ok("store", innocent, "--project", "p")
+        doc = self.ok_json("store", "password=hunter22 per il test", "--project", "p",
+                           "--allow-secret")
+        self.assertEqual(self.gw.posts()[-1][3]["text"], "password=hunter22 per il test")
+        self.assertEqual(self.local_record(doc["id"])["text"], "password=[masked] per il test")
+
+    def test_the_local_index_masks_credentials_on_every_path_and_in_rows_already_there(self):
+        self.gw.add("la chiave è AKIAIOSFODNN7EXAMPLE")
+        hit = self.ok_json("search", "chiave")["results"][0]["id"]
+        self.assertEqual(self.local_record(hit)["text"], "la chiave è [masked: AWS access key id]")
+        self.put_record(UUIDS[0], "secret: topsecret1 nel vecchio indice")
+        self.assertEqual(self.local_record(UUIDS[0])["text"], "secret: [masked] nel vecchio indice")
+        conn = sqlite3.connect(self.db)  # a row an older qmem.py stored unmasked
+        rid = conn.execute("SELECT rid FROM records WHERE id=?", (UUIDS[0],)).fetchone()[0]
+        old, new = "secret: [masked] nel vecchio indice", "secret: topsecret1 nel vecchio indice"
+        conn.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
+                     "VALUES('delete', ?, ?, 'infra', 'fact')", (rid, old))
+        conn.execute("UPDATE records SET text=? WHERE rid=?", (new, rid))
+        conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) "
+                     "VALUES(?, ?, 'infra', 'fact')", (rid, new))
+        conn.execute("DELETE FROM meta WHERE key='secrets_masked'")
+        conn.commit()
+        conn.close()
+        self.assertEqual(self.find_ids("topsecret1"), [])  # masked once, by the next command
+        self.assertEqual(self.local_record(UUIDS[0])["text"], "secret: [masked] nel vecchio indice")
+        self.assertEqual(self.find_ids("vecchio"), [UUIDS[0]])
+        self.assertEqual(self.ok_json("doctor", "--offline")["summary"]["fail"], 0)
+
     def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
         self.go_offline()
         out = self.ok("store", "La coda locale è cercabile subito", "--project", "infra")
@@ -2733,7 +2780,7 @@ class HardeningSmallThingsTests(GatewayTestCase):
 
     def test_options_where_a_user_puts_them(self):
         self.ok("search", "x", "--limit", "3")
-        self.assertEqual(self.gw.requests[-1][3]["top_k"], 3)
+        self.assertEqual(self.gw.requests[-1][3]["top_k"], 2 * 3 + 8)  # 3 asked; private left out
         other = os.path.join(self.home, "other.sqlite")
         self.assertEqual(self.ok_json("status", "--db", other)["db"]["path"], other)
         code, out, err = self.run_cli("status", "--db", os.path.join(self.home, "x"), "--debug")
@@ -4531,7 +4578,7 @@ class McpProtocolTests(McpTestCase):
         self.assertEqual(result["structuredContent"]["status"], "stored")
         self.assertEqual(self.gw.posts()[-1][3]["kind"], "decision")
         found = server.call("qmem_search", q="backups", top_k="3", include_superseded="true")
-        self.assertEqual(self.gw.requests[-1][3]["top_k"], 3)
+        self.assertEqual(self.gw.requests[-1][3]["top_k"], 2 * 3 + 8)  # 3 asked; private left out
         self.assertIs(self.gw.requests[-1][3]["include_superseded"], True)
         self.assertEqual(found["structuredContent"]["status"], "found")
         self.assertEqual(server.close(), 0)
@@ -4580,6 +4627,11 @@ class McpToolTests(McpTestCase):
         refused = call("qmem_store", text="x", project_id="p", agent_id="a" * 100000)
         self.assertTrue(refused["isError"])
         self.assertIn("the agent is 100000 characters; it may have at most", refused["structuredContent"]["note"])
+        self.assertEqual(self.gw.posts(), [])
+        secret = call("qmem_store", text="la chiave AKIAIOSFODNN7EXAMPLE", project_id="p")
+        self.assertTrue(secret["isError"])
+        self.assertIn("not stored: the text holds an AWS access key id",
+                      secret["structuredContent"]["note"])
         self.assertEqual(self.gw.posts(), [])
         self.put_record(UUIDS[0], "ricordo lungo", scope="s" * 100000, source="o" * 100000)
         found = call("qmem_find", query="ricordo", project_id="*")["structuredContent"]["results"][0]
