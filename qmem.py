@@ -512,7 +512,9 @@ DEFAULTS = {
     "breakerTripAfter": 3,
     "caFile": None,
     "outboxMaxMB": 64,  # writes waiting here (not yet settled), at most: see enqueue_once
+    "bundleKey": None,  # shared by the hosts that exchange bundles: see the Bundles section
 }
+SECRET_KEYS = ("apiKey", "bundleKey")  # never shown, only masked
 ENV_KEYS = {"url": "QMEM_URL", "apiKey": "QMEM_API_KEY", "localDbPath": "QMEM_SQLITE"}
 
 
@@ -564,7 +566,7 @@ def _check_type(key, value, origin, typed=False):
             raise ConfigError("%s: %s must be between %d and %d, not %d" % (origin, key, low, high, number))
         return number
     if value is not None and not isinstance(value, str):
-        shown = ("a %s" % type(value).__name__ if key in ("apiKey", "url")  # never a key or password
+        shown = ("a %s" % type(value).__name__ if key in SECRET_KEYS + ("url",)  # never a key or password
                  else json.dumps(value)[:80])
         raise ConfigError("%s: %s must be a string, not %s" % (origin, key, shown))
     return value or None
@@ -675,6 +677,13 @@ KEY_ELSEWHERE_HINT = ("give that gateway's key in QMEM_API_KEY, or point QMEM_CO
                       "made for it (`qmem.py config url URL`, then `qmem.py config apikey`)")
 
 
+MIN_BUNDLE_KEY = 32  # characters: 32 hex digits are 128 bits
+
+
+def bundle_key_ok(key):
+    return len(key) >= MIN_BUNDLE_KEY and api_key_ok(key)
+
+
 def api_key_ok(key):
     """Can this key travel in an HTTP header as it is: printable ASCII, no spaces?"""
     return bool(key) and all(0x21 <= ord(c) <= 0x7E for c in key)
@@ -697,6 +706,10 @@ def _check_config(values, sources, path):
         if not api_key_ok(key):
             raise ConfigError("%s: apiKey holds characters a request header cannot carry (whitespace, "
                               "controls, non-ASCII)" % origin("apiKey"), hint="set it again with `qmem.py config apikey`")
+    if values["bundleKey"] is not None and not bundle_key_ok(values["bundleKey"]):
+        raise ConfigError("%s: bundleKey must be at least %d printable characters without spaces (128 "
+                          "bits)" % (origin("bundleKey"), MIN_BUNDLE_KEY),
+                          hint="set it again with `qmem.py config bundle-key` (--new makes one)")
     if values["breakerBaseMs"] > values["breakerMaxMs"]:
         raise ConfigError("%s: breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
             origin("breakerBaseMs"), values["breakerBaseMs"], values["breakerMaxMs"]))
@@ -1586,9 +1599,13 @@ def _reason(e):
 # that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
 # Each thread opens its own connection (the MCP server's background flush too).
 
-SCHEMA_VERSION = 2  # 2: claim tokens carry the claimant's identity; refused writes are marked
-# Outbox states (the CHECK of the outbox table).
-PENDING, SENDING, SYNCED, DUPLICATE, FAILED = OUTBOX_STATES = ("pending", "sending", "synced", "duplicate", "failed")
+SCHEMA_VERSION = 3  # 2: claim tokens carry the claimant's identity; 3: held writes, origins
+# Outbox states (the CHECK of the outbox table). Held: from an unverified bundle, never
+# sent until the user releases it.
+PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
+    "pending", "sending", "synced", "duplicate", "failed", "held")
+# records.origin: where a record's view came from.
+ORIGIN_HERE, ORIGIN_SIGNED, ORIGIN_UNVERIFIED = 0, 1, 2  # here or the gateway; a bundle
 WAITING = (PENDING, SENDING)  # written here, will still be sent
 # records.pending: 0 in shared memory (or seen there), else a write made here that waits
 # in the outbox, or that the gateway refused (its outbox row is failed).
@@ -1669,8 +1686,25 @@ def _m002_claims(conn):
     conn.execute("UPDATE records SET pending=2 WHERE pending=1 AND id IN (SELECT id FROM outbox WHERE state='failed')")
 
 
+def _m003_held(conn):
+    """Schema 3: writes from an unverified bundle wait 'held' until the user releases them
+    (an older qmem.py would send them: it must refuse the database), and every record
+    says where its view came from (origin)."""
+    sql = conn.execute("SELECT sql FROM sqlite_master WHERE name='outbox'").fetchone()[0]
+    if "'held'" not in sql:  # (a database whose version was set back has it already)
+        _script(conn, re.sub(r'\ACREATE TABLE "?outbox"?\(', "CREATE TABLE outbox_new(", sql).replace(
+            "'failed'))", "'failed', 'held'))") + ";\n" + """
+        INSERT INTO outbox_new SELECT * FROM outbox;
+        DROP TABLE outbox;
+        ALTER TABLE outbox_new RENAME TO outbox;
+        CREATE INDEX outbox_ready ON outbox(state, next_attempt_at, rid);
+        """)
+    if "origin" not in {row[1] for row in conn.execute("PRAGMA table_info(records)")}:
+        conn.execute("ALTER TABLE records ADD COLUMN origin INTEGER NOT NULL DEFAULT 0")
+
+
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
-MIGRATIONS = [_m001_initial, _m002_claims]
+MIGRATIONS = [_m001_initial, _m002_claims, _m003_held]
 
 # Tests set this to exercise the LIKE path of a SQLite built without FTS5.
 FORCE_NO_FTS5 = False
@@ -1801,7 +1835,7 @@ _OUTBOX_BUNDLE_COLUMNS = ("id", "op", "payload", "target", "state", "gateway_id"
 
 
 def _bundle_filter(projects, since):
-    where, params = ["1"], []
+    where, params = ["origin < %d" % ORIGIN_UNVERIFIED], []  # what came unverified stays here
     if projects:
         where.append("project_id IN (%s)" % ", ".join("?" * len(projects)))
         params += list(projects)
@@ -2049,7 +2083,7 @@ class Store:
             for data in records:
                 rec = normalize_record(data)
                 if rec is not None:
-                    self.upsert(rec, view, now)
+                    self.from_gateway(rec, view, now)
             self.link_supersessions()
 
     def outbox_row(self, local_id):
@@ -2058,6 +2092,41 @@ class Store:
                                 "FROM outbox WHERE id=?", (local_id,))
         row = cur.fetchone()
         return _row_dict(cur, row) if row else None
+
+    def from_gateway(self, rec, view, seen_at):
+        """upsert() of a view the gateway gave: it replaces what a bundle said of the record
+        (an unverified bundle's always, a signed one's when this view is complete)."""
+        row = self.conn.execute("SELECT rid, origin, text, project_id, kind FROM records WHERE id=?",
+                                (rec["id"],)).fetchone()
+        if row is not None and row[1] and (row[1] == ORIGIN_UNVERIFIED or view == VIEW_FULL):
+            self._unindex(row[0], {"text": row[2], "project_id": row[3], "kind": row[4]})
+            self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
+        return self.upsert(rec, view, seen_at)
+
+    def origin_of(self, record_id):
+        row = self.conn.execute("SELECT origin FROM records WHERE id=?", (record_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_origin(self, record_ids, origin):
+        self.conn.executemany("UPDATE records SET origin=? WHERE id=?", [(origin, i) for i in record_ids])
+
+    def outbox_write(self, local_id):
+        """(op, payload, state) of an outbox row, or None."""
+        return self.conn.execute("SELECT op, payload, state FROM outbox WHERE id=?", (local_id,)).fetchone()
+
+    def release_held(self, local_ids):
+        """Held writes -> pending (queue --release): the user vouches for them now."""
+        with self.transaction():
+            for local_id in local_ids:
+                self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE id=? AND "
+                                  "state='held'", (local_id,))
+                self.conn.execute("UPDATE records SET origin=0 WHERE id=?", (local_id,))
+
+    def drop_held(self, local_id):
+        """Inside a transaction: a held write and its record, gone (a signed row of the same
+        id replaces it)."""
+        self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (local_id,))
+        self.drop_local(local_id, None)
 
     def forget_write(self, local_id):
         """Remove a write that is still waiting, and its local record (one transaction)."""
@@ -2085,7 +2154,7 @@ class Store:
             items.append({"local_id": rid, "op": op, "state": st, "attempts": attempts,
                           "created_at": iso_from_epoch(created), "age_s": int(now - created), "last_error": error,
                           "gateway_id": gateway_id, "duplicate_of": dup, "project_id": body.get("project_id"),
-                          "text": body.get("text"), "lease_until": lease_until,
+                          "text": body.get("text"), "lease_until": lease_until, "unverified": st == HELD,
                           "next_attempt_at": iso_from_epoch(next_at) if st == PENDING and next_at > now else None})
         return items
 
@@ -2156,7 +2225,8 @@ class Store:
         changed (made or settled) since `since`, and the rows they correct, so that a
         correction never travels without its target."""
         rows = [dict(zip(_OUTBOX_BUNDLE_COLUMNS + ("done_at",), row)) for row in self.conn.execute(
-            "SELECT %s, done_at FROM outbox ORDER BY rid" % ", ".join(_OUTBOX_BUNDLE_COLUMNS))]
+            "SELECT %s, done_at FROM outbox WHERE state != 'held' ORDER BY rid" % ", ".join(
+                _OUTBOX_BUNDLE_COLUMNS))]
         wanted = {r["id"] for r in rows if (not since or iso_from_epoch(max(r["created_at"], r["done_at"] or 0))
                                              >= since)
                   and (not projects or json.loads(r["payload"]).get("project_id") in projects)}
@@ -2243,7 +2313,7 @@ class Store:
     def outbox_bytes(self):
         """The bytes of the payloads of writes not yet settled (waiting or refused)."""
         return self.conn.execute("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) FROM outbox "
-                                 "WHERE state IN ('pending', 'sending', 'failed')").fetchone()[0]
+                                 "WHERE state IN ('pending', 'sending', 'failed', 'held')").fetchone()[0]
 
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
@@ -3251,7 +3321,7 @@ MAX_NEAR_SPELLINGS = 8
 HIGHLIGHT = ("\ue000", "\ue001")
 
 _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, r.expires_at, "
-                   "r.superseded_by, r.deleted_at, r.private, r.pending")
+                   "r.superseded_by, r.deleted_at, r.private, r.pending, r.origin")
 
 
 def find_local(store, query, project=None, kind=None, scope=None, limit=10,
@@ -3324,6 +3394,7 @@ def _results(store, cur, rows, tokens):
         rec = dict(zip(names, row))
         local = rec["pending"]
         rec.update(private=bool(rec["private"]), pending=local == LOCAL_WAITING, failed=local == LOCAL_FAILED,
+                   unverified=rec.pop("origin") == ORIGIN_UNVERIFIED,
                    rank=n, snippet=row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens))
         results.append(rec)
     failed = [r["id"] for r in results if r["failed"]]
@@ -3433,6 +3504,47 @@ AUTO_FLUSH_S = 3.0         # seconds an online command may spend delivering the 
 MAX_STORED_WAIT_S = 3600.0  # a longer Retry-After is said, but a write waits at most this long
 
 
+def _write_payload(text, project, kind, scope, agent, source, expires, private, supersedes, reason,
+                   now=None):
+    """The request body of a write, every value checked first: a bad one is a usage
+    error and nothing is queued. An expiry is judged against `now` (a bundle's write:
+    when it was made)."""
+    text = (text or "").strip()
+    if not text:
+        raise UsageError("the memory's text is empty")
+    if len(text) > MAX_TEXT:
+        raise UsageError("the text is %d characters; a memory holds at most %d (store a summary)"
+                         % (len(text), MAX_TEXT))
+    if not project or not project.strip():
+        raise UsageError("--project is required (the project this memory belongs to)")
+    if kind not in KINDS:
+        raise UsageError("kind must be one of %s, not %r" % (", ".join(KINDS), kind))
+    for name, value, bound in (("project", project.strip(), MAX_PROJECT), ("scope", scope, MAX_FIELD),
+                               ("agent", agent, MAX_FIELD), ("source", source, MAX_FIELD),
+                               ("reason", reason, MAX_FIELD)):
+        if value and len(value) > bound:
+            raise UsageError("the %s is %d characters; it may have at most %d" % (name, len(value), bound),
+                             hint="nothing was done; give a shorter one")
+    payload = {"text": text, "kind": kind, "project_id": project.strip(), "agent_id": agent or "qmem.py",
+               "source": source or machine_identity()[:MAX_FIELD], "private": bool(private)}
+    if scope:
+        payload["scope"] = scope
+    if expires:
+        when = parse_iso(expires)
+        if when is None:
+            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % expires)
+        if when <= (time.time() if now is None else now):
+            raise UsageError("--expires %s is already past" % expires)
+        payload["expires_at"] = iso_from_epoch(when)
+    if supersedes:
+        payload["supersedes_id"] = supersedes
+        if reason:
+            payload["supersede_reason"] = reason.strip()
+    elif reason:
+        raise UsageError("--reason goes with --supersedes ID (or use `qmem.py correct ID`)")
+    return payload
+
+
 def new_local_id():
     """A random (version 4) UUID: the record's id until the gateway gives it one, and
     its Idempotency-Key forever."""
@@ -3489,7 +3601,7 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
     store.upsert(normalize_record(dict(payload, id=local_id, created_at=when, updated_at=when)), VIEW_FULL, when)
     store.conn.execute("UPDATE records SET pending=? WHERE id=?",
                        (LOCAL_FAILED if state == FAILED else LOCAL_WAITING, local_id))
-    if target and state != FAILED:
+    if target and state == PENDING:  # not a refused one, nor a held one (nothing vouches for it)
         store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
                            (local_id, store.current_id(target)))
 
@@ -3838,7 +3950,7 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
                 if rec is None:
                     continue
                 was = store.conn.execute("SELECT deleted_at FROM records WHERE id=?", (rec["id"],)).fetchone()
-                outcome = store.upsert(rec, VIEW_FULL, iso_now())
+                outcome = store.from_gateway(rec, VIEW_FULL, iso_now())
                 if outcome == "new":
                     stats.new += 1
                 elif outcome == "updated":
@@ -3878,7 +3990,7 @@ def enrich(store, gateway, ids, progress=None):
     def commit():
         with store.transaction():
             for data in batch:
-                store.upsert(normalize_record(data), VIEW_FULL, iso_now())
+                store.from_gateway(normalize_record(data), VIEW_FULL, iso_now())
             store.link_supersessions()
         del batch[:]
     for n, rid in enumerate(ids):
@@ -3911,6 +4023,23 @@ def enrich(store, gateway, ids, progress=None):
 # whole before anything is changed; loading one twice changes nothing.
 
 BUNDLE_FORMAT, BUNDLE_VERSION = "qmem-bundle", 1
+# A bundle signed by a paired host (the same bundleKey on both) carries, in its trailer,
+# an HMAC-SHA256 of every byte the checksum covers and the key's id (never the key): a
+# qmem.py that reads format 1 and knows no signatures ignores the two fields. A bundle
+# that is not signed with this host's key is unverified: it adds, it never replaces.
+SIGNED, UNVERIFIED = "signed", "unverified"
+
+
+def bundle_key_id(key):
+    """What names a bundle key without giving it away."""
+    import hashlib
+    return hashlib.sha256(b"qmem bundle key id\0" + key.encode("utf-8")).hexdigest()[:16]
+
+
+def _bundle_mac(key):
+    import hashlib
+    import hmac
+    return hmac.new(key.encode("utf-8"), digestmod=hashlib.sha256) if key else None
 
 
 class BundleError(QmemError):
@@ -3923,11 +4052,12 @@ class _BundleWriter:
     times faster than gzip's default 9, for a bundle about a third larger; one hash and
     one compress call per thousand lines)."""
 
-    def __init__(self, out):
+    def __init__(self, out, key=None):
         import gzip
         import hashlib
         self.zipped = gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=1)
         self.digest, self.lines, self.pending = hashlib.sha256(), 0, []
+        self.key, self.mac = key, _bundle_mac(key)
 
     def put(self, obj):
         self.pending.append(json.dumps(obj, ensure_ascii=False))
@@ -3939,13 +4069,18 @@ class _BundleWriter:
         if self.pending:
             data = ("\n".join(self.pending) + "\n").encode("utf-8")
             self.digest.update(data)
+            if self.mac is not None:
+                self.mac.update(data)
             self.zipped.write(data)
             del self.pending[:]
 
     def finish(self):
-        """The trailer: the count of lines and the SHA-256 of every byte before it."""
+        """The trailer: the count of lines and the SHA-256 of every byte before it (and,
+        with a key, their HMAC and the key's id)."""
         self._flush()
         trailer = {"type": "end", "lines": self.lines, "sha256": self.digest.hexdigest()}
+        if self.mac is not None:
+            trailer.update(hmac=self.mac.hexdigest(), key_id=bundle_key_id(self.key))
         self.zipped.write((json.dumps(trailer, sort_keys=True) + "\n").encode("utf-8"))
         self.zipped.close()
 
@@ -3958,10 +4093,11 @@ class _BundleWriter:
             pass
 
 
-def write_bundle(store, out, projects=None, since=None, records=True, outbox=True):
-    """Write a bundle to the binary stream out (streamed: memory stays flat). Returns
-    the counts of what it holds. One read transaction: a consistent snapshot."""
-    writer = _BundleWriter(out)
+def write_bundle(store, out, projects=None, since=None, records=True, outbox=True, key=None):
+    """Write a bundle to the binary stream out (streamed: memory stays flat), signed
+    with key when one is given. Returns the counts of what it holds. One read
+    transaction: a consistent snapshot. What came unverified does not travel on."""
+    writer = _BundleWriter(out, key)
     try:
         with store.snapshot():
             rows = list(store.bundle_outbox(projects, since)) if outbox else []
@@ -3981,40 +4117,101 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
     return counts
 
 
-def check_bundle(path):
-    """Read a bundle whole and return its header; BundleError for a file that is not
-    one, is cut short, has a byte changed, or is of a newer format."""
+def check_bundle(stream, name, key=None):
+    """Read a bundle whole from a binary stream and return (its header, SIGNED or
+    UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
+    changed, is signed with another key or altered after signing, or is of a newer
+    format. Nothing past the first line is read before that line is a bundle's header."""
     import gzip
     import hashlib
+    import hmac
     import zlib
-    digest, count, header, previous = hashlib.sha256(), 0, None, None
+    digest, count, header, previous, mac = hashlib.sha256(), 0, None, None, _bundle_mac(key)
     try:
-        with gzip.open(path, "rb") as f:
-            for line in _bundle_lines(f, path):
+        if stream.read(2) != b"\x1f\x8b":
+            raise BundleError("%s is not a complete qmem bundle (it does not begin as gzip does): "
+                              "nothing was loaded" % name)
+        with gzip.GzipFile(fileobj=_Prepend(b"\x1f\x8b", stream), mode="rb") as f:
+            for line in _bundle_lines(f, name):
                 if previous is not None:
                     digest.update(previous)
+                    if mac is not None:
+                        mac.update(previous)
                     count += 1
                 if header is None:
-                    header = _bundle_line(line, "the header")
-                    if header.get("format") != BUNDLE_FORMAT:
-                        raise BundleError("%s is not a qmem bundle (no qmem-bundle header)" % path)
-                    version = header.get("format_version")
-                    if type(version) is not int or version > BUNDLE_VERSION:
-                        raise BundleError("%s is a bundle of format %r; this qmem.py reads format %d" % (
-                            path, version, BUNDLE_VERSION), hint="load it with a newer qmem.py")
+                    header = _bundle_header(line, name)
                 previous = line
     except (OSError, EOFError, zlib.error) as e:
         raise BundleError("%s is not a complete qmem bundle (%s): nothing was loaded" % (
-            path, getattr(e, "strerror", None) or e))
+            name, getattr(e, "strerror", None) or e))
     trailer = _bundle_line(previous or b"", "the last line") if header is not None else {}
     if header is None or trailer.get("type") != "end":
-        raise BundleError("%s is not a complete qmem bundle (its end is missing): nothing was loaded" % path)
+        raise BundleError("%s is not a complete qmem bundle (its end is missing): nothing was loaded" % name)
     if trailer.get("lines") != count or trailer.get("sha256") != digest.hexdigest():
-        raise BundleError("%s is damaged (its checksum does not match): nothing was loaded" % path)
+        raise BundleError("%s is damaged (its checksum does not match): nothing was loaded" % name)
+    signature, key_id = trailer.get("hmac"), trailer.get("key_id")
+    if not isinstance(signature, str) or not isinstance(key_id, str):
+        return header, UNVERIFIED, "not signed"
+    if key is None:
+        return header, UNVERIFIED, "signed, but this host has no bundle key to check it with"
+    if key_id != bundle_key_id(key):
+        raise BundleError("%s is signed with another bundle key (id %s; this host's is %s): nothing was "
+                          "loaded" % (name, visible(key_id[:16]), bundle_key_id(key)),
+                          hint="pair the two hosts: the same `qmem.py config bundle-key` on both")
+    if not hmac.compare_digest(signature, mac.hexdigest()):
+        raise BundleError("%s was altered after it was signed: nothing was loaded" % name)
+    return header, SIGNED, "signed with this host's bundle key"
+
+
+def _bundle_header(line, name):
+    header = _bundle_line(line, "the header")
+    if header.get("format") != BUNDLE_FORMAT:
+        raise BundleError("%s is not a qmem bundle (no qmem-bundle header)" % name)
+    version = header.get("format_version")
+    if type(version) is not int or version > BUNDLE_VERSION:
+        raise BundleError("%s is a bundle of format %r; this qmem.py reads format %d" % (
+            name, version, BUNDLE_VERSION), hint="load it with a newer qmem.py")
     return header
 
 
-MAX_BUNDLE_LINE = 16 << 20  # bytes; a record is at most a few hundred KiB
+class _Prepend:
+    """A binary stream with some bytes put back in front of it."""
+
+    def __init__(self, head, stream):
+        self.head, self.stream = head, stream
+
+    def read(self, size=-1):
+        if not self.head:
+            return self.stream.read(size)
+        head, self.head = self.head, b""
+        if size is not None and 0 <= size < len(head):
+            head, self.head = head[:size], head[size:]
+            return head
+        return head + self.stream.read(-1 if size is None or size < 0 else size - len(head))
+
+
+class _Spool:
+    """Read from a stream, keeping every byte read in a private file: what is merged is
+    exactly what was checked. At most MAX_BUNDLE_BYTES."""
+
+    def __init__(self, stream, copy, name):
+        self.stream, self.copy, self.name, self.size = stream, copy, name, 0
+
+    def read(self, size=-1):
+        data = self.stream.read(size if size is not None and size >= 0 else 1 << 20)
+        self.size += len(data)
+        if self.size > MAX_BUNDLE_BYTES:
+            raise BundleError("%s is larger than %d MiB: not a qmem bundle, nothing was loaded" % (
+                self.name, MAX_BUNDLE_BYTES >> 20))
+        self.copy.write(data)
+        return data
+
+
+MAX_BUNDLE_BYTES = 4 << 30  # compressed; a bundle of a million memories is a few hundred MiB
+
+
+MAX_BUNDLE_LINE = 1 << 20  # bytes; a record is at most a few hundred KiB
+MAX_BUNDLE_VALUES = 100000  # JSON values in one line: '[{},{},...]' of 1 MiB parses to 60 MB
 
 
 def _bundle_lines(f, path):
@@ -4041,13 +4238,22 @@ def _bundle_line(line, what):
 
 
 def bundle_items(path):
-    """The records and outbox rows of a checked bundle, in order."""
+    """The records and outbox rows of a checked bundle (this process's private copy), in
+    order; None for a line that is not one (bounded in parsed size as gateway answers
+    are), to be counted as skipped."""
     import gzip
     with gzip.open(path, "rb") as f:
         lines = _bundle_lines(f, path)
         next(lines)  # the header
         for line in lines:
-            obj = _bundle_line(line, "line")
+            if line.count(b",") + line.count(b"[") + line.count(b"{") > MAX_BUNDLE_VALUES:
+                yield None
+                continue
+            try:
+                obj = _bundle_line(line, "line")
+            except BundleError:
+                yield None
+                continue
             if b"\\u" in line and _ESCAPED_SURROGATE.search(line):  # only a JSON escape can spell one
                 try:
                     obj = without_surrogates(obj)
@@ -4057,19 +4263,28 @@ def bundle_items(path):
                 yield obj
 
 
-def _spool_path():
-    """A private temporary file for standard input (a bundle is read twice: checked,
-    then merged)."""
-    import tempfile
-    fd, path = tempfile.mkstemp(prefix="qmem-bundle-")
-    os.close(fd)
-    return path
+def header_text(value):
+    """A header's words as they may be shown: one line, bounded (a newline in a machine
+    name must not print a forged line)."""
+    if not isinstance(value, str):
+        return None
+    return value.replace("\r", "\\r").replace("\n", "\\n")[:200]
 
 
-def _spool(stream, path):
-    import shutil
-    with open(path, "wb") as f:
-        shutil.copyfileobj(stream, f)
+def _open_bundle(path):
+    """The one descriptor a load reads a bundle file through."""
+    if os.path.isdir(path):
+        raise UsageError("%s: a folder, not a bundle" % path)
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise UsageError("%s: no such bundle" % path)
+    except OSError as e:
+        raise UsageError("%s: cannot read it (%s)" % (path, e.strerror or e))
+    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        f.close()
+        raise UsageError("%s is not a regular file (use - to read standard input)" % path)
+    return f
 
 
 class LoadStats:
@@ -4077,40 +4292,48 @@ class LoadStats:
         self.records_new = self.records_updated = self.records_unchanged = 0
         self.outbox_added = self.outbox_settled = self.outbox_unchanged = self.skipped = 0
         self.outbox_full = 0  # writes not loaded: past outboxMaxMB
+        self.held = []  # what each write held from an unverified bundle is, for the user to judge
 
     def as_dict(self):
         return {"records": {"new": self.records_new, "updated": self.records_updated,
                             "unchanged": self.records_unchanged},
                 "outbox": {"added": self.outbox_added, "settled": self.outbox_settled,
                            "unchanged": self.outbox_unchanged},
-                "not_loaded_outbox_full": self.outbox_full,
+                "not_loaded_outbox_full": self.outbox_full, "held": self.held,
                 "skipped": self.skipped}
 
 
-def load_bundle(store, path, header, dry_run=False, max_mb=None):
-    """Merge a checked bundle, in one transaction (rolled back for a dry run): records
-    under the merge rule; outbox rows this machine lacks, added with their own local
+def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
+    """Merge a checked bundle, in one transaction (rolled back for a dry run).
+
+    Signed with this host's key: records under the merge rule (replacing what an
+    unverified bundle said); outbox rows this machine lacks, added with their own local
     ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
-    bundle shows delivered settle the same rows here, without a request."""
+    bundle shows delivered settle the same rows here (same id, op and payload), without
+    a request. Unverified: records only where this host knows no record of that id,
+    never superseding anything; no settlement; its writes held, never sent until the
+    user releases them. Every write is rebuilt from qmem's own fields, checked as
+    `store` checks them."""
     stats = LoadStats()
-    bulk = not dry_run and store.is_empty()
+    bulk = not dry_run and trust == SIGNED and store.is_empty()
     if bulk:
         store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
     try:
-        return _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb)
+        return _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust)
     finally:
         if bulk and store.meta("fts_pending"):  # rolled back: the index is rebuilt for what is there
             with store.transaction():
                 store.finish_bulk()
 
 
-def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb):
+def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
     with store.transaction():
         settle = []
         batch = []
         for item in bundle_items(path):
-            if item["type"] == "outbox":
-                settle.append(item)
+            if item is None or item["type"] == "outbox":
+                stats.skipped += item is None
+                settle += [item] if item is not None else []
                 continue
             rec = normalize_record(item)
             view = item.get("view") if item.get("view") in (VIEW_HIT, VIEW_ARGS, VIEW_FULL) else VIEW_FULL
@@ -4122,34 +4345,38 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb):
                 if len(batch) >= 5000:
                     _merge_batch(store, batch, stats)
             else:
-                outcome = store.upsert(rec, view, iso_now())
-                stats.records_new += outcome == "new"
-                stats.records_updated += outcome == "updated"
-                stats.records_unchanged += outcome == "same"
+                _merge_record(store, rec, view, trust, stats)
         _merge_batch(store, batch, stats)
         for row in settle:
-            _load_outbox_row(store, row, stats, max_mb)
+            _load_outbox_row(store, row, stats, max_mb, trust)
         store.finish_bulk()
         store.link_supersessions()
         if not dry_run:
             store.set_meta("last_load_at", iso_now())
-            store.set_meta("last_load_from", str(header.get("machine") or "?")[:200])
+            store.set_meta("last_load_from", header_text(header.get("machine")) or "?")
         if dry_run:
             raise _DryRun(stats)
     return stats
 
 
-def dry_run_on_nothing(path):
+def dry_run_on_nothing(path, trust):
     """What a load into an empty machine would do, without making a database."""
     stats = LoadStats()
     for item in bundle_items(path):
-        if item["type"] == "record" and not item.get("pending"):
+        if item is None:
+            stats.skipped += 1
+        elif item["type"] == "record" and not item.get("pending"):
             stats.records_new += 1
         elif item["type"] == "outbox" and item.get("state") not in (SYNCED, DUPLICATE):
-            if isinstance(item.get("payload"), str) and _valid_write(item["payload"], item.get("created_at")):
-                stats.outbox_added += 1
-            else:
+            try:
+                rebuilt = rebuilt_write(item)
+            except ValueError:
                 stats.skipped += 1
+                continue
+            if trust == UNVERIFIED:
+                stats.held.append(_held_summary(item["id"], rebuilt))
+            else:
+                stats.outbox_added += 1
     return stats
 
 
@@ -4161,75 +4388,147 @@ class _DryRun(Exception):
         self.stats = stats
 
 
+def _merge_record(store, rec, view, trust, stats):
+    """One record of a bundle (not of a bulk load), by the bundle's trust."""
+    origin = store.origin_of(rec["id"])
+    if trust == UNVERIFIED:
+        if origin is not None:  # known here: an unverified view never replaces it
+            stats.records_unchanged += 1
+            return
+        rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)  # never hides anything
+    elif origin == ORIGIN_UNVERIFIED:  # a signed view replaces an unverified one whole
+        store.from_gateway(rec, VIEW_FULL, None)
+        store.set_origin([rec["id"]], ORIGIN_SIGNED)
+        stats.records_updated += 1
+        return
+    outcome = store.upsert(rec, view, iso_now())
+    if outcome == "new":
+        store.set_origin([rec["id"]], ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED)
+    stats.records_new += outcome == "new"
+    stats.records_updated += outcome == "updated"
+    stats.records_unchanged += outcome == "same"
+
+
 def _merge_batch(store, batch, stats):
+    """A bulk merge (of a signed bundle into an empty index): the new rows are the
+    bundle's (the transaction holds the write lock: no other process inserted them)."""
     if batch:
+        before = store.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
         new, updated = store.merge_many(batch)
+        store.conn.execute("UPDATE records SET origin=? WHERE rid>?", (ORIGIN_SIGNED, before))
         stats.records_new += new
         stats.records_updated += updated
         stats.records_unchanged += len(batch) - new - updated
         del batch[:]
 
 
-def _loadable_write(store, local_id, payload, created):
-    """Is an outbox row of a bundle a write this machine can take: a valid write (see
-    _valid_write) whose id no record here has already (a crafted row must not take
-    over a record)?"""
-    return _valid_write(payload, created) and store.get(local_id) is None
-
-
-def _valid_write(payload, created):
-    """A payload that store would have accepted (a JSON object with a text of at most
-    MAX_TEXT, a project, a kind) and a time a clock can show."""
+def rebuilt_write(row):
+    """The payload of a bundle's outbox row, rebuilt from qmem's own fields with the checks
+    and bounds of `store` (an expiry judged against when the write was made); ValueError
+    names what is wrong. Fields qmem does not write are dropped."""
     try:
-        body = json.loads(payload)
-        when = float(created)
-    except (TypeError, ValueError, RecursionError):
-        return False
-    return bool(isinstance(body, dict) and isinstance(body.get("text"), str)
-                and 0 < len(body["text"].strip()) <= MAX_TEXT and isinstance(body.get("project_id"), str)
-                and body["project_id"].strip() and body.get("kind") in KINDS and 0 < when < 1e11)
+        body, created = without_surrogates(json.loads(row["payload"])), float(row.get("created_at"))
+    except (TypeError, ValueError, RecursionError, KeyError):
+        raise ValueError("not a write of qmem.py")
+    if not (isinstance(body, dict) and 0 < created < 1e11 and row.get("op") in ("store", "correct")):
+        raise ValueError("not a write of qmem.py")
+    get = lambda f, kind=str: body.get(f) if isinstance(body.get(f), kind) else None  # noqa: E731
+    if (row["op"] == "correct") != bool(get("supersedes_id")):
+        raise ValueError("a correction names what it corrects, a store does not")
+    supersedes = get("supersedes_id")
+    if supersedes and not UUID_RE.fullmatch(supersedes):
+        raise ValueError("supersedes_id is not a memory id")
+    try:
+        payload = _write_payload(get("text"), get("project_id"), get("kind"), get("scope"), get("agent_id"),
+                                 get("source"), get("expires_at"), body.get("private") is True, supersedes,
+                                 get("supersede_reason"), now=created)
+    except UsageError as e:
+        raise ValueError(e.message)
+    for field in ("agent_id", "source"):  # never this machine's defaults for another's write
+        if not get(field):
+            del payload[field]
+    return json.dumps(payload, ensure_ascii=False, sort_keys=True)
 
 
-def _load_outbox_row(store, row, stats, max_mb=None):
-    """One outbox row of a bundle: added here when new, settling this machine's row
-    when the bundle shows it delivered, else nothing."""
+def _held_summary(local_id, payload_text):
+    body = json.loads(payload_text)
+    return {"local_id": local_id, "project_id": body["project_id"], "kind": body["kind"],
+            "agent_id": body.get("agent_id") or "?", "source": body.get("source") or "?",
+            "text": body["text"][:120]}
+
+
+def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
+    """One outbox row of a bundle: added here when new (held, from an unverified bundle),
+    settling this machine's row when a signed bundle shows that very write delivered,
+    else nothing."""
     local_id, state = row.get("id"), row.get("state")
-    payload, op = row.get("payload"), row.get("op")
     if not (isinstance(local_id, str) and UUID_RE.fullmatch(local_id) and state in OUTBOX_STATES
-            and isinstance(payload, str) and op in ("store", "correct")):
+            and state != HELD and isinstance(row.get("payload"), str)):
         stats.skipped += 1
         return
-    here = store.outbox_row(local_id)
+    here = store.outbox_write(local_id)
+    if here is not None and here[2] == HELD and trust == SIGNED:
+        store.drop_held(local_id)  # an unverified row must not pre-plant a real id
+        here = None
     delivered = state in (SYNCED, DUPLICATE)
     if here is None and not delivered:
-        if not _loadable_write(store, local_id, payload, row.get("created_at")):
-            stats.skipped += 1
-            return
-        try:
-            check_outbox_room(store, len(payload.encode("utf-8")), max_mb)
-        except OutboxFull:
-            stats.skipped += 1
-            stats.outbox_full += 1
-            return
-        add_write(store, local_id, op, payload, float(row["created_at"]), FAILED if state == FAILED else PENDING,
-                  text_of(row["last_error"]) if isinstance(row.get("last_error"), str) else None)
-        stats.outbox_added += 1
-    elif here is not None and delivered and here["state"] not in (SYNCED, DUPLICATE):
-        other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
-        # The record it was delivered as must be known (the bundle's records are merged
-        # first), and a write is never the duplicate of itself.
-        if not (isinstance(other, str) and UUID_RE.fullmatch(other) and other != local_id
-                and store.get(other) is not None):
-            stats.skipped += 1
-            return
-        store.settle_write(local_id, state, other)
-        stats.outbox_settled += 1
-    elif here is not None and state == FAILED and here["state"] in WAITING:
+        _add_loaded_write(store, row, stats, max_mb, trust)
+    elif here is None or trust == UNVERIFIED:
+        stats.outbox_unchanged += 1
+    elif not (here[0] == row.get("op") and _same_payload(here[1], row["payload"])):
+        stats.skipped += 1  # not the write it claims to settle
+    elif delivered and here[2] not in (SYNCED, DUPLICATE, HELD):
+        _settle_loaded(store, row, state, stats)
+    elif state == FAILED and here[2] in WAITING:
         reason = row.get("last_error") if isinstance(row.get("last_error"), str) else "refused by the gateway"
         store.refuse_write(local_id, "refused where it was sent: %s" % text_of(reason)[:500])
         stats.outbox_settled += 1
     else:
         stats.outbox_unchanged += 1
+
+
+def _same_payload(a, b):
+    try:
+        return json.loads(a) == json.loads(b)
+    except (ValueError, RecursionError):
+        return False
+
+
+def _add_loaded_write(store, row, stats, max_mb, trust):
+    local_id = row["id"]
+    try:
+        payload = rebuilt_write(row)
+        if store.get(local_id) is not None:  # a crafted row must not take over a record
+            raise ValueError("its id is a record's here")
+        check_outbox_room(store, len(payload.encode("utf-8")), max_mb)
+    except OutboxFull:
+        stats.skipped += 1
+        stats.outbox_full += 1
+        return
+    except ValueError:
+        stats.skipped += 1
+        return
+    if trust == UNVERIFIED:
+        add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)
+        store.set_origin([local_id], ORIGIN_UNVERIFIED)
+        stats.held.append(_held_summary(local_id, payload))
+        return
+    error = text_of(row["last_error"])[:500] if isinstance(row.get("last_error"), str) else None
+    add_write(store, local_id, row["op"], payload, float(row["created_at"]),
+              FAILED if row["state"] == FAILED else PENDING, error)
+    stats.outbox_added += 1
+
+
+def _settle_loaded(store, row, state, stats):
+    other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
+    # The record it was delivered as must be known (the bundle's records are merged
+    # first), and a write is never the duplicate of itself.
+    if not (isinstance(other, str) and UUID_RE.fullmatch(other) and other != row["id"]
+            and store.get(other) is not None):
+        stats.skipped += 1
+        return
+    store.settle_write(row["id"], state, other)
+    stats.outbox_settled += 1
 
 
 # === Doctor ==================================================================
@@ -4717,7 +5016,7 @@ class Operations:
     def config_show(self):
         """Every effective value and where it came from; the API key masked."""
         c = self.config
-        shown = {k: (mask_secret(c[k]) if k == "apiKey" and c[k] else c[k]) for k in CONFIG_KEYS}
+        shown = {k: (mask_secret(c[k]) if k in SECRET_KEYS and c[k] else c[k]) for k in CONFIG_KEYS}
         return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path), "values": shown,
                 "sources": {k: c.sources[k] for k in CONFIG_KEYS}, "db": c.db_path, "breaker_file": c.breaker_path}
 
@@ -4754,6 +5053,27 @@ class Operations:
         return {"action": "apikey", "file": self.config.path, "key": "apiKey", "value": mask_secret(key)}
 
     @utf8_arguments
+    def config_bundle_key(self, key=None, new=False):
+        """Save the key shared by the hosts that exchange bundles (mode 0600); new=True
+        makes one (256 random bits), which the document carries once, to be set on the
+        other host."""
+        if new == bool(key):
+            raise UsageError("give the key (on stdin or at the prompt), or --new to make one, not both"
+                             if key else "no bundle key given", hint="`qmem.py config bundle-key --new` "
+                             "makes one; `printf %s KEY | qmem.py config bundle-key` sets one")
+        key = os.urandom(32).hex() if new else key.strip()
+        if not bundle_key_ok(key):
+            raise UsageError("a bundle key must be at least %d printable characters without spaces (128 "
+                             "bits: 32 hex digits)" % MIN_BUNDLE_KEY, hint="nothing was saved; "
+                             "`qmem.py config bundle-key --new` makes one")
+        write_config(self.config, {"bundleKey": key})
+        doc = {"action": "bundle-key", "file": self.config.path, "key": "bundleKey",
+               "value": mask_secret(key), "key_id": bundle_key_id(key)}
+        if new:
+            doc["new_key"] = key
+        return doc
+
+    @utf8_arguments
     def config_set(self, key, value):
         """Set any key, type-checked; '', 'null' or 'default' restores the default."""
         if key not in CONFIG_KEYS:
@@ -4763,6 +5083,8 @@ class Operations:
             return self.config_url(value)
         if key == "apiKey" and not unset:
             return self.config_apikey(value, on_command_line=True)
+        if key == "bundleKey" and not unset:
+            return self.config_bundle_key(value)
         parsed = None if unset else _check_type(key, value, "config set")
         if key in ("localDbPath", "caFile") and parsed:
             parsed = os.path.abspath(os.path.expanduser(parsed))
@@ -4946,7 +5268,7 @@ class Operations:
             raise StoreError("no local index yet at %s: nothing to export" % self.config.db_path,
                              hint="run `qmem.py import` or `qmem.py pull` first")
         options = dict(projects=list(projects or ()) or None, since=since, records=not outbox_only,
-                       outbox=not records_only)
+                       outbox=not records_only, key=self.config["bundleKey"])
         if path == "-":
             if stream is None:
                 raise UsageError("export -: there is no stdout to write the bundle to")
@@ -4959,7 +5281,8 @@ class Operations:
         else:
             counts = self._export_file(path, options)
         return {"source": "local_sqlite", "file": path, "counts": counts, "format": BUNDLE_FORMAT,
-                "format_version": BUNDLE_VERSION}
+                "format_version": BUNDLE_VERSION, "signed": bool(options["key"]),
+                "key_id": bundle_key_id(options["key"]) if options["key"] else None}
 
     def _export_file(self, path, options):
         import tempfile
@@ -4992,30 +5315,33 @@ class Operations:
 
     @utf8_arguments
     def load(self, path, dry_run=False, stream=None):
-        """Check a bundle whole, then merge it (see load_bundle); '-' reads stdin (kept
-        in a private temporary file while it is checked)."""
-        spooled = None
+        """Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
+        read once, through one descriptor, into a private copy: what is merged is what
+        was checked."""
+        import tempfile
+        fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
         try:
-            if path == "-":
-                spooled = path = _spool_path()
-                _spool(stream, spooled)
-            if not os.path.isfile(path):
-                raise UsageError("%s: %s" % (path, "a folder, not a bundle" if os.path.isdir(path) else
-                                             "no such bundle"))
-            header = check_bundle(path)
+            with os.fdopen(fd, "wb") as spool:
+                source = stream if path == "-" else _open_bundle(path)
+                try:
+                    checked = check_bundle(_Spool(source, spool, path), path, self.config["bundleKey"])
+                finally:
+                    if source is not stream:
+                        source.close()
+            header, trust, why = checked
             if dry_run and not self.has_index():  # nothing here yet: everything would be new
-                stats = dry_run_on_nothing(path)
+                stats = dry_run_on_nothing(copy, trust)
             else:
                 try:
-                    stats = load_bundle(self.store(), path, header, dry_run=dry_run,
-                                        max_mb=self.config["outboxMaxMB"])
+                    stats = load_bundle(self.store(), copy, header, dry_run=dry_run,
+                                        max_mb=self.config["outboxMaxMB"], trust=trust)
                 except _DryRun as d:
                     stats = d.stats
         finally:
-            if spooled and os.path.exists(spooled):
-                os.unlink(spooled)
-        return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run), machine=header.get("machine"),
-                    created_at=header.get("created_at"))
+            os.unlink(copy)
+        return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run), verified=trust == SIGNED,
+                    verification=why, machine=header_text(header.get("machine")),
+                    created_at=header_text(header.get("created_at")))
 
     # -- the doctor
     def doctor(self, offline=False, config_error=None, repair=False):
@@ -5071,6 +5397,25 @@ class Operations:
             store.drop_writes([r["local_id"] for r in rows])
         return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
                 "counts": store.outbox_counts()}
+
+    def release(self, ids, dry_run=False):
+        """Let held writes (from an unverified bundle) be sent: the user vouches for them.
+        Nothing is released unless every id is a held write."""
+        ids = [i.strip() for i in ids if i and i.strip()]
+        if not ids:
+            raise UsageError("queue --release needs the local id of at least one held write")
+        rows = self.store().outbox_items(None, self.clock(), ids=ids) if self.has_index() else []
+        unknown = sorted(set(ids) - {r["local_id"] for r in rows})
+        if unknown:
+            raise UsageError("no write %s in the outbox" % ", ".join(unknown), hint="see `qmem.py queue`")
+        not_held = [r["local_id"] for r in rows if r["state"] != HELD]
+        if not_held:
+            raise UsageError("%s is not held: only writes an unverified bundle brought are" % not_held[0],
+                             hint="`qmem.py queue --state held` lists them")
+        if not dry_run:
+            self.store().release_held(ids)
+        return {"source": "outbox", "dry_run": bool(dry_run), "released": rows,
+                "counts": self.store().outbox_counts()}
 
     def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
         """Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
@@ -5425,45 +5770,6 @@ def _check_droppable(row, force, now):
         raise UsageError("%s is still waiting to be sent; add --force to discard it anyway" % row["local_id"])
 
 
-def _write_payload(text, project, kind, scope, agent, source, expires, private, supersedes, reason):
-    """The request body of a write, every value checked first: a bad one is a usage
-    error and nothing is queued."""
-    text = (text or "").strip()
-    if not text:
-        raise UsageError("the memory's text is empty")
-    if len(text) > MAX_TEXT:
-        raise UsageError("the text is %d characters; a memory holds at most %d (store a summary)"
-                         % (len(text), MAX_TEXT))
-    if not project or not project.strip():
-        raise UsageError("--project is required (the project this memory belongs to)")
-    if kind not in KINDS:
-        raise UsageError("kind must be one of %s, not %r" % (", ".join(KINDS), kind))
-    for name, value, bound in (("project", project.strip(), MAX_PROJECT), ("scope", scope, MAX_FIELD),
-                               ("agent", agent, MAX_FIELD), ("source", source, MAX_FIELD),
-                               ("reason", reason, MAX_FIELD)):
-        if value and len(value) > bound:
-            raise UsageError("the %s is %d characters; it may have at most %d" % (name, len(value), bound),
-                             hint="nothing was done; give a shorter one")
-    payload = {"text": text, "kind": kind, "project_id": project.strip(), "agent_id": agent or "qmem.py",
-               "source": source or machine_identity()[:MAX_FIELD], "private": bool(private)}
-    if scope:
-        payload["scope"] = scope
-    if expires:
-        when = parse_iso(expires)
-        if when is None:
-            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % expires)
-        if when <= time.time():
-            raise UsageError("--expires %s is already past" % expires)
-        payload["expires_at"] = iso_from_epoch(when)
-    if supersedes:
-        payload["supersedes_id"] = supersedes
-        if reason:
-            payload["supersede_reason"] = reason.strip()
-    elif reason:
-        raise UsageError("--reason goes with --supersedes ID (or use `qmem.py correct ID`)")
-    return payload
-
-
 def _hit(result):
     """A search result as the gateway sent it, its score kept only when it is a finite
     number (JSON has no Infinity, and a 1e400 score is no cosine)."""
@@ -5579,6 +5885,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     rows = []
     for r in results:
         flags = [f for f, on in (("PENDING", r["pending"]), ("FAILED: %s" % r["failed_reason"], r["failed"]),
+                                 ("UNVERIFIED", r.get("unverified")),
                                  ("superseded", r["superseded_by"]),
                                  ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
         rows.append((r["id"], r["kind"] or "-", _one_line(r["project_id"] or "-"), (r["created_at"] or "-")[:10],
@@ -5711,6 +6018,12 @@ def show_config(doc, out):
         out.write("url set to %s in %s (breaker reset)\n" % (doc["value"], doc["file"]))
     elif action == "apikey":
         out.write("API key %s saved in %s (mode 0600)\n" % (doc["value"], doc["file"]))
+    elif action == "bundle-key":
+        out.write("bundle key %s (id %s) saved in %s (mode 0600)\n" % (doc["value"], doc["key_id"],
+                                                                      doc["file"]))
+        if doc.get("new_key"):
+            out.write("set the same key on the host you exchange bundles with (shown this once):\n"
+                      "  printf '%%s' %s | python3 qmem.py config bundle-key\n" % doc["new_key"])
     elif action == "set":
         out.write("%s %s in %s\n" % (doc["key"], "reset to its default" if doc["value"] is None else
                                       "set to %s" % json.dumps(doc["value"]), doc["file"]))
@@ -5765,6 +6078,8 @@ def show_queue(doc, out):
         for it in doc["dropped"]:
             out.write("%s %s  %-9s %s\n" % ("would drop" if doc["dry_run"] else "dropped", it["local_id"],
                                             it["state"], _one_line(it["text"], 60)))
+    for it in doc.get("released", ()):
+        out.write("released %s: it will be sent by the next flush\n" % it["local_id"])
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
     show_stuck(doc, out)
     items = doc.get("items", ())
@@ -5784,6 +6099,9 @@ def show_queue(doc, out):
     if FAILED in shown:
         out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries them again, "
                   "`qmem.py queue --drop ID` discards one\n")
+    if HELD in shown:
+        out.write("held writes came in an unverified bundle and are never sent: `qmem.py queue --release ID` "
+                  "once you have checked one, `qmem.py queue --drop ID` to discard it\n")
 
 
 def show_stuck(doc, out):
@@ -5817,6 +6135,11 @@ def show_export(doc, out):
     out.write("export: %s and %s written to %s (%s format %d)\n" % (
         plural(doc["counts"]["records"], "record"), plural(doc["counts"]["outbox"], "outbox row"),
         "stdout" if doc["file"] == "-" else doc["file"], doc["format"], doc["format_version"]))
+    if doc["signed"]:
+        out.write("  signed with the bundle key %s: a paired host trusts it\n" % doc["key_id"])
+    else:
+        out.write("  not signed (no bundle key here): the other host holds its writes until released; "
+                  "pair the hosts with `qmem.py config bundle-key`\n")
 
 
 def show_load(doc, out):
@@ -5830,6 +6153,20 @@ def show_load(doc, out):
     if doc.get("not_loaded_outbox_full"):
         out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load it "
                   "again\n" % plural(doc["not_loaded_outbox_full"], "write"))
+    if doc["verified"]:
+        out.write("  verified: %s\n" % doc["verification"])
+        return
+    out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing settled%s\n" % (
+        doc["verification"], ", its writes held" if doc["held"] else ""))
+    for h in doc["held"][:50]:
+        out.write("  held %s  %s  %s  by %s from %s: %s\n" % (
+            h["local_id"], _one_line(h["project_id"], 40), h["kind"], _one_line(h["agent_id"], 40),
+            _one_line(h["source"], 60), _one_line(h["text"], 80)))
+    if len(doc["held"]) > 50:
+        out.write("  … and %d more held (`qmem.py queue --state held`)\n" % (len(doc["held"]) - 50))
+    if doc["held"]:
+        out.write("  held writes are never sent: check them, then `qmem.py queue --release ID… --yes` "
+                  "(or `queue --drop ID… --yes`)\n")
 
 
 def show_doctor(doc, out):
@@ -6198,6 +6535,8 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
         out["text"], out["text_cut"] = text[:cut] + "…", True
     if rec.get("pending"):
         out["queued"] = True  # written here, not yet shared
+    if rec.get("unverified"):
+        out["unverified"] = True  # from a bundle nobody vouched for
     if rec.get("failed"):
         out["refused"] = rec.get("failed_reason") or "refused by the gateway"
     score = rec.get("score")
@@ -6855,6 +7194,13 @@ def cli_config(ops, a):
         if len(values) > 1:
             raise UsageError("usage: qmem.py config apikey   (then type or pipe the key)")
         return ops.config_apikey(values[0] if values else _read_key(), on_command_line=bool(values))
+    if action == "bundle-key":
+        if values:
+            raise UsageError("usage: qmem.py config bundle-key [--new]   (then type or pipe the key)",
+                             hint="a key on the command line would stay in your shell history")
+        return ops.config_bundle_key(None if a.new else _read_key("bundle key"), new=a.new)
+    if a.new:
+        raise UsageError("--new goes with `config bundle-key`")
     wanted = {"show": 0, "test": 0, "url": 1, "set": 2}[action]
     if len(values) != wanted:
         raise UsageError({"show": "config show takes no arguments", "test": "config test takes no arguments",
@@ -6867,12 +7213,12 @@ def _interactive():
     return sys.stdin.isatty() and sys.stdout.isatty()
 
 
-def _read_key():
-    """The API key from a hidden prompt on a terminal, else one line of stdin."""
+def _read_key(what="API key"):
+    """A key from a hidden prompt on a terminal, else one line of stdin."""
     try:
         if sys.stdin.isatty():
             import getpass
-            return getpass.getpass("API key (input hidden): ")
+            return getpass.getpass("%s (input hidden): " % what)
         return sys.stdin.readline()
     except EOFError:  # Ctrl-D at the prompt: no key
         return ""
@@ -6949,9 +7295,15 @@ def cli_correct(ops, a):
 
 
 def cli_queue(ops, a):
+    if a.release:
+        if a.drop or a.state or a.force:
+            raise UsageError("--release ID… goes alone (with --yes)")
+        if not a.yes:
+            _confirm("release", ops.release(a.release, dry_run=True)["released"], "may be sent")
+        return ops.release(a.release)
     if not a.drop:
         if a.force or a.yes:
-            raise UsageError("--force and --yes go with --drop ID…")
+            raise UsageError("--force and --yes go with --drop ID… or --release ID…")
         return ops.queue(a.state)
     if a.state:
         raise UsageError("--state lists rows; --drop ID… discards them: one at a time")
@@ -6967,6 +7319,18 @@ def cli_queue(ops, a):
         if sys.stdin.readline().strip().lower() not in ("y", "yes"):
             raise QmemError("nothing discarded", kind="cancelled")
     return ops.drop(a.drop, force=a.force)
+
+
+def _confirm(verb, rows, what):
+    """Ask on a terminal before acting on these outbox rows; elsewhere --yes is needed."""
+    if not _interactive():
+        raise UsageError("queue --%s asks first" % verb, hint="add --yes to %s without asking" % verb)
+    for it in rows:
+        sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
+    sys.stderr.write("%s %s: it %s? [y/N] " % (verb, plural(len(rows), "write"), what))
+    sys.stderr.flush()
+    if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+        raise QmemError("nothing done", kind="cancelled")
 
 
 def with_progress(label, work):
@@ -7097,7 +7461,9 @@ def build_parser():
     sp.add_argument("--drop", nargs="+", metavar="ID", help="discard these failed or duplicate writes and "
                     "their local records")
     sp.add_argument("--force", action="store_true", help="with --drop: also discard writes still waiting to be sent")
-    sp.add_argument("--yes", action="store_true", help="with --drop: do not ask first")
+    sp.add_argument("--release", nargs="+", metavar="ID", help="let these held writes (from an "
+                    "unverified bundle) be sent")
+    sp.add_argument("--yes", action="store_true", help="with --drop or --release: do not ask first")
 
     sp = command("flush", cli_flush, "Deliver queued writes to the gateway, oldest first, each exactly once.")
     sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
@@ -7143,10 +7509,12 @@ def build_parser():
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
 
     sp = command("config", cli_config, "Show or change the configuration (shared with the pi extension).",
-                 epilog="Actions: show | url URL | apikey (reads stdin or prompts) | set KEY VALUE | test. "
+                 epilog="Actions: show | url URL | apikey (reads stdin or prompts) | bundle-key [--new] "
+                 "(the same) | set KEY VALUE | test. "
                  "With none, on a terminal: a menu.")
-    sp.add_argument("action", nargs="?", choices=("show", "url", "apikey", "set", "test"))
+    sp.add_argument("action", nargs="?", choices=("show", "url", "apikey", "bundle-key", "set", "test"))
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
+    sp.add_argument("--new", action="store_true", help="with bundle-key: make a new key (printed once)")
     return p
 
 

@@ -711,7 +711,8 @@ class FindTests(QmemTestCase):
         self.assertEqual((out["source"], out["match"], out["degraded"]), ("local_sqlite", "all", False))
         self.assertEqual(set(out["results"][0]), {
             "id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "superseded_by",
-            "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet", "expires_at"})
+            "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet", "expires_at",
+            "unverified"})
         self.assertEqual(out["results"][0]["rank"], 1)
 
     def test_human_output_header_and_pending_marker(self):
@@ -3393,7 +3394,7 @@ class SecurityLeaseTests(GatewayTestCase):
     def test_an_older_qmem_py_is_refused_by_the_claim_rules_version(self):
         qmem.Store(self.db).close()
         conn = sqlite3.connect(self.db)
-        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 2)
+        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], qmem.SCHEMA_VERSION)
         conn.close()
         with mock.patch.object(qmem, "SCHEMA_VERSION", 1):
             with self.assertRaises(qmem.StoreError) as cm:
@@ -3683,8 +3684,23 @@ class RelevanceTests(QmemTestCase):
         self.assertGreaterEqual(len(RELEVANCE_RECORDS), 100)
 
 
+BUNDLE_KEY = "0123456789abcdef0123456789abcdef"
+
+
 class BundleTestCase(GatewayTestCase):
-    """Two machines (two databases, one of them offline) and bundles between them."""
+    """Two machines (two databases, one of them offline) and bundles between them, paired:
+    they share a bundle key (part 11), unless a test unpairs them."""
+
+    def setUp(self):
+        super().setUp()
+        self.pair(BUNDLE_KEY)
+
+    def pair(self, key):
+        path = os.path.join(self.home, "paired.json")
+        with open(path, "w") as f:
+            json.dump({"bundleKey": key} if key else {}, f)
+        os.chmod(path, 0o600)
+        os.environ["QMEM_CONFIG"] = path
 
     def host(self, name, online):
         """Switch to one of two machines: its own database; a gateway only when online."""
@@ -3706,16 +3722,21 @@ class BundleTestCase(GatewayTestCase):
         return sorted((r["id"], r["text"], bool(r["superseded_by"]), r["pending"])
                       for r in self.ok_json("find", "memoria", "--include-superseded", "--limit", "100")["results"])
 
-    def crafted(self, items):
-        """A bundle with a right checksum around whatever items it is given."""
+    def crafted(self, items, key=BUNDLE_KEY, machine="crafted"):
+        """A bundle with a right checksum around whatever items it is given, signed with
+        key (the paired hosts' by default: the worst case, a paired host's bundle)."""
         import gzip
         import hashlib
-        head = {"format": "qmem-bundle", "format_version": 1, "machine": "crafted", "created_at": "2026-12-01"}
+        import hmac
+        head = {"format": "qmem-bundle", "format_version": 1, "machine": machine, "created_at": "2026-12-01"}
         data = "".join(json.dumps(obj) + "\n" for obj in [head] + items).encode()
+        trailer = {"type": "end", "lines": len(items) + 1, "sha256": hashlib.sha256(data).hexdigest()}
+        if key:
+            trailer.update(hmac=hmac.new(key.encode(), data, hashlib.sha256).hexdigest(),
+                           key_id=qmem.bundle_key_id(key))
         path = os.path.join(self.home, "crafted.bundle")
         with gzip.open(path, "wb") as f:
-            f.write(data + (json.dumps({"type": "end", "lines": len(items) + 1,
-                                        "sha256": hashlib.sha256(data).hexdigest()}) + "\n").encode())
+            f.write(data + (json.dumps(trailer) + "\n").encode())
         return path
 
 
