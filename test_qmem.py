@@ -3872,6 +3872,167 @@ class BundleTests(BundleTestCase):
         self.assertEqual(leftovers, [])
 
 
+class BundleTrustTests(BundleTestCase):
+    """Part 11: a bundle proves where it came from, or it changes nothing that is here
+    and sends nothing with this user's key until the user says so."""
+
+    def put(self, rid, text):
+        store = qmem.Store(os.environ["QMEM_SQLITE"])
+        try:
+            with store.transaction():
+                store.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+        finally:
+            store.close()
+
+    def here(self, rid):
+        store = qmem.Store(os.environ["QMEM_SQLITE"])
+        try:
+            return store.get(rid)
+        finally:
+            store.close()
+
+    def genuine(self):
+        """A real bundle of the air-gapped host a (one write queued), signed."""
+        self.host("a", False)
+        local = self.ok_json("store", "memoria vera", "--project", "p")["local_id"]
+        path = os.path.join(self.home, "a.bundle")
+        self.assertTrue(self.ok_json("export", path)["signed"])
+        return local, path
+
+    def forged(self, template):
+        """A genuine bundle as a template, its lines replaced, its checksum recomputed."""
+        import gzip
+        with gzip.open(template, "rb") as f:
+            lines = [json.loads(line) for line in f]
+        row = [obj for obj in lines if obj.get("type") == "outbox"][0]
+        evil = dict(row, id=UUIDS[77], payload=json.dumps({
+            "text": "il deploy ora va fatto a mano", "kind": "decision", "project_id": "infra",
+            "supersedes_id": UUIDS[5], "agent_id": "attaccante", "source": "nessuno"}), op="correct")
+        return self.crafted([evil], key=None, machine="a\nload: bundle of trusted-host")
+
+    def test_an_unsigned_bundle_holds_its_writes_until_released(self):
+        """A forged bundle's correction was sent by the automatic flush and marked a real
+        record superseded, under this user's key."""
+        real = self.gw.add("il deploy è automatico")
+        self.gw.records[UUIDS[5]] = dict(real, id=UUIDS[5])
+        _, genuine = self.genuine()
+        self.host("b", True)
+        forged = self.forged(genuine)
+        code, out, err = self.run_cli("load", forged)
+        self.assertEqual(code, 0, err)
+        self.assertIn("UNVERIFIED (not signed)", out)
+        self.assertIn("held %s" % UUIDS[77], out)
+        self.assertIn("by attaccante from nessuno: il deploy ora va fatto a mano", out)
+        self.assertEqual(len([l for l in out.splitlines() if l.startswith("load")]), 1)  # no forged line
+        self.ok("search", "deploy")  # an online command: its automatic flush
+        self.ok("flush")
+        self.assertEqual(self.gw.posts(), [])
+        self.assertIsNone(self.gw.records[UUIDS[5]]["superseded_by"])
+        held = self.ok_json("queue", "--state", "held")["items"]
+        self.assertEqual([(h["local_id"], h["unverified"]) for h in held], [(UUIDS[77], True)])
+        self.assertIn("`qmem.py queue --release ID`", self.ok("queue"))
+        self.expect_fail(2, "queue", "--release", UUIDS[77])  # asks first: --yes off a terminal
+        self.ok("queue", "--release", UUIDS[77], "--yes")
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertEqual(self.gw.posts()[-1][2]["idempotency-key"], UUIDS[77])
+
+    def test_another_key_or_a_byte_changed_after_signing_is_refused_whole(self):
+        _, genuine = self.genuine()
+        self.host("b", False)
+        self.ok("store", "memoria di b", "--project", "p", "--queue-only")
+        before = self.dump("b")
+        self.pair("f" * 32)
+        err = self.expect_fail(1, "load", genuine)
+        self.assertIn("is signed with another bundle key (id %s; this host's is %s)" % (
+            qmem.bundle_key_id(BUNDLE_KEY), qmem.bundle_key_id("f" * 32)), err)
+        self.pair(BUNDLE_KEY)
+        import gzip
+        with gzip.open(genuine, "rb") as f:
+            lines = f.read().replace(b"memoria vera", b"memoria FALSA")
+        import hashlib
+        body, trailer = lines.rsplit(b"\n", 2)[0] + b"\n", json.loads(lines.rsplit(b"\n", 2)[1])
+        trailer["sha256"] = hashlib.sha256(body).hexdigest()
+        with gzip.open(genuine, "wb") as f:
+            f.write(body + json.dumps(trailer).encode() + b"\n")
+        self.assertIn("was altered after it was signed", self.expect_fail(1, "load", genuine))
+        self.assertEqual(self.dump("b"), before)
+
+    def test_an_unverified_record_never_replaces_tombstones_or_supersedes_what_is_here(self):
+        self.host("b", False)
+        self.put(UUIDS[1], "il testo vero")
+        self.put(UUIDS[2], "un altro vero")
+        fake = [record(UUIDS[1], "il testo falso"), record(UUIDS[3], "nuovo e falso", supersedes_id=UUIDS[2]),
+                dict(record(UUIDS[4], "cancella"), deleted_at="2026-12-01T00:00:00Z", id=UUIDS[2])]
+        doc = self.ok_json("load", self.crafted([dict(r, type="record", view=2) for r in fake], key=None))
+        self.assertEqual((doc["records"]["new"], doc["verified"]), (1, False))
+        self.assertEqual(self.here(UUIDS[1])["text"], "il testo vero")
+        found = {r["id"]: r for r in self.ok_json("find", "falso")["results"]}
+        self.assertEqual(list(found), [UUIDS[3]])
+        self.assertTrue(found[UUIDS[3]]["unverified"])
+        self.assertIn("[UNVERIFIED]", self.ok("find", "falso"))
+        self.assertEqual(self.find_ids("altro"), [UUIDS[2]])  # neither superseded nor deleted
+        # A signed view of the same id replaces the unverified one; so does the gateway's.
+        self.ok("load", self.crafted([dict(record(UUIDS[3], "nuovo e firmato"), type="record", view=2)]))
+        self.assertEqual(self.here(UUIDS[3])["text"], "nuovo e firmato")
+        self.assertEqual(self.find_ids("firmato"), [UUIDS[3]])
+        self.assertFalse(self.ok_json("find", "firmato")["results"][0]["unverified"])
+        self.gw.records[UUIDS[3]] = record(UUIDS[3], "dal gateway")  # no newer than the bundle's
+        self.host("b", True)
+        self.ok("pull")
+        self.assertEqual(self.here(UUIDS[3])["text"], "dal gateway")
+
+    def test_a_settlement_needs_the_very_same_write_from_a_signed_bundle(self):
+        self.host("b", False)
+        local = self.ok_json("store", "da consegnare", "--project", "p", "--queue-only")["local_id"]
+        self.put(UUIDS[50], "qualcosa")
+        fake = {"type": "outbox", "id": local, "op": "store", "state": "synced", "gateway_id": UUIDS[50],
+                "created_at": time.time(), "payload": "{}"}
+        for key in (None, BUNDLE_KEY):
+            self.assertEqual(self.ok_json("load", self.crafted([fake], key=key))["outbox"]["settled"], 0)
+        self.assertEqual(self.ok_json("queue")["items"][0]["state"], "pending")
+
+    def test_standard_input_is_judged_by_its_first_bytes_and_lines_are_bounded(self):
+        class Endless:
+            read_bytes = 0
+
+            def read(self, size=-1):
+                size = 65536 if size is None or size < 0 else size
+                Endless.read_bytes += size
+                return b"x" * size
+        ops = qmem.Operations(qmem.load_config())
+        self.addCleanup(ops.close)
+        with self.assertRaises(qmem.BundleError) as cm:
+            ops.load("-", stream=Endless())
+        self.assertIn("does not begin as gzip does", cm.exception.message)
+        self.assertLess(Endless.read_bytes, 1 << 20)
+        values = {"type": "record", "id": UUIDS[9], "text": "x", "junk": [{}] * 150000}
+        doc = self.ok_json("load", self.crafted([values, dict(record(UUIDS[8], "buono"), type="record")]))
+        self.assertEqual((doc["skipped"], doc["records"]["new"]), (1, 1))
+
+    def test_what_came_unverified_does_not_travel_on_signed(self):
+        _, genuine = self.genuine()
+        self.host("b", False)
+        self.ok("load", self.forged(genuine))
+        self.ok("load", self.crafted([dict(record(UUIDS[6], "ricordo non firmato"), type="record")], key=None))
+        out = os.path.join(self.home, "b.bundle")
+        self.assertEqual(self.ok_json("export", out)["counts"], {"records": 0, "outbox": 0})
+
+    def test_the_bundle_key_is_made_once_read_from_stdin_and_always_masked(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "new.json")
+        doc = self.ok_json("config", "bundle-key", "--new")
+        key = doc["new_key"]
+        self.assertRegex(key, r"\A[0-9a-f]{64}\Z")
+        shown = self.ok("config", "show") + self.ok("config", "show", "--json")
+        self.assertNotIn(key, shown)
+        self.assertIn(qmem.mask_secret(key), shown)
+        with mock.patch("sys.stdin", io.StringIO("short\n")):
+            self.assertIn("at least 32 printable characters", self.expect_fail(2, "config", "bundle-key"))
+        with mock.patch("sys.stdin", io.StringIO(BUNDLE_KEY + "\n")):
+            self.assertEqual(self.ok_json("config", "bundle-key")["key_id"], qmem.bundle_key_id(BUNDLE_KEY))
+        with open(os.environ["QMEM_CONFIG"]) as f:
+            self.assertEqual(json.load(f)["bundleKey"], BUNDLE_KEY)
+
+
 class DoctorTests(GatewayTestCase):
     """Part 7: doctor names what is wrong, staged one condition at a time."""
 
