@@ -2114,6 +2114,20 @@ class Store:
         """(op, payload, state) of an outbox row, or None."""
         return self.conn.execute("SELECT op, payload, state FROM outbox WHERE id=?", (local_id,)).fetchone()
 
+    def refuse_loaded(self, local_id, row, reason):
+        """Inside a transaction: a paired host's write refused here (it fails the checks of
+        `store`), kept as a failed row of its own (last_status 0: never retried), so that
+        the bundle back tells that host, by id, and nothing of it is sent."""
+        try:
+            created = float(row["created_at"])
+        except (TypeError, ValueError):
+            created = time.time()
+        self.conn.execute("INSERT OR IGNORE INTO outbox(id, op, payload, created_at, state, last_status, "
+                          "last_error, done_at) VALUES(?, ?, ?, ?, 'failed', 0, ?, ?)",
+                          (local_id, row.get("op") if row.get("op") in ("store", "correct") else "store",
+                           row["payload"], created if 0 < created < 1e11 else time.time(),
+                           "refused when loaded here: %s" % reason[:300], time.time()))
+
     def release_held(self, local_ids):
         """Held writes -> pending (queue --release): the user vouches for them now."""
         with self.transaction():
@@ -2196,13 +2210,15 @@ class Store:
         """Make every failed write pending again (flush --retry-failed): its record waits
         again, and a correction hides its target again."""
         with self.transaction():
-            failed = self.conn.execute("SELECT id, target FROM outbox WHERE state='failed'").fetchall()
+            failed = self.conn.execute("SELECT id, target FROM outbox WHERE state='failed' AND "
+                                       "coalesce(last_status, -1) != 0").fetchall()
             for local_id, target in failed:
                 self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_WAITING, local_id))
                 if target:
                     self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
                                       (local_id, self.current_id(target)))
-            self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed'")
+            self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed' "
+                              "AND coalesce(last_status, -1) != 0")  # 0: refused here, never sent
 
     def bundle_record_count(self, projects, since):
         where, params = _bundle_filter(projects, since)
@@ -4505,8 +4521,10 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
         stats.skipped += 1
         stats.outbox_full += 1
         return
-    except ValueError:
+    except ValueError as e:
         stats.skipped += 1
+        if trust == SIGNED and store.get(local_id) is None:
+            store.refuse_loaded(local_id, row, str(e))  # so that the return bundle says so
         return
     if trust == UNVERIFIED:
         add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)

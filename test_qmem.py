@@ -3214,6 +3214,8 @@ class SecurityOtherUserTests(QmemTestCase):
         os.mkdir(shared)
         link = os.path.join(shared, "out.bundle")
         os.symlink(bashrc, link)
+        if other_uid() is not None:
+            os.lchown(link, other_uid(), -1)  # another user's link, as in /tmp
         err = self.expect_fail(2, "export", link)
         self.assertIn("is a symbolic link: refusing to write through it", err)
         self.assertEqual(read_bytes(bashrc), b"export PATH=~/bin:$PATH\n")
@@ -3990,6 +3992,33 @@ class BundleTrustTests(BundleTestCase):
         for key in (None, BUNDLE_KEY):
             self.assertEqual(self.ok_json("load", self.crafted([fake], key=key))["outbox"]["settled"], 0)
         self.assertEqual(self.ok_json("queue")["items"][0]["state"], "pending")
+
+    def test_a_write_that_fails_the_checks_is_refused_and_the_bundle_back_says_so(self):
+        """Part 11: a bundle's payloads were queued as written: any agent, source or scope,
+        a 10 MiB field, a text `store` itself would refuse."""
+        self.host("b", True)
+        good = {"type": "outbox", "id": UUIDS[20], "op": "store", "state": "pending", "created_at": time.time(),
+                "payload": json.dumps({"text": "buona", "kind": "fact", "project_id": "p",
+                                       "agent_id": "a", "source": "s", "extra": "x"})}
+        huge = dict(good, id=UUIDS[21], payload=json.dumps({"text": "t", "kind": "fact", "project_id": "p",
+                                                            "scope": "s" * 5000}))
+        expired = dict(good, id=UUIDS[22], created_at=time.time() - 3 * 86400, payload=json.dumps(
+            {"text": "scaduta", "kind": "fact", "project_id": "p",
+             "expires_at": qmem.iso_from_epoch(time.time() - 4 * 86400)}))  # past when it was made
+        doc = self.ok_json("load", self.crafted([good, huge, expired]))
+        self.assertEqual((doc["outbox"]["added"], doc["skipped"]), (1, 2))
+        failed = {i["local_id"]: i["last_error"] for i in self.ok_json("queue", "--state", "failed")["items"]}
+        self.assertIn("refused when loaded here: the scope is 5000 characters", failed[UUIDS[21]])
+        self.assertIn("already past", failed[UUIDS[22]])
+        self.assertEqual(self.ok_json("flush", "--retry-failed")["synced"], 1)
+        self.assertEqual([p[3] for p in self.gw.posts()], [{"text": "buona", "kind": "fact", "project_id": "p",
+                                                           "agent_id": "a", "source": "s", "private": False}])
+        back = os.path.join(self.home, "back.bundle")
+        self.ok("export", "--outbox-only", back)
+        import gzip
+        with gzip.open(back, "rb") as f:
+            states = {o["id"]: o["state"] for o in map(json.loads, f) if o.get("type") == "outbox"}
+        self.assertEqual((states[UUIDS[21]], states[UUIDS[22]]), ("failed", "failed"))
 
     def test_standard_input_is_judged_by_its_first_bytes_and_lines_are_bounded(self):
         class Endless:
