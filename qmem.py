@@ -566,8 +566,8 @@ def _check_type(key, value, origin, typed=False):
             raise ConfigError("%s: %s must be between %d and %d, not %d" % (origin, key, low, high, number))
         return number
     if value is not None and not isinstance(value, str):
-        shown = ("a %s" % type(value).__name__ if key in SECRET_KEYS + ("url",)  # never a key or password
-                 else json.dumps(value)[:80])
+        never = SECRET_KEYS + ("url",)  # a key, or a URL's password
+        shown = "a %s" % type(value).__name__ if key in never else json.dumps(value)[:80]
         raise ConfigError("%s: %s must be a string, not %s" % (origin, key, shown))
     return value or None
 
@@ -673,8 +673,8 @@ def _key_withheld(values, sources, raw, path):
     return None
 
 
-KEY_ELSEWHERE_HINT = ("give that gateway's key in QMEM_API_KEY, or point QMEM_CONFIG at a config file "
-                      "made for it (`qmem.py config url URL`, then `qmem.py config apikey`)")
+KEY_ELSEWHERE_HINT = ("give that gateway's key in QMEM_API_KEY, or point QMEM_CONFIG at a config "
+                      "file made for it (`qmem.py config url URL`, then `qmem.py config apikey`)")
 
 
 MIN_BUNDLE_KEY = 32  # characters: 32 hex digits are 128 bits
@@ -707,8 +707,8 @@ def _check_config(values, sources, path):
             raise ConfigError("%s: apiKey holds characters a request header cannot carry (whitespace, "
                               "controls, non-ASCII)" % origin("apiKey"), hint="set it again with `qmem.py config apikey`")
     if values["bundleKey"] is not None and not bundle_key_ok(values["bundleKey"]):
-        raise ConfigError("%s: bundleKey must be at least %d printable characters without spaces (128 "
-                          "bits)" % (origin("bundleKey"), MIN_BUNDLE_KEY),
+        raise ConfigError("%s: bundleKey must be at least %d printable characters without spaces "
+                          "(128 bits)" % (origin("bundleKey"), MIN_BUNDLE_KEY),
                           hint="set it again with `qmem.py config bundle-key` (--new makes one)")
     if values["breakerBaseMs"] > values["breakerMaxMs"]:
         raise ConfigError("%s: breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
@@ -1298,7 +1298,7 @@ class Gateway:
             raise GatewayError(NOT_CONFIGURED, "no gateway configured", hint="run `qmem.py config url https://…`",
                                detail="no gateway configured")
         if not self.key and config.key_withheld:
-            raise GatewayError(NOT_CONFIGURED, "no API key for this gateway: %s" % config.key_withheld,
+            raise GatewayError(NOT_CONFIGURED, "no API key for this gateway: " + config.key_withheld,
                                hint=KEY_ELSEWHERE_HINT, detail="no API key for this gateway")
         if not self.key:
             raise GatewayError(NOT_CONFIGURED, "no API key configured", hint="run `qmem.py config apikey`",
@@ -1692,8 +1692,8 @@ def _m003_held(conn):
     says where its view came from (origin)."""
     sql = conn.execute("SELECT sql FROM sqlite_master WHERE name='outbox'").fetchone()[0]
     if "'held'" not in sql:  # (a database whose version was set back has it already)
-        _script(conn, re.sub(r'\ACREATE TABLE "?outbox"?\(', "CREATE TABLE outbox_new(", sql).replace(
-            "'failed'))", "'failed', 'held'))") + ";\n" + """
+        new = re.sub(r'\ACREATE TABLE "?outbox"?\(', "CREATE TABLE outbox_new(", sql)
+        _script(conn, new.replace("'failed'))", "'failed', 'held'))") + ";\n" + """
         INSERT INTO outbox_new SELECT * FROM outbox;
         DROP TABLE outbox;
         ALTER TABLE outbox_new RENAME TO outbox;
@@ -2096,8 +2096,8 @@ class Store:
     def from_gateway(self, rec, view, seen_at):
         """upsert() of a view the gateway gave: it replaces what a bundle said of the record
         (an unverified bundle's always, a signed one's when this view is complete)."""
-        row = self.conn.execute("SELECT rid, origin, text, project_id, kind FROM records WHERE id=?",
-                                (rec["id"],)).fetchone()
+        row = self.conn.execute("SELECT rid, origin, text, project_id, kind FROM records "
+                                "WHERE id=?", (rec["id"],)).fetchone()
         if row is not None and row[1] and (row[1] == ORIGIN_UNVERIFIED or view == VIEW_FULL):
             self._unindex(row[0], {"text": row[2], "project_id": row[3], "kind": row[4]})
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
@@ -2108,11 +2108,13 @@ class Store:
         return None if row is None else row[0]
 
     def set_origin(self, record_ids, origin):
-        self.conn.executemany("UPDATE records SET origin=? WHERE id=?", [(origin, i) for i in record_ids])
+        self.conn.executemany("UPDATE records SET origin=? WHERE id=?",
+                              [(origin, i) for i in record_ids])
 
     def outbox_write(self, local_id):
         """(op, payload, state) of an outbox row, or None."""
-        return self.conn.execute("SELECT op, payload, state FROM outbox WHERE id=?", (local_id,)).fetchone()
+        return self.conn.execute("SELECT op, payload, state FROM outbox WHERE id=?",
+                                 (local_id,)).fetchone()
 
     def refuse_loaded(self, local_id, row, reason):
         """Inside a transaction: a paired host's write refused here (it fails the checks of
@@ -2122,18 +2124,18 @@ class Store:
             created = float(row["created_at"])
         except (TypeError, ValueError):
             created = time.time()
-        self.conn.execute("INSERT OR IGNORE INTO outbox(id, op, payload, created_at, state, last_status, "
-                          "last_error, done_at) VALUES(?, ?, ?, ?, 'failed', 0, ?, ?)",
-                          (local_id, row.get("op") if row.get("op") in ("store", "correct") else "store",
-                           row["payload"], created if 0 < created < 1e11 else time.time(),
+        op = row.get("op") if row.get("op") in ("store", "correct") else "store"
+        self.conn.execute("INSERT OR IGNORE INTO outbox(id, op, payload, created_at, state, "
+                          "last_status, last_error, done_at) VALUES(?, ?, ?, ?, 'failed', 0, ?, ?)",
+                          (local_id, op, row["payload"], created if 0 < created < 1e11 else time.time(),
                            "refused when loaded here: %s" % reason[:300], time.time()))
 
     def release_held(self, local_ids):
         """Held writes -> pending (queue --release): the user vouches for them now."""
         with self.transaction():
             for local_id in local_ids:
-                self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE id=? AND "
-                                  "state='held'", (local_id,))
+                self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 "
+                                  "WHERE id=? AND state='held'", (local_id,))
                 self.conn.execute("UPDATE records SET origin=0 WHERE id=?", (local_id,))
 
     def drop_held(self, local_id):
@@ -2168,7 +2170,8 @@ class Store:
             items.append({"local_id": rid, "op": op, "state": st, "attempts": attempts,
                           "created_at": iso_from_epoch(created), "age_s": int(now - created), "last_error": error,
                           "gateway_id": gateway_id, "duplicate_of": dup, "project_id": body.get("project_id"),
-                          "text": body.get("text"), "lease_until": lease_until, "unverified": st == HELD,
+                          "text": body.get("text"), "lease_until": lease_until,
+                          "unverified": st == HELD,
                           "next_attempt_at": iso_from_epoch(next_at) if st == PENDING and next_at > now else None})
         return items
 
@@ -2217,8 +2220,8 @@ class Store:
                 if target:
                     self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
                                       (local_id, self.current_id(target)))
-            self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 WHERE state='failed' "
-                              "AND coalesce(last_status, -1) != 0")  # 0: refused here, never sent
+            self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 "
+                              "WHERE state='failed' AND coalesce(last_status, -1) != 0")  # 0: never sent
 
     def bundle_record_count(self, projects, since):
         where, params = _bundle_filter(projects, since)
@@ -2328,8 +2331,9 @@ class Store:
 
     def outbox_bytes(self):
         """The bytes of the payloads of writes not yet settled (waiting or refused)."""
-        return self.conn.execute("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) FROM outbox "
-                                 "WHERE state IN ('pending', 'sending', 'failed', 'held')").fetchone()[0]
+        return self.conn.execute("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
+                                 "FROM outbox WHERE state IN ('pending', 'sending', 'failed', 'held')"
+                                 ).fetchone()[0]
 
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
