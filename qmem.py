@@ -244,7 +244,7 @@ def mask_url(url):
     if not isinstance(url, str):
         return "(a %s, not a URL)" % type(url).__name__
     shown = _USERINFO_RE.sub("\\1…@", url.strip(), count=1)
-    cut = re.split(r"[?#]", shown, 1)
+    cut = re.split(r"[?#]", shown, maxsplit=1)
     return visible(cut[0] + ("?…" if len(cut) > 1 else ""))[:200]
 
 
