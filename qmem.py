@@ -624,7 +624,10 @@ def load_config(environ=None, overrides=None):
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
     for key in DEFAULTS:
         if key in raw and raw[key] is not None:
-            values[key] = _check_type(key, raw[key], "config file %s" % path, typed=True)
+            if key == "bundleKey" and not isinstance(raw[key], str):  # ignored, warned: _check_config
+                values[key] = "(a %s)" % type(raw[key]).__name__
+            else:
+                values[key] = _check_type(key, raw[key], "config file %s" % path, typed=True)
             sources[key] = "file"
     for key, var in ENV_KEYS.items():
         if environ.get(var):
@@ -678,10 +681,11 @@ KEY_ELSEWHERE_HINT = ("give that gateway's key in QMEM_API_KEY, or point QMEM_CO
 
 
 MIN_BUNDLE_KEY = 32  # characters: 32 hex digits are 128 bits
+MAX_KEY = 1024       # characters of a key: a longer one is a pasted file
 
 
 def bundle_key_ok(key):
-    return len(key) >= MIN_BUNDLE_KEY and api_key_ok(key)
+    return MIN_BUNDLE_KEY <= len(key) <= MAX_KEY and api_key_ok(key)
 
 
 def api_key_ok(key):
@@ -707,9 +711,11 @@ def _check_config(values, sources, path):
             raise ConfigError("%s: apiKey holds characters a request header cannot carry (whitespace, "
                               "controls, non-ASCII)" % origin("apiKey"), hint="set it again with `qmem.py config apikey`")
     if values["bundleKey"] is not None and not bundle_key_ok(values["bundleKey"]):
-        raise ConfigError("%s: bundleKey must be at least %d printable characters without spaces "
-                          "(128 bits)" % (origin("bundleKey"), MIN_BUNDLE_KEY),
-                          hint="set it again with `qmem.py config bundle-key` (--new makes one)")
+        # Not fatal: `config bundle-key` must still run to mend it.
+        _warn_once("%s: bundleKey ignored: it must be %d to %d printable characters without spaces; "
+                   "bundles are neither signed nor verified until `qmem.py config bundle-key --new` (or "
+                   "the other host's key) sets it" % (origin("bundleKey"), MIN_BUNDLE_KEY, MAX_KEY))
+        values["bundleKey"] = None
     if values["breakerBaseMs"] > values["breakerMaxMs"]:
         raise ConfigError("%s: breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
             origin("breakerBaseMs"), values["breakerBaseMs"], values["breakerMaxMs"]))
@@ -2096,12 +2102,22 @@ class Store:
     def from_gateway(self, rec, view, seen_at):
         """upsert() of a view the gateway gave: it replaces what a bundle said of the record
         (an unverified bundle's always, a signed one's when this view is complete)."""
-        row = self.conn.execute("SELECT rid, origin, text, project_id, kind FROM records "
-                                "WHERE id=?", (rec["id"],)).fetchone()
-        if row is not None and row[1] and (row[1] == ORIGIN_UNVERIFIED or view == VIEW_FULL):
-            self._unindex(row[0], {"text": row[2], "project_id": row[3], "kind": row[4]})
-            self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
+        if not self.drop_unverified(rec["id"]) and view == VIEW_FULL:
+            self.drop_unverified(rec["id"], ORIGIN_SIGNED)
         return self.upsert(rec, view, seen_at)
+
+    def drop_unverified(self, record_id, origin=ORIGIN_UNVERIFIED):
+        """Inside a transaction: forget what a bundle of this origin said of this id (the
+        record, and a held write of that id); True if there was one. A trusted view of
+        the id takes its place."""
+        row = self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=? AND origin=? "
+                                "AND pending != 2", (record_id, origin)).fetchone()
+        if row is None:
+            return False
+        self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (record_id,))
+        self._unindex(row[0], {"text": row[1], "project_id": row[2], "kind": row[3]})
+        self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
+        return True
 
     def origin_of(self, record_id):
         row = self.conn.execute("SELECT origin FROM records WHERE id=?", (record_id,)).fetchone()
@@ -2137,6 +2153,7 @@ class Store:
                 self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 "
                                   "WHERE id=? AND state='held'", (local_id,))
                 self.conn.execute("UPDATE records SET origin=0 WHERE id=?", (local_id,))
+            self.link_supersessions()  # a released correction hides what it corrects
 
     def drop_held(self, local_id):
         """Inside a transaction: a held write and its record, gone (a signed row of the same
@@ -2166,7 +2183,11 @@ class Store:
         for (rid, op, st, attempts, created, error, gateway_id, dup, payload, next_at, lease_until
              ) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, gateway_id, duplicate_of, "
                                     "payload, next_attempt_at, lease_until FROM outbox %s ORDER BY rid" % where, params):
-            body = json.loads(payload)
+            try:
+                body = json.loads(payload)
+            except (ValueError, RecursionError):
+                body = None
+            body = body if isinstance(body, dict) else {}  # a row of another qmem.py: shown, not read
             items.append({"local_id": rid, "op": op, "state": st, "attempts": attempts,
                           "created_at": iso_from_epoch(created), "age_s": int(now - created), "last_error": error,
                           "gateway_id": gateway_id, "duplicate_of": dup, "project_id": body.get("project_id"),
@@ -2329,11 +2350,12 @@ class Store:
     def is_empty(self):
         return self.conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
 
-    def outbox_bytes(self):
-        """The bytes of the payloads of writes not yet settled (waiting or refused)."""
+    def outbox_bytes(self, held=False):
+        """The bytes of the payloads of writes not yet settled (waiting or refused), or of
+        the held ones."""
+        states = "('held')" if held else "('pending', 'sending', 'failed')"
         return self.conn.execute("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
-                                 "FROM outbox WHERE state IN ('pending', 'sending', 'failed', 'held')"
-                                 ).fetchone()[0]
+                                 "FROM outbox WHERE state IN %s" % states).fetchone()[0]
 
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
@@ -2363,6 +2385,8 @@ class Store:
         none) saves two scans of the table."""
         rec = normalize_record(data)
         gid, conn = rec["id"], self.conn
+        if gid != local_id:
+            self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
         # What the index holds for this row is what was sent; re-index only if that changed.
         if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f in ("text", "project_id", "kind")):
             row = conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=?", (local_id,)).fetchone()
@@ -2428,9 +2452,10 @@ class Store:
         return self.conn.execute("""
           UPDATE records SET superseded_by = (
               SELECT c.id FROM records c WHERE c.supersedes_id = records.id AND c.pending != 2
-              ORDER BY c.created_at DESC, c.rid DESC LIMIT 1)
+                AND c.origin != 2 ORDER BY c.created_at DESC, c.rid DESC LIMIT 1)
           WHERE superseded_by IS NULL
-            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL AND pending != 2)
+            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL AND pending != 2
+                       AND origin != 2)
         """).rowcount
 
     def mark_failed(self, local_id):
@@ -3598,11 +3623,12 @@ def enqueue_once(store, op, payload, claim=None, max_mb=None):
     return local_id, False, token
 
 
-def check_outbox_room(store, size, max_mb):
+def check_outbox_room(store, size, max_mb, held=False):
     """Inside a transaction: OutboxFull unless `size` more bytes fit in max_mb (the
     payloads of the writes not yet settled: waiting or refused; settled ones do not
-    count)."""
-    if max_mb is not None and store.outbox_bytes() + size > max_mb << 20:
+    count). Held writes have a bound of their own: a bundle nobody vouched for must not
+    fill the room of the user's own writes."""
+    if max_mb is not None and store.outbox_bytes(held) + size > max_mb << 20:
         raise OutboxFull("the outbox is full: the writes waiting here take more than outboxMaxMB "
                          "(%d MB)" % max_mb, hint="deliver them with `qmem.py flush` (on an air-gapped "
                          "host carry them out: `qmem.py export --outbox-only FILE`), discard some with "
@@ -4251,9 +4277,9 @@ def _bundle_line(line, what):
     try:
         obj = json.loads(line.decode("utf-8"))
     except (ValueError, RecursionError):
-        raise BundleError("a bundle's %s is not JSON: nothing was loaded" % what)
+        raise BundleError("%s of the bundle is not JSON: nothing was loaded" % what)
     if not isinstance(obj, dict):
-        raise BundleError("a bundle's %s is not a JSON object: nothing was loaded" % what)
+        raise BundleError("%s of the bundle is not a JSON object: nothing was loaded" % what)
     return obj
 
 
@@ -4295,16 +4321,16 @@ def _open_bundle(path):
     """The one descriptor a load reads a bundle file through."""
     if os.path.isdir(path):
         raise UsageError("%s: a folder, not a bundle" % path)
-    try:
-        f = open(path, "rb")
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise UsageError("%s: no such bundle" % path)
     except OSError as e:
         raise UsageError("%s: cannot read it (%s)" % (path, e.strerror or e))
-    if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-        f.close()
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
         raise UsageError("%s is not a regular file (use - to read standard input)" % path)
-    return f
+    return os.fdopen(fd, "rb")
 
 
 class LoadStats:
@@ -4416,8 +4442,8 @@ def _merge_record(store, rec, view, trust, stats):
             stats.records_unchanged += 1
             return
         rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)  # never hides anything
-    elif origin == ORIGIN_UNVERIFIED:  # a signed view replaces an unverified one whole
-        store.from_gateway(rec, VIEW_FULL, None)
+    elif origin == ORIGIN_UNVERIFIED and store.drop_unverified(rec["id"]):  # replaced whole
+        store.upsert(rec, view, iso_now())
         store.set_origin([rec["id"]], ORIGIN_SIGNED)
         stats.records_updated += 1
         return
@@ -4447,9 +4473,11 @@ def rebuilt_write(row):
     and bounds of `store` (an expiry judged against when the write was made); ValueError
     names what is wrong. Fields qmem does not write are dropped."""
     try:
-        body, created = without_surrogates(json.loads(row["payload"])), float(row.get("created_at"))
+        body, created = without_surrogates(json.loads(row["payload"])), row.get("created_at")
     except (TypeError, ValueError, RecursionError, KeyError):
         raise ValueError("not a write of qmem.py")
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        raise ValueError("not a write of qmem.py (no time it was made)")
     if not (isinstance(body, dict) and 0 < created < 1e11 and row.get("op") in ("store", "correct")):
         raise ValueError("not a write of qmem.py")
     get = lambda f, kind=str: body.get(f) if isinstance(body.get(f), kind) else None  # noqa: E731
@@ -4507,6 +4535,13 @@ def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
         stats.outbox_unchanged += 1
 
 
+def _is_object(payload):
+    try:
+        return isinstance(json.loads(payload), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
 def _same_payload(a, b):
     try:
         return json.loads(a) == json.loads(b)
@@ -4516,18 +4551,20 @@ def _same_payload(a, b):
 
 def _add_loaded_write(store, row, stats, max_mb, trust):
     local_id = row["id"]
+    if trust == SIGNED:
+        store.drop_unverified(local_id)  # an unsigned bundle must not pre-plant a real id
     try:
         payload = rebuilt_write(row)
         if store.get(local_id) is not None:  # a crafted row must not take over a record
             raise ValueError("its id is a record's here")
-        check_outbox_room(store, len(payload.encode("utf-8")), max_mb)
+        check_outbox_room(store, len(payload.encode("utf-8")), max_mb, held=trust == UNVERIFIED)
     except OutboxFull:
         stats.skipped += 1
         stats.outbox_full += 1
         return
     except ValueError as e:
         stats.skipped += 1
-        if trust == SIGNED and store.get(local_id) is None:
+        if trust == SIGNED and store.get(local_id) is None and _is_object(row["payload"]):
             store.refuse_loaded(local_id, row, str(e))  # so that the return bundle says so
         return
     if trust == UNVERIFIED:
@@ -5059,9 +5096,9 @@ class Operations:
     def config_apikey(self, key, on_command_line=False):
         """Save the API key (mode 0600); the document shows it masked."""
         key = (key or "").strip()
-        if not api_key_ok(key):
-            raise UsageError("an API key must be one word of printable ASCII characters, not empty",
-                             hint="nothing was saved")
+        if not api_key_ok(key) or len(key) > MAX_KEY:
+            raise UsageError("an API key must be one word of printable ASCII characters, not empty, "
+                             "at most %d" % MAX_KEY, hint="nothing was saved")
         if not isinstance(self.config.raw.get("url"), str) or not self.config.raw["url"].strip():
             raise UsageError("set the gateway's URL in %s first: a key is sent only to the gateway it "
                              "was saved for" % self.config.path,
@@ -5085,8 +5122,8 @@ class Operations:
                              "makes one; `printf %s KEY | qmem.py config bundle-key` sets one")
         key = os.urandom(32).hex() if new else key.strip()
         if not bundle_key_ok(key):
-            raise UsageError("a bundle key must be at least %d printable characters without spaces (128 "
-                             "bits: 32 hex digits)" % MIN_BUNDLE_KEY, hint="nothing was saved; "
+            raise UsageError("a bundle key must be %d to %d printable characters without spaces (128 "
+                             "bits: 32 hex digits)" % (MIN_BUNDLE_KEY, MAX_KEY), hint="nothing was saved; "
                              "`qmem.py config bundle-key --new` makes one")
         write_config(self.config, {"bundleKey": key})
         doc = {"action": "bundle-key", "file": self.config.path, "key": "bundleKey",

@@ -4055,7 +4055,7 @@ class BundleTrustTests(BundleTestCase):
         self.assertNotIn(key, shown)
         self.assertIn(qmem.mask_secret(key), shown)
         with mock.patch("sys.stdin", io.StringIO("short\n")):
-            self.assertIn("at least 32 printable characters", self.expect_fail(2, "config", "bundle-key"))
+            self.assertIn("32 to 1024 printable characters", self.expect_fail(2, "config", "bundle-key"))
         with mock.patch("sys.stdin", io.StringIO(BUNDLE_KEY + "\n")):
             self.assertEqual(self.ok_json("config", "bundle-key")["key_id"], qmem.bundle_key_id(BUNDLE_KEY))
         with open(os.environ["QMEM_CONFIG"]) as f:
