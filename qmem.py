@@ -1617,7 +1617,7 @@ WAITING = (PENDING, SENDING)  # written here, will still be sent
 # in the outbox, or that the gateway refused (its outbox row is failed).
 LOCAL_WAITING, LOCAL_FAILED = 1, 2
 _FTS_COLUMNS = "text, project_id, kind"
-SECRETS_MASKED = "1"  # the version of _SECRET_KINDS the stored records are masked with
+SECRETS_MASKED = "2"  # the version of _SECRET_KINDS the stored records are masked with
 
 
 def _m001_initial(conn, fts_tokenizer):
@@ -2563,16 +2563,26 @@ _SECRET_KINDS = tuple((what, re.compile(pattern, flags)) for what, pattern, flag
     ("a Google API key", r"\bAIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])", 0),
     ("a Stripe secret key", r"\b[rs]k_live_[0-9A-Za-z]{20,}", 0),
     ("an OpenAI or Anthropic key", r"\bsk-(?:proj-|ant-(?:api|admin)\d\d-)?[A-Za-z0-9_-]{32,}", 0),
+    ("an npm or Hugging Face token", r"\b(?:npm_[A-Za-z0-9]{36}|hf_[A-Za-z0-9]{30,})\b", 0),
+    ("a SendGrid key", r"\bSG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}", 0),
+    ("a Slack webhook", r"hooks\.slack\.com/services/T[A-Za-z0-9]+/B[A-Za-z0-9]+/[A-Za-z0-9]+", 0),
     ("a JSON Web Token", r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", 0),
-    # name=value, name: value; not a placeholder ($VAR, <...>, {...}, %s, ****, xxxx)
+    ("a password in a URL", r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]+:([^/\s@]{3,})@", 0),
+    ("a bearer or basic credential", r"\b(?:Bearer|Basic) +([A-Za-z0-9._~+/=-]{16,})", 0),
+    # name=value, name: value, where the value looks like a credential: quoted, or of 8 or
+    # more characters with a digit or a symbol in them ("Token: refresh every 15 minutes",
+    # "token = jwt.encode(payload)" pass); never a placeholder ($VAR, <...>, {...}, %s, ***)
     ("a password, secret or token assignment", r"(?<![a-z])(?:password|passwd|pwd|secret|token|"
-     r"api[_-]?key|access[_-]?key|client[_-]?secret)[\"']?\s*[:=]\s*[\"']?"
-     r"(?![$<{%*]|x{4})([^\s\"',;]{6,})", re.IGNORECASE)))
+     r"api[_-]?key|access[_-]?key|client[_-]?secret)[\"']?\s*[:=]\s*("
+     r"\"(?![$<{%*])[^\"\n]{6,200}\"|'(?![$<{%*])[^'\n]{6,200}'|"
+     r"(?![$<{%*]|x{4})(?=[^\s\"',;()\[\]{}<>]*[0-9!@#$%^&*+=~?])[^\s\"',;()\[\]{}<>]{8,})",
+     re.IGNORECASE)))
 
 
 def _may_hold_secret(text):
     if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "_" in text or "glpat-" in text
-            or "xox" in text or "AIza" in text or "sk-" in text or "eyJ" in text):
+            or "xox" in text or "AIza" in text or "sk-" in text or "eyJ" in text or "SG." in text
+            or "Bearer" in text or "Basic" in text or "slack" in text or ("://" in text and "@" in text)):
         return True
     if "=" in text or ":" in text:
         low = text.lower()
@@ -2591,13 +2601,27 @@ def find_secret(text):
     return None
 
 
+_WRITE_TEXTS = (("text", "text"), ("supersede_reason", "reason"), ("scope", "scope"),
+                ("agent_id", "agent"), ("source", "source"))
+
+
+def secret_in_write(payload):
+    """(which field, what kind of credential, where) of the first one in a write, or None."""
+    for key, name in _WRITE_TEXTS:
+        found = find_secret(payload.get(key)) if isinstance(payload.get(key), str) else None
+        if found:
+            return (name,) + found
+    return None
+
+
 def mask_secrets(text):
     """text with every credential replaced by a mark (an assignment keeps its name)."""
     if not text or not _may_hold_secret(text):
         return text
     for what, pattern in _SECRET_KINDS:
-        if pattern.groups:
-            text = pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + "[masked]", text)
+        if pattern.groups:  # only the secret part: the name, the URL, the scheme stay
+            text = pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + "[masked]"
+                               + m.group(0)[m.end(1) - m.start(0):], text)
         else:
             text = pattern.sub("[masked: %s]" % what.split(" ", 1)[1], text)
     return text
@@ -2628,6 +2652,8 @@ def normalize_record(data):
     rec["private"] = int(private) if private is True or private is False else None
     if rec["text"] is not None and _may_hold_secret(rec["text"]):
         rec["text"] = mask_secrets(rec["text"])
+    if rec["supersede_reason"] is not None:
+        rec["supersede_reason"] = mask_secrets(rec["supersede_reason"])
     if rec["kind"] is not None:
         rec["kind"] = rec["kind"].lower()
     return rec
@@ -4568,6 +4594,9 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
             store.refuse_loaded(local_id, row, str(e))  # so that the return bundle says so
         return
     if trust == UNVERIFIED:
+        if secret_in_write(json.loads(payload)):  # nobody vouched for it: it must not wait to be let out
+            stats.skipped += 1
+            return
         add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)
         store.set_origin([local_id], ORIGIN_UNVERIFIED)
         stats.held.append(_held_summary(local_id, payload))
@@ -5251,11 +5280,11 @@ class Operations:
 
     def _write(self, op, payload, queue_only, allow_secret=False):
         folder = os.path.dirname(os.path.abspath(self.config.db_path))
-        found = None if allow_secret else find_secret(payload["text"])
+        found = None if allow_secret else secret_in_write(payload)
         if found:  # kept only in a private file: never in the outbox, a bundle or a retry
             raise _kept_aside(QmemError(
-                "not stored: the text holds %s (at character %d), and shared memory is read by "
-                "the whole team" % (found[0], found[1] + 1), kind="secret",
+                "not stored: the %s holds %s (at character %d), and shared memory is read by "
+                "the whole team" % (found[0], found[1], found[2] + 1), kind="secret",
                 hint="take the credential out and store it again (a person who means it: "
                      "`--allow-secret`)"),
                 payload, folder)

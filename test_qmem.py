@@ -1699,7 +1699,10 @@ class WriteTests(GatewayTestCase):
                  ("usa la chiave AKIAIOSFODNN7EXAMPLE per S3", "an AWS access key id"),
                  ("token ghp_" + "a1B2" * 9 + " del bot", "a GitHub token"),
                  ("il db: DB_PASSWORD=s3cr3t-pass", "a password, secret or token assignment"),
-                 ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl", "a JSON Web Token"))
+                 ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl", "a JSON Web Token"),
+                 ("db postgres://app:Sup3rS3cret!@10.0.0.5/app", "a password in a URL"),
+                 ("Authorization: Bearer abcdef0123456789abcdef", "a bearer or basic credential"),
+                 ('password: "correct horse battery"', "a password, secret or token assignment"))
         for text, what in cases:
             err = self.expect_fail(1, "store", text, "--project", "p")
             self.assertIn("not stored: the text holds %s (at character" % what, err)
@@ -1710,8 +1713,14 @@ class WriteTests(GatewayTestCase):
                          "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
                          "tokenizer=unicode61, the password is read from $DB_PASSWORD",
                          "password=<la tua password>", "token=${GITHUB_TOKEN}",
-                         "key_id 0xDEADBEEF"):
+                         "key_id 0xDEADBEEF", "Password: required; min length 12",
+                         "Token: refresh every 15 minutes", "token = jwt.encode(payload, key)",
+                         "password=os.environ['PW']", "pwd: /home/user/project", "token bucket of 100",
+                         "Bearer tokens expire", "https://example.com/a@b"):
             self.ok("store", innocent, "--project", "p")
+        err = self.expect_fail(1, "store", "ok", "--project", "p", "--supersedes", UUIDS[0],
+                               "--reason", "era trapelato password=hunter22")
+        self.assertIn("not stored: the reason holds a password", err)
         doc = self.ok_json("store", "password=hunter22 per il test", "--project", "p",
                            "--allow-secret")
         self.assertEqual(self.gw.posts()[-1][3]["text"], "password=hunter22 per il test")
@@ -4037,6 +4046,28 @@ class BundleTrustTests(BundleTestCase):
         values = {"type": "record", "id": UUIDS[9], "text": "x", "junk": [{}] * 150000}
         doc = self.ok_json("load", self.crafted([values, dict(record(UUIDS[8], "buono"), type="record")]))
         self.assertEqual((doc["skipped"], doc["records"]["new"]), (1, 1))
+
+    def test_review_cases_an_unsigned_bundle_cannot_hide_take_over_or_fill(self):
+        """Part 11's review: a held correction hid its target; an unverified record planted
+        under a write's future gateway id took it over; held writes filled the outbox."""
+        self.host("b", False)
+        self.put(UUIDS[30], "il record vero")
+        row = {"type": "outbox", "id": UUIDS[31], "op": "correct", "state": "pending",
+               "created_at": time.time(), "payload": json.dumps({
+                   "text": "falso", "kind": "fact", "project_id": "infra", "supersedes_id": UUIDS[30],
+                   "agent_id": "x", "source": "y"})}
+        secret = dict(row, id=UUIDS[32], op="store", payload=json.dumps({
+            "text": "password=hunter22xyz", "kind": "fact", "project_id": "p"}))
+        doc = self.ok_json("load", self.crafted([row, secret], key=None))
+        self.assertEqual(([h["local_id"] for h in doc["held"]], doc["skipped"]), ([UUIDS[31]], 1))
+        self.assertEqual(self.find_ids("vero"), [UUIDS[30]])  # not hidden by the held correction
+        self.assertIsNone(self.here(UUIDS[30])["superseded_by"])
+        # A record planted under an id that a signed row then brings: the row wins.
+        self.ok("load", self.crafted([dict(record(UUIDS[33], "piantato"), type="record")], key=None))
+        mine = dict(row, id=UUIDS[33], op="store", payload=json.dumps({
+            "text": "la mia scrittura", "kind": "fact", "project_id": "p", "agent_id": "a", "source": "s"}))
+        self.assertEqual(self.ok_json("load", self.crafted([mine]))["outbox"]["added"], 1)
+        self.assertEqual(self.here(UUIDS[33])["text"], "la mia scrittura")
 
     def test_what_came_unverified_does_not_travel_on_signed(self):
         _, genuine = self.genuine()
