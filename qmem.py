@@ -4409,6 +4409,7 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
                 continue
             rec = normalize_record(item)
             view = item.get("view") if item.get("view") in (VIEW_HIT, VIEW_ARGS, VIEW_FULL) else VIEW_FULL
+            rec = rec if rec is not None and _bounded(rec) else None
             if rec is None or item.get("pending"):  # a write of that machine: it comes with its outbox row
                 stats.skipped += rec is None
                 continue
@@ -4458,6 +4459,14 @@ class _DryRun(Exception):
     def __init__(self, stats):
         Exception.__init__(self, "dry run")
         self.stats = stats
+
+
+def _bounded(rec):
+    """Is every field of a bundle's record within what qmem.py itself writes?"""
+    if len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT or len(rec["project_id"] or "") > MAX_PROJECT:
+        return False
+    return all(len(rec[f] or "") <= MAX_FIELD for f in ("kind", "scope", "agent_id", "source",
+                                                        "supersede_reason", "supersedes_id", "superseded_by"))
 
 
 def _merge_record(store, rec, view, trust, stats):
@@ -4528,7 +4537,7 @@ def _held_summary(local_id, payload_text):
     body = json.loads(payload_text)
     return {"local_id": local_id, "project_id": body["project_id"], "kind": body["kind"],
             "agent_id": body.get("agent_id") or "?", "source": body.get("source") or "?",
-            "text": body["text"][:120]}
+            "text": body["text"][:120], "text_chars": len(body["text"])}
 
 
 def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
@@ -6249,7 +6258,8 @@ def show_load(doc, out):
     for h in doc["held"][:50]:
         out.write("  held %s  %s  %s  by %s from %s: %s\n" % (
             h["local_id"], _one_line(h["project_id"], 40), h["kind"], _one_line(h["agent_id"], 40),
-            _one_line(h["source"], 60), _one_line(h["text"], 80)))
+            _one_line(h["source"], 60), _one_line(h["text"], 80) + (
+                " (%d characters in all)" % h["text_chars"] if h["text_chars"] > 80 else "")))
     if len(doc["held"]) > 50:
         out.write("  … and %d more held (`qmem.py queue --state held`)\n" % (len(doc["held"]) - 50))
     if doc["held"]:
@@ -7400,7 +7410,8 @@ def cli_queue(ops, a):
         if not _interactive():
             raise UsageError("queue --drop asks before discarding", hint="add --yes to discard without asking")
         for it in plan["dropped"]:
-            sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
+            whole = MAX_TEXT if verb == "release" else 60  # what is let out is shown whole
+        sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], whole))))
         sys.stderr.write("discard %s and %s? [y/N] " % (
             plural(len(plan["dropped"]), "write"), "its record" if len(plan["dropped"]) == 1 else "their records"))
         sys.stderr.flush()
@@ -7414,7 +7425,8 @@ def _confirm(verb, rows, what):
     if not _interactive():
         raise UsageError("queue --%s asks first" % verb, hint="add --yes to %s without asking" % verb)
     for it in rows:
-        sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
+        whole = MAX_TEXT if verb == "release" else 60  # what is let out is shown whole
+        sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], whole))))
     sys.stderr.write("%s %s: it %s? [y/N] " % (verb, plural(len(rows), "write"), what))
     sys.stderr.flush()
     if sys.stdin.readline().strip().lower() not in ("y", "yes"):
