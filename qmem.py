@@ -7410,8 +7410,7 @@ def cli_queue(ops, a):
         if not _interactive():
             raise UsageError("queue --drop asks before discarding", hint="add --yes to discard without asking")
         for it in plan["dropped"]:
-            whole = MAX_TEXT if verb == "release" else 60  # what is let out is shown whole
-        sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], whole))))
+            sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
         sys.stderr.write("discard %s and %s? [y/N] " % (
             plural(len(plan["dropped"]), "write"), "its record" if len(plan["dropped"]) == 1 else "their records"))
         sys.stderr.flush()
@@ -7424,9 +7423,9 @@ def _confirm(verb, rows, what):
     """Ask on a terminal before acting on these outbox rows; elsewhere --yes is needed."""
     if not _interactive():
         raise UsageError("queue --%s asks first" % verb, hint="add --yes to %s without asking" % verb)
-    for it in rows:
-        whole = MAX_TEXT if verb == "release" else 60  # what is let out is shown whole
-        sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], whole))))
+    for it in rows:  # what is let out is shown whole
+        shown = visible(_one_line(it["text"], MAX_TEXT))
+        sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], shown))
     sys.stderr.write("%s %s: it %s? [y/N] " % (verb, plural(len(rows), "write"), what))
     sys.stderr.flush()
     if sys.stdin.readline().strip().lower() not in ("y", "yes"):
