@@ -3596,6 +3596,8 @@ def _write_payload(text, project, kind, scope, agent, source, expires, private, 
         if value and len(value) > bound:
             raise UsageError("the %s is %d characters; it may have at most %d" % (name, len(value), bound),
                              hint="nothing was done; give a shorter one")
+        if value and not value.isprintable():
+            raise UsageError("the %s holds a control character" % name, hint="nothing was done")
     payload = {"text": text, "kind": kind, "project_id": project.strip(), "agent_id": agent or "qmem.py",
                "source": source or machine_identity()[:MAX_FIELD], "private": bool(private)}
     if scope:

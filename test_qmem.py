@@ -1667,6 +1667,7 @@ class WriteTests(GatewayTestCase):
                      ("--project", "p" * 101), ("--supersedes", UUIDS[0], "--reason", huge)):
             err = self.expect_fail(2, "store", "testo", "--project", "p", *argv)
             self.assertIn("it may have at most", err)
+        self.assertIn("holds a control character", self.expect_fail(2, "store", "t", "--project", "a\x1b[2Jb"))
         self.assertEqual(self.ok_json("queue")["items"], [])
         self.assertEqual(self.gw.posts(), [])
         with mock.patch.object(qmem, "machine_identity", return_value="h" * 1000):
