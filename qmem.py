@@ -2018,16 +2018,19 @@ class Store:
         may have inserted the same records since (a rowcount counts those as nothing)."""
         self.known.update(hash(row[0]) for row in rows)
         before = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
-        changed = self.conn.executemany(_MERGE_SQL, (dict(zip(_MERGE_KEYS, row)) for row in rows)).rowcount
+        changed = self.conn.executemany(_MERGE_SQL, map(_masked_row, rows)).rowcount
         new = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0] - before
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
-        """Merge one view of a record into the index; return 'new', 'updated' or 'same'.
+        """Merge one view of a record into the index, its credentials masked (mask_secrets:
+        every path into the index comes here, to merge_many or to adopt); return 'new',
+        'updated' or 'same'.
 
         The merge rule (design.md): never replace known data with missing data; a more
         complete view wins over a partial one; the mutable fields follow the newest
         updated_at. `rec` must come from normalize_record()."""
+        rec["text"], rec["supersede_reason"] = mask_secrets(rec["text"]), mask_secrets(rec["supersede_reason"])
         row = None
         if self.known is None or hash(rec["id"]) in self.known:
             row = self.conn.execute(self._SELECT_FOR_MERGE, (rec["id"],)).fetchone()
@@ -2384,6 +2387,7 @@ class Store:
         corrections refer to a local id: referenced=False (the caller knows there is
         none) saves two scans of the table."""
         rec = normalize_record(data)
+        rec["text"] = mask_secrets(rec["text"])
         gid, conn = rec["id"], self.conn
         if gid != local_id:
             self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
@@ -2634,6 +2638,17 @@ def mask_secrets(text):
     return text
 
 
+_TEXT_AT = _MERGE_KEYS.index("text")
+
+
+def _masked_row(row):
+    """A row of merge_many as the dict _MERGE_SQL binds, its text masked (in the import's
+    writer child: off the reader's path)."""
+    bound = dict(zip(_MERGE_KEYS, row))
+    bound["text"] = mask_secrets(row[_TEXT_AT])
+    return bound
+
+
 def normalize_record(data):
     """A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
     when it has no usable id. Unknown fields are ignored; wrong types count as missing."""
@@ -2657,10 +2672,6 @@ def normalize_record(data):
             rec[f] = iso_norm(value)
     private = get("private")
     rec["private"] = int(private) if private is True or private is False else None
-    if rec["text"] is not None:
-        rec["text"] = mask_secrets(rec["text"])
-    if rec["supersede_reason"] is not None:
-        rec["supersede_reason"] = mask_secrets(rec["supersede_reason"])
     if rec["kind"] is not None:
         rec["kind"] = rec["kind"].lower()
     return rec

@@ -1728,6 +1728,11 @@ class WriteTests(GatewayTestCase):
         self.assertEqual(self.local_record(doc["id"])["text"], "password=[masked] per il test")
 
     def test_the_local_index_masks_credentials_on_every_path_and_in_rows_already_there(self):
+        s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
+        s.store(record(UUIDS[9], "il token del bot è ghp_" + "a1B2" * 9))
+        s.write()
+        self.ok("import")  # through the import's writer
+        self.assertEqual(self.local_record(UUIDS[9])["text"], "il token del bot è [masked: GitHub token]")
         self.gw.add("la chiave è AKIAIOSFODNN7EXAMPLE")
         hit = self.ok_json("search", "chiave")["results"][0]["id"]
         self.assertEqual(self.local_record(hit)["text"], "la chiave è [masked: AWS access key id]")
