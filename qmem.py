@@ -100,7 +100,8 @@ class QmemError(Exception):
 def error_document(err):
     """An error as the document --json prints (and as the part of a document that
     reports something not done)."""
-    return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint}, "exit_code": err.exit_code}
+    return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint},
+            "exit_code": err.exit_code}
 
 
 class UsageError(QmemError):
@@ -139,7 +140,8 @@ class OutboxFull(StoreError):
 
 # The kinds of GatewayError, and what each means for the caller.
 UNREACHABLE = "unreachable"        # could not connect, or no headers within connectTimeoutMs
-AMBIGUOUS = "ambiguous"            # 5xx, 429, body stalled, cut off or not JSON: the gateway is failing
+# 5xx, 429, body stalled, cut off or not JSON: the gateway is failing
+AMBIGUOUS = "ambiguous"
 BREAKER_OPEN = "breaker_open"      # failed fast: the breaker is open, no network I/O was done
 AUTH = "auth"                      # 401/403: the API key was rejected
 NOT_CONFIGURED = "not_configured"  # no gateway URL or API key
@@ -536,7 +538,8 @@ class Config:
 
 
 # The range of each numeric key: a budget of years, or a breaker that never opens, is a typo.
-NUMBER_RANGES = {"connectTimeoutMs": (1, 600000), "timeoutMs": (1, 3600000), "breakerBaseMs": (1, 86400000),
+NUMBER_RANGES = {"connectTimeoutMs": (1, 600000), "timeoutMs": (1, 3600000),
+                 "breakerBaseMs": (1, 86400000),
                  "breakerMaxMs": (1, 7 * 86400000), "breakerTripAfter": (1, 1000),
                  "outboxMaxMB": (1, 1 << 20)}
 
@@ -553,17 +556,21 @@ def _check_type(key, value, origin, typed=False):
         if not typed and isinstance(value, str) and value.lower() in _BOOL_WORDS:
             return _BOOL_WORDS[value.lower()]
         raise ConfigError("%s: %s must be %s, not %s" % (
-            origin, key, "a JSON boolean (true or false)" if typed else "true or false", json.dumps(value)))
+            origin, key, "a JSON boolean (true or false)" if typed else "true or false",
+            json.dumps(value)))
     if isinstance(default, int):
         if isinstance(value, bool) or not isinstance(value, int if typed else (int, str)):
-            raise ConfigError("%s: %s must be a whole number, not %s" % (origin, key, json.dumps(value)))
+            raise ConfigError("%s: %s must be a whole number, not %s"
+                              % (origin, key, json.dumps(value)))
         try:
             number = int(value)
         except ValueError:
-            raise ConfigError("%s: %s must be a whole number, not %s" % (origin, key, json.dumps(value)))
+            raise ConfigError("%s: %s must be a whole number, not %s"
+                              % (origin, key, json.dumps(value)))
         low, high = NUMBER_RANGES[key]
         if not low <= number <= high:
-            raise ConfigError("%s: %s must be between %d and %d, not %d" % (origin, key, low, high, number))
+            raise ConfigError("%s: %s must be between %d and %d, not %d"
+                              % (origin, key, low, high, number))
         return number
     if value is not None and not isinstance(value, str):
         never = SECRET_KEYS + ("url",)  # a key, or a URL's password
@@ -572,7 +579,8 @@ def _check_type(key, value, origin, typed=False):
     return value or None
 
 
-_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False, "on": True,
+_BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
+               "on": True,
                "off": False}
 
 
@@ -611,20 +619,24 @@ def load_config(environ=None, overrides=None):
         raise ConfigError("cannot read config file %s: %s" % (path, e.strerror or e))
     if data is not None:
         if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError("config file %s is larger than %d KiB: not a config file" % (path, MAX_CONFIG_BYTES >> 10))
+            raise ConfigError("config file %s is larger than %d KiB: not a config file"
+                              % (path, MAX_CONFIG_BYTES >> 10))
         try:
             raw = json.loads(data.decode("utf-8")) if data.strip() else {}
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise ConfigError("config file %s is not valid JSON: %s" % (path, e if not isinstance(e, RecursionError)
+            raise ConfigError("config file %s is not valid JSON: %s"
+                              % (path, e if not isinstance(e, RecursionError)
                                                                         else "nested too deeply"))
         if not isinstance(raw, dict):
             raise ConfigError("config file %s must hold a JSON object" % path)
         if readable_by_others and raw.get("apiKey"):
-            _warn_once("config file %s holds the API key and other users can read it: chmod 600 %s" % (path, path))
+            _warn_once("config file %s holds the API key and other users can read it: chmod 600 %s"
+                       % (path, path))
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
     for key in DEFAULTS:
         if key in raw and raw[key] is not None:
-            if key == "bundleKey" and not isinstance(raw[key], str):  # ignored, warned: _check_config
+            # ignored, warned: _check_config
+            if key == "bundleKey" and not isinstance(raw[key], str):
                 values[key] = "(a %s)" % type(raw[key]).__name__
             else:
                 values[key] = _check_type(key, raw[key], "config file %s" % path, typed=True)
@@ -698,7 +710,8 @@ def _check_config(values, sources, path):
     a header (a CRLF key file), open times the wrong way round. Named by where they came
     from; the key itself is never shown."""
     def origin(key):
-        return {"file": "config file %s" % path, "flag": "option"}.get(sources[key], "environment " + sources[key][4:])
+        return {"file": "config file %s" % path,
+                "flag": "option"}.get(sources[key], "environment " + sources[key][4:])
     if values["url"]:
         try:
             values["url"] = check_url(values["url"])
@@ -708,13 +721,15 @@ def _check_config(values, sources, path):
     if key:
         key = values["apiKey"] = key.strip()  # a trailing CR or LF is an accident of the file
         if not api_key_ok(key):
-            raise ConfigError("%s: apiKey holds characters a request header cannot carry (whitespace, "
-                              "controls, non-ASCII)" % origin("apiKey"), hint="set it again with `qmem.py config apikey`")
+            raise ConfigError("%s: apiKey holds characters a request header cannot carry "
+                              "(whitespace, controls, non-ASCII)" % origin("apiKey"),
+                              hint="set it again with `qmem.py config apikey`")
     if values["bundleKey"] is not None and not bundle_key_ok(values["bundleKey"]):
         # Not fatal: `config bundle-key` must still run to mend it.
-        _warn_once("%s: bundleKey ignored: it must be %d to %d printable characters without spaces; "
-                   "bundles are neither signed nor verified until `qmem.py config bundle-key --new` (or "
-                   "the other host's key) sets it" % (origin("bundleKey"), MIN_BUNDLE_KEY, MAX_KEY))
+        _warn_once("%s: bundleKey ignored: it must be %d to %d printable characters without "
+                   "spaces; bundles are neither signed nor verified until `qmem.py config "
+                   "bundle-key --new` (or the other host's key) sets it"
+                   % (origin("bundleKey"), MIN_BUNDLE_KEY, MAX_KEY))
         values["bundleKey"] = None
     if values["breakerBaseMs"] > values["breakerMaxMs"]:
         raise ConfigError("%s: breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
@@ -752,7 +767,8 @@ def check_url(url):
         p = urlsplit(url)
         p.port  # raises ValueError on a bad port
     except ValueError as e:
-        raise UsageError("invalid gateway URL: %s" % e, hint="it must look like https://host[:port][/path]")
+        raise UsageError("invalid gateway URL: %s" % e,
+                         hint="it must look like https://host[:port][/path]")
     if p.username is not None or p.password is not None:  # never echoed: it may hold a password
         raise UsageError("a gateway URL must not carry a user name or password",
                          hint="give the URL without them, and the key with `qmem.py config apikey`")
@@ -812,7 +828,8 @@ def write_config(config, changes):
             raw[key] = value
     target = os.path.realpath(config.path)
     try:
-        atomic_write(target, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"), 0o600)
+        atomic_write(target, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
+                     0o600)
     except OSError as e:
         raise ConfigError("cannot write config file %s: %s" % (target, e.strerror or e))
     config.raw = raw
@@ -849,10 +866,12 @@ class _FileLock:
         try:
             make_private_dirs(os.path.dirname(os.path.abspath(self.path)))
             # Never through a symlink: in a shared folder it could point anywhere.
-            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0),
+                              0o600)
             unsafe = not_private(os.fstat(self.fd))
         except OSError as e:
-            _warn_once("cannot open breaker lock %s (%s); going on without it" % (self.path, e.strerror or e))
+            _warn_once("cannot open breaker lock %s (%s); going on without it"
+                       % (self.path, e.strerror or e))
             self.fd = None
             return self
         if unsafe:
@@ -926,7 +945,8 @@ class Breaker:
 
     @classmethod
     def from_config(cls, config, **kw):
-        return cls(config.breaker_path, config["url"] or "", config["breakerBaseMs"], config["breakerMaxMs"],
+        return cls(config.breaker_path, config["url"] or "", config["breakerBaseMs"],
+                   config["breakerMaxMs"],
                    config["breakerTripAfter"],
                    lease_s=worst_call_s(config), **kw)
 
@@ -969,8 +989,8 @@ class Breaker:
             self._cache = (signature, dict(gateways))
             return gateways
         except (UnicodeDecodeError, ValueError, RecursionError):
-            _warn_once("breaker file %s is corrupt: treating the breaker as closed (it is rewritten on the "
-                       "next change)" % self.path)
+            _warn_once("breaker file %s is corrupt: treating the breaker as closed (it is "
+                       "rewritten on the next change)" % self.path)
             return {}
 
     def read(self, fresh=False):
@@ -987,7 +1007,8 @@ class Breaker:
             if default is None or isinstance(default, str):
                 ok = v is None or isinstance(v, str)
             else:
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= _BREAKER_NUMBER_MAX
+                ok = isinstance(v, (int, float)) and not isinstance(v,
+                                                                    bool) and 0 <= v <= _BREAKER_NUMBER_MAX
             if ok:
                 state[k] = v
             else:
@@ -995,8 +1016,9 @@ class Breaker:
         if not wrong and state["state"] not in ("closed", "open", "half_open"):
             wrong.append("state")
         if wrong:
-            _warn_once("breaker file %s is corrupt (%s of %s has the wrong type): treating the breaker as "
-                       "closed (it is rewritten on the next change)" % (self.path, ", ".join(wrong), self.key))
+            _warn_once("breaker file %s is corrupt (%s of %s has the wrong type): treating the "
+                       "breaker as closed (it is rewritten on the next change)"
+                       % (self.path, ", ".join(wrong), self.key))
             return dict(self._CLOSED)
         return state
 
@@ -1008,11 +1030,12 @@ class Breaker:
         else:
             gateways[self.key] = state
         try:
-            atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1, sort_keys=True)
+            atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1,
+                                                sort_keys=True)
                                      + "\n").encode("utf-8"), 0o600, sync=False)
         except OSError as e:  # a full disk, a read-only folder: never a reason to fail a command
-            _warn_once("cannot write breaker file %s (%s): keeping the breaker's state in memory for this "
-                       "process" % (self.path, e.strerror or e))
+            _warn_once("cannot write breaker file %s (%s): keeping the breaker's state in memory "
+                       "for this process" % (self.path, e.strerror or e))
             _BREAKER_IN_MEMORY[self.path] = gateways
         else:
             _BREAKER_IN_MEMORY.pop(self.path, None)
@@ -1062,7 +1085,8 @@ class Breaker:
         state, now = self.read(), self.clock()
         if state == self._CLOSED:
             return True
-        if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"] == self.token):
+        if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"]
+                                          == self.token):
             return False
         if self.refuses(state, now):
             raise self._refusal(state, now)
@@ -1120,8 +1144,10 @@ class Breaker:
         jitter = 0.9 + 0.2 * (self.rand() if self.rand else random.random())
         seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * jitter)
         at_once = state["last_kind"] == UNREACHABLE
-        state.update(state="open", opened_after=1 if at_once else max(1, state["failures"]), failures=0,
-                     opened_at=iso_from_epoch(now), open_until=now + seconds, probe_token=None, probe_until=0.0)
+        state.update(state="open", opened_after=1 if at_once else max(1, state["failures"]),
+                     failures=0,
+                     opened_at=iso_from_epoch(now), open_until=now + seconds, probe_token=None,
+                     probe_until=0.0)
 
     def reset(self):
         with self._lock():
@@ -1210,7 +1236,8 @@ def _net_classes():
     class DeadlineSocket(DeadlineMixin, socket.socket):
         pass
 
-    _net.update(socket=socket, Deadline=Deadline, DeadlineMixin=DeadlineMixin, DeadlineSocket=DeadlineSocket)
+    _net.update(socket=socket, Deadline=Deadline, DeadlineMixin=DeadlineMixin,
+                DeadlineSocket=DeadlineSocket)
     return _net
 
 
@@ -1229,7 +1256,8 @@ def _resolve(host, port, deadline):
     th.start()
     th.join(deadline.remaining())
     if th.is_alive():
-        raise socket.timeout("name resolution of %s took longer than %g s" % (host, deadline.seconds))
+        raise socket.timeout("name resolution of %s took longer than %g s"
+                             % (host, deadline.seconds))
     if "e" in box:
         raise box["e"]
     return box["r"]
@@ -1245,7 +1273,8 @@ def _proxy_for(scheme, host, environ=None):
     no_proxy = environ.get("no_proxy") or environ.get("NO_PROXY") or ""
     for entry in no_proxy.replace(" ", "").split(","):
         entry = entry.lstrip(".").lower()
-        if entry == "*" or (entry and (host.lower() == entry or host.lower().endswith("." + entry))):
+        if entry == "*" or (entry
+                            and (host.lower() == entry or host.lower().endswith("." + entry))):
             return None
     from urllib.parse import urlsplit
     p = urlsplit(value if "://" in value else "http://" + value)
@@ -1301,13 +1330,16 @@ class Gateway:
     def __init__(self, config, breaker, sleep=None, retries=RETRIES, bypass_breaker=False):
         url, self.key = config["url"], config["apiKey"]
         if not url:
-            raise GatewayError(NOT_CONFIGURED, "no gateway configured", hint="run `qmem.py config url https://…`",
+            raise GatewayError(NOT_CONFIGURED, "no gateway configured",
+                               hint="run `qmem.py config url https://…`",
                                detail="no gateway configured")
         if not self.key and config.key_withheld:
-            raise GatewayError(NOT_CONFIGURED, "no API key for this gateway: " + config.key_withheld,
+            raise GatewayError(NOT_CONFIGURED,
+                               "no API key for this gateway: " + config.key_withheld,
                                hint=KEY_ELSEWHERE_HINT, detail="no API key for this gateway")
         if not self.key:
-            raise GatewayError(NOT_CONFIGURED, "no API key configured", hint="run `qmem.py config apikey`",
+            raise GatewayError(NOT_CONFIGURED, "no API key configured",
+                               hint="run `qmem.py config apikey`",
                                detail="no API key configured")
         from urllib.parse import urlsplit
         self.url = check_url(url)
@@ -1329,7 +1361,8 @@ class Gateway:
     def mask(self, text):
         """Text with the API key masked (a gateway may echo the request's headers)."""
         text = str(text)
-        return text.replace(self.key, mask_secret(self.key)) if self.key and self.key in text else text
+        return text.replace(self.key,
+                            mask_secret(self.key)) if self.key and self.key in text else text
 
     def scrub(self, text):
         """Text the gateway sent, made safe to store and print: the API key masked, then
@@ -1365,8 +1398,10 @@ class Gateway:
                     self.breaker.success()
                 if resp.status in (401, 403):
                     self.key_rejected = True
-                    raise GatewayError(AUTH, "API key rejected by the gateway (HTTP %d)" % resp.status,
-                                       resp.status, hint="set the right one with `qmem.py config apikey`")
+                    raise GatewayError(AUTH,
+                                       "API key rejected by the gateway (HTTP %d)" % resp.status,
+                                       resp.status,
+                                       hint="set the right one with `qmem.py config apikey`")
                 return resp
             # Every failed attempt counts, retries too (resilience4j's Retry(CircuitBreaker(call))):
             # a gateway that stalls every body costs breakerTripAfter requests, not three times that.
@@ -1395,7 +1430,8 @@ class Gateway:
             retry_in_ms=None if delay is None else int(delay * 1000))
 
     def _headers(self, body, idempotency_key):
-        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key, "User-Agent": "qmem.py/" + __version__}
+        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key,
+             "User-Agent": "qmem.py/" + __version__}
         if body is not None:
             h["Content-Type"] = "application/json; charset=utf-8"
         if idempotency_key:
@@ -1429,7 +1465,8 @@ class Gateway:
                 if self.conn is None:
                     self._connect(deadline)
                 self.sock.qm_deadline = deadline
-                self.conn.request(method, self.prefix + self.base + path, body=data, headers=headers)
+                self.conn.request(method, self.prefix + self.base + path, body=data,
+                                  headers=headers)
                 return self.conn.getresponse()
             except GatewayError:
                 raise
@@ -1471,7 +1508,8 @@ class Gateway:
             raise
         except net["socket"].timeout:
             self.close()
-            raise GatewayError(AMBIGUOUS, "answer from %s stalled: body not complete within %g s" % (
+            raise GatewayError(AMBIGUOUS,
+                               "answer from %s stalled: body not complete within %g s" % (
                 self.url, self.body_s), resp.status, detail="answer stalled")
         except (OSError, http.client.HTTPException) as e:
             self.close()
@@ -1485,27 +1523,33 @@ class Gateway:
         becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed."""
         values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
         if values > MAX_JSON_VALUES:
-            raise GatewayError(AMBIGUOUS, "answer from %s holds more than %d JSON values: refused" % (
+            raise GatewayError(AMBIGUOUS,
+                               "answer from %s holds more than %d JSON values: refused" % (
                 self.url, MAX_JSON_VALUES), resp.status, detail="answer too large")
         try:
             parsed = json.loads(raw.decode("utf-8")) if raw else None
             if b"\\ud" in raw or b"\\uD" in raw:  # a \ud83d escape: lone surrogates may be in it
                 parsed = without_surrogates(parsed)  # (a RecursionError is caught below)
         except RecursionError:
-            raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url, resp.status,
+            raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url,
+                               resp.status,
                                detail="answer nested too deeply")
         except (UnicodeDecodeError, ValueError):
             parsed = None
             if 200 <= resp.status < 300:
                 kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
-                start = " ".join(self.mask(raw[:NOT_JSON_SHOWN + len(self.key)].decode("utf-8", "replace"))
+                start = " ".join(self.mask(raw[:NOT_JSON_SHOWN + len(self.key)].decode("utf-8",
+                                                                                       "replace"))
                                  .split())[:NOT_JSON_SHOWN]  # masked before it is cut: no half key
                 raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s, %d bytes: %s)" % (
-                    self.url, self.scrub(kind), len(raw), self.scrub(json.dumps(start, ensure_ascii=False))), resp.status,
-                    detail="answer not JSON", hint="an HTML page: a captive portal or a proxy login?"
+                    self.url, self.scrub(kind), len(raw),
+                    self.scrub(json.dumps(start, ensure_ascii=False))), resp.status,
+                    detail="answer not JSON",
+                                   hint="an HTML page: a captive portal or a proxy login?"
                     if kind.lower() == "text/html" else "is the URL the gateway's?")
         if 200 <= resp.status < 300 and not isinstance(parsed, dict):
-            raise GatewayError(AMBIGUOUS, "answer from %s is not a JSON object" % self.url, resp.status,
+            raise GatewayError(AMBIGUOUS, "answer from %s is not a JSON object" % self.url,
+                               resp.status,
                                detail="answer not a JSON object")
         return parsed
 
@@ -1514,7 +1558,8 @@ class Gateway:
         net = _net_classes()
         proxy = _proxy_for("https" if self.https else "http", self.host)
         if self.https:
-            conn = http.client.HTTPSConnection(*(proxy or (self.host, self.port)), context=self._ssl_context())
+            conn = http.client.HTTPSConnection(*(proxy or (self.host, self.port)),
+                                               context=self._ssl_context())
         else:
             conn = http.client.HTTPConnection(*(proxy or (self.host, self.port)))
         if proxy and self.https:
@@ -1533,20 +1578,24 @@ class Gateway:
     def _connect_error(self, e, socket):
         if (type(e).__name__ in ("SSLCertVerificationError", "CertificateError")
                 or "CERTIFICATE_VERIFY_FAILED" in str(e)):
-            return GatewayError(TLS, "TLS verification failed for %s (%s)" % (self.host, _reason(e)),
-                                hint="for a private CA set caFile (`qmem.py config set caFile PATH`) "
-                                "or SSL_CERT_FILE")
+            return GatewayError(TLS,
+                                "TLS verification failed for %s (%s)" % (self.host, _reason(e)),
+                                hint="for a private CA set caFile (`qmem.py config set caFile "
+                                "PATH`) or SSL_CERT_FILE")
         if isinstance(e, socket.timeout):
-            return GatewayError(UNREACHABLE, "could not connect to %s within %g s" % (self.url, self.connect_s),
+            return GatewayError(UNREACHABLE,
+                                "could not connect to %s within %g s" % (self.url, self.connect_s),
                                 detail="could not connect within %g s" % self.connect_s)
         return GatewayError(UNREACHABLE, "could not connect to %s (%s)" % (self.url, _reason(e)),
-                            detail="could not connect: %s" % (getattr(e, "strerror", None) or _reason(e)))
+                            detail="could not connect: %s"
+                            % (getattr(e, "strerror", None) or _reason(e)))
 
     def _ssl_context(self):
         import ssl
         net = _net_classes()
         if "DeadlineSSLSocket" not in net:
-            net["DeadlineSSLSocket"] = type("DeadlineSSLSocket", (net["DeadlineMixin"], ssl.SSLSocket), {})
+            net["DeadlineSSLSocket"] = type("DeadlineSSLSocket",
+                                            (net["DeadlineMixin"], ssl.SSLSocket), {})
         # Verified, with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by
         # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
         try:
@@ -1689,7 +1738,8 @@ def _m002_claims(conn):
     1 took leases that looked 'too far ahead', and judged a claimant dead by its pid
     alone), so an older qmem.py must not write here any more: the version refuses it.
     Records of writes the gateway refused are marked as such (pending 2)."""
-    conn.execute("UPDATE records SET pending=2 WHERE pending=1 AND id IN (SELECT id FROM outbox WHERE state='failed')")
+    conn.execute("UPDATE records SET pending=2 WHERE pending=1 AND id IN (SELECT id FROM outbox "
+                 "WHERE state='failed')")
 
 
 def _m003_held(conn):
@@ -1752,7 +1802,8 @@ def _merge_statement():
     # Named parameters (a value is used several times): ?NNN with a sequence is
     # deprecated since Python 3.12. Rows are bound as dicts, keyed _MERGE_KEYS.
     n = {f: ":" + f for f in _MERGE_KEYS}
-    values = ["coalesce(%s, '')" % n[f] if f == "text" else "coalesce(%s, 0)" % n[f] if f == "private"
+    values = ["coalesce(%s, '')" % n[f] if f == "text" else "coalesce(%s, 0)" % n[f] if f
+              == "private"
               else n[f] for f in _MERGE_KEYS]
     newer = "({u} IS NOT NULL AND (updated_at IS NULL OR {u} > updated_at))".format(u=n["updated_at"])
     sets, conds = [], [newer]
@@ -1785,17 +1836,22 @@ def store_error(e, path):
     """A sqlite3 error as the StoreError a user can act on."""
     text = str(e)
     if "locked" in text or "busy" in text:
-        return StoreError("local database busy: %s is held by another process for more than %g s" % (
+        return StoreError("local database busy: %s is held by another process for more than %g s"
+                          % (
             path, BUSY_TIMEOUT_S), hint="try again in a moment", kind="store_busy")
     if "full" in text:
         return StoreError("local database full: no room left for %s (%s)" % (path, text),
                           hint="free some disk space, then try again", kind="store_full")
     if "readonly" in text or "read-only" in text or "unable to open" in text:
-        return StoreError("cannot open local database %s for writing (%s): a read-only file or folder?" % (
-            path, text), hint="check its permissions, or use another place: --db PATH, QMEM_SQLITE or localDbPath",
+        return StoreError("cannot open local database %s for writing (%s): a read-only file or "
+                          "folder?" % (
+            path,
+            text), hint="check its permissions, or use another place: --db PATH, QMEM_SQLITE or "
+                          "localDbPath",
             kind="store_readonly")
     if "disk I/O" in text:
-        return StoreError("local database %s: disk I/O error (a full or failing disk?)" % path, kind="store_io",
+        return StoreError("local database %s: disk I/O error (a full or failing disk?)" % path,
+                          kind="store_io",
                           hint="free some space or check the disk, then try again")
     return StoreError("cannot use local database %s: %s" % (path, text))
 
@@ -1831,12 +1887,15 @@ def _check_private(path):
             raise StoreError("cannot use local database %s: %s" % (path, e.strerror or e))
         unsafe = not_private(st)
         if unsafe and not (each in folders and st.st_uid == 0 and not st.st_mode & 0o022):
-            raise StoreError("%s is %s: another user could read or replace the local database" % (each, unsafe),
-                             hint="use a folder of your own (--db PATH, QMEM_SQLITE or localDbPath), or "
+            raise StoreError("%s is %s: another user could read or replace the local database"
+                             % (each, unsafe),
+                             hint="use a folder of your own (--db PATH, QMEM_SQLITE or "
+                             "localDbPath), or "
                                   "chown it to yourself and chmod go-w")
 
 
-_OUTBOX_BUNDLE_COLUMNS = ("id", "op", "payload", "target", "state", "gateway_id", "duplicate_of", "attempts",
+_OUTBOX_BUNDLE_COLUMNS = ("id", "op", "payload", "target", "state", "gateway_id", "duplicate_of",
+                          "attempts",
                           "created_at", "last_error", "last_status")
 
 
@@ -1858,7 +1917,8 @@ class Store:
         self.path = path
         if not os.path.exists(path):
             if not create:
-                raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`" % path)
+                raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`"
+                                 % path)
             _create_private(path)
         _check_private(path)
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
@@ -1897,15 +1957,18 @@ class Store:
         self.conn.execute("BEGIN")
         try:
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            tables = {n for (n,) in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            tables = {n for (n,)
+                      in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         finally:
             if self.conn.in_transaction:  # a failed read may have ended it already: say that error
                 self.conn.execute("COMMIT")
         if version > SCHEMA_VERSION and (_QMEM_TABLES <= tables or not tables):
-            raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); left untouched" % (
+            raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); "
+                             "left untouched" % (
                 self.path, version, SCHEMA_VERSION), hint="use the newer qmem.py")
         if (version == 0 and tables) or (version > 0 and not _QMEM_TABLES <= tables):
-            raise StoreError("%s is another program's SQLite database (tables: %s); left untouched" % (
+            raise StoreError("%s is another program's SQLite database (tables: %s); left untouched"
+                             % (
                 self.path, ", ".join(sorted(tables)[:5]) or "none"),
                 hint="give qmem.py a file of its own: --db PATH, QMEM_SQLITE or localDbPath")
         return version
@@ -1998,7 +2061,8 @@ class Store:
     # What merging needs of the stored row, without reading (and decoding) every column:
     # the mutable state, and a bit mask of the immutable fields that are missing.
     _SELECT_FOR_MERGE = "SELECT rid, view, updated_at, superseded_by, deleted_at, %s FROM records WHERE id=?" % (
-        " | ".join("((%s)<<%d)" % ("text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL", n)
+        " | ".join("((%s)<<%d)"
+                   % ("text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL", n)
                    for n, f in enumerate(IMMUTABLE)))
     _INSERT = "INSERT INTO records(id, view, seen_at, %s) VALUES(%s)" % (
         ", ".join(FIELDS), ", ".join("?" * (len(FIELDS) + 3)))
@@ -2040,7 +2104,8 @@ class Store:
             if rec["private"] is None:
                 rec["private"] = 0
             try:
-                cur = self.conn.execute(self._INSERT, [rec["id"], view, seen_at] + [rec[f] for f in FIELDS])
+                cur = self.conn.execute(self._INSERT,
+                                        [rec["id"], view, seen_at] + [rec[f] for f in FIELDS])
             except sqlite3.IntegrityError:  # another process inserted it since begin_bulk()
                 row = self.conn.execute(self._SELECT_FOR_MERGE, (rec["id"],)).fetchone()
             else:
@@ -2074,10 +2139,12 @@ class Store:
         if reindex:
             old_indexed = self.conn.execute("SELECT text, project_id, kind FROM records WHERE rid=?",
                                             (rowid,)).fetchone()
-            if old_indexed == (changes.get("text", old_indexed[0]), changes.get("project_id", old_indexed[1]),
+            if old_indexed == (changes.get("text", old_indexed[0]),
+                               changes.get("project_id", old_indexed[1]),
                                changes.get("kind", old_indexed[2])):
                 reindex = False
-        self.conn.execute("UPDATE records SET %s WHERE rid=?" % ", ".join(k + "=?" for k in changes),
+        self.conn.execute("UPDATE records SET %s WHERE rid=?"
+                          % ", ".join(k + "=?" for k in changes),
                           list(changes.values()) + [rowid])
         if reindex:
             self._unindex(rowid, dict(zip(("text", "project_id", "kind"), old_indexed)))
@@ -2097,8 +2164,8 @@ class Store:
 
     def outbox_row(self, local_id):
         """One outbox row's outcome: state, gateway_id, duplicate_of, last_error, last_status."""
-        cur = self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status, next_attempt_at "
-                                "FROM outbox WHERE id=?", (local_id,))
+        cur = self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status, "
+                                "next_attempt_at FROM outbox WHERE id=?", (local_id,))
         row = cur.fetchone()
         return _row_dict(cur, row) if row else None
 
@@ -2113,8 +2180,8 @@ class Store:
         said of this id (the record, and a held write of that id); True if there was
         one. A trusted view of the id takes its place. One indexed query on every view
         the gateway gives."""
-        row = self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=? AND origin>=? "
-                                "AND pending != 2", (record_id, least)).fetchone()
+        row = self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=? AND "
+                                "origin>=? AND pending != 2", (record_id, least)).fetchone()
         if row is None:
             return False
         self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (record_id,))
@@ -2146,7 +2213,8 @@ class Store:
         op = row.get("op") if row.get("op") in ("store", "correct") else "store"
         self.conn.execute("INSERT OR IGNORE INTO outbox(id, op, payload, created_at, state, "
                           "last_status, last_error, done_at) VALUES(?, ?, ?, ?, 'failed', 0, ?, ?)",
-                          (local_id, op, row["payload"], created if 0 < created < 1e11 else time.time(),
+                          (local_id, op, row["payload"],
+                           created if 0 < created < 1e11 else time.time(),
                            "refused when loaded here: %s" % reason[:300], time.time()))
 
     def release_held(self, local_ids):
@@ -2167,7 +2235,8 @@ class Store:
     def forget_write(self, local_id):
         """Remove a write that is still waiting, and its local record (one transaction)."""
         with self.transaction():
-            self.conn.execute("DELETE FROM outbox WHERE id=? AND state IN ('pending', 'sending')", (local_id,))
+            self.conn.execute("DELETE FROM outbox WHERE id=? AND state IN ('pending', 'sending')",
+                              (local_id,))
             self.drop_local(local_id, None)
 
     def outbox_counts(self):
@@ -2184,19 +2253,24 @@ class Store:
             where, params = "WHERE id IN (%s)" % ", ".join("?" * len(ids)), tuple(ids)
         items = []
         for (rid, op, st, attempts, created, error, gateway_id, dup, payload, next_at, lease_until
-             ) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, gateway_id, duplicate_of, "
-                                    "payload, next_attempt_at, lease_until FROM outbox %s ORDER BY rid" % where, params):
+             ) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, "
+                                    "gateway_id, duplicate_of, payload, next_attempt_at, "
+                                    "lease_until FROM outbox %s ORDER BY rid" % where, params):
             try:
                 body = json.loads(payload)
             except (ValueError, RecursionError):
                 body = None
-            body = body if isinstance(body, dict) else {}  # a row of another qmem.py: shown, not read
+            # a row of another qmem.py: shown, not read
+            body = body if isinstance(body, dict) else {}
             items.append({"local_id": rid, "op": op, "state": st, "attempts": attempts,
-                          "created_at": iso_from_epoch(created), "age_s": int(now - created), "last_error": error,
-                          "gateway_id": gateway_id, "duplicate_of": dup, "project_id": body.get("project_id"),
+                          "created_at": iso_from_epoch(created), "age_s": int(now - created),
+                          "last_error": error,
+                          "gateway_id": gateway_id, "duplicate_of": dup,
+                          "project_id": body.get("project_id"),
                           "text": body.get("text"), "lease_until": lease_until,
                           "unverified": st == HELD,
-                          "next_attempt_at": iso_from_epoch(next_at) if st == PENDING and next_at > now else None})
+                          "next_attempt_at": iso_from_epoch(next_at) if st == PENDING
+                          and next_at > now else None})
         return items
 
     def claim_of(self, local_id):
@@ -2223,14 +2297,16 @@ class Store:
     def ids_to_enrich(self, every=False):
         """Ids worth fetching in full: those known only from search hits (or every record
         here); never a write still local to this machine."""
-        sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % ("" if every else " AND view<?")
+        sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % ("" if every
+                                                                         else " AND view<?")
         return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
 
     def make_due(self, now):
         """Every waiting write may be sent now (an explicit flush does not wait out a
         backoff or a Retry-After)."""
         with self.transaction():
-            self.conn.execute("UPDATE outbox SET next_attempt_at=? WHERE state='pending' AND next_attempt_at>?",
+            self.conn.execute("UPDATE outbox SET next_attempt_at=? WHERE state='pending' AND "
+                              "next_attempt_at>?",
                               (now, now))
 
     def retry_failed(self):
@@ -2240,22 +2316,27 @@ class Store:
             failed = self.conn.execute("SELECT id, target FROM outbox WHERE state='failed' AND "
                                        "coalesce(last_status, -1) != 0").fetchall()
             for local_id, target in failed:
-                self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_WAITING, local_id))
+                self.conn.execute("UPDATE records SET pending=? WHERE id=?",
+                                  (LOCAL_WAITING, local_id))
                 if target:
-                    self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
+                    self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND "
+                                      "superseded_by IS NULL",
                                       (local_id, self.current_id(target)))
             self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 "
-                              "WHERE state='failed' AND coalesce(last_status, -1) != 0")  # 0: never sent
+                              # 0: never sent
+                              "WHERE state='failed' AND coalesce(last_status, -1) != 0")
 
     def bundle_record_count(self, projects, since):
         where, params = _bundle_filter(projects, since)
-        return self.conn.execute("SELECT count(*) FROM records WHERE pending=0 AND " + where, params).fetchone()[0]
+        return self.conn.execute("SELECT count(*) FROM records WHERE pending=0 AND " + where,
+                                 params).fetchone()[0]
 
     def bundle_records(self, projects, since):
         """The records a bundle carries (not this machine's own writes: their outbox rows
         carry them), as dicts, streamed."""
         where, params = _bundle_filter(projects, since)
-        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s ORDER BY rid"
+        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s "
+                                "ORDER BY rid"
                                 % (", ".join(FIELDS), where), params)
         names = [d[0] for d in cur.description]
         for row in cur:
@@ -2270,7 +2351,8 @@ class Store:
         rows = [dict(zip(_OUTBOX_BUNDLE_COLUMNS + ("done_at",), row)) for row in self.conn.execute(
             "SELECT %s, done_at FROM outbox WHERE state != 'held' ORDER BY rid" % ", ".join(
                 _OUTBOX_BUNDLE_COLUMNS))]
-        wanted = {r["id"] for r in rows if (not since or iso_from_epoch(max(r["created_at"], r["done_at"] or 0))
+        wanted = {r["id"] for r in rows
+                  if (not since or iso_from_epoch(max(r["created_at"], r["done_at"] or 0))
                                              >= since)
                   and (not projects or json.loads(r["payload"]).get("project_id") in projects)}
         by_id = {r["id"]: r for r in rows}
@@ -2287,20 +2369,24 @@ class Store:
     def refuse_write(self, local_id, reason):
         """Inside a transaction: a write of this machine that another machine sent and the
         gateway refused (a bundle says so): failed here too, with the reason."""
-        self.conn.execute("UPDATE outbox SET state='failed', last_error=?, claim_token=NULL, lease_until=NULL, "
-                          "done_at=? WHERE id=? AND state IN ('pending', 'sending')", (reason, time.time(), local_id))
+        self.conn.execute("UPDATE outbox SET state='failed', last_error=?, claim_token=NULL, "
+                          "lease_until=NULL, done_at=? WHERE id=? AND state IN ('pending', "
+                          "'sending')",
+                          (reason, time.time(), local_id))
         self.mark_failed(local_id)
 
     def settle_write(self, local_id, state, other_id):
         """Inside a transaction: a write of this machine that another machine delivered
         (a bundle says so): it takes the gateway id (or is the duplicate of one)."""
         if state == SYNCED:
-            self.conn.execute("UPDATE outbox SET state='synced', gateway_id=?, claim_token=NULL, lease_until=NULL, "
-                              "done_at=? WHERE id=?", (other_id, time.time(), local_id))
+            self.conn.execute("UPDATE outbox SET state='synced', gateway_id=?, claim_token=NULL, "
+                              "lease_until=NULL, done_at=? WHERE id=?",
+                              (other_id, time.time(), local_id))
             self.adopt(local_id, {"id": other_id})
         else:
-            self.conn.execute("UPDATE outbox SET state='duplicate', duplicate_of=?, claim_token=NULL, "
-                              "lease_until=NULL, done_at=? WHERE id=?", (other_id, time.time(), local_id))
+            self.conn.execute("UPDATE outbox SET state='duplicate', duplicate_of=?, "
+                              "claim_token=NULL, lease_until=NULL, done_at=? WHERE id=?",
+                              (other_id, time.time(), local_id))
             self.drop_local(local_id, other_id)
 
     def journal_mode(self):
@@ -2348,7 +2434,8 @@ class Store:
     def unsettled_before(self, when):
         """(count, oldest creation time) of writes still waiting or refused, made before when."""
         return self.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE state IN "
-                                 "('pending', 'sending', 'failed') AND created_at < ?", (when,)).fetchone()
+                                 "('pending', 'sending', 'failed') AND created_at < ?",
+                                 (when,)).fetchone()
 
     def is_empty(self):
         return self.conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
@@ -2366,13 +2453,15 @@ class Store:
 
     def outbox_ready(self, now):
         """Writes a flush would send now (not counting those of a claimant since gone)."""
-        return self.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND next_attempt_at<=? "
-                                 "OR state='sending' AND lease_until<?", (now, now)).fetchone()[0]
+        return self.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND "
+                                 "next_attempt_at<=? OR state='sending' AND lease_until<?",
+                                 (now, now)).fetchone()[0]
 
     def claim_tokens(self, now):
         """The claims on writes being sent, whose leases still run."""
         return [t for (t,) in self.conn.execute(
-            "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?", (now,))]
+            "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?",
+            (now,))]
 
     def current_id(self, record_id):
         """The id a record is known by here now: a local id of a write that has since
@@ -2392,23 +2481,30 @@ class Store:
         if gid != local_id:
             self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
         # What the index holds for this row is what was sent; re-index only if that changed.
-        if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f in ("text", "project_id", "kind")):
-            row = conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=?", (local_id,)).fetchone()
+        if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f
+                               in ("text", "project_id", "kind")):
+            row = conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=?",
+                               (local_id,)).fetchone()
         else:
             row = None
         try:
             # The gateway's view of every field it gave wins: it is the complete record.
             given = [f for f in FIELDS if rec[f] is not None]
-            conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?" % "".join(
-                ", %s=?" % f for f in given), [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
-        except sqlite3.IntegrityError:  # the gateway id is here already (pulled meanwhile): keep that row
+            conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?"
+                         % "".join(
+                ", %s=?" % f for f in given),
+                         [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
+        # the gateway id is here already (pulled meanwhile): keep that row
+        except sqlite3.IntegrityError:
             self.delete(local_id)
             self.upsert(rec, VIEW_FULL, iso_now())
         else:
-            if row and (rec["text"] or row[1], rec["project_id"] or row[2], rec["kind"] or row[3]) != row[1:]:
+            if row and (rec["text"] or row[1], rec["project_id"] or row[2],
+                        rec["kind"] or row[3]) != row[1:]:
                 self._unindex(row[0], dict(zip(("text", "project_id", "kind"), row[1:])))
                 self._index(row[0], dict(zip(("text", "project_id", "kind"), conn.execute(
-                    "SELECT text, project_id, kind FROM records WHERE rid=?", (row[0],)).fetchone())))
+                    "SELECT text, project_id, kind FROM records WHERE rid=?",
+                    (row[0],)).fetchone())))
         if referenced and gid != local_id:
             self._remap(local_id, gid)
 
@@ -2431,7 +2527,8 @@ class Store:
 
     def _index(self, rid, rec):
         if self.fts and not self.defer_index:
-            self.conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) VALUES(?, ?, ?, ?)",
+            self.conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) VALUES(?, ?, "
+                              "?, ?)",
                               (rid, rec.get("text") or "", rec.get("project_id"), rec.get("kind")))
 
     def _unindex(self, rid, old):
@@ -2466,7 +2563,8 @@ class Store:
         """Inside a transaction: the gateway refused this write. Its record stays, marked
         refused, and a correction no longer hides what it meant to correct."""
         self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
-        if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?", (local_id,)).rowcount:
+        if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?",
+                             (local_id,)).rowcount:
             self.link_supersessions()  # another correction of it may still stand
 
     def refresh(self):
@@ -2491,8 +2589,9 @@ class Store:
         others, oldest first."""
         chain, current = [], local_id
         for _ in range(most):
-            row = self.conn.execute("SELECT t.id FROM outbox o JOIN outbox t ON t.id = o.target WHERE o.id=? "
-                                    "AND t.state IN (?, ?)", (current,) + WAITING).fetchone()
+            row = self.conn.execute("SELECT t.id FROM outbox o JOIN outbox t ON t.id = o.target "
+                                    "WHERE o.id=? AND t.state IN (?, ?)",
+                                    (current,) + WAITING).fetchone()
             if row is None:
                 break
             chain.insert(0, row[0])
@@ -2501,14 +2600,16 @@ class Store:
 
     def waiting_write(self, op, payload_text):
         """The local id of a write with exactly this payload still waiting to be sent, or None."""
-        row = self.conn.execute("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, ?) LIMIT 1",
+        row = self.conn.execute("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, "
+                                "?) LIMIT 1",
                                 (op, payload_text) + WAITING).fetchone()
         return row[0] if row else None
 
     def failures(self, local_ids):
         """{local id: why the gateway refused it} for these writes."""
         marks = ", ".join("?" * len(local_ids))
-        return dict(self.conn.execute("SELECT id, last_error FROM outbox WHERE state='failed' AND id IN (%s)"
+        return dict(self.conn.execute("SELECT id, last_error FROM outbox WHERE state='failed' AND "
+                                      "id IN (%s)"
                                       % marks, list(local_ids)).fetchall())
 
 
@@ -2558,9 +2659,11 @@ _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
 # Few and precise: hex ids, UUIDs and shas pass. Python's re spends ~30 µs a text on
 # these, so a gate of plain substring tests (~2 µs) comes first.
 _SECRET_NAMES = "(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|client[_-]?secret)"
-_SECRET_KINDS = tuple((what, anchors, re.compile(pattern, flags)) for what, anchors, pattern, flags in (
+_SECRET_KINDS = tuple((what, anchors, re.compile(pattern, flags)) for what, anchors, pattern,
+                      flags in (
     # (what, literals one of which it holds, pattern, flags)
-    ("a private key block", ("PRIVATE KEY",), r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
+    ("a private key block", ("PRIVATE KEY",),
+     r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
      r"(?:.*?-----END (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----|.*)", re.DOTALL),  # to its end
     ("an AWS access key id", ("AKIA", "ASIA"), r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0),
     ("a GitHub token", ("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
@@ -2569,14 +2672,18 @@ _SECRET_KINDS = tuple((what, anchors, re.compile(pattern, flags)) for what, anch
     ("a Slack token", ("xox",), r"\bxox[abposr]-[A-Za-z0-9-]{10,}", 0),
     ("a Google API key", ("AIza",), r"\bAIza[0-9A-Za-z_-]{35}(?![0-9A-Za-z_-])", 0),
     ("a Stripe secret key", ("k_live_",), r"\b[rs]k_live_[0-9A-Za-z]{20,}", 0),
-    ("an OpenAI or Anthropic key", ("sk-",), r"\bsk-(?:proj-|ant-(?:api|admin)\d\d-)?[A-Za-z0-9_-]{32,}", 0),
-    ("an npm or Hugging Face token", ("npm_", "hf_"), r"\b(?:npm_[A-Za-z0-9]{36}|hf_[A-Za-z0-9]{30,})\b", 0),
+    ("an OpenAI or Anthropic key", ("sk-",),
+     r"\bsk-(?:proj-|ant-(?:api|admin)\d\d-)?[A-Za-z0-9_-]{32,}", 0),
+    ("an npm or Hugging Face token", ("npm_", "hf_"),
+     r"\b(?:npm_[A-Za-z0-9]{36}|hf_[A-Za-z0-9]{30,})\b", 0),
     ("a SendGrid key", ("SG.",), r"\bSG\.[A-Za-z0-9_-]{16,}\.[A-Za-z0-9_-]{16,}", 0),
     ("a Slack webhook", ("hooks.slack.com",),
      r"hooks\.slack\.com/services/T[A-Za-z0-9]+/B[A-Za-z0-9]+/[A-Za-z0-9]+", 0),
-    ("a JSON Web Token", ("eyJ",), r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", 0),
+    ("a JSON Web Token", ("eyJ",),
+     r"\beyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", 0),
     ("a password in a URL", ("://",), r"\b[A-Za-z][A-Za-z0-9+.-]*://[^/\s:@]+:([^/\s@]{3,})@", 0),
-    ("a bearer or basic credential", ("Bearer ", "Basic "), r"\b(?:Bearer|Basic) +([A-Za-z0-9._~+/=-]{16,})", 0),
+    ("a bearer or basic credential", ("Bearer ", "Basic "),
+     r"\b(?:Bearer|Basic) +([A-Za-z0-9._~+/=-]{16,})", 0),
     # name=value, name: value, where the value looks like a credential: quoted, or of 8 or
     # more characters with a digit or a symbol in them ("Token: refresh every 15 minutes",
     # "token = jwt.encode(payload)" pass); never a placeholder ($VAR, <...>, {...}, %s, ***)
@@ -2590,9 +2697,11 @@ _SECRET_NAME_RE = re.compile(_SECRET_NAMES + r"[\"']?\s*[:=]")  # on lower-cased
 def _secret_kinds_in(text):
     """The kinds whose literals the text holds: plain substring tests, ~2 µs a text, decide
     which patterns run at all (Python's re takes ~30 µs a text over all of them)."""
-    if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "glpat-" in text or "xox" in text
+    if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "glpat-" in text or "xox"
+        in text
             or "AIza" in text or "sk-" in text or "SG." in text or "slack" in text or "eyJ" in text
-            or "_" in text and ("gh" in text or "npm_" in text or "hf_" in text or "k_live_" in text)
+            or "_" in text
+        and ("gh" in text or "npm_" in text or "hf_" in text or "k_live_" in text)
             or "@" in text and "://" in text or "Bearer " in text or "Basic " in text):
         kinds = [k for k in _SECRET_KINDS[:-1] if any(a in text for a in k[1])]
     else:
@@ -2921,7 +3030,8 @@ class Importer:
             if call is not None:
                 waiting.append((path, call_id, call[0], json.dumps(call[1]), call[2]))
         self.stats.calls_without_result += len(waiting)
-        job = (self.bulk or [], path, waiting, (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
+        job = (self.bulk or [], path, waiting,
+               (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
         if self.bulk:
             self.bulk = []
         if self.writer is not None:
@@ -3009,7 +3119,8 @@ class Importer:
             stats.calls[name] = stats.calls.get(name, 0) + 1
             if msg.get("isError"):
                 stats.calls_errored += 1
-            call_id = msg.get("toolCallId")  # only looked up: the ids kept come from the calls, cleaned
+            # only looked up: the ids kept come from the calls, cleaned
+            call_id = msg.get("toolCallId")
             if not isinstance(call_id, str) or call_id not in calls:
                 continue  # a result whose call we never saw: nothing to pair it with
             seen = iso_norm(ts) if isinstance(ts, str) else None
@@ -3023,7 +3134,8 @@ class Importer:
             try:
                 for data, view in records_from_call(name, call_args, msg):
                     self._merge(data, view, seen)
-            except (TypeError, ValueError, AttributeError, KeyError, RecursionError):  # a shape nobody writes
+            # a shape nobody writes
+            except (TypeError, ValueError, AttributeError, KeyError, RecursionError):
                 stats.lines_skipped += 1
 
     def _scan_line(self, line, calls, results):
@@ -3069,7 +3181,8 @@ class Importer:
         if view == VIEW_FULL:
             if len(self.settled) >= _SETTLED_MAX:
                 self.settled.clear()
-            self.settled[rid] = (data.get("updated_at"), data.get("superseded_by"), data.get("deleted_at"))
+            self.settled[rid] = (data.get("updated_at"), data.get("superseded_by"),
+                                 data.get("deleted_at"))
 
 
 def _apply_file(store, job, stats):
@@ -3106,8 +3219,10 @@ class _WriterProcess:
         if not os.path.isfile(script):
             return None
         try:
-            proc = subprocess.Popen([sys.executable, script, _WRITER_COMMAND, db_path], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_child_environment())
+            proc = subprocess.Popen([sys.executable, script, _WRITER_COMMAND, db_path],
+                                    stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=_child_environment())
         except OSError:
             return None
         writer = cls()
@@ -3151,7 +3266,8 @@ class _WriterProcess:
 def _child_environment():
     """What a child process needs of the environment, and no secret (QMEM_API_KEY, a
     proxy's password, tokens): the writer needs no gateway at all."""
-    keep = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT", "PYTHONPATH",
+    keep = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT",
+            "PYTHONPATH",
             "PYTHONIOENCODING", "PYTHONUTF8")
     return {k: v for k, v in os.environ.items() if k in keep}
 
@@ -3193,14 +3309,16 @@ def _add_calls(calls, entry):
     msg = entry and entry.get("message")
     for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
         if (isinstance(block, dict) and block.get("type") == "toolCall"
-                and isinstance(block.get("id"), str) and str(block.get("name", "")).startswith("qmem_")):
+                and isinstance(block.get("id"), str)
+            and str(block.get("name", "")).startswith("qmem_")):
             calls[text_of(block["id"])] = _call_of(block, entry)
 
 
 def _call_of(block, entry):
     """(name, arguments, timestamp) of a toolCall block, as text the index can keep."""
     ts = entry.get("timestamp")
-    return text_of(str(block["name"])), block.get("arguments"), text_of(ts) if isinstance(ts, str) else None
+    return text_of(str(block["name"])), block.get("arguments"), text_of(ts) if isinstance(ts,
+                                                                                          str) else None
 
 
 def _take_call(calls, call_id):
@@ -3212,8 +3330,10 @@ def _take_call(calls, call_id):
     entry = _parse_line(found)
     msg = entry and entry.get("message")
     for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
-        if (isinstance(block, dict) and block.get("type") == "toolCall" and isinstance(block.get("id"), str)
-                and text_of(block["id"]) == call_id and str(block.get("name", "")).startswith("qmem_")):
+        if (isinstance(block, dict) and block.get("type") == "toolCall"
+            and isinstance(block.get("id"), str)
+                and text_of(block["id"]) == call_id
+            and str(block.get("name", "")).startswith("qmem_")):
             return _call_of(block, entry)
     return None
 
@@ -3263,19 +3383,22 @@ def query_was_cut(query):
 
 
 # Why a matching record is not shown by default, and the flag that shows it.
-HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded", "private": "--private",
+HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded",
+                "private": "--private",
                 "expired": "--include-expired"}
 
 
 def hidden_matches(store, query, project=None, kind=None, scope=None, limit=1000):
     """{reason: n} of the records that match but find hides by default (each counted
     once, by its first reason in HIDDEN_FLAGS order), for a search that found nothing."""
-    found = find_local(store, query, project, kind, scope, limit, include_superseded=True, deleted=None,
+    found = find_local(store, query, project, kind, scope, limit, include_superseded=True,
+                       deleted=None,
                        private=True, include_expired=True)["results"]
     now, counts = iso_now(), dict.fromkeys(HIDDEN_FLAGS, 0)
     for r in found:
         for why, hidden in (("deleted", r["deleted_at"]), ("superseded", r["superseded_by"]),
-                            ("private", r["private"]), ("expired", r["expires_at"] and r["expires_at"] <= now)):
+                            ("private", r["private"]),
+                            ("expired", r["expires_at"] and r["expires_at"] <= now)):
             if hidden:
                 counts[why] += 1
                 break
@@ -3296,10 +3419,13 @@ MIN_STEM = 3       # a shorter stem would match half the vocabulary as a prefix
 MIN_TYPO_WORD = 5  # shorter words have too many neighbours at one edit
 MIN_PREFIX_WORD = 4  # a word form may be the word with an ending: deploy -> deploys
 
-_EN_SUFFIXES = ("ations", "ation", "ions", "ion", "ments", "ment", "ingly", "edly", "ings", "ing", "ies", "ied",
+_EN_SUFFIXES = ("ations", "ation", "ions", "ion", "ments", "ment", "ingly", "edly", "ings", "ing",
+                "ies", "ied",
                 "es", "ed", "ly", "s", "e", "y")
-_IT_SUFFIXES = ("amente", "imente", "mente", "azioni", "azione", "zioni", "zione", "avano", "evano", "ivano",
-                "ando", "endo", "iamo", "ata", "ate", "ati", "ato", "ita", "ite", "iti", "ito", "uta", "ute",
+_IT_SUFFIXES = ("amente", "imente", "mente", "azioni", "azione", "zioni", "zione", "avano", "evano",
+                "ivano",
+                "ando", "endo", "iamo", "ata", "ate", "ati", "ato", "ita", "ite", "iti", "ito",
+                "uta", "ute",
                 "uti", "uto", "are", "ere", "ire", "ano", "ono", "a", "e", "i", "o")
 
 
@@ -3321,7 +3447,8 @@ def word_stems(word):
                 if stem != word:
                     found.add(stem)
                 break
-    return sorted(s for s in found if not any(o != s and s.startswith(o) for o in found))  # support* has supportat*
+    # support* has supportat*
+    return sorted(s for s in found if not any(o != s and s.startswith(o) for o in found))
 
 
 def one_edit_apart(a, b):
@@ -3335,7 +3462,8 @@ def one_edit_apart(a, b):
     while i < min(len(a), len(b)) and a[i] == b[i]:
         i += 1
     if len(a) == len(b):
-        return a[i + 1:] == b[i + 1:] or (a[i + 1:i + 2] == b[i:i + 1] and a[i:i + 1] == b[i + 1:i + 2]
+        return a[i + 1:] == b[i + 1:] or (a[i + 1:i + 2] == b[i:i + 1] and a[i:i + 1]
+                                          == b[i + 1:i + 2]
                                            and a[i + 2:] == b[i + 2:])
     longer, shorter = (a, b) if len(a) > len(b) else (b, a)
     return longer[i + 1:] == shorter[i:]
@@ -3359,16 +3487,19 @@ def search_levels(tokens, near=None):
         return [(w, n == last or len(w) >= MIN_PREFIX_WORD)] + [(s, True) for s in word_stems(w)]
 
     def spellings(n, w):
-        nearby = near(w) if near is not None and len(w) >= MIN_TYPO_WORD and w.isalpha() else []  # 50051 is no typo
+        # 50051 is no typo
+        nearby = near(w) if near is not None and len(w) >= MIN_TYPO_WORD and w.isalpha() else []
         return forms(n, w) + [(t, False) for t in nearby if t != w]
     seen = set()
-    for match, alternatives, every in (("all", exact, True), ("stemmed", forms, True), ("fuzzy", spellings, True),
+    for match, alternatives, every in (("all", exact, True), ("stemmed", forms, True),
+                                       ("fuzzy", spellings, True),
                                        ("any", forms, False)):
         if match == "fuzzy" and near is None:
             continue
         if not every and len(words) == 1:
             return
-        level = [alternatives(n, w) for n, w in enumerate(words)]  # lazily: near() reads the vocabulary
+        # lazily: near() reads the vocabulary
+        level = [alternatives(n, w) for n, w in enumerate(words)]
         key = (repr(level), every)
         if key not in seen:
             seen.add(key)
@@ -3398,7 +3529,8 @@ def near_spellings(store, word):
         return []
     half = (len(word) - 1) // 2
     head, tail = word[:half], word[-max(1, len(word) - half - 2):]
-    return [t for t in store.index_terms() if abs(len(t) - len(word)) <= 1 and (t.startswith(head) or
+    return [t for t in store.index_terms() if abs(len(t) - len(word)) <= 1
+            and (t.startswith(head) or
             t.endswith(tail)) and t != word and one_edit_apart(word, t)][:MAX_NEAR_SPELLINGS]
 
 
@@ -3409,8 +3541,8 @@ MAX_NEAR_SPELLINGS = 8
 # layer makes them bold on a terminal, and nothing elsewhere.
 HIGHLIGHT = ("\ue000", "\ue001")
 
-_RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, r.expires_at, "
-                   "r.superseded_by, r.deleted_at, r.private, r.pending, r.origin")
+_RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
+                   "r.expires_at, r.superseded_by, r.deleted_at, r.private, r.pending, r.origin")
 
 
 def find_local(store, query, project=None, kind=None, scope=None, limit=10,
@@ -3423,12 +3555,14 @@ def find_local(store, query, project=None, kind=None, scope=None, limit=10,
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
-    where, params = _visibility(project, kind, scope, include_superseded, deleted, private, include_expired)
+    where, params = _visibility(project, kind, scope, include_superseded, deleted, private,
+                                include_expired)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
     use_fts = store.fts and not store.meta("fts_pending")
     near = (lambda word: near_spellings(store, word)) if use_fts else None
     for match, level, every in search_levels(tokens, near):
-        sql, args = (_fts_query if use_fts else _like_query)(level, every, where, params, limit, highlight)
+        sql, args = (_fts_query if use_fts else _like_query)(level, every, where, params, limit,
+                                                             highlight)
         cur = store.conn.execute(sql, args)
         rows = cur.fetchall()
         if rows:
@@ -3459,7 +3593,8 @@ def _visibility(project, kind, scope, include_superseded, deleted, private, incl
 def _fts_query(level, every, where, params, limit, highlight):
     sql = ("SELECT %s, snippet(records_fts, 0, ?, ?, '…', 24) FROM records_fts "
            "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
-           "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5) LIMIT ?" % (_RESULT_COLUMNS, " AND ".join(where)))
+           "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5) LIMIT ?"
+           % (_RESULT_COLUMNS, " AND ".join(where)))
     return sql, [highlight[0], highlight[1], fts_expression(level, every)] + params + [limit]
 
 
@@ -3470,7 +3605,8 @@ def _like_query(level, every, where, params, limit, highlight):
              for alternatives in level]
     sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
         _RESULT_COLUMNS, (" AND " if every else " OR ").join(words), " AND ".join(where))
-    patterns = ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for alternatives in level for term, _ in alternatives]
+    patterns = ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for alternatives in level for term,
+                _ in alternatives]
     return sql, patterns + params + [limit]
 
 
@@ -3482,9 +3618,11 @@ def _results(store, cur, rows, tokens):
     for n, row in enumerate(rows, 1):
         rec = dict(zip(names, row))
         local = rec["pending"]
-        rec.update(private=bool(rec["private"]), pending=local == LOCAL_WAITING, failed=local == LOCAL_FAILED,
+        rec.update(private=bool(rec["private"]), pending=local == LOCAL_WAITING,
+                   failed=local == LOCAL_FAILED,
                    unverified=rec.pop("origin") == ORIGIN_UNVERIFIED,
-                   rank=n, snippet=row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens))
+                   rank=n,
+                   snippet=row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens))
         results.append(rec)
     failed = [r["id"] for r in results if r["failed"]]
     reasons = store.failures(failed) if failed else {}
@@ -3523,18 +3661,22 @@ def local_status(store):
     dups = q("""SELECT count(*), coalesce(sum(n), 0) FROM (
                   SELECT count(*) AS n FROM records WHERE text != '' AND deleted_at IS NULL
                   GROUP BY lower(trim(text)) HAVING count(DISTINCT id) > 1)""").fetchone()
-    size = sum(os.path.getsize(store.path + s) for s in ("", "-wal") if os.path.exists(store.path + s))
+    size = sum(os.path.getsize(store.path + s) for s in ("", "-wal")
+               if os.path.exists(store.path + s))
     files = counts("SELECT status, count(*) FROM files GROUP BY status")
     return {
         "source": "local_sqlite",
         "records": records,
         "outbox": outbox,
-        "coverage": {"complete": total - records["partial_only"], "search_hit_only": records["partial_only"],
-                     "complete_share": round((total - records["partial_only"]) / total, 4) if total else None},
+        "coverage": {"complete": total - records["partial_only"],
+                     "search_hit_only": records["partial_only"],
+                     "complete_share": round((total - records["partial_only"]) / total, 4) if total
+                     else None},
         "lag": {"newest_entry_imported_at": store.meta("newest_entry_at"),
                 "last_import_at": store.meta("last_import_at"),
                 "last_pull_at": store.meta("last_pull_at"),
-                "last_flush_at": store.meta("last_flush_at"), "last_load_at": store.meta("last_load_at"),
+                "last_flush_at": store.meta("last_flush_at"),
+                "last_load_at": store.meta("last_load_at"),
                 "last_load_from": store.meta("last_load_from")},
         "duplicates": {"groups": dups[0], "records": dups[1]},
         "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0)},
@@ -3546,11 +3688,13 @@ def local_status(store):
 
 def empty_status(db_path):
     """local_status() of a machine with no index yet: every count 0."""
-    records = {"total": 0, "superseded": 0, "deleted": 0, "private": 0, "partial_only": 0, "pending": 0, "failed": 0,
+    records = {"total": 0, "superseded": 0, "deleted": 0, "private": 0, "partial_only": 0,
+               "pending": 0, "failed": 0,
                "by_kind": {}, "by_project": {}}
     return {"source": "local_sqlite", "records": records, "outbox": dict.fromkeys(OUTBOX_STATES, 0),
             "coverage": {"complete": 0, "search_hit_only": 0, "complete_share": None},
-            "lag": dict.fromkeys(("newest_entry_imported_at", "last_import_at", "last_pull_at", "last_flush_at",
+            "lag": dict.fromkeys(("newest_entry_imported_at", "last_import_at", "last_pull_at",
+                                  "last_flush_at",
                                   "last_load_at", "last_load_from")),
             "duplicates": {"groups": 0, "records": 0}, "sessions": {"files": 0, "not_sessions": 0},
             "db": {"path": db_path, "bytes": 0, "schema_version": None},
@@ -3567,13 +3711,14 @@ def local_meta(store):
     q = store.conn.execute
     live = "deleted_at IS NULL"
     scopes = {}
-    for scope, kind, n in q("SELECT coalesce(scope, '(none)'), coalesce(kind, '(none)'), count(*) FROM records "
-                            "WHERE %s GROUP BY 1, 2 ORDER BY 1, 2" % live):
+    for scope, kind, n in q("SELECT coalesce(scope, '(none)'), coalesce(kind, '(none)'), count(*) "
+                            "FROM records WHERE %s GROUP BY 1, 2 ORDER BY 1, 2" % live):
         scopes.setdefault(scope, {})[kind] = n
     group = "SELECT coalesce(%s, '(none)'), count(*) FROM records WHERE " + live + " GROUP BY 1 ORDER BY 2 DESC, 1"
     return {"scopes": scopes, "projects": dict(q(group % "project_id").fetchall()),
             "agents": dict(q(group % "agent_id").fetchall()),
-            "superseded": q("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL AND %s" % live).fetchone()[0],
+            "superseded": q("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL AND %s"
+                            % live).fetchone()[0],
             "deleted": q("SELECT count(*) FROM records WHERE deleted_at IS NOT NULL").fetchone()[0]}
 
 
@@ -3608,22 +3753,26 @@ def _write_payload(text, project, kind, scope, agent, source, expires, private, 
         raise UsageError("--project is required (the project this memory belongs to)")
     if kind not in KINDS:
         raise UsageError("kind must be one of %s, not %r" % (", ".join(KINDS), kind))
-    for name, value, bound in (("project", project.strip(), MAX_PROJECT), ("scope", scope, MAX_FIELD),
+    for name, value, bound in (("project", project.strip(), MAX_PROJECT),
+                               ("scope", scope, MAX_FIELD),
                                ("agent", agent, MAX_FIELD), ("source", source, MAX_FIELD),
                                ("reason", reason, MAX_FIELD)):
         if value and len(value) > bound:
-            raise UsageError("the %s is %d characters; it may have at most %d" % (name, len(value), bound),
+            raise UsageError("the %s is %d characters; it may have at most %d"
+                             % (name, len(value), bound),
                              hint="nothing was done; give a shorter one")
         if value and not value.isprintable():
             raise UsageError("the %s holds a control character" % name, hint="nothing was done")
-    payload = {"text": text, "kind": kind, "project_id": project.strip(), "agent_id": agent or "qmem.py",
+    payload = {"text": text, "kind": kind, "project_id": project.strip(),
+               "agent_id": agent or "qmem.py",
                "source": source or machine_identity()[:MAX_FIELD], "private": bool(private)}
     if scope:
         payload["scope"] = scope
     if expires:
         when = parse_iso(expires)
         if when is None:
-            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % expires)
+            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
+                             % expires)
         if when <= (time.time() if now is None else now):
             raise UsageError("--expires %s is already past" % expires)
         payload["expires_at"] = iso_from_epoch(when)
@@ -3676,9 +3825,11 @@ def check_outbox_room(store, size, max_mb, held=False):
     fill the room of the user's own writes."""
     if max_mb is not None and store.outbox_bytes(held) + size > max_mb << 20:
         raise OutboxFull("the outbox is full: the writes waiting here take more than outboxMaxMB "
-                         "(%d MB)" % max_mb, hint="deliver them with `qmem.py flush` (on an air-gapped "
-                         "host carry them out: `qmem.py export --outbox-only FILE`), discard some with "
-                         "`qmem.py queue --drop ID`, or raise the bound: `qmem.py config set outboxMaxMB N`")
+                         "(%d MB)" % max_mb,
+                         hint="deliver them with `qmem.py flush` (on an air-gapped "
+                         "host carry them out: `qmem.py export --outbox-only FILE`), discard some "
+                         "with `qmem.py queue --drop ID`, or raise the bound: `qmem.py config set "
+                         "outboxMaxMB N`")
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
@@ -3686,11 +3837,14 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
     waiting, or refused for a failed row); a correction hides its target at once."""
     payload = without_surrogates(json.loads(payload_text))  # a bundle's payload may spell one
     target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
-    store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, done_at) "
-                       "VALUES(?, ?, ?, ?, ?, ?, ?, ?)", (local_id, op, payload_text, target, created_at, state,
-                                                          last_error, created_at if state == FAILED else None))
+    store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, "
+                       "done_at) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
+                       (local_id, op, payload_text, target, created_at, state,
+                                                          last_error,
+                                                          created_at if state == FAILED else None))
     when = iso_from_epoch(created_at)
-    store.upsert(normalize_record(dict(payload, id=local_id, created_at=when, updated_at=when)), VIEW_FULL, when)
+    store.upsert(normalize_record(dict(payload, id=local_id, created_at=when, updated_at=when)),
+                 VIEW_FULL, when)
     store.conn.execute("UPDATE records SET pending=? WHERE id=?",
                        (LOCAL_FAILED if state == FAILED else LOCAL_WAITING, local_id))
     if target and state == PENDING:  # not a refused one, nor a held one (nothing vouches for it)
@@ -3721,8 +3875,10 @@ class FlushStats:
         self.stop_error = None  # the GatewayError that stopped it
 
     def as_dict(self):
-        return {"synced": len(self.synced), "duplicate": len(self.duplicate), "failed": len(self.failed),
-                "retry_later": len(self.retry_later), "held": len(self.held), "stopped": self.stopped}
+        return {"synced": len(self.synced), "duplicate": len(self.duplicate),
+                "failed": len(self.failed),
+                "retry_later": len(self.retry_later), "held": len(self.held),
+                "stopped": self.stopped}
 
     def count(self, outcome):
         kept = {SYNCED: self.synced, DUPLICATE: self.duplicate, FAILED: self.failed,
@@ -3789,7 +3945,8 @@ class Flusher:
         hold them for the rest of its lease. Nothing else ends a lease early."""
         for token in self.store.claim_tokens(now):
             if claimant_is_gone(token):
-                self.store.conn.execute("UPDATE outbox SET lease_until=0 WHERE claim_token=? AND state='sending'",
+                self.store.conn.execute("UPDATE outbox SET lease_until=0 WHERE claim_token=? AND "
+                                        "state='sending'",
                                         (token,))
 
     def claim_new(self, local_id):
@@ -3798,7 +3955,8 @@ class Flusher:
         now, token = self.clock(), claim_token()
         self.store.conn.execute("UPDATE outbox SET state='sending', claim_token=?, lease_until=?, "
                                 "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, ?) "
-                                "WHERE id=? AND state='pending'", (token, now + self.lease_s, now, local_id))
+                                "WHERE id=? AND state='pending'",
+                                (token, now + self.lease_s, now, local_id))
         return token
 
     def claim(self, only=None):
@@ -3820,8 +3978,9 @@ class Flusher:
 
     def _claimed(self, token):
         """The rows a claim still holds."""
-        return self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE claim_token=? "
-                                       "AND state='sending' ORDER BY rid", (token,)).fetchall()
+        return self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE "
+                                       "claim_token=? AND state='sending' ORDER BY rid",
+                                       (token,)).fetchall()
 
     def run(self, only=None, budget_s=None, progress=None, claimed=None):
         """Flush ready rows (or just the row `only`, or the rows claimed with token `claimed`)
@@ -3840,7 +3999,8 @@ class Flusher:
                 self._send_batch(rows, claimed_at, give_up, budget_s, stats, done, progress)
             finally:  # also on Ctrl-C: what was answered is kept, the rest goes back
                 sent = {o.row[0] for o in done}
-                self._finish(token, done + [Outcome(RELEASE, r) for r in rows if r[0] not in sent], stats)
+                self._finish(token, done + [Outcome(RELEASE, r) for r in rows if r[0] not in sent],
+                             stats)
             if only is not None or claimed is not None:
                 break
         if stats.synced or stats.duplicate or stats.failed:
@@ -3870,7 +4030,8 @@ class Flusher:
             return "ok", self.delivered[target]
         if target in self.refused:
             return "fail", "the record it corrects (%s) was refused by the gateway" % target
-        row = self.store.conn.execute("SELECT state, gateway_id, duplicate_of FROM outbox WHERE id=?",
+        row = self.store.conn.execute("SELECT state, gateway_id, duplicate_of FROM outbox WHERE "
+                                      "id=?",
                                       (target,)).fetchone()
         if row is None:
             return "ok", target  # a gateway id
@@ -3898,10 +4059,14 @@ class Flusher:
             payload = json.dumps(body, ensure_ascii=False, sort_keys=True)
         try:
             # The frozen payload itself: the same bytes on every attempt, from every process.
-            resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"), idempotency_key=local_id)
+            resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"),
+                                     idempotency_key=local_id)
         except GatewayError as e:
             if e.kind == AMBIGUOUS:
-                delay = e.retry_in_ms / 1000.0 if e.retry_in_ms else min(3600, 30 * 2 ** min(10, self._attempts(rid)))
+                delay = e.retry_in_ms / 1000.0 if e.retry_in_ms else min(3600,
+                                                                         30
+                                                                         * 2 ** min(10,
+                                                                                    self._attempts(rid)))
                 delay = min(delay, MAX_STORED_WAIT_S)
                 told = "; the gateway asked to wait %s" % duration(e.retry_in_ms / 1000.0) if e.retry_in_ms else ""
                 return Outcome(RETRY, row, error=str(e) + told, status=e.status, delay=delay)
@@ -3919,26 +4084,31 @@ class Flusher:
             gid = data.get("id")
             if not (isinstance(gid, str) and UUID_RE.fullmatch(gid.strip())):
                 self.refused.add(local_id)
-                return Outcome(FAILED, row, status=resp.status, error="the gateway answered HTTP %d without a "
+                return Outcome(FAILED, row, status=resp.status,
+                               error="the gateway answered HTTP %d without a "
                                "usable record id (%s)" % (resp.status, _shown(gid, resp.scrub)))
             self.delivered[local_id] = gid.strip()
             return Outcome(SYNCED, row, status=resp.status, record=dict(data, id=gid.strip()),
                            sent=json.loads(row[3]))
         if resp.status == 409 and data.get("detail") == "duplicate":
             original = data.get("duplicate_of")
-            original = original.strip() if isinstance(original, str) and UUID_RE.fullmatch(original.strip()) else None
+            original = original.strip() if isinstance(original,
+                                                      str) and UUID_RE.fullmatch(original.strip()) else None
             self.delivered[local_id] = original
             similarity = data.get("similarity")
             return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
-                           error="near-identical memory exists (similarity %s)" % _shown(similarity, resp.scrub))
+                           error="near-identical memory exists (similarity %s)"
+                           % _shown(similarity, resp.scrub))
         if resp.status == 409 or 200 <= resp.status < 300:  # the same key still in flight / odd 2xx
-            return Outcome(RETRY, row, error="gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
+            return Outcome(RETRY, row,
+                           error="gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
                            status=resp.status, delay=5)
         self.refused.add(local_id)
         return Outcome(FAILED, row, error=resp.detail(), status=resp.status)
 
     def _attempts(self, rid):
-        return self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?", (rid,)).fetchone()[0]
+        return self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?",
+                                       (rid,)).fetchone()[0]
 
     def _finish(self, token, done, stats):
         """Record the outcomes of one claimed batch, fenced by its token (a flusher whose
@@ -3946,14 +4116,16 @@ class Flusher:
         savepoint: one that cannot be recorded fails alone, with the reason."""
         conn = self.store.conn
         with self.store.transaction():
-            targets = {t for (t,) in conn.execute("SELECT DISTINCT target FROM outbox WHERE target IS NOT NULL")}
+            targets = {t for (t,)
+                       in conn.execute("SELECT DISTINCT target FROM outbox WHERE target IS NOT NULL")}
             for o in done:
                 conn.execute("SAVEPOINT outcome")
                 try:
                     took = self._record(o, token, targets)
                 except (sqlite3.Error, ValueError, TypeError, KeyError) as e:
                     conn.execute("ROLLBACK TO outcome")
-                    o = Outcome(FAILED, o.row, error="the gateway's answer could not be recorded (%s)" % e)
+                    o = Outcome(FAILED, o.row,
+                                error="the gateway's answer could not be recorded (%s)" % e)
                     took = self._record(o, token, targets)
                 conn.execute("RELEASE outcome")
                 if took:
@@ -3965,29 +4137,35 @@ class Flusher:
         rid, local_id = o.row[0], o.row[1]
         fence = " WHERE rid=? AND claim_token=? AND state='sending'"
         if o.action == RELEASE:
-            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
-                                "attempts=attempts-1, last_error=coalesce(?, last_error)" + fence,
+            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, "
+                                "lease_until=NULL, attempts=attempts-1, last_error=coalesce(?, "
+                                "last_error)" + fence,
                                 (o.error, rid, token)).rowcount
         if o.action == RETRY:
-            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, lease_until=NULL, "
-                                "next_attempt_at=?, last_status=?, last_error=?" + fence,
+            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, "
+                                "lease_until=NULL, next_attempt_at=?, last_status=?, last_error=?"
+                                + fence,
                                 (now + o.delay, o.status, o.error, rid, token)).rowcount
         if o.action == SYNCED:
-            took = conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, lease_until=NULL, done_at=?, "
-                                "gateway_id=?, last_status=?, last_error=NULL" + fence,
+            took = conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, "
+                                "lease_until=NULL, done_at=?, gateway_id=?, last_status=?, "
+                                "last_error=NULL" + fence,
                                 (now, o.record["id"], o.status, rid, token)).rowcount
             if took:  # corrections are the only local references: to this row, or from it
-                self.store.adopt(local_id, o.record, referenced=local_id in targets or bool(o.row[4]), sent=o.sent)
+                self.store.adopt(local_id, o.record,
+                                 referenced=local_id in targets or bool(o.row[4]), sent=o.sent)
             return took
         if o.action == DUPLICATE:
-            took = conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, lease_until=NULL, "
-                                "done_at=?, duplicate_of=?, last_status=409, last_error=?" + fence,
+            took = conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, "
+                                "lease_until=NULL, done_at=?, duplicate_of=?, last_status=409, "
+                                "last_error=?" + fence,
                                 (now, o.duplicate_of, o.error, rid, token)).rowcount
             if took:
                 self.store.drop_local(local_id, o.duplicate_of)
             return took
-        took = conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, done_at=?, "
-                            "last_status=?, last_error=?" + fence, (now, o.status, o.error, rid, token)).rowcount
+        took = conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, "
+                            "done_at=?, last_status=?, last_error=?" + fence,
+                            (now, o.status, o.error, rid, token)).rowcount
         if took:
             self.store.mark_failed(local_id)
         return took
@@ -4005,7 +4183,8 @@ class PullStats:
         self.pages = self.new = self.updated = self.deleted = self.same = 0
 
     def as_dict(self):
-        return {"pages": self.pages, "new": self.new, "updated": self.updated, "deleted": self.deleted,
+        return {"pages": self.pages, "new": self.new, "updated": self.updated,
+                "deleted": self.deleted,
                 "unchanged": self.same}
 
 
@@ -4027,7 +4206,8 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
             query["updated_since"] = since
         resp = gateway.call("GET", "/v1/memories:export?" + urlencode(query))
         if resp.status == 404:
-            raise QmemError("this gateway has no export endpoint (it is older than 2.12.0)", kind="unsupported",
+            raise QmemError("this gateway has no export endpoint (it is older than 2.12.0)",
+                            kind="unsupported",
                             hint="refresh known records one by one with `qmem.py enrich --all`")
         if resp.status != 200:
             raise QmemError("the gateway refused the export: %s" % resp.detail(), kind="refused")
@@ -4041,7 +4221,8 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
                 rec = normalize_record(item)
                 if rec is None:
                     continue
-                was = store.conn.execute("SELECT deleted_at FROM records WHERE id=?", (rec["id"],)).fetchone()
+                was = store.conn.execute("SELECT deleted_at FROM records WHERE id=?",
+                                         (rec["id"],)).fetchone()
                 outcome = store.from_gateway(rec, VIEW_FULL, iso_now())
                 if outcome == "new":
                     stats.new += 1
@@ -4064,12 +4245,15 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
                 store.set_meta("last_pull_at", iso_now())
         stats.pages += 1
         if progress:
-            progress.update("%d pages, %d new, %d updated" % (stats.pages, stats.new, stats.updated))
+            progress.update("%d pages, %d new, %d updated"
+                            % (stats.pages, stats.new, stats.updated))
         if not next_cursor or not items:
             return stats
         if next_cursor == cursor:  # an answer that would ask for the same page for ever
-            raise GatewayError(PROTOCOL, "the gateway's export answered the same cursor twice (%s)" % _shown(
-                next_cursor), hint="the pages so far are kept; this gateway's export is broken, tell its admin")
+            raise GatewayError(PROTOCOL,
+                               "the gateway's export answered the same cursor twice (%s)" % _shown(
+                next_cursor), hint="the pages so far are kept; this gateway's export is broken, "
+                               "tell its admin")
 
 
 def enrich(store, gateway, ids, progress=None):
@@ -4193,10 +4377,13 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
     try:
         with store.snapshot():
             rows = list(store.bundle_outbox(projects, since)) if outbox else []
-            counts = {"records": store.bundle_record_count(projects, since) if records else 0, "outbox": len(rows)}
-            writer.put({"format": BUNDLE_FORMAT, "format_version": BUNDLE_VERSION, "qmem_version": __version__,
+            counts = {"records": store.bundle_record_count(projects, since) if records else 0,
+                      "outbox": len(rows)}
+            writer.put({"format": BUNDLE_FORMAT, "format_version": BUNDLE_VERSION,
+                        "qmem_version": __version__,
                         "machine": machine_identity(), "created_at": iso_now(), "counts": counts,
-                        "filters": {"projects": projects or None, "since": since, "records": records,
+                        "filters": {"projects": projects or None, "since": since,
+                                    "records": records,
                                     "outbox": outbox}})
             for rec in store.bundle_records(projects, since) if records else ():
                 writer.put(dict(rec, type="record"))
@@ -4238,7 +4425,8 @@ def check_bundle(stream, name, key=None):
             name, getattr(e, "strerror", None) or e))
     trailer = _bundle_line(previous or b"", "the last line") if header is not None else {}
     if header is None or trailer.get("type") != "end":
-        raise BundleError("%s is not a complete qmem bundle (its end is missing): nothing was loaded" % name)
+        raise BundleError("%s is not a complete qmem bundle (its end is missing): nothing was "
+                          "loaded" % name)
     if trailer.get("lines") != count or trailer.get("sha256") != digest.hexdigest():
         raise BundleError("%s is damaged (its checksum does not match): nothing was loaded" % name)
     signature, key_id = trailer.get("hmac"), trailer.get("key_id")
@@ -4247,8 +4435,8 @@ def check_bundle(stream, name, key=None):
     if key is None:
         return header, UNVERIFIED, "signed, but this host has no bundle key to check it with"
     if key_id != bundle_key_id(key):
-        raise BundleError("%s is signed with another bundle key (id %s; this host's is %s): nothing was "
-                          "loaded" % (name, visible(key_id[:16]), bundle_key_id(key)),
+        raise BundleError("%s is signed with another bundle key (id %s; this host's is %s): "
+                          "nothing was loaded" % (name, visible(key_id[:16]), bundle_key_id(key)),
                           hint="pair the two hosts: the same `qmem.py config bundle-key` on both")
     if not hmac.compare_digest(signature, mac.hexdigest()):
         raise BundleError("%s was altered after it was signed: nothing was loaded" % name)
@@ -4314,7 +4502,8 @@ def _bundle_lines(f, path):
         if not line:
             return
         if len(line) > MAX_BUNDLE_LINE:
-            raise BundleError("%s holds a line longer than %d MiB: not a qmem bundle, nothing was loaded" % (
+            raise BundleError("%s holds a line longer than %d MiB: not a qmem bundle, nothing was "
+                              "loaded" % (
                 path, MAX_BUNDLE_LINE >> 20))
         yield line
 
@@ -4346,7 +4535,8 @@ def bundle_items(path):
             except BundleError:
                 yield None
                 continue
-            if b"\\u" in line and _ESCAPED_SURROGATE.search(line):  # only a JSON escape can spell one
+            # only a JSON escape can spell one
+            if b"\\u" in line and _ESCAPED_SURROGATE.search(line):
                 try:
                     obj = without_surrogates(obj)
                 except RecursionError:
@@ -4413,7 +4603,8 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
     try:
         return _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust)
     finally:
-        if bulk and store.meta("fts_pending"):  # rolled back: the index is rebuilt for what is there
+        # rolled back: the index is rebuilt for what is there
+        if bulk and store.meta("fts_pending"):
             with store.transaction():
                 store.finish_bulk()
 
@@ -4428,9 +4619,11 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
                 settle += [item] if item is not None else []
                 continue
             rec = normalize_record(item)
-            view = item.get("view") if item.get("view") in (VIEW_HIT, VIEW_ARGS, VIEW_FULL) else VIEW_FULL
+            view = item.get("view") if item.get("view") in (VIEW_HIT, VIEW_ARGS,
+                                                            VIEW_FULL) else VIEW_FULL
             rec = rec if rec is not None and _bounded(rec) else None
-            if rec is None or item.get("pending"):  # a write of that machine: it comes with its outbox row
+            # a write of that machine: it comes with its outbox row
+            if rec is None or item.get("pending"):
                 stats.skipped += rec is None
                 continue
             if store.bulk_sql and bulk:
@@ -4485,10 +4678,12 @@ class _DryRun(Exception):
 
 def _bounded(rec):
     """Is every field of a bundle's record within what qmem.py itself writes?"""
-    if len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT or len(rec["project_id"] or "") > MAX_PROJECT:
+    if len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT or len(rec["project_id"]
+                                                                        or "") > MAX_PROJECT:
         return False
     return all(len(rec[f] or "") <= MAX_FIELD for f in ("kind", "scope", "agent_id", "source",
-                                                        "supersede_reason", "supersedes_id", "superseded_by"))
+                                                        "supersede_reason", "supersedes_id",
+                                                        "superseded_by"))
 
 
 def _merge_record(store, rec, view, trust, stats):
@@ -4498,7 +4693,8 @@ def _merge_record(store, rec, view, trust, stats):
         if origin is not None:  # known here: an unverified view never replaces it
             stats.records_unchanged += 1
             return
-        rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)  # never hides anything
+        # never hides anything
+        rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)
     elif origin == ORIGIN_UNVERIFIED and store.drop_unverified(rec["id"]):  # replaced whole
         store.upsert(rec, view, iso_now())
         store.set_origin([rec["id"]], ORIGIN_SIGNED)
@@ -4536,7 +4732,8 @@ def rebuilt_write(row):
         raise ValueError("not a write of qmem.py")
     if isinstance(created, bool) or not isinstance(created, (int, float)):
         raise ValueError("not a write of qmem.py (no time it was made)")
-    if not (isinstance(body, dict) and 0 < created < 1e11 and row.get("op") in ("store", "correct")):
+    if not (isinstance(body, dict) and 0 < created < 1e11 and row.get("op")
+            in ("store", "correct")):
         raise ValueError("not a write of qmem.py")
     get = lambda f, kind=str: body.get(f) if isinstance(body.get(f), kind) else None  # noqa: E731
     if (row["op"] == "correct") != bool(get("supersedes_id")):
@@ -4545,8 +4742,10 @@ def rebuilt_write(row):
     if supersedes and not UUID_RE.fullmatch(supersedes):
         raise ValueError("supersedes_id is not a memory id")
     try:
-        payload = _write_payload(get("text"), get("project_id"), get("kind"), get("scope"), get("agent_id"),
-                                 get("source"), get("expires_at"), body.get("private") is True, supersedes,
+        payload = _write_payload(get("text"), get("project_id"), get("kind"), get("scope"),
+                                 get("agent_id"),
+                                 get("source"), get("expires_at"), body.get("private") is True,
+                                 supersedes,
                                  get("supersede_reason"), now=created)
     except UsageError as e:
         raise ValueError(e.message)
@@ -4586,7 +4785,8 @@ def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
     elif delivered and here[2] not in (SYNCED, DUPLICATE, HELD):
         _settle_loaded(store, row, state, stats)
     elif state == FAILED and here[2] in WAITING:
-        reason = row.get("last_error") if isinstance(row.get("last_error"), str) else "refused by the gateway"
+        reason = row.get("last_error") if isinstance(row.get("last_error"),
+                                                     str) else "refused by the gateway"
         store.refuse_write(local_id, "refused where it was sent: %s" % text_of(reason)[:500])
         stats.outbox_settled += 1
     else:
@@ -4626,7 +4826,8 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
             store.refuse_loaded(local_id, row, str(e))  # so that the return bundle says so
         return
     if trust == UNVERIFIED:
-        if secret_in_write(json.loads(payload)):  # nobody vouched for it: it must not wait to be let out
+        # nobody vouched for it: it must not wait to be let out
+        if secret_in_write(json.loads(payload)):
             stats.skipped += 1
             return
         add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)
@@ -4675,34 +4876,41 @@ def _check_python():
     version = "%d.%d.%d" % sys.version_info[:3]
     if sys.version_info < (3, 7):
         return check("python", "warn", "Python %s" % version,
-                     "3.6 cannot bound every read of a TLS answer by the deadline: use 3.7 or newer if you can")
+                     "3.6 cannot bound every read of a TLS answer by the deadline: use 3.7 or "
+                     "newer if you can")
     return check("python", "ok", "Python %s" % version)
 
 
 def _check_sqlite():
     tokenizer = fts5_tokenizer()
-    detail = "SQLite %s, %s" % (sqlite3.sqlite_version, "FTS5 " + tokenizer if tokenizer else "no FTS5")
+    detail = "SQLite %s, %s" % (sqlite3.sqlite_version,
+                                "FTS5 " + tokenizer if tokenizer else "no FTS5")
     if tokenizer is None:
-        return check("sqlite", "warn", detail, "find uses a slower LIKE scan without near spellings: a Python "
-                     "with a newer SQLite searches better")
+        return check("sqlite", "warn", detail,
+                     "find uses a slower LIKE scan without near spellings: a Python with a newer "
+                     "SQLite searches better")
     if sqlite3.sqlite_version_info < (3, 24):
-        return check("sqlite", "warn", detail, "SQLite older than 3.24: imports merge row by row (slower)")
+        return check("sqlite", "warn", detail,
+                     "SQLite older than 3.24: imports merge row by row (slower)")
     return check("sqlite", "ok", detail)
 
 
 def _doctor_config(config, config_error):
     if config_error is not None:
-        return [check("config", "fail", config_error.message, config_error.hint or "fix the config file")]
+        return [check("config", "fail", config_error.message,
+                      config_error.hint or "fix the config file")]
     found = [check("config", "ok", "%s%s" % (config.path, "" if os.path.exists(config.path) else
                                              " (not created yet: defaults)"))]
     if os.path.exists(config.path) and os.name == "posix":
         mode = os.stat(config.path).st_mode & 0o777
         if mode & 0o077 and config.raw.get("apiKey"):
-            found.append(check("config mode", "warn", "%s is mode %04o and holds the API key" % (config.path, mode),
+            found.append(check("config mode", "warn",
+                               "%s is mode %04o and holds the API key" % (config.path, mode),
                                "chmod 600 %s" % config.path))
     url, key = config["url"], config["apiKey"]
     if not url:
-        found.append(check("gateway", "warn", "no gateway configured", "set one with `qmem.py config url https://…`"))
+        found.append(check("gateway", "warn", "no gateway configured",
+                           "set one with `qmem.py config url https://…`"))
         return found
     from urllib.parse import urlsplit
     p = urlsplit(url)
@@ -4710,9 +4918,11 @@ def _doctor_config(config, config_error):
         found.append(check("api key", "fail", "no API key for this gateway: " + config.key_withheld,
                            KEY_ELSEWHERE_HINT))
     elif not key:
-        found.append(check("api key", "fail", "no API key configured", "run `qmem.py config apikey`"))
+        found.append(check("api key", "fail", "no API key configured",
+                           "run `qmem.py config apikey`"))
     if p.scheme == "http" and not is_loopback(p.hostname or ""):
-        found.append(check("plain http", "warn", "the API key travels unencrypted to %s" % p.hostname,
+        found.append(check("plain http", "warn",
+                           "the API key travels unencrypted to %s" % p.hostname,
                            "use an https URL unless this network is trusted"))
     proxy = _proxy_for(p.scheme, p.hostname or "")
     if proxy:
@@ -4720,7 +4930,8 @@ def _doctor_config(config, config_error):
                            "set no_proxy=%s if it should not be" % p.hostname))
     ca = config.values.get("caFile")
     if ca and not os.path.isfile(ca):
-        found.append(check("ca file", "fail", "caFile %s does not exist" % ca, "`qmem.py config set caFile PATH`"))
+        found.append(check("ca file", "fail", "caFile %s does not exist" % ca,
+                           "`qmem.py config set caFile PATH`"))
     return found
 
 
@@ -4777,10 +4988,13 @@ def _check_open_store(store):
                            "run `qmem.py doctor --offline` again when the machine is idle"))
     else:
         if os.name == "posix" and os.stat(store.path).st_mode & 0o044:
-            found.append(check("database mode", "warn", "%s is readable by other users (mode %04o)" % (
+            found.append(check("database mode", "warn",
+                               "%s is readable by other users (mode %04o)" % (
                 store.path, os.stat(store.path).st_mode & 0o777), "chmod 600 %s" % store.path))
-        found.append(check("database", "ok" if mode == "wal" else "warn", "%s: intact, schema %d, journal %s" % (
-            store.path, SCHEMA_VERSION, mode), None if mode == "wal" else "WAL is not available here: several "
+        found.append(check("database", "ok" if mode == "wal" else "warn",
+                           "%s: intact, schema %d, journal %s" % (
+            store.path, SCHEMA_VERSION, mode),
+                           None if mode == "wal" else "WAL is not available here: several "
             "processes at once will wait on each other"))
     found.append(_check_outbox(store))
     found.append(_check_import_lag(store))
@@ -4790,12 +5004,15 @@ def _check_open_store(store):
 def _check_outbox(store):
     stuck = store.unsettled_before(time.time() - 86400)
     if stuck[0]:
-        return check("outbox", "warn", "%s waiting or refused for more than a day (the oldest %s)" % (
+        return check("outbox", "warn",
+                     "%s waiting or refused for more than a day (the oldest %s)" % (
             plural(stuck[0], "write"), duration(time.time() - stuck[1])),
-            "`qmem.py queue` says why: `qmem.py flush` to deliver, `qmem.py queue --drop ID` to discard, "
+            "`qmem.py queue` says why: `qmem.py flush` to deliver, `qmem.py queue --drop ID` to "
+                     "discard, "
             "`qmem.py export --outbox-only FILE` to carry them to a connected host")
     waiting = store.outbox_waiting()
-    return check("outbox", "ok", "%s waiting" % plural(waiting, "write") if waiting else "nothing waiting")
+    return check("outbox", "ok",
+                 "%s waiting" % plural(waiting, "write") if waiting else "nothing waiting")
 
 
 def _check_import_lag(store):
@@ -4810,7 +5027,8 @@ def _check_import_lag(store):
                     except OSError:
                         continue
     if newest and (last is None or newest > last):
-        return check("import", "warn", "pi sessions changed %s ago and are not imported yet" % duration(
+        return check("import", "warn",
+                     "pi sessions changed %s ago and are not imported yet" % duration(
             max(0, time.time() - newest)), "run `qmem.py import`")
     return check("import", "ok", "last import %s" % (store.meta("last_import_at") or "never"))
 
@@ -4828,7 +5046,8 @@ def _check_breaker(config):
     if noticed:
         return check("breaker", "warn", noticed[0], "`qmem.py breaker --reset` rewrites it")
     if breaker.refuses(state, time.time()):
-        return check("breaker", "warn", "open, retry in %d s: %s" % (ceil_s(breaker.retry_in(state, time.time())),
+        return check("breaker", "warn",
+                     "open, retry in %d s: %s" % (ceil_s(breaker.retry_in(state, time.time())),
                                                                    why_open(state)),
                      "`qmem.py breaker --reset` (or `qmem.py config test`) tries the gateway now")
     return check("breaker", "ok", state["state"] + (" (%d of %d failures counted)" % (
@@ -4850,7 +5069,8 @@ def doctor_link(config, clock=time.time):
     try:
         resp = gateway.call("GET", "/v1/status")
     except GatewayError as e:
-        advice = e.hint or ("check the URL, the VPN and the firewall" if e.kind == UNREACHABLE else None)
+        advice = e.hint or ("check the URL, the VPN and the firewall" if e.kind == UNREACHABLE
+                            else None)
         return found + [check("status", "fail", e.message, advice)]
     finally:
         gateway.close()
@@ -4869,15 +5089,18 @@ def _probe_steps(p, config):
     try:
         _resolve(host, port, deadline)
     except OSError as e:
-        return [check("dns", "fail", "%s does not resolve (%s)" % (host, _reason(e)), "check the name and the VPN")]
+        return [check("dns", "fail", "%s does not resolve (%s)" % (host, _reason(e)),
+                      "check the name and the VPN")]
     found.append(_timed("dns", "%s resolved" % host, time.monotonic() - started, budget))
     started = time.monotonic()
     try:
         sock = _open_socket((host, port), deadline)
     except OSError as e:
-        return found + [check("connect", "fail", "could not connect to %s:%d (%s)" % (host, port, _reason(e)),
+        return found + [check("connect", "fail",
+                              "could not connect to %s:%d (%s)" % (host, port, _reason(e)),
                               "check the VPN, the firewall and the port")]
-    found.append(_timed("connect", "TCP connect to %s:%d" % (host, port), time.monotonic() - started, budget))
+    found.append(_timed("connect", "TCP connect to %s:%d" % (host, port),
+                        time.monotonic() - started, budget))
     try:
         if p.scheme == "https" and not proxy:
             import ssl
@@ -4887,10 +5110,14 @@ def _probe_steps(p, config):
                 sock = ctx.wrap_socket(sock, server_hostname=p.hostname)
             except (OSError, ssl.SSLError) as e:
                 plain = "WRONG_VERSION_NUMBER" in str(e) or "EOF" in type(e).__name__ + str(e)
-                return found + [check("tls", "fail", "TLS handshake with %s failed (%s)" % (p.hostname, _reason(e)),
-                                      "the server does not speak TLS there: is the URL http://?" if plain else
-                                      "for a private CA set caFile (`qmem.py config set caFile PATH`)")]
-            found.append(_timed("tls", "TLS handshake with %s" % p.hostname, time.monotonic() - started, budget))
+                return found + [check("tls", "fail", "TLS handshake with %s failed (%s)"
+                                      % (p.hostname, _reason(e)),
+                                      "the server does not speak TLS there: is the URL http://?"
+                                      if plain else
+                                      "for a private CA set caFile (`qmem.py config set caFile "
+                                      "PATH`)")]
+            found.append(_timed("tls", "TLS handshake with %s" % p.hostname,
+                                time.monotonic() - started, budget))
     finally:
         sock.close()
     return found
@@ -4900,7 +5127,8 @@ def _timed(name, what, seconds, budget):
     """A step of the link against the connect budget: too close to it is a warning."""
     detail = "%s in %d ms" % (what, seconds * 1000)
     if seconds > budget / 2:
-        return check(name, "warn", detail, "connectTimeoutMs is %d: too tight for this link, use >= %d" % (
+        return check(name, "warn", detail,
+                     "connectTimeoutMs is %d: too tight for this link, use >= %d" % (
             budget * 1000, _suggested_budget_ms(seconds)))
     return check(name, "ok", detail)
 
@@ -4913,11 +5141,13 @@ def _judge_status(resp, took, config, clock):
     budget = config["connectTimeoutMs"] / 1000.0
     found = []
     if resp.status != 200:
-        return [check("status", "fail", "GET /v1/status answered HTTP %d (%s)" % (resp.status, resp.detail()),
+        return [check("status", "fail",
+                      "GET /v1/status answered HTTP %d (%s)" % (resp.status, resp.detail()),
                       "is the URL the gateway's base URL?")]
     detail = "GET /v1/status took %.1f s" % took
     if took > budget / 2:
-        found.append(check("status", "warn", detail, "connectTimeoutMs is %d: too tight for this link, use >= %d"
+        found.append(check("status", "warn", detail,
+                           "connectTimeoutMs is %d: too tight for this link, use >= %d"
                            % (config["connectTimeoutMs"], _suggested_budget_ms(took))))
     else:
         found.append(check("status", "ok", detail))
@@ -4932,9 +5162,11 @@ def _judge_status(resp, took, config, clock):
     server = _http_date(resp.headers.get("Date") or "")
     if server is not None:
         skew = clock() - server
-        found.append(check("clock", "warn" if abs(skew) > 60 else "ok", "this clock is %s %s the gateway's" % (
+        found.append(check("clock", "warn" if abs(skew) > 60 else "ok",
+                           "this clock is %s %s the gateway's" % (
             duration(abs(skew)), "ahead of" if skew > 0 else "behind"),
-            "set the clock right (NTP): leases and expiry dates depend on it" if abs(skew) > 60 else None))
+            "set the clock right (NTP): leases and expiry dates depend on it" if abs(skew) > 60
+                           else None))
     return found
 
 
@@ -4952,7 +5184,8 @@ def _check_utf8(value, name):
     except UnicodeEncodeError as e:
         bad = ord(value[e.start])
         what = "byte 0x%02x" % (bad - 0xDC00) if 0xDC80 <= bad <= 0xDCFF else "a lone surrogate"
-        raise UsageError("the %s is not valid UTF-8 (%s at character %d)" % (name.replace("_", " "), what, e.start + 1),
+        raise UsageError("the %s is not valid UTF-8 (%s at character %d)"
+                         % (name.replace("_", " "), what, e.start + 1),
                          hint="nothing was done; pass text in UTF-8")
 
 
@@ -4977,26 +5210,36 @@ def utf8_arguments(method):
 # How agents use the memory well: the MCP server's instructions, and `qmem.py rules`
 # for AGENTS.md, CLAUDE.md or GEMINI.md. Each tool's description repeats its rule's
 # essence (for clients that do not pass instructions on).
-RULES_INTRO = ("qmem is the memory shared by the AI agents of this team: facts, decisions, preferences "
-               "and episodes, per project, on a gateway, with a local index and outbox on this machine.")
+RULES_INTRO = ("qmem is the memory shared by the AI agents of this team: facts, decisions, "
+               "preferences and episodes, per project, on a gateway, with a local index and outbox "
+               "on this machine.")
 AGENT_RULES = (
     ("Project", "Pass `project_id` on every call: the project's short name, e.g. its repository's. "
-                "Without it the server uses QMEM_PROJECT, then the name of CLAUDE_PROJECT_DIR, then the git "
+                "Without it the server uses QMEM_PROJECT, then the name of CLAUDE_PROJECT_DIR, "
+     "then the git "
                 "root of its own folder; every result says which project it used."),
-    ("Search first", "Before answering about earlier decisions, preferences or facts, search: `qmem_search` "
-                     "asks the shared memory by meaning, `qmem_find` matches words in this machine's index, "
+    ("Search first",
+     "Before answering about earlier decisions, preferences or facts, search: `qmem_search` "
+                     "asks the shared memory by meaning, `qmem_find` matches words in this "
+     "machine's index, "
                      "offline."),
-    ("Scores", "A gateway score of 0.60 or more is a strong match, 0.45-0.60 a weak one to check before "
-               "relying on it. Local results (source `local_sqlite`) have no score: they matched words, "
+    ("Scores",
+     "A gateway score of 0.60 or more is a strong match, 0.45-0.60 a weak one to check before "
+               "relying on it. Local results (source `local_sqlite`) have no score: they matched "
+     "words, "
                "not meaning."),
-    ("Store", "Store durable knowledge with `qmem_store`: facts, decisions with their reasons, preferences, "
+    ("Store",
+     "Store durable knowledge with `qmem_store`: facts, decisions with their reasons, preferences, "
               "notable episodes; one self-contained memory per call, not chatter."),
-    ("Correct", "When a memory is wrong or outdated, call `qmem_correct` with its id instead of storing a "
+    ("Correct",
+     "When a memory is wrong or outdated, call `qmem_correct` with its id instead of storing a "
                 "contradicting one: the old memory is kept, marked superseded."),
-    ("Discover", "`qmem_meta` lists the projects, kinds and agents the memory holds: use it to find the "
+    ("Discover",
+     "`qmem_meta` lists the projects, kinds and agents the memory holds: use it to find the "
                  "right `project_id`."),
     ("Offline", "A write the gateway cannot take now is queued on this machine (status `queued`): "
-                "`qmem_find` sees it at once, other agents only once it is delivered (later, exactly once). "
+                "`qmem_find` sees it at once, other agents only once it is delivered (later, "
+     "exactly once). "
                 "Do not store it again."),
     ("Machine", "Memories written here name this machine (hostname and OS) as their source."),
 )
@@ -5019,7 +5262,8 @@ class Operations:
         # A front end that answers first and delivers the outbox after (the MCP server)
         # sets this, and runs auto_flush_due() / deliver_ready() itself once the answer is out.
         self.flush_after_answer = False
-        self.retries = RETRIES  # of a failing gateway, per call (the MCP server: none, it has a fallback)
+        # of a failing gateway, per call (the MCP server: none, it has a fallback)
+        self.retries = RETRIES
 
     # -- resources
     def has_index(self):
@@ -5060,12 +5304,16 @@ class Operations:
         """Lexical search of the local index (offline)."""
         query = _check_query(query, "find", "circuit breaker")
         limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
-        doc = {"source": "local_sqlite", "degraded": False, "query": query, "query_cut": query_was_cut(query)}
-        doc.update(self._find_local(query, project, kind, scope, limit, include_superseded=include_superseded,
-                                    deleted=deleted, private=private, include_expired=include_expired,
+        doc = {"source": "local_sqlite", "degraded": False, "query": query,
+               "query_cut": query_was_cut(query)}
+        doc.update(self._find_local(query, project, kind, scope, limit,
+                                    include_superseded=include_superseded,
+                                    deleted=deleted, private=private,
+                                    include_expired=include_expired,
                                     highlight=highlight))
         doc["hidden"] = {}
-        if not doc["results"] and doc["index_exists"] and not (include_superseded or deleted or private
+        if not doc["results"] and doc["index_exists"] and not (include_superseded or deleted
+                                                               or private
                                                                or include_expired):
             doc["hidden"] = hidden_matches(self.store(), query, project, kind, scope)
         return doc
@@ -5074,8 +5322,10 @@ class Operations:
         """find_local() for find and for the fallback of search: no index yet is an
         empty answer that says so, not an error."""
         if not self.has_index():
-            return {"match": "none", "results": [], "index_exists": False, "db": self.config.db_path}
-        out = find_local(self.store(), query, project=project, kind=kind, scope=scope, limit=limit, **options)
+            return {"match": "none", "results": [], "index_exists": False,
+                    "db": self.config.db_path}
+        out = find_local(self.store(), query, project=project, kind=kind, scope=scope, limit=limit,
+                         **options)
         out.update(index_exists=True, db=self.config.db_path)
         return out
 
@@ -5084,15 +5334,18 @@ class Operations:
         """Index pi session files: the given folders, or pi's own."""
         for root in roots or ():
             if not os.path.isdir(root):
-                raise UsageError("--sessions %s: %s" % (root, "not a directory" if os.path.exists(root)
+                raise UsageError("--sessions %s: %s"
+                                 % (root, "not a directory" if os.path.exists(root)
                                                          else "no such directory"))
         if not roots:
             roots = [d for d in session_dirs() if os.path.isdir(d)]
             if not roots:
-                return {"source": "local_sqlite", "looked_in": session_dirs(), "sessions_found": False,
+                return {"source": "local_sqlite", "looked_in": session_dirs(),
+                        "sessions_found": False,
                         "stats": ImportStats().as_dict()}
         stats = Importer(self.store()).run(roots)
-        return {"source": "local_sqlite", "looked_in": roots, "sessions_found": True, "stats": stats.as_dict()}
+        return {"source": "local_sqlite", "looked_in": roots, "sessions_found": True,
+                "stats": stats.as_dict()}
 
     def status(self):
         """What the local side knows (an empty account on a fresh machine)."""
@@ -5112,16 +5365,21 @@ class Operations:
         doc = {"url": config["url"], "configured": bool(config["url"]), "file": config.breaker_path,
                "reset": bool(reset), "trip_after": config["breakerTripAfter"]}
         if not config["url"]:
-            return dict(doc, state="closed", refusing=False, failures=0, trips=0, open_until=None, opened_at=None,
-                        opened_after=0, why_open=None, retry_in_ms=0, last_error=None, last_error_at=None)
+            return dict(doc, state="closed", refusing=False, failures=0, trips=0, open_until=None,
+                        opened_at=None,
+                        opened_after=0, why_open=None, retry_in_ms=0, last_error=None,
+                        last_error_at=None)
         breaker = Breaker.from_config(config, clock=self.clock)
         if reset:
             breaker.reset()
         state, now = breaker.read(), self.clock()
         is_open = state["state"] == "open"
-        doc.update(state=state["state"], refusing=breaker.refuses(state, now), failures=state["failures"],
-                   trips=state["trips"], open_until=iso_from_epoch(state["open_until"]) if is_open else None,
-                   opened_at=state["opened_at"] if is_open else None, opened_after=state["opened_after"],
+        doc.update(state=state["state"], refusing=breaker.refuses(state, now),
+                   failures=state["failures"],
+                   trips=state["trips"],
+                   open_until=iso_from_epoch(state["open_until"]) if is_open else None,
+                   opened_at=state["opened_at"] if is_open else None,
+                   opened_after=state["opened_after"],
                    why_open=why_open(state) if state["state"] != "closed" else None,
                    retry_in_ms=breaker.retry_in(state, now), last_error=state["last_error"],
                    last_error_at=state["last_error_at"])
@@ -5137,8 +5395,10 @@ class Operations:
         """Every effective value and where it came from; the API key masked."""
         c = self.config
         shown = {k: (mask_secret(c[k]) if k in SECRET_KEYS and c[k] else c[k]) for k in CONFIG_KEYS}
-        return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path), "values": shown,
-                "sources": {k: c.sources[k] for k in CONFIG_KEYS}, "db": c.db_path, "breaker_file": c.breaker_path}
+        return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path),
+                "values": shown,
+                "sources": {k: c.sources[k] for k in CONFIG_KEYS}, "db": c.db_path,
+                "breaker_file": c.breaker_path}
 
     @utf8_arguments
     def config_url(self, url):
@@ -5151,18 +5411,19 @@ class Operations:
         warn_plain_http(url, self.config["apiKey"])
         if self.config.sources["url"].startswith("env"):
             warn("QMEM_URL is set in the environment and overrides the file")
-        return {"action": "url", "file": self.config.path, "key": "url", "value": url, "breaker_reset": True}
+        return {"action": "url", "file": self.config.path, "key": "url", "value": url,
+                "breaker_reset": True}
 
     @utf8_arguments
     def config_apikey(self, key, on_command_line=False):
         """Save the API key (mode 0600); the document shows it masked."""
         key = (key or "").strip()
         if not api_key_ok(key) or len(key) > MAX_KEY:
-            raise UsageError("an API key must be one word of printable ASCII characters, not empty, "
-                             "at most %d" % MAX_KEY, hint="nothing was saved")
+            raise UsageError("an API key must be one word of printable ASCII characters, not "
+                             "empty, at most %d" % MAX_KEY, hint="nothing was saved")
         if not isinstance(self.config.raw.get("url"), str) or not self.config.raw["url"].strip():
-            raise UsageError("set the gateway's URL in %s first: a key is sent only to the gateway it "
-                             "was saved for" % self.config.path,
+            raise UsageError("set the gateway's URL in %s first: a key is sent only to the gateway "
+                             "it was saved for" % self.config.path,
                              hint="`qmem.py config url https://…`, then `qmem.py config apikey`")
         if on_command_line:
             warn("a key given on the command line stays in your shell history; prefer "
@@ -5170,7 +5431,8 @@ class Operations:
         write_config(self.config, {"apiKey": key})
         if self.config["url"]:
             warn_plain_http(self.config["url"], key)
-        return {"action": "apikey", "file": self.config.path, "key": "apiKey", "value": mask_secret(key)}
+        return {"action": "apikey", "file": self.config.path, "key": "apiKey",
+                "value": mask_secret(key)}
 
     @utf8_arguments
     def config_bundle_key(self, key=None, new=False):
@@ -5178,13 +5440,16 @@ class Operations:
         makes one (256 random bits), which the document carries once, to be set on the
         other host."""
         if new == bool(key):
-            raise UsageError("give the key (on stdin or at the prompt), or --new to make one, not both"
-                             if key else "no bundle key given", hint="`qmem.py config bundle-key --new` "
+            raise UsageError("give the key (on stdin or at the prompt), or --new to make one, not "
+                             "both"
+                             if key else "no bundle key given",
+                             hint="`qmem.py config bundle-key --new` "
                              "makes one; `printf %s KEY | qmem.py config bundle-key` sets one")
         key = os.urandom(32).hex() if new else key.strip()
         if not bundle_key_ok(key):
-            raise UsageError("a bundle key must be %d to %d printable characters without spaces (128 "
-                             "bits: 32 hex digits)" % (MIN_BUNDLE_KEY, MAX_KEY), hint="nothing was saved; "
+            raise UsageError("a bundle key must be %d to %d printable characters without spaces "
+                             "(128 bits: 32 hex digits)" % (MIN_BUNDLE_KEY, MAX_KEY),
+                             hint="nothing was saved; "
                              "`qmem.py config bundle-key --new` makes one")
         write_config(self.config, {"bundleKey": key})
         doc = {"action": "bundle-key", "file": self.config.path, "key": "bundleKey",
@@ -5222,20 +5487,24 @@ class Operations:
         c = self.config
         gw = Gateway(c, Breaker.from_config(c, clock=self.clock), bypass_breaker=True)
         started = time.monotonic()
-        doc = {"action": "test", "url": c["url"], "reachable": False, "key_valid": None, "version": None,
+        doc = {"action": "test", "url": c["url"], "reachable": False, "key_valid": None,
+               "version": None,
                "latency_ms": None, "key": mask_secret(c["apiKey"])}
         problem = None
         try:
             resp = gw.call("GET", "/v1/status", retries=0)
             doc["reachable"] = True
             if resp.status == 200:
-                doc.update(key_valid=True, version=resp.data.get("version"), records=resp.data.get("records"))
+                doc.update(key_valid=True, version=resp.data.get("version"),
+                           records=resp.data.get("records"))
             else:
-                problem = QmemError("GET %s/v1/status answered HTTP %d (%s)" % (c["url"], resp.status, resp.detail()),
+                problem = QmemError("GET %s/v1/status answered HTTP %d (%s)"
+                                    % (c["url"], resp.status, resp.detail()),
                                     kind="refused", hint="is this the gateway's base URL?")
         except GatewayError as e:
             problem = e
-            doc.update(reachable=e.kind in (AUTH, AMBIGUOUS), key_valid=False if e.kind == AUTH else None)
+            doc.update(reachable=e.kind in (AUTH, AMBIGUOUS),
+                       key_valid=False if e.kind == AUTH else None)
         finally:
             gw.close()
         doc["latency_ms"] = int((time.monotonic() - started) * 1000)
@@ -5245,19 +5514,22 @@ class Operations:
 
     # -- writes
     @utf8_arguments
-    def store_memory(self, text, project, kind=None, scope=None, agent=None, source=None, expires=None,
+    def store_memory(self, text, project, kind=None, scope=None, agent=None, source=None,
+                     expires=None,
                      private=False, supersedes=None, reason=None, queue_only=False,
                      allow_secret=False):
         """Write a memory: into the outbox and the index at once, then to the gateway
         (unless queue_only); it stays queued while the gateway cannot take it. A text
         holding a credential is refused unless allow_secret (never offered to agents)."""
         supersedes = _check_id((supersedes or "").strip(), "--supersedes") if supersedes else None
-        payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires, private,
+        payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires,
+                                 private,
                                  supersedes, reason)
         return self._write("store", payload, queue_only, allow_secret)
 
     @utf8_arguments
-    def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None, expires=None,
+    def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None,
+                expires=None,
                 private=False, reason=None, queue_only=False, allow_secret=False):
         """Write a correction of `target`: project and kind default to the target's, as the
         local index knows it, else as the gateway does."""
@@ -5270,17 +5542,21 @@ class Operations:
             try:
                 old = self.store().get(self.store().current_id(target)) or {}
             except StoreError as e:  # the database is unusable: the words must not be lost
-                raise _kept_aside(e, {"text": (text or "").strip(), "project_id": project or "PROJECT",
-                                      "supersedes_id": target}, os.path.dirname(os.path.abspath(self.config.db_path)))
+                raise _kept_aside(e, {"text": (text or "").strip(),
+                                      "project_id": project or "PROJECT",
+                                      "supersedes_id": target},
+                                  os.path.dirname(os.path.abspath(self.config.db_path)))
         if old.get("failed"):
-            raise UsageError("%s was refused by the gateway and never stored: there is nothing to correct" % target,
+            raise UsageError("%s was refused by the gateway and never stored: there is nothing to "
+                             "correct" % target,
                              hint="store the corrected text as a new memory (`qmem.py store`)")
         if not old and not (project and kind):
             old = self._remote_target(target, needed=not project)
         project_from = "argument" if project else "the corrected memory"
         kind_from = "argument" if kind else "the corrected memory" if old.get("kind") else "default"
         project = project or old.get("project_id")
-        payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent, source, expires,
+        payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent,
+                                 source, expires,
                                  private, target, reason)
         doc = self._write("correct", payload, queue_only, allow_secret)
         return dict(doc, project_from=project_from, kind_from=kind_from)
@@ -5293,7 +5569,8 @@ class Operations:
             error = Flusher(store, gateway, clock=self.clock).run(only=earlier).stop_error
             if error is not None:
                 break
-        stats = Flusher(store, gateway, clock=self.clock).run(only=None if token else local_id, claimed=token)
+        stats = Flusher(store, gateway, clock=self.clock).run(only=None if token else local_id,
+                                                              claimed=token)
         return error or stats.stop_error
 
     def _remote_target(self, target, needed):
@@ -5307,7 +5584,8 @@ class Operations:
                 raise  # an unknown id; a key, certificate or address to fix first
             if not needed:
                 return {}
-            raise UsageError("%s: say which project the correction belongs to" % e.message, hint=PROJECT_HINT)
+            raise UsageError("%s: say which project the correction belongs to" % e.message,
+                             hint=PROJECT_HINT)
         return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
 
     def _write(self, op, payload, queue_only, allow_secret=False):
@@ -5329,7 +5607,8 @@ class Operations:
         try:
             store = self.store()
             # Claimed as it is queued: no other flusher (another agent's server) takes it first.
-            claim = Flusher(store, gateway, clock=self.clock).claim_new if gateway is not None else None
+            claim = Flusher(store, gateway,
+                            clock=self.clock).claim_new if gateway is not None else None
             local_id, repeated, token = enqueue_once(store, op, payload, claim,
                                                      max_mb=self.config["outboxMaxMB"])
         except StoreError as e:  # busy, full, unusable: the words must not be lost
@@ -5345,15 +5624,20 @@ class Operations:
         if state in WAITING and not queue_only and not self.config["offlineQueue"]:
             store.forget_write(local_id)
             if isinstance(error, GatewayError):
-                raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s" % error.message,
+                raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s"
+                                   % error.message,
                                    hint=error.hint)
-            raise QmemError("not stored (offlineQueue is off, nothing kept): %s" % row["last_error"],
+            raise QmemError("not stored (offlineQueue is off, nothing kept): %s"
+                            % row["last_error"],
                             kind="not_stored")
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
-               "local_id": local_id, "state": state, "id": row["gateway_id"] or row["duplicate_of"] or local_id,
-               "duplicate_of": row["duplicate_of"], "last_error": row["last_error"], "queued": state in WAITING,
+               "local_id": local_id, "state": state,
+               "id": row["gateway_id"] or row["duplicate_of"] or local_id,
+               "duplicate_of": row["duplicate_of"], "last_error": row["last_error"],
+               "queued": state in WAITING,
                "degraded": state in WAITING, "reason": None, "project_id": payload["project_id"],
-               "kind": payload["kind"], "agent_id": payload["agent_id"], "provenance": payload["source"],
+               "kind": payload["kind"], "agent_id": payload["agent_id"],
+               "provenance": payload["source"],
                "already_queued": repeated, "private": payload["private"]}
         if state in WAITING:
             doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
@@ -5365,7 +5649,8 @@ class Operations:
         if state == FAILED:
             doc.update(error_document(QmemError(
                 "not stored: the gateway refused it: %s" % row["last_error"], kind="rejected",
-                hint="kept in the outbox as failed (%s); fix it and run `qmem.py flush --retry-failed`, or "
+                hint="kept in the outbox as failed (%s); fix it and run `qmem.py flush "
+                "--retry-failed`, or "
                      "discard it with `qmem.py queue --drop %s`" % (local_id, local_id))))
         elif error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
             # The gateway is there and will not take it as configured: still queued, but an error.
@@ -5374,7 +5659,8 @@ class Operations:
 
     # -- bundles: the knowledge in and the writes out, as one file
     @utf8_arguments
-    def export(self, path, projects=None, since=None, records_only=False, outbox_only=False, stream=None):
+    def export(self, path, projects=None, since=None, records_only=False, outbox_only=False,
+               stream=None):
         """Write a bundle to path (through a temporary file and a rename: an interrupted
         export leaves no half bundle), or to the binary stream when path is '-'."""
         if records_only and outbox_only:
@@ -5382,7 +5668,8 @@ class Operations:
         if since is not None:
             when = parse_iso(since)
             if when is None:
-                raise UsageError("--since %r is not a date (use YYYY-MM-DD or an ISO-8601 time)" % since)
+                raise UsageError("--since %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
+                                 % since)
             since = iso_from_epoch(when)
         if not self.has_index():
             raise StoreError("no local index yet at %s: nothing to export" % self.config.db_path,
@@ -5396,7 +5683,8 @@ class Operations:
                 counts = write_bundle(self.store(), stream, **options)
                 stream.flush()
             except OSError as e:  # a closed pipe, a full disk: the bundle did not arrive
-                raise QmemError("cannot write the bundle to stdout: %s" % (e.strerror or e), kind="io",
+                raise QmemError("cannot write the bundle to stdout: %s" % (e.strerror or e),
+                                kind="io",
                                 hint="nothing was changed here; export to a file instead")
         else:
             counts = self._export_file(path, options)
@@ -5444,7 +5732,8 @@ class Operations:
             with os.fdopen(fd, "wb") as spool:
                 source = stream if path == "-" else _open_bundle(path)
                 try:
-                    checked = check_bundle(_Spool(source, spool, path), path, self.config["bundleKey"])
+                    checked = check_bundle(_Spool(source, spool, path), path,
+                                           self.config["bundleKey"])
                 finally:
                     if source is not stream:
                         source.close()
@@ -5459,7 +5748,8 @@ class Operations:
                     stats = d.stats
         finally:
             os.unlink(copy)
-        return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run), verified=trust == SIGNED,
+        return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run),
+                    verified=trust == SIGNED,
                     verification=why, machine=header_text(header.get("machine")),
                     created_at=header_text(header.get("created_at")))
 
@@ -5472,10 +5762,12 @@ class Operations:
         if not offline and config_error is None:
             checks += doctor_link(self.config, self.clock)
         doc = {"checks": checks, "offline": bool(offline),
-               "summary": {s: sum(c["status"] == s for c in checks) for s in ("ok", "warn", "fail")}}
+               "summary": {s: sum(c["status"] == s for c in checks) for s
+                           in ("ok", "warn", "fail")}}
         failed = [c for c in checks if c["status"] == "fail"]
         if failed:
-            doc.update(error_document(QmemError("%s failed: %s" % (plural(len(failed), "check"), failed[0]["detail"]),
+            doc.update(error_document(QmemError("%s failed: %s" % (plural(len(failed), "check"),
+                                                                   failed[0]["detail"]),
                                                 kind="doctor", hint=failed[0]["advice"])))
         return doc
 
@@ -5503,7 +5795,8 @@ class Operations:
         rows = store.outbox_items(None, self.clock(), ids=ids)
         unknown = sorted(set(ids) - {r["local_id"] for r in rows})
         if unknown:
-            raise UsageError("no write %s in the outbox" % ", ".join(unknown), hint="see `qmem.py queue`")
+            raise UsageError("no write %s in the outbox" % ", ".join(unknown),
+                             hint="see `qmem.py queue`")
         for r in rows:
             r["claimant_gone"] = claimant_is_gone(store.claim_of(r["local_id"]))
             _check_droppable(r, force, self.clock())
@@ -5511,8 +5804,10 @@ class Operations:
         dependents = store.corrections_of([r["local_id"] for r in rows])
         if dependents:
             correction, target = next(iter(dependents.items()))
-            raise UsageError("%s is a correction of %s and would point at nothing" % (correction, target),
-                             hint="drop both: `qmem.py queue --drop %s %s --yes --force`" % (target, correction))
+            raise UsageError("%s is a correction of %s and would point at nothing"
+                             % (correction, target),
+                             hint="drop both: `qmem.py queue --drop %s %s --yes --force`"
+                             % (target, correction))
         if not dry_run:
             store.drop_writes([r["local_id"] for r in rows])
         return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
@@ -5527,10 +5822,12 @@ class Operations:
         rows = self.store().outbox_items(None, self.clock(), ids=ids) if self.has_index() else []
         unknown = sorted(set(ids) - {r["local_id"] for r in rows})
         if unknown:
-            raise UsageError("no write %s in the outbox" % ", ".join(unknown), hint="see `qmem.py queue`")
+            raise UsageError("no write %s in the outbox" % ", ".join(unknown),
+                             hint="see `qmem.py queue`")
         not_held = [r["local_id"] for r in rows if r["state"] != HELD]
         if not_held:
-            raise UsageError("%s is not held: only writes an unverified bundle brought are" % not_held[0],
+            raise UsageError("%s is not held: only writes an unverified bundle brought are"
+                             % not_held[0],
                              hint="`qmem.py queue --state held` lists them")
         if not dry_run:
             self.store().release_held(ids)
@@ -5551,7 +5848,8 @@ class Operations:
             store.make_due(self.clock())
         stats = self._flush_outbox(store, progress=progress)
         doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
-                   failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i in stats.failed])
+                   failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i
+                             in stats.failed])
         err = stats.stop_error
         if err is not None and err.kind not in AWAY_KINDS:
             doc.update(error_document(err))
@@ -5559,14 +5857,17 @@ class Operations:
             hint = "the writes stay queued; `qmem.py flush` again later"
             if err.kind == BREAKER_OPEN:
                 hint += ", or try the gateway now: `qmem.py breaker --reset` (or `qmem.py config test`)"
-            doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message, hint=hint)))
+            doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message,
+                                                   hint=hint)))
         elif stats.failed:
             doc.update(error_document(QmemError(
                 "%s refused by the gateway" % plural(len(stats.failed), "write"), kind="rejected",
-                hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or `queue --drop ID`")))
+                hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or "
+                "`queue --drop ID`")))
         elif (stats.retry_later or stats.held) and not (stats.synced or stats.duplicate):
             doc.update(error_document(QmemError(
-                "nothing delivered: %s still queued" % plural(doc["pending"], "write"), kind="not_delivered",
+                "nothing delivered: %s still queued" % plural(doc["pending"], "write"),
+                kind="not_delivered",
                 hint="`qmem.py queue` shows why and when they are tried next")))
         return doc
 
@@ -5583,7 +5884,8 @@ class Operations:
         store = self.store()
         ids = list(ids) if ids else store.ids_to_enrich(every)
         fetched, unknown, stopped = enrich(store, gateway, ids, progress)
-        doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown, "stopped": stopped}
+        doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown,
+               "stopped": stopped}
         if stopped:
             return dict(doc, **error_document(QmemError(
                 "enrich stopped early: %s" % stopped, kind="stopped",
@@ -5599,7 +5901,8 @@ class Operations:
         except GatewayError as e:
             if e.kind in CONFIG_KINDS or not stats.pages:
                 raise
-            raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s" % (stats.pages, e.message),
+            raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s"
+                               % (stats.pages, e.message),
                                hint="`qmem.py pull` resumes there")
         return self._after_online(dict(stats.as_dict(), source="gateway"))
 
@@ -5627,14 +5930,17 @@ class Operations:
                 raise GatewayError(AMBIGUOUS, "the gateway's search answer has no result list",
                                    detail="answer of the wrong shape")
         except GatewayError as e:
-            doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True, query=query)
-            doc.update(self._find_local(query, project, kind, scope, top_k, include_superseded=include_superseded,
+            doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True,
+                       query=query)
+            doc.update(self._find_local(query, project, kind, scope, top_k,
+                                        include_superseded=include_superseded,
                                         highlight=highlight, private=private))
             return doc
         results = [_hit(r) for r in results if isinstance(r, dict)]
         results = [r for r in results if private or r.get("private") is not True][:top_k]
         self._remember(results, VIEW_HIT)
-        return self._after_online({"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
+        return self._after_online({"source": "gateway", "degraded": False, "reason": None,
+                                   "breaker_open": False,
                                    "retry_in_ms": None, "query": query, "results": results})
 
     @utf8_arguments
@@ -5660,7 +5966,8 @@ class Operations:
         try:
             resp = self.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
             if resp.status == 404:
-                raise QmemError("no such memory: %s (the gateway does not know this id)" % rid, kind="not_found")
+                raise QmemError("no such memory: %s (the gateway does not know this id)" % rid,
+                                kind="not_found")
             if resp.status != 200:
                 raise _refused(resp, "request")
             if normalize_record(resp.data) is None or resp.data.get("id") != rid:
@@ -5671,8 +5978,10 @@ class Operations:
             if local is None:
                 raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
                     rid, fb["reason"]), kind="unavailable",
-                    hint=("no gateway is configured here (`qmem.py config url`)" if e.kind == NOT_CONFIGURED else
-                          "try again once the gateway is back") + "; `qmem.py find` searches this machine meanwhile")
+                    hint=("no gateway is configured here (`qmem.py config url`)" if e.kind
+                          == NOT_CONFIGURED else
+                          "try again once the gateway is back")
+                                + "; `qmem.py find` searches this machine meanwhile")
             return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
         self._remember([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
@@ -5697,7 +6006,8 @@ class Operations:
             doc.update(local_meta(self.store()) if self.has_index() else empty_meta())
             return doc
         doc = _meta_counts(resp.data)
-        doc.update(source="gateway", degraded=False, reason=None, breaker_open=False, retry_in_ms=None)
+        doc.update(source="gateway", degraded=False, reason=None, breaker_open=False,
+                   retry_in_ms=None)
         return self._after_online(doc)
 
     def _fallback(self, err, require_remote):
@@ -5707,7 +6017,8 @@ class Operations:
             raise err
         reason = self.failure_reason(err)
         if require_remote:
-            raise RemoteRequired("gateway not usable and --require-remote given: %s" % reason["reason"],
+            raise RemoteRequired("gateway not usable and --require-remote given: %s"
+                                 % reason["reason"],
                                  hint=err.hint if err.kind == NOT_CONFIGURED else None)
         if not self.config["localFallback"]:
             raise err
@@ -5723,8 +6034,10 @@ class Operations:
         refused_now = breaker.refuses(state, now)
         in_a_row = err.in_a_row if err.kind == BREAKER_OPEN else (
             state["opened_after"] if refused_now else state["failures"])
-        cause = {UNREACHABLE: "gateway unreachable", AMBIGUOUS: "gateway failing"}.get(err.cause, "gateway unusable")
-        details = [d for d in (err.detail, "%d in a row" % in_a_row if cause == "gateway failing" and
+        cause = {UNREACHABLE: "gateway unreachable",
+                 AMBIGUOUS: "gateway failing"}.get(err.cause, "gateway unusable")
+        details = [d for d
+                   in (err.detail, "%d in a row" % in_a_row if cause == "gateway failing" and
                                (in_a_row or 0) > 1 else None) if d]
         reason = cause + (" (%s)" % ", ".join(details) if details else "")
         retry_ms = breaker.retry_in(state, now) if refused_now else err.retry_in_ms
@@ -5782,7 +6095,8 @@ class Operations:
         if gateway is None or not gateway.answered or gateway.key_rejected or not self.has_index():
             return False
         store, now = self.store(), self.clock()
-        return bool(store.outbox_ready(now) or any(claimant_is_gone(t) for t in store.claim_tokens(now)))
+        return bool(store.outbox_ready(now)
+                    or any(claimant_is_gone(t) for t in store.claim_tokens(now)))
 
     def deliver_ready(self):
         """The automatic flush: what is ready, within AUTO_FLUSH_S; its counts."""
@@ -5796,7 +6110,8 @@ class Operations:
             if store is None and isinstance(err, StoreError):  # not even opened: kept in memory
                 note_flush_error(self.config.db_path, None, err.message)
             stats, error, waiting = FlushStats(), str(err), None
-        return {"synced": len(stats.synced), "duplicate": len(stats.duplicate), "failed": len(stats.failed),
+        return {"synced": len(stats.synced), "duplicate": len(stats.duplicate),
+                "failed": len(stats.failed),
                 "still_queued": waiting, "error": error}
 
 
@@ -5807,7 +6122,8 @@ PROJECT_HINT = "give it with --project P"  # the MCP server says: pass project_i
 def _check_query(query, command, example):
     query = (query or "").strip()
     if not query:
-        raise UsageError("%s needs a query" % command, hint='e.g. qmem.py %s "%s"' % (command, example))
+        raise UsageError("%s needs a query" % command,
+                         hint='e.g. qmem.py %s "%s"' % (command, example))
     return query
 
 
@@ -5853,7 +6169,8 @@ def _kept_aside(err, payload, folder):
                           hint="%syour text is saved in %s: to store it after that, `%s`" % (
                               err.hint + "; " if err.hint else "", path,
                               "qmem.py store --text-file %s%s" % (_shell_word(path), flags)))
-    failed = StoreError("%s; nothing was queued, and no file could hold your text either" % err.message,
+    failed = StoreError("%s; nothing was queued, and no file could hold your text either"
+                        % err.message,
                         kind=err.kind, hint="%syour text follows in full on stderr" % (
                             err.hint + "; " if err.hint else ""))
     failed.unsaved_text = payload["text"]
@@ -5861,7 +6178,8 @@ def _kept_aside(err, payload, folder):
 
 
 # The payload's fields a retried store must carry again, and their flags.
-_RETRY_FLAGS = (("project_id", "--project"), ("kind", "--kind"), ("scope", "--scope"), ("supersedes_id", "--supersedes"),
+_RETRY_FLAGS = (("project_id", "--project"), ("kind", "--kind"), ("scope", "--scope"),
+                ("supersedes_id", "--supersedes"),
                 ("supersede_reason", "--reason"), ("expires_at", "--expires"))
 
 
@@ -5875,19 +6193,24 @@ def _check_id(value, where):
     fail at flush."""
     if not UUID_RE.fullmatch(value):
         raise UsageError("%s %s is not a memory id" % (where, value),
-                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 (see `qmem.py find`)")
+                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 (see `qmem.py "
+                         "find`)")
     return value
 
 
 def _check_droppable(row, force, now):
     state = row["state"]
     if state == SYNCED:
-        raise UsageError("%s is in shared memory already (as %s): nothing to drop" % (row["local_id"], row["gateway_id"]),
-                         hint="to change what it says: qmem.py correct %s \"…\"" % row["gateway_id"])
+        raise UsageError("%s is in shared memory already (as %s): nothing to drop"
+                         % (row["local_id"], row["gateway_id"]),
+                         hint="to change what it says: qmem.py correct %s \"…\""
+                         % row["gateway_id"])
     if state == SENDING and row["lease_until"] and row["lease_until"] > now and not row["claimant_gone"]:
-        raise UsageError("%s is being sent right now by another flush" % row["local_id"], hint="try again in a moment")
+        raise UsageError("%s is being sent right now by another flush" % row["local_id"],
+                         hint="try again in a moment")
     if state in WAITING and not force:
-        raise UsageError("%s is still waiting to be sent; add --force to discard it anyway" % row["local_id"])
+        raise UsageError("%s is still waiting to be sent; add --force to discard it anyway"
+                         % row["local_id"])
 
 
 def _hit(result):
@@ -5906,9 +6229,11 @@ def _meta_counts(data):
     def counts(value):
         if not isinstance(value, dict):
             return None
-        return {str(k): v for k, v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
+        return {str(k): v for k,
+                v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
     scopes = data.get("scopes")
-    doc = {"scopes": {str(k): counts(v) or {} for k, v in scopes.items()} if isinstance(scopes, dict) else None,
+    doc = {"scopes": {str(k): counts(v) or {} for k, v in scopes.items()}
+           if isinstance(scopes, dict) else None,
            "projects": counts(data.get("projects")), "agents": counts(data.get("agents"))}
     for key in ("superseded", "deleted"):
         value = data.get(key)
@@ -5958,7 +6283,8 @@ class TerminalText:
     def write(self, text):
         text = visible(text)
         on, off = ("\x1b[1m", "\x1b[0m") if self.bold else ("", "")
-        if self.bold and HIGHLIGHT[0] in text:  # a snippet cut short must not leave the terminal bold
+        # a snippet cut short must not leave the terminal bold
+        if self.bold and HIGHLIGHT[0] in text:
             text = text.replace("\n", off + "\n")
         text = text.replace(HIGHLIGHT[0], on).replace(HIGHLIGHT[1], off)
         try:
@@ -5982,7 +6308,8 @@ def _table(rows, width=None, caps=()):
     lines = []
     for r in rows:
         head = "  ".join(_fit(cell, w).ljust(w) for cell, w in zip(r, widths)) + "  "
-        lines.append((head + (_fit(r[-1], max(12, width - len(head))) if width else r[-1])).rstrip())
+        lines.append((head
+                      + (_fit(r[-1], max(12, width - len(head))) if width else r[-1])).rstrip())
     return lines
 
 
@@ -5994,7 +6321,8 @@ MATCH_LABELS = {"all": "all words", "stemmed": "word forms", "fuzzy": "near spel
 def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     results = doc["results"]
     if not doc.get("index_exists", True):
-        out.write("no local index yet at %s: run `qmem.py import` (or `qmem.py pull`) first\n" % doc["db"])
+        out.write("no local index yet at %s: run `qmem.py import` (or `qmem.py pull`) first\n"
+                  % doc["db"])
     label = MATCH_LABELS[doc["match"]]
     out.write("%s · %s · %s\n" % (header, plural(len(results), "result"), label))
     if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
@@ -6004,33 +6332,42 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
             MAX_QUERY_TOKENS, MAX_QUERY_CHARS))
     rows = []
     for r in results:
-        flags = [f for f, on in (("PENDING", r["pending"]), ("FAILED: %s" % r["failed_reason"], r["failed"]),
+        flags = [f for f, on
+                 in (("PENDING", r["pending"]), ("FAILED: %s" % r["failed_reason"], r["failed"]),
                                  ("UNVERIFIED", r.get("unverified")),
                                  ("superseded", r["superseded_by"]),
                                  ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
-        rows.append((r["id"], r["kind"] or "-", _one_line(r["project_id"] or "-"), (r["created_at"] or "-")[:10],
+        rows.append((r["id"], r["kind"] or "-", _one_line(r["project_id"] or "-"),
+                     (r["created_at"] or "-")[:10],
                      "[%s]" % ", ".join(flags) if flags else "", _one_line(r["snippet"])))
     for line in _table(rows, out.width, caps=(36, 10, 20, 10, 40)):
         out.write(line + "\n")
     hidden = doc.get("hidden") or {}
     if not results and any(hidden.values()):
-        out.write("%s hidden by default: %s\n" % (plural(sum(hidden.values()), "matching record"), ", ".join(
-            "%d %s (%s)" % (n, what, HIDDEN_FLAGS[what]) for what, n in sorted(hidden.items()) if n)))
+        out.write("%s hidden by default: %s\n"
+                  % (plural(sum(hidden.values()), "matching record"), ", ".join(
+            "%d %s (%s)" % (n, what, HIDDEN_FLAGS[what]) for what,
+            n in sorted(hidden.items()) if n)))
 
 
 def show_import(doc, out):
     if not doc["sessions_found"]:
-        out.write("no pi sessions found (looked in %s): nothing to import\n" % ", ".join(doc["looked_in"]))
+        out.write("no pi sessions found (looked in %s): nothing to import\n"
+                  % ", ".join(doc["looked_in"]))
         return
     st = doc["stats"]
     calls = ", ".join("%s %d" % kv for kv in sorted(st["calls"].items())) or "none"
-    out.write("import: %d files scanned (%d unchanged, %d read, %.1f MB); %d lines mentioning qmem_ examined\n" % (
-        st["files_scanned"], st["files_unchanged"], st["files_read"], st["bytes_read"] / 1e6, st["lines_examined"]))
+    out.write("import: %d files scanned (%d unchanged, %d read, %.1f MB); %d lines mentioning "
+              "qmem_ examined\n" % (
+        st["files_scanned"], st["files_unchanged"], st["files_read"], st["bytes_read"] / 1e6,
+        st["lines_examined"]))
     out.write("memory calls with a result: %s (%d errored, %d still without a result)\n" % (
         calls, st["calls_errored"], st["calls_without_result"]))
-    out.write("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next time)%s\n" % (
+    out.write("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next "
+              "time)%s\n" % (
         st["records_new"], st["records_updated"], st["lines_skipped"], st["lines_truncated"],
-        "; %d files are not pi sessions" % st["files_not_sessions"] if st["files_not_sessions"] else ""))
+        "; %d files are not pi sessions" % st["files_not_sessions"] if st["files_not_sessions"]
+        else ""))
 
 
 # Cosine score bands of the gateway's BGE-M3 search (gateway-api.md).
@@ -6046,14 +6383,16 @@ def show_search(doc, out):
         show_find(doc, out, header=fallback_header(doc))
         return
     results = doc["results"]
-    out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a guess\n" % (
+    out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a guess\n"
+              % (
         plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
     for r in results:
         score = r.get("score")
         score = score if isinstance(score, (int, float)) and not isinstance(score, bool) else None
         band = "-" if score is None else "strong" if score >= STRONG_SCORE else "weak" if score >= WEAK_SCORE else "guess"
         out.write("%s %-6s  %s  %s  %s  %s%s  %s\n" % (
-            "%.2f" % score if score is not None else "  - ", band, r.get("id"), r.get("kind") or "-",
+            "%.2f" % score if score is not None else "  - ", band, r.get("id"),
+            r.get("kind") or "-",
             r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
             "".join("  [%s]" % f for f, on in (("superseded", r.get("superseded_by")),
                                                ("private", r.get("private") is True)) if on),
@@ -6064,7 +6403,8 @@ def show_get(doc, out):
     rec = doc["record"]
     if doc["source"] == "outbox" and rec.get("failed"):
         out.write("FAILED: the gateway refused this write (%s); it is not in shared memory\n"
-                  "  fix and `qmem.py flush --retry-failed`, or discard it with `qmem.py queue --drop %s`\n" % (
+                  "  fix and `qmem.py flush --retry-failed`, or discard it with `qmem.py queue "
+                  "--drop %s`\n" % (
                       rec.get("failed_reason") or "no reason given", rec["id"]))
     elif doc["source"] == "outbox":
         out.write("queued here, not yet in shared memory (run `qmem.py flush`)\n")
@@ -6075,7 +6415,8 @@ def show_get(doc, out):
     for key in ("id",) + FIELDS:
         value = rec.get(key)
         if key != "text" and value is not None and value != "":
-            out.write("%-17s %s\n" % (key + ":", str(value).lower() if isinstance(value, bool) else value))
+            out.write("%-17s %s\n"
+                      % (key + ":", str(value).lower() if isinstance(value, bool) else value))
     out.write("\n%s\n" % (rec.get("text") or "(text not known locally)"))
 
 
@@ -6083,7 +6424,9 @@ def show_meta(doc, out):
     if doc["source"] == "gateway":
         out.write("gateway · overview of the shared memory\n")
     else:
-        out.write(fallback_header(doc, "counts of this machine's local index, not of the shared memory") + "\n")
+        out.write(fallback_header(doc,
+                                  "counts of this machine's local index, not of the shared memory")
+                  + "\n")
         if not doc["index_exists"]:
             out.write("no local index yet: run `qmem.py import` or `qmem.py pull`\n")
 
@@ -6095,12 +6438,14 @@ def show_meta(doc, out):
         line("scope %s" % scope, kinds)
     line("projects", doc.get("projects"))
     line("agents", doc.get("agents"))
-    out.write("superseded: %s; deleted: %s\n" % (doc.get("superseded", "?"), doc.get("deleted", "?")))
+    out.write("superseded: %s; deleted: %s\n"
+              % (doc.get("superseded", "?"), doc.get("deleted", "?")))
 
 
 def show_breaker(doc, out):
     if not doc["configured"]:
-        out.write("no gateway configured, so no breaker: set one with `qmem.py config url https://…`\n")
+        out.write("no gateway configured, so no breaker: set one with `qmem.py config url "
+                  "https://…`\n")
         return
     if doc["reset"]:
         out.write("breaker reset: closed\n")
@@ -6116,7 +6461,8 @@ def show_breaker(doc, out):
         what = "open period over: the next call probes the gateway"
     out.write("breaker for %s: %s\n" % (doc["url"], what))
     if state != "closed":
-        out.write("  %s%s\n" % (doc["why_open"], " (%s)" % doc["opened_at"] if doc["opened_at"] else ""))
+        out.write("  %s%s\n"
+                  % (doc["why_open"], " (%s)" % doc["opened_at"] if doc["opened_at"] else ""))
         out.write("  consecutive openings: %d (each doubles the open time)\n" % doc["trips"])
     elif doc["failures"]:
         out.write("  consecutive failures: %d of %d (it opens at %d)\n" % (
@@ -6129,11 +6475,13 @@ def show_breaker(doc, out):
 def show_config(doc, out):
     action = doc["action"]
     if action == "show":
-        out.write("config file: %s%s\n" % (doc["file"], "" if doc["file_exists"] else " (not created yet)"))
+        out.write("config file: %s%s\n"
+                  % (doc["file"], "" if doc["file_exists"] else " (not created yet)"))
         for k, value in doc["values"].items():
             shown = "-" if value is None else value if isinstance(value, str) else json.dumps(value)
             out.write("  %-17s %-40s %s\n" % (k, shown, doc["sources"][k]))
-        out.write("  local database:   %s\n  breaker file:     %s\n" % (doc["db"], doc["breaker_file"]))
+        out.write("  local database:   %s\n  breaker file:     %s\n"
+                  % (doc["db"], doc["breaker_file"]))
     elif action == "url":
         out.write("url set to %s in %s (breaker reset)\n" % (doc["value"], doc["file"]))
     elif action == "apikey":
@@ -6148,10 +6496,12 @@ def show_config(doc, out):
         out.write("%s %s in %s\n" % (doc["key"], "reset to its default" if doc["value"] is None else
                                       "set to %s" % json.dumps(doc["value"]), doc["file"]))
     elif action == "test":
-        out.write("gateway %s: %s\n" % (doc["url"], "reachable" if doc["reachable"] else "NOT reachable"))
+        out.write("gateway %s: %s\n"
+                  % (doc["url"], "reachable" if doc["reachable"] else "NOT reachable"))
         if doc["reachable"]:
             out.write("  API key: %s (%s)\n" % ({True: "accepted", False: "REJECTED"}.get(
-                doc["key_valid"], "not checked: the gateway gave no answer to judge by"), doc["key"]))
+                doc["key_valid"], "not checked: the gateway gave no answer to judge by"),
+                                                doc["key"]))
         if doc["version"]:
             out.write("  version %s, %s records\n" % (doc["version"], doc.get("records", "?")))
         out.write("  latency: %s ms\n" % doc["latency_ms"])
@@ -6162,17 +6512,20 @@ def show_config(doc, out):
 def show_write(doc, out):
     state = doc["state"]
     if state == SYNCED:
-        out.write("%s: %s (in shared memory)\n" % ("stored" if doc["op"] == "store" else "correction stored",
+        out.write("%s: %s (in shared memory)\n"
+                  % ("stored" if doc["op"] == "store" else "correction stored",
                                                   doc["id"]))
     elif state == DUPLICATE:
         if doc["duplicate_of"]:
             out.write("not stored: a near-identical memory already exists: %s\n"
-                      "  to change what it says: qmem.py correct %s \"…\"\n" % (doc["duplicate_of"], doc["duplicate_of"]))
+                      "  to change what it says: qmem.py correct %s \"…\"\n"
+                      % (doc["duplicate_of"], doc["duplicate_of"]))
         else:
-            out.write("not stored: a near-identical memory already exists (the gateway did not say which)\n")
+            out.write("not stored: a near-identical memory already exists (the gateway did not say "
+                      "which)\n")
     elif state == FAILED:
-        out.write("not stored: the gateway refused it: %s\n  kept in the outbox as failed (%s): fix it and "
-                  "`qmem.py flush --retry-failed`, or `qmem.py queue --drop %s`\n" % (
+        out.write("not stored: the gateway refused it: %s\n  kept in the outbox as failed (%s): "
+                  "fix it and `qmem.py flush --retry-failed`, or `qmem.py queue --drop %s`\n" % (
                       doc["last_error"], doc["local_id"], doc["local_id"]))
     else:
         out.write("queued: not yet in shared memory; other agents will see it after `flush`\n"
@@ -6182,7 +6535,8 @@ def show_write(doc, out):
         if doc.get("next_attempt_at"):
             out.write("  next attempt after %s\n" % when_utc(parse_iso(doc["next_attempt_at"])))
         if doc.get("error"):
-            out.write("  it waits in the outbox: %s, then `qmem.py flush`\n" % (doc["error"]["hint"] or "fix this"))
+            out.write("  it waits in the outbox: %s, then `qmem.py flush`\n"
+                      % (doc["error"]["hint"] or "fix this"))
 
 
 def _one_line(text, width=SNIPPET_CHARS):
@@ -6196,16 +6550,19 @@ def _one_line(text, width=SNIPPET_CHARS):
 def show_queue(doc, out):
     if "dropped" in doc:
         for it in doc["dropped"]:
-            out.write("%s %s  %-9s %s\n" % ("would drop" if doc["dry_run"] else "dropped", it["local_id"],
+            out.write("%s %s  %-9s %s\n"
+                      % ("would drop" if doc["dry_run"] else "dropped", it["local_id"],
                                             it["state"], _one_line(it["text"], 60)))
     for it in doc.get("released", ()):
         out.write("released %s: it will be sent by the next flush\n" % it["local_id"])
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
     show_stuck(doc, out)
     items = doc.get("items", ())
-    rows = [(it["local_id"], it["state"], ("1 try" if it["attempts"] == 1 else "%d tries" % it["attempts"]),
+    rows = [(it["local_id"], it["state"],
+             ("1 try" if it["attempts"] == 1 else "%d tries" % it["attempts"]),
              duration(it["age_s"]) + " old",
-             it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"]) or "-",
+             it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"])
+             or "-",
              _one_line(it["text"], 60)) for it in items]
     for it, line in zip(items, _table(rows, out.width, caps=(36, 9, 9, 12, 49))):
         out.write(line + "\n")
@@ -6215,13 +6572,15 @@ def show_queue(doc, out):
             out.write("    next attempt after %s\n" % when_utc(parse_iso(it["next_attempt_at"])))
     shown = set(it["state"] for it in items)
     if DUPLICATE in shown:
-        out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct ID` changes it\n")
+        out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct "
+                  "ID` changes it\n")
     if FAILED in shown:
-        out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries them again, "
-                  "`qmem.py queue --drop ID` discards one\n")
+        out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries "
+                  "them again, `qmem.py queue --drop ID` discards one\n")
     if HELD in shown:
-        out.write("held writes came in an unverified bundle and are never sent: `qmem.py queue --release ID` "
-                  "once you have checked one, `qmem.py queue --drop ID` to discard it\n")
+        out.write("held writes came in an unverified bundle and are never sent: `qmem.py queue "
+                  "--release ID` once you have checked one, `qmem.py queue --drop ID` to discard "
+                  "it\n")
 
 
 def show_stuck(doc, out):
@@ -6233,8 +6592,10 @@ def show_flush(doc, out):
     if doc["source"] == "outbox":
         out.write("flush: nothing queued\n")
         return
-    out.write("flush: %d delivered, %d duplicates (not stored), %d failed, %d to retry later; %d still queued%s\n" % (
-        doc["synced"], doc["duplicate"], doc["failed"], doc["retry_later"] + doc["held"], doc["pending"],
+    out.write("flush: %d delivered, %d duplicates (not stored), %d failed, %d to retry later; %d "
+              "still queued%s\n" % (
+        doc["synced"], doc["duplicate"], doc["failed"], doc["retry_later"] + doc["held"],
+        doc["pending"],
         " (stopped: %s)" % doc["stopped"] if doc["stopped"] else ""))
     for f in doc["failures"]:
         out.write("  failed %s: %s\n" % (f["local_id"], f["last_error"]))
@@ -6243,7 +6604,8 @@ def show_flush(doc, out):
 def show_enrich(doc, out):
     out.write("enrich: %d of %d records fetched in full; %d unknown to the gateway%s\n" % (
         doc["fetched"], doc["asked"], len(doc["unknown"]),
-        "; stopped early: %s (what was fetched is kept)" % doc["stopped"] if doc["stopped"] else ""))
+        "; stopped early: %s (what was fetched is kept)" % doc["stopped"] if doc["stopped"]
+        else ""))
 
 
 def show_pull(doc, out):
@@ -6258,21 +6620,24 @@ def show_export(doc, out):
     if doc["signed"]:
         out.write("  signed with the bundle key %s: a paired host trusts it\n" % doc["key_id"])
     else:
-        out.write("  not signed (no bundle key here): the other host holds its writes until released; "
-                  "pair the hosts with `qmem.py config bundle-key`\n")
+        out.write("  not signed (no bundle key here): the other host holds its writes until "
+                  "released; pair the hosts with `qmem.py config bundle-key`\n")
 
 
 def show_load(doc, out):
     r, o = doc["records"], doc["outbox"]
-    out.write("load%s: bundle of %s, written %s\n" % (" (dry run, nothing changed)" if doc["dry_run"] else "",
-                                                       doc["machine"] or "?", doc["created_at"] or "?"))
-    out.write("  records: %d new, %d updated, %d unchanged\n" % (r["new"], r["updated"], r["unchanged"]))
-    out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered elsewhere), "
-              "%d unchanged%s\n" % (o["added"], o["settled"], o["unchanged"],
+    out.write("load%s: bundle of %s, written %s\n"
+              % (" (dry run, nothing changed)" if doc["dry_run"] else "",
+                                                       doc["machine"] or "?",
+                                                      doc["created_at"] or "?"))
+    out.write("  records: %d new, %d updated, %d unchanged\n"
+              % (r["new"], r["updated"], r["unchanged"]))
+    out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered "
+              "elsewhere), %d unchanged%s\n" % (o["added"], o["settled"], o["unchanged"],
                                    "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
     if doc.get("not_loaded_outbox_full"):
-        out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load it "
-                  "again\n" % plural(doc["not_loaded_outbox_full"], "write"))
+        out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load "
+                  "it again\n" % plural(doc["not_loaded_outbox_full"], "write"))
     if doc["verified"]:
         out.write("  verified: %s\n" % doc["verification"])
         return
@@ -6286,8 +6651,8 @@ def show_load(doc, out):
     if len(doc["held"]) > 50:
         out.write("  … and %d more held (`qmem.py queue --state held`)\n" % (len(doc["held"]) - 50))
     if doc["held"]:
-        out.write("  held writes are never sent: check them, then `qmem.py queue --release ID… --yes` "
-                  "(or `queue --drop ID… --yes`)\n")
+        out.write("  held writes are never sent: check them, then `qmem.py queue --release ID… "
+                  "--yes` (or `queue --drop ID… --yes`)\n")
 
 
 def show_doctor(doc, out):
@@ -6297,14 +6662,17 @@ def show_doctor(doc, out):
         if c["advice"] and c["status"] != "ok":
             out.write("      %-15s → %s\n" % ("", c["advice"]))
     s = doc["summary"]
-    out.write("doctor: %d ok, %s, %d failed%s\n" % (s["ok"], plural(s["warn"], "warning"), s["fail"],
-                                                  " (network checks skipped)" if doc["offline"] else ""))
+    out.write("doctor: %d ok, %s, %d failed%s\n"
+              % (s["ok"], plural(s["warn"], "warning"), s["fail"],
+                                                  " (network checks skipped)" if doc["offline"]
+                                                    else ""))
 
 
 def show_auto_flush(doc, out):
     """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
-    if not isinstance(af, dict) or not (af["synced"] or af["duplicate"] or af["failed"] or af["error"]):
+    if not isinstance(af, dict) or not (af["synced"] or af["duplicate"] or af["failed"]
+                                        or af["error"]):
         return
     left = "" if af["still_queued"] is None else "; %d still queued" % af["still_queued"]
     out.write("delivered %s queued here (%d duplicates, %d failed%s)%s\n" % (
@@ -6314,31 +6682,39 @@ def show_auto_flush(doc, out):
 
 def show_status(doc, out):
     if not doc["index_exists"]:
-        out.write("no local index yet at %s: run `qmem.py import` or `qmem.py pull`\n" % doc["db"]["path"])
+        out.write("no local index yet at %s: run `qmem.py import` or `qmem.py pull`\n"
+                  % doc["db"]["path"])
         out.write("this machine: %s\n" % doc["machine"])
         return
     rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
-    out.write("records: %d  (superseded %d, deleted %d, private %d; written here: %d waiting to be shared, "
-              "%d refused by the gateway)\n" % (rec["total"], rec["superseded"], rec["deleted"], rec["private"],
+    out.write("records: %d  (superseded %d, deleted %d, private %d; written here: %d waiting to be "
+              "shared, %d refused by the gateway)\n"
+              % (rec["total"], rec["superseded"], rec["deleted"], rec["private"],
                                                  rec["pending"], rec["failed"]))
     out.write("  by kind: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
-    out.write("  by project: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
-    share = " (%.0f%% complete)" % (100 * cov["complete_share"]) if cov["complete_share"] is not None else ""
+    out.write("  by project: %s\n"
+              % (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
+    share = " (%.0f%% complete)" % (100
+                                    * cov["complete_share"]) if cov["complete_share"] is not None else ""
     out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
         cov["complete"], cov["search_hit_only"], share))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["outbox"].items()))
     show_stuck(doc, out)
     out.write("duplicates: %s stored under more than one id (%s)\n" % (
-        plural(doc["duplicates"]["groups"], "text"), plural(doc["duplicates"]["records"], "record")))
-    out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s\n" % tuple(
+        plural(doc["duplicates"]["groups"], "text"),
+        plural(doc["duplicates"]["records"], "record")))
+    out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s\n"
+              % tuple(
         lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
                                     "last_flush_at")))
     if lag.get("last_load_at"):
-        out.write("last bundle loaded: %s, from %s\n" % (lag["last_load_at"], lag["last_load_from"]))
+        out.write("last bundle loaded: %s, from %s\n"
+                  % (lag["last_load_at"], lag["last_load_from"]))
     out.write("session files indexed: %d\n" % doc["sessions"]["files"])
     out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
         doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
-        doc["fts"]["tokenizer"] if doc["fts"]["available"] else "LIKE scan (this SQLite has no FTS5)"))
+        doc["fts"]["tokenizer"] if doc["fts"]["available"]
+        else "LIKE scan (this SQLite has no FTS5)"))
     out.write("this machine: %s\n" % doc["machine"])
 
 
@@ -6348,7 +6724,8 @@ def show_rules(doc, out):
 
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
-             "breaker": show_breaker, "config": show_config, "store": show_write, "correct": show_write,
+             "breaker": show_breaker, "config": show_config, "store": show_write,
+             "correct": show_write,
              "queue": show_queue, "flush": show_flush,
              "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load,
              "doctor": show_doctor, "rules": show_rules}
@@ -6366,7 +6743,8 @@ def render(command, doc, json_mode, out=None, bold=False, width=None):
         show_auto_flush(doc, shown)
     if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
         problem = doc["error"]
-        warn("%s: %s" % (problem["message"], problem["hint"]) if problem.get("hint") else problem["message"])
+        warn("%s: %s" % (problem["message"], problem["hint"]) if problem.get("hint")
+             else problem["message"])
 
 
 def render_json_version(out=None):
@@ -6379,7 +6757,8 @@ def render_error(err, json_mode, out=None):
     warn(str(err))
     unsaved = getattr(err, "unsaved_text", None)
     if unsaved is not None:
-        sys.stderr.write("--- your text, not saved anywhere else ---\n%s\n--- end ---\n" % visible(unsaved))
+        sys.stderr.write("--- your text, not saved anywhere else ---\n%s\n--- end ---\n"
+                         % visible(unsaved))
     if json_mode:
         doc = error_document(err)
         if unsaved is not None:
@@ -6400,7 +6779,8 @@ def render_error(err, json_mode, out=None):
 MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # the newest first
 MAX_MESSAGE = 16 << 20    # bytes in one message (clients allow 10 MiB)
 RESULT_TEXT_CHARS = 1000  # of a memory's text in a list of results; qmem_get gives it whole
-MCP_MAX_RESULTS = 50      # of one search: a model's context is small (Claude Code caps a result at 25k tokens)
+# of one search: a model's context is small (Claude Code caps a result at 25k tokens)
+MCP_MAX_RESULTS = 50
 RPC_PARSE, RPC_INVALID, RPC_NO_METHOD, RPC_PARAMS, RPC_INTERNAL = -32700, -32600, -32601, -32602, -32603
 ALL_PROJECTS = "*"        # project_id of a search over every project
 RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results, all together
@@ -6455,9 +6835,11 @@ def _prop(kind, about, **extra):
     return dict(extra, type=kind, description=about)
 
 
-_PROJECT = _prop("string", "the project's short name, e.g. its repository's (default: QMEM_PROJECT, "
+_PROJECT = _prop("string",
+                 "the project's short name, e.g. its repository's (default: QMEM_PROJECT, "
                  "CLAUDE_PROJECT_DIR's name, or the git root of the server's folder)")
-_READ_PROJECT = _prop("string", "only this project (default as for writes; \"*\" searches every project)")
+_READ_PROJECT = _prop("string",
+                      "only this project (default as for writes; \"*\" searches every project)")
 _KIND = _prop("string", "fact | decision | preference | episode", enum=list(KINDS))
 _FILTER_KIND = _prop("string", "only this kind", enum=list(KINDS))
 _SCOPE = _prop("string", "e.g. project, global, agent")
@@ -6476,8 +6858,10 @@ class McpTool:
 
     def listing(self):
         return {"name": self.name, "title": self.title, "description": self.description,
-                "inputSchema": {"type": "object", "properties": self.properties, "required": self.required},
-                "annotations": {"title": self.title, "readOnlyHint": self.read_only, "destructiveHint": False,
+                "inputSchema": {"type": "object", "properties": self.properties,
+                                "required": self.required},
+                "annotations": {"title": self.title, "readOnlyHint": self.read_only,
+                                "destructiveHint": False,
                                 "idempotentHint": self.idempotent, "openWorldHint": False}}
 
     def arguments(self, given):
@@ -6511,7 +6895,8 @@ MCP_ALIASES = {"q": "query", "project": "project_id", "type": "kind", "memory_id
                "supersedes_id": "id", "limit": "top_k", "top_k": "limit"}
 
 
-_BOOLEANS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False, "0": False,
+_BOOLEANS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False,
+             "0": False,
              "off": False}
 
 
@@ -6525,7 +6910,8 @@ def _mcp_value(name, value, prop):
         value = str(value)
         if "enum" in prop:
             if value.strip().lower() not in prop["enum"]:
-                raise UsageError("%s must be one of %s, not %s" % (name, ", ".join(prop["enum"]), shown))
+                raise UsageError("%s must be one of %s, not %s"
+                                 % (name, ", ".join(prop["enum"]), shown))
             return value.strip().lower()
         return value
     if kind == "boolean":
@@ -6543,7 +6929,8 @@ def _mcp_value(name, value, prop):
         if number is None:
             raise UsageError("%s must be a number, not %s" % (name, shown))
     if not prop.get("minimum", number) <= number <= prop.get("maximum", number):
-        raise UsageError("%s must be between %s and %s, not %s" % (name, prop["minimum"], prop["maximum"], shown))
+        raise UsageError("%s must be between %s and %s, not %s"
+                         % (name, prop["minimum"], prop["maximum"], shown))
     return number
 
 
@@ -6561,57 +6948,71 @@ def _mcp_number(value, pattern):
 
 MCP_TOOLS = (
     McpTool("qmem_search", "Search the shared memory",
-            "Search the memory shared by every agent, by meaning (the gateway). Use it before answering about "
-            "earlier decisions, preferences or facts. Scores: 0.60 or more is a strong match, 0.45-0.60 weak. "
-            "When the gateway cannot be reached the answer comes from this machine's local index, says so "
-            "(source local_sqlite, degraded) and has no scores. Pass project_id.",
-            {"query": _prop("string", "what to look for, in plain words"), "project_id": _READ_PROJECT,
+            "Search the memory shared by every agent, by meaning (the gateway). Use it before "
+            "answering about earlier decisions, preferences or facts. Scores: 0.60 or more is a "
+            "strong match, 0.45-0.60 weak. When the gateway cannot be reached the answer comes "
+            "from this machine's local index, says so (source local_sqlite, degraded) and has no "
+            "scores. Pass project_id.",
+            {"query": _prop("string", "what to look for, in plain words"),
+             "project_id": _READ_PROJECT,
              "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
-             "top_k": _prop("integer", "at most this many results (default 8)", minimum=1, maximum=MCP_MAX_RESULTS),
+             "top_k": _prop("integer", "at most this many results (default 8)", minimum=1,
+                            maximum=MCP_MAX_RESULTS),
              "include_superseded": _prop("boolean", "also corrected memories (default false)"),
              "private": _prop("boolean", "also memories marked private (default false)"),
              "min_score": _prop("number", "drop results scoring below this", minimum=0, maximum=1)},
             ["query"], read_only=True, idempotent=True),
     McpTool("qmem_find", "Find words in the local index",
-            "Find memories by their words in this machine's local index: offline, fast, lexical (not by "
-            "meaning), so results have no score. It also sees writes queued here and not yet shared. "
-            "Pass project_id.",
-            {"query": _prop("string", "words to look for (all must match; word forms and near spellings "
+            "Find memories by their words in this machine's local index: offline, fast, lexical "
+            "(not by meaning), so results have no score. It also sees writes queued here and not "
+            "yet shared. Pass project_id.",
+            {"query": _prop("string",
+                            "words to look for (all must match; word forms and near spellings "
                                       "are tried next)"),
-             "project_id": _READ_PROJECT, "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
+             "project_id": _READ_PROJECT, "kind": _FILTER_KIND,
+             "scope": _prop("string", "only this scope"),
              "limit": _prop("integer", "at most this many results (default 10)", minimum=1,
                             maximum=MCP_MAX_RESULTS),
              "include_superseded": _prop("boolean", "also corrected memories (default false)")},
             ["query"], read_only=True, idempotent=True),
     McpTool("qmem_get", "Get one memory",
             "One memory in full by its id: its text, project, kind, and whether it was corrected "
-            "(superseded_by) or deleted. From the gateway, else from this machine's local index (labelled).",
-            {"id": _ID, "project_id": _prop("string", "not needed: a memory's own project is reported")},
+            "(superseded_by) or deleted. From the gateway, else from this machine's local index "
+            "(labelled).",
+            {"id": _ID,
+             "project_id": _prop("string", "not needed: a memory's own project is reported")},
             ["id"], read_only=True, idempotent=True),
     McpTool("qmem_store", "Store a memory",
-            "Store one durable memory for every agent: a fact, a decision with its reason, a preference, a "
-            "notable episode; self-contained, not chatter. Pass project_id. If it contradicts a memory, use "
-            "qmem_correct instead. When the gateway cannot take it now it is queued here (status queued): "
-            "not yet visible to other agents, delivered later exactly once; do not store it again.",
-            {"text": _prop("string", "the memory, self-contained"), "project_id": _PROJECT, "kind": _KIND,
+            "Store one durable memory for every agent: a fact, a decision with its reason, a "
+            "preference, a notable episode; self-contained, not chatter. Pass project_id. If it "
+            "contradicts a memory, use qmem_correct instead. When the gateway cannot take it now "
+            "it is queued here (status queued): not yet visible to other agents, delivered later "
+            "exactly once; do not store it again.",
+            {"text": _prop("string", "the memory, self-contained"), "project_id": _PROJECT,
+             "kind": _KIND,
              "scope": _SCOPE, "private": _prop("boolean", "hidden from searches unless asked for"),
              "expires_at": _prop("string", "hidden from searches after this date (YYYY-MM-DD)"),
              "agent_id": _prop("string", "who writes it (default: the client's name)")},
             ["text"], read_only=False, idempotent=False),
     McpTool("qmem_correct", "Correct a memory",
-            "Correct a memory that is wrong or outdated: a new memory supersedes it, and the old one is kept, "
-            "marked superseded. Use it instead of storing a contradicting memory. Project and kind default to "
-            "the corrected memory's. Queued here like qmem_store when the gateway cannot take it now.",
-            {"id": _prop("string", "the id of the memory it corrects"), "text": _prop("string", "the corrected "
-                                                                                        "memory, whole"),
-             "reason": _prop("string", "why the old memory was wrong"), "project_id": _PROJECT, "kind": _KIND,
+            "Correct a memory that is wrong or outdated: a new memory supersedes it, and the old "
+            "one is kept, marked superseded. Use it instead of storing a contradicting memory. "
+            "Project and kind default to the corrected memory's. Queued here like qmem_store when "
+            "the gateway cannot take it now.",
+            {"id": _prop("string", "the id of the memory it corrects"),
+             "text": _prop("string", "the corrected "
+                                                                                        "memory, "
+                                                                                      "whole"),
+             "reason": _prop("string", "why the old memory was wrong"), "project_id": _PROJECT,
+             "kind": _KIND,
              "agent_id": _prop("string", "who writes it (default: the client's name)")},
             ["id", "text"], read_only=False, idempotent=False),
     McpTool("qmem_meta", "What the memory holds",
-            "What the memory holds: its projects, kinds per scope, agents, corrected and deleted counts; and "
-            "here, the project this server uses by default and the writes queued on this machine. Use it to "
-            "find the right project_id.",
-            {"project_id": _prop("string", "the project to report as this call's (default: the server's)")},
+            "What the memory holds: its projects, kinds per scope, agents, corrected and deleted "
+            "counts; and here, the project this server uses by default and the writes queued on "
+            "this machine. Use it to find the right project_id.",
+            {"project_id": _prop("string",
+                                 "the project to report as this call's (default: the server's)")},
             [], read_only=True, idempotent=True),
 )
 MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
@@ -6726,7 +7127,8 @@ class McpServer:
             return rpc_error(None, RPC_INVALID, "Invalid request: an id is a string or an integer")
         method = msg.get("method")
         if msg.get("jsonrpc") != "2.0" or not isinstance(method, str):
-            return rpc_error(rid, RPC_INVALID, 'Invalid request: it needs "jsonrpc": "2.0" and a method') \
+            return rpc_error(rid, RPC_INVALID,
+                             'Invalid request: it needs "jsonrpc": "2.0" and a method') \
                 if is_request else None
         if not is_request:
             # notifications/initialized; notifications/cancelled names a request that was
@@ -6752,7 +7154,8 @@ class McpServer:
             self.agent = _fit(name, 64)
         return {"protocolVersion": asked if asked in MCP_VERSIONS else MCP_VERSIONS[0],
                 "capabilities": {"tools": {"listChanged": False}},
-                "serverInfo": {"name": "qmem", "title": "qmem shared memory", "version": __version__},
+                "serverInfo": {"name": "qmem", "title": "qmem shared memory",
+                               "version": __version__},
                 "instructions": mcp_instructions()}
 
     def ping(self, params):
@@ -6760,7 +7163,8 @@ class McpServer:
 
     def tools_list(self, params):
         if params.get("cursor") is not None:
-            raise RpcError(RPC_PARAMS, "Invalid params: unknown cursor (the tool list has one page)")
+            raise RpcError(RPC_PARAMS,
+                           "Invalid params: unknown cursor (the tool list has one page)")
         return {"tools": [t.listing() for t in MCP_TOOLS]}
 
     def tools_call(self, params):
@@ -6775,7 +7179,8 @@ class McpServer:
             raise RpcError(RPC_PARAMS, "Invalid params: the arguments of %s are an object" % name)
         return self.run_tool(tool, arguments or {})
 
-    METHODS = {"initialize": initialize, "ping": ping, "tools/list": tools_list, "tools/call": tools_call}
+    METHODS = {"initialize": initialize, "ping": ping, "tools/list": tools_list,
+               "tools/call": tools_call}
 
     # -- tools
     def run_tool(self, tool, given):
@@ -6788,23 +7193,28 @@ class McpServer:
         except QmemError as e:
             structured = self._failure(e)
         except sqlite3.Error as e:  # one no layer expected
-            structured = self._failure(store_error(e, self.ops.config.db_path if self.ops else "the database"))
+            structured = self._failure(store_error(e, self.ops.config.db_path if self.ops
+                                                   else "the database"))
         except Exception as e:  # a bug: the server goes on, and says only what it was
             stderr_diagnostic("internal error in %s: %s" % (tool.name, type(e).__name__))
-            structured = self._failure(QmemError("internal error (%s): a bug in qmem.py" % type(e).__name__,
-                                                 kind="internal", hint="the server goes on; other calls work"))
+            structured = self._failure(QmemError("internal error (%s): a bug in qmem.py"
+                                                 % type(e).__name__,
+                                                 kind="internal",
+                                                 hint="the server goes on; other calls work"))
         finally:
             set_diagnostics(previous)
         if "project_from" not in structured:  # a failure: the project the call would have used
             explicit = given.get("project_id", given.get("project"))
             project, where = self.project(explicit if isinstance(explicit, str) else None)
-            structured.update(project_id=_fit(project, MAX_PROJECT) if project else None, project_from=where)
+            structured.update(project_id=_fit(project, MAX_PROJECT) if project else None,
+                              project_from=where)
         stuck = self._writes_stuck()
         if stuck:
             structured["writes_stuck"] = stuck
         if self.warnings:
             structured["warnings"] = self.warnings
-        return tool_result(structured, structured["status"] in ("error", "failed") or "error" in structured)
+        return tool_result(structured,
+                           structured["status"] in ("error", "failed") or "error" in structured)
 
     def _writes_stuck(self):
         try:
@@ -6823,8 +7233,9 @@ class McpServer:
         hint = err.hint or _NEXT_STEPS.get(err.kind)
         unsaved = getattr(err, "unsaved_text", None)
         if unsaved is not None:
-            hint = hint.replace("your text follows in full on stderr", "the text is in unsaved_text: store it "
-                                "again once the database is usable")
+            hint = hint.replace("your text follows in full on stderr",
+                                "the text is in unsaved_text: store it again once the database is "
+                                "usable")
         note = _for_agents(err.message + (". Next: %s." % hint.rstrip(".") if hint else "."))
         out = {"status": "error", "error": err.kind, "note": note}
         if unsaved is not None:
@@ -6842,7 +7253,8 @@ class McpServer:
             self.config_stamp = _file_stamp(config.path)
             self.ops = Operations(config, clock=self.clock)
             self.ops.flush_after_answer = True
-            self.ops.retries = 0  # an agent waits: a fallback or a queued write now beats a retry later
+            # an agent waits: a fallback or a queued write now beats a retry later
+            self.ops.retries = 0
         self.ops.refresh()
         return self.ops
 
@@ -6859,7 +7271,8 @@ class McpServer:
         self.ops.close_gateway()
         if due and (self.flusher is None or not self.flusher.is_alive()):
             import threading
-            self.flusher = threading.Thread(target=self._flush, args=(self.ops.config,), daemon=True)
+            self.flusher = threading.Thread(target=self._flush, args=(self.ops.config,),
+                                            daemon=True)
             self.flusher.start()
 
     def _flush(self, config):
@@ -6885,11 +7298,14 @@ class McpServer:
     def _write_project(self, explicit):
         project, where = self.project(explicit)
         if project is None:
-            raise UsageError("no project: pass project_id (the project's short name, e.g. its repository's)",
-                             hint="qmem_meta lists the projects; a server started with QMEM_PROJECT set "
+            raise UsageError("no project: pass project_id (the project's short name, e.g. its "
+                             "repository's)",
+                             hint="qmem_meta lists the projects; a server started with "
+                             "QMEM_PROJECT set "
                                   "uses that one")
         if project == ALL_PROJECTS:
-            raise UsageError('project "*" (from %s) means every project, to search; a memory belongs to one' % where,
+            raise UsageError('project "*" (from %s) means every project, to search; a memory '
+                             'belongs to one' % where,
                              hint="pass project_id, the project's short name")
         return _check_project(project, where), where
 
@@ -6902,14 +7318,16 @@ class McpServer:
     def tool_search(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
         doc = ops.search(a["query"], project=project, kind=a.get("kind"), scope=a.get("scope"),
-                         top_k=a.get("top_k", 8), include_superseded=a.get("include_superseded", False),
+                         top_k=a.get("top_k", 8),
+                         include_superseded=a.get("include_superseded", False),
                          min_score=a.get("min_score"), private=a.get("private", False))
         return self._found(doc, project, where)
 
     def tool_find(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
         doc = ops.find(a["query"], project=project, kind=a.get("kind"), scope=a.get("scope"),
-                       limit=a.get("limit", 10), include_superseded=a.get("include_superseded", False))
+                       limit=a.get("limit", 10),
+                       include_superseded=a.get("include_superseded", False))
         return self._found(doc, project, where)
 
     def _found(self, doc, project, where):
@@ -6919,8 +7337,10 @@ class McpServer:
         # Many long memories must not flood a model's context: each is cut to its share.
         cut = max(200, min(RESULT_TEXT_CHARS, RESULTS_TEXT_BUDGET // max(1, len(hits))))
         results = [_memory_out(r, cut=cut) for r in hits]
-        out = {"status": "found" if results else "empty", "source": doc["source"], "degraded": doc["degraded"],
-               "project_id": project, "project_from": where, "note": _found_note(doc, results, project, where)}
+        out = {"status": "found" if results else "empty", "source": doc["source"],
+               "degraded": doc["degraded"],
+               "project_id": project, "project_from": where,
+               "note": _found_note(doc, results, project, where)}
         if doc["degraded"]:
             out["reason"] = doc["reason"]
         if doc["source"] == "local_sqlite":
@@ -6934,7 +7354,8 @@ class McpServer:
     def tool_get(self, ops, a):
         doc = ops.get(_mcp_id(a["id"]))
         record = _memory_out(doc["record"], whole=True)
-        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"], "id": record["id"],
+        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"],
+               "id": record["id"],
                "project_id": record.get("project_id"), "project_from": "the memory",
                "note": _get_note(doc, record)}
         if doc["degraded"]:
@@ -6956,11 +7377,13 @@ class McpServer:
             where_from, "?" if queued is None else plural(queued, "write"),
             "; writes without a project_id go to project %s (from %s)" % (project, where) if project
             else "; writes need a project_id (there is no default)")
-        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"], "project_id": project,
+        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"],
+               "project_id": project,
                "project_from": where, "note": note}
         if doc["degraded"]:
             out["reason"] = doc["reason"]
-        out.update({k: doc.get(k) for k in ("projects", "scopes", "agents", "superseded", "deleted")})
+        out.update({k: doc.get(k) for k
+                    in ("projects", "scopes", "agents", "superseded", "deleted")})
         out["queued_here"] = queued
         return out
 
@@ -6969,7 +7392,8 @@ class McpServer:
         expires = parse_iso(a["expires_at"]) if a.get("expires_at") else None
         if a.get("expires_at") and (expires is None or expires <= time.time()):
             raise UsageError("expires_at %s is %s" % (json.dumps(_fit(a["expires_at"], 40)),
-                                                      "not a date" if expires is None else "already past"),
+                                                      "not a date" if expires is None
+                                                      else "already past"),
                              hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
         doc = ops.store_memory(a["text"], project, kind=a.get("kind"), scope=a.get("scope"),
                                agent=a.get("agent_id") or self.agent, expires=a.get("expires_at"),
@@ -6977,7 +7401,8 @@ class McpServer:
         return _written(doc, where)
 
     def tool_correct(self, ops, a):
-        doc = ops.correct(_mcp_id(a["id"]), a["text"], project=a.get("project_id"), kind=a.get("kind"),
+        doc = ops.correct(_mcp_id(a["id"]), a["text"], project=a.get("project_id"),
+                          kind=a.get("kind"),
                           agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
         return _written(doc, doc["project_from"], corrects=a["id"].strip())
 
@@ -6986,25 +7411,29 @@ class McpServer:
 _NEXT_STEPS = {
     "not_found": "ids come from qmem_search or qmem_find results",
     "usage": "correct the arguments and call the tool again",
-    "config": "fix the file it names or move it aside (`qmem.py doctor` says more); until then every tool "
+    "config": "fix the file it names or move it aside (`qmem.py doctor` says more); until then "
+    "every tool "
               "fails the same way",
     UNREACHABLE: "try again later; qmem_find searches this machine's index meanwhile",
     AMBIGUOUS: "try again later; qmem_find searches this machine's index meanwhile",
-    BREAKER_OPEN: "try again later, or ask the user to run `qmem.py breaker --reset` once the gateway is back; "
+    BREAKER_OPEN: "try again later, or ask the user to run `qmem.py breaker --reset` once the "
+    "gateway is back; "
                   "qmem_find searches this machine's index meanwhile",
 }
 
 
 def _printable(text):
     """Text with what cannot be shown or stored taken out (controls, lone surrogates), trimmed."""
-    return "".join(ch for ch in text if ch.isprintable() and not 0xD800 <= ord(ch) <= 0xDFFF).strip()
+    return "".join(ch for ch in text if ch.isprintable() and
+                   not 0xD800 <= ord(ch) <= 0xDFFF).strip()
 
 
 def _check_project(project, where):
     """A project name as a filter or a label: printable, at most MAX_PROJECT characters."""
     if len(project) > MAX_PROJECT or _printable(project) != project:
-        raise UsageError("the project %s (from %s) is not a project name: it must be at most %d printable "
-                         "characters" % (json.dumps(_fit(project, 60)), where, MAX_PROJECT),
+        raise UsageError("the project %s (from %s) is not a project name: it must be at most %d "
+                         "printable characters"
+                         % (json.dumps(_fit(project, 60)), where, MAX_PROJECT),
                          hint="pass project_id, the project's short name (qmem_meta lists them)")
     return project
 
@@ -7029,7 +7458,8 @@ def _mcp_id(value):
     value = value.strip()
     if not UUID_RE.fullmatch(value):
         raise UsageError("%r is not a memory id" % _fit(value, 60),
-                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 and come from qmem_search or "
+                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 and come from "
+                         "qmem_search or "
                               "qmem_find results")
     return value
 
@@ -7039,8 +7469,8 @@ def _found_note(doc, results, project, where):
     if doc["source"] == "gateway":
         if not n:
             return "No memory matched%s in the shared memory%s." % (scope, _wider(project, where))
-        return ("%s from the shared memory (gateway)%s, best first: a score of 0.60 or more is a strong match, "
-                "0.45-0.60 a weak one." % (_memories(n), scope))
+        return ("%s from the shared memory (gateway)%s, best first: a score of 0.60 or more is a "
+                "strong match, 0.45-0.60 a weak one." % (_memories(n), scope))
     if not doc.get("index_exists", True):
         head = "There is no local index on this machine yet (`qmem.py import` or `qmem.py pull` makes one)"
     elif n:
@@ -7049,7 +7479,9 @@ def _found_note(doc, results, project, where):
     else:
         head = "No memory matched%s in the local index on this machine" % scope
     if doc["degraded"]:
-        head = "A fallback, as the gateway could not be asked (%s): %s" % (doc["reason"], head[:1].lower() + head[1:])
+        head = "A fallback, as the gateway could not be asked (%s): %s" % (doc["reason"],
+                                                                           head[:1].lower()
+                                                                           + head[1:])
         if doc.get("index_exists", True):
             head += "; memories stored elsewhere since the last `qmem.py pull` may be missing"
     hidden = sum((doc.get("hidden") or {}).values())
@@ -7060,7 +7492,8 @@ def _found_note(doc, results, project, where):
 
 # How a list of local results matched, in a note.
 _MATCHED_BY = {"all": "matching every word", "stemmed": "matching forms of the words",
-               "fuzzy": "matching near spellings of the words", "any": "matching only some of the words",
+               "fuzzy": "matching near spellings of the words",
+               "any": "matching only some of the words",
                "none": "matching nothing"}
 
 
@@ -7074,14 +7507,16 @@ def _wider(project, where):
 def _get_note(doc, record):
     rid = record["id"]
     if doc["source"] == "outbox":
-        note = ("Memory %s was written on this machine and the gateway refused it (%s)" % (rid, record["refused"])
+        note = ("Memory %s was written on this machine and the gateway refused it (%s)"
+                % (rid, record["refused"])
                 if record.get("refused") else
-                "Memory %s was written on this machine and is still queued: not yet visible to other agents" % rid)
+                "Memory %s was written on this machine and is still queued: not yet visible to "
+                "other agents" % rid)
     elif doc["source"] == "gateway":
         note = "Memory %s in full, from the shared memory (gateway)" % rid
     else:
-        note = ("Memory %s from the local index on this machine, a fallback: the gateway could not be asked "
-                "(%s), so it may be out of date" % (rid, doc["reason"]))
+        note = ("Memory %s from the local index on this machine, a fallback: the gateway could not "
+                "be asked (%s), so it may be out of date" % (rid, doc["reason"]))
     if record.get("superseded_by"):
         note += "; it was corrected: %s supersedes it" % record["superseded_by"]
     if record.get("deleted_at"):
@@ -7101,18 +7536,20 @@ def _written(doc, where, corrects=None):
         if corrects:
             note = note[:-1] + "; it supersedes %s." % corrects
     elif status == "duplicate":
-        note = ("Not stored again: the shared memory already holds a near-identical memory, %s; if this %s "
-                "changes what that one says, correct it with qmem_correct and that id." % (rid, what))
+        note = ("Not stored again: the shared memory already holds a near-identical memory, %s; if "
+                "this %s changes what that one says, correct it with qmem_correct and that id."
+                % (rid, what))
     elif status == "failed":
-        note = ("Not stored: the gateway refused this %s (%s); change what it refused and call the tool "
-                "again (the refused copy stays in `qmem.py queue` until it is dropped)." % (what, doc["last_error"]))
+        note = ("Not stored: the gateway refused this %s (%s); change what it refused and call the "
+                "tool again (the refused copy stays in `qmem.py queue` until it is dropped)."
+                % (what, doc["last_error"]))
     else:
         when = ("once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
                 if doc.get("not_configured") else
                 "after a later call that reaches the gateway, or `qmem.py flush`")
-        note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could not take it "
-                "(%s); qmem_find finds it here now, other agents once it is delivered (%s), so do not store it "
-                "again" % (rid, project, doc["reason"], when))
+        note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could "
+                "not take it (%s); qmem_find finds it here now, other agents once it is delivered "
+                "(%s), so do not store it again" % (rid, project, doc["reason"], when))
         if doc.get("next_attempt_at"):
             note += "; the gateway asked to wait: the next attempt is after %s" % when_utc(
                 parse_iso(doc["next_attempt_at"]))
@@ -7177,7 +7614,8 @@ def read_message(stream):
         try:
             json.loads(line.decode("utf-8"))
         except (ValueError, RecursionError):
-            warn("the input ended in the middle of a message (%d bytes): it is not answered" % len(line))
+            warn("the input ended in the middle of a message (%d bytes): it is not answered"
+                 % len(line))
             return None
     return line
 
@@ -7187,7 +7625,8 @@ def encode_message(reply):
     some readers split lines there; ASCII when a text holds a lone surrogate)."""
     try:
         text = json.dumps(reply, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-        return (text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029") + "\n").encode("utf-8")
+        return (text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+                + "\n").encode("utf-8")
     except UnicodeEncodeError:
         return (json.dumps(reply, separators=(",", ":"), allow_nan=False) + "\n").encode("ascii")
 
@@ -7233,7 +7672,8 @@ def _send(wire_out, reply):
         data = encode_message(reply)
     except (TypeError, ValueError):  # a bug: the request still gets an answer
         rid = reply.get("id") if isinstance(reply, dict) else None
-        data = encode_message(rpc_error(rid, RPC_INTERNAL, "Internal error: the answer could not be encoded"))
+        data = encode_message(rpc_error(rid, RPC_INTERNAL,
+                                        "Internal error: the answer could not be encoded"))
     try:
         wire_out.write(data)
         wire_out.flush()
@@ -7288,7 +7728,8 @@ def run_mcp(args):
 
 def cli_search(ops, a):
     marks = HIGHLIGHT if not a.json else ("", "")
-    return ops.search(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope, top_k=a.top_k,
+    return ops.search(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope,
+                      top_k=a.top_k,
                       include_superseded=a.include_superseded, min_score=a.min_score,
                       require_remote=a.require_remote, highlight=marks, private=a.private)
 
@@ -7317,16 +7758,19 @@ def cli_config(ops, a):
         return ops.config_apikey(values[0] if values else _read_key(), on_command_line=bool(values))
     if action == "bundle-key":
         if values:
-            raise UsageError("usage: qmem.py config bundle-key [--new]   (then type or pipe the key)",
+            raise UsageError("usage: qmem.py config bundle-key [--new]   (then type or pipe the "
+                             "key)",
                              hint="a key on the command line would stay in your shell history")
         return ops.config_bundle_key(None if a.new else _read_key("bundle key"), new=a.new)
     if a.new:
         raise UsageError("--new goes with `config bundle-key`")
     wanted = {"show": 0, "test": 0, "url": 1, "set": 2}[action]
     if len(values) != wanted:
-        raise UsageError({"show": "config show takes no arguments", "test": "config test takes no arguments",
+        raise UsageError({"show": "config show takes no arguments",
+                          "test": "config test takes no arguments",
                           "url": "usage: qmem.py config url https://gateway.example:8443",
-                          "set": "usage: qmem.py config set KEY VALUE   (keys: %s)" % ", ".join(CONFIG_KEYS)}[action])
+                          "set": "usage: qmem.py config set KEY VALUE   (keys: %s)"
+                          % ", ".join(CONFIG_KEYS)}[action])
     return getattr(ops, "config_" + action)(*values)
 
 
@@ -7350,7 +7794,8 @@ def config_menu(ops, a):
     while True:
         print("qmem config (%s)\n  1) set gateway URL (now: %s)\n  2) change API key (now: %s)\n"
               "  3) test the connection\n  4) show everything\n  5) cancel" % (
-                  ops.config.path, ops.config["url"] or "not set", mask_secret(ops.config["apiKey"])))
+                  ops.config.path, ops.config["url"] or "not set",
+                  mask_secret(ops.config["apiKey"])))
         try:
             choice = input("choose 1-5: ").strip()
             if choice in ("5", "q", ""):
@@ -7375,12 +7820,14 @@ def config_menu(ops, a):
 
 def _read_text(a):
     """The memory's text from the argument, --text-file, or stdin ('-'), as given."""
-    sources = [s for s in (a.text is not None and a.text != "-", a.text_file is not None, a.text == "-") if s]
+    sources = [s for s in (a.text is not None and a.text != "-", a.text_file is not None,
+                           a.text == "-") if s]
     if len(sources) > 1:
         raise UsageError("give the text once: as an argument, with --text-file, or on stdin with -")
     where = a.text_file if a.text_file is not None else "stdin"
     try:
-        if a.text_file is not None:  # /dev/zero must not fill the memory: read one byte past the most
+        # /dev/zero must not fill the memory: read one byte past the most
+        if a.text_file is not None:
             with open(a.text_file, "rb") as f:
                 return _decoded_text(f.read(MAX_TEXT_BYTES + 1))
         if a.text == "-":
@@ -7391,19 +7838,22 @@ def _read_text(a):
         raise UsageError("cannot read the text from %s: %s" % (where, e.strerror or e))
     except UnicodeDecodeError as e:
         raise UsageError("the text in %s is not valid UTF-8 (byte 0x%02x at offset %d)" % (
-            where, e.object[e.start], e.start), hint="nothing was queued; convert it to UTF-8 first")
+            where, e.object[e.start], e.start),
+                         hint="nothing was queued; convert it to UTF-8 first")
     return a.text or ""
 
 
 def _decoded_text(data):
     if len(data) > MAX_TEXT_BYTES:
-        raise UsageError("the text is longer than %d characters; a memory holds at most that (store a summary)"
+        raise UsageError("the text is longer than %d characters; a memory holds at most that "
+                         "(store a summary)"
                          % MAX_TEXT, hint="nothing was queued")
     return data.decode("utf-8")
 
 
 def _write_options(a):
-    return dict(kind=a.kind, scope=a.scope, agent=a.agent, source=a.source, expires=a.expires, private=a.private,
+    return dict(kind=a.kind, scope=a.scope, agent=a.agent, source=a.source, expires=a.expires,
+                private=a.private,
                 reason=a.reason, queue_only=a.queue_only, allow_secret=a.allow_secret)
 
 
@@ -7431,11 +7881,14 @@ def cli_queue(ops, a):
     if not a.yes:
         plan = ops.drop(a.drop, force=a.force, dry_run=True)
         if not _interactive():
-            raise UsageError("queue --drop asks before discarding", hint="add --yes to discard without asking")
+            raise UsageError("queue --drop asks before discarding",
+                             hint="add --yes to discard without asking")
         for it in plan["dropped"]:
-            sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
+            sys.stderr.write("  %s  %-9s %s\n"
+                             % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
         sys.stderr.write("discard %s and %s? [y/N] " % (
-            plural(len(plan["dropped"]), "write"), "its record" if len(plan["dropped"]) == 1 else "their records"))
+            plural(len(plan["dropped"]), "write"),
+            "its record" if len(plan["dropped"]) == 1 else "their records"))
         sys.stderr.flush()
         if sys.stdin.readline().strip().lower() not in ("y", "yes"):
             raise QmemError("nothing discarded", kind="cancelled")
@@ -7445,7 +7898,8 @@ def cli_queue(ops, a):
 def _confirm(verb, rows, what):
     """Ask on a terminal before acting on these outbox rows; elsewhere --yes is needed."""
     if not _interactive():
-        raise UsageError("queue --%s asks first" % verb, hint="add --yes to %s without asking" % verb)
+        raise UsageError("queue --%s asks first" % verb,
+                         hint="add --yes to %s without asking" % verb)
     for it in rows:  # what is let out is shown whole
         shown = visible(_one_line(it["text"], MAX_TEXT))
         sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], shown))
@@ -7470,7 +7924,8 @@ def cli_export(ops, a):
         return ops.export(a.file, projects=a.project, since=a.since, records_only=a.records_only,
                           outbox_only=a.outbox_only, stream=stream)
     except QmemError as e:
-        if stream is not None and e.kind == "io":  # the reader went away: let the exit not try again
+        # the reader went away: let the exit not try again
+        if stream is not None and e.kind == "io":
             try:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             except OSError:  # pragma: no cover
@@ -7492,7 +7947,8 @@ def cli_flush(ops, a):
 
 
 def cli_enrich(ops, a):
-    return with_progress("enrich", lambda progress: ops.enrich(a.ids, every=a.all, progress=progress))
+    return with_progress("enrich",
+                         lambda progress: ops.enrich(a.ids, every=a.all, progress=progress))
 
 
 def cli_pull(ops, a):
@@ -7514,28 +7970,33 @@ def build_parser():
                         help="print exactly one JSON document on stdout")
     # The same options as the top level's, so that they work after the command too.
     common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
     about = __doc__.split("\nSections")[0]  # the rest of the docstring is for developers
     p = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", default=False, help=argparse.SUPPRESS)
-    p.add_argument("--db", metavar="PATH", help="local database (overrides localDbPath and QMEM_SQLITE)")
+    p.add_argument("--db", metavar="PATH",
+                   help="local database (overrides localDbPath and QMEM_SQLITE)")
     p.add_argument("--debug", action="store_true", help="show tracebacks for expected errors too")
     p.add_argument("--version", action="version", version="qmem.py " + __version__)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
     def command(name, func, about, **kw):
-        sp = sub.add_parser(name, parents=[common], help=about, description=about, allow_abbrev=False, **kw)
+        sp = sub.add_parser(name, parents=[common], help=about, description=about,
+                            allow_abbrev=False, **kw)
         sp.set_defaults(func=func)
         return sp
 
-    sp = command("import", cli_import, "Index pi session files (incremental; unchanged files are not read).")
+    sp = command("import", cli_import,
+                 "Index pi session files (incremental; unchanged files are not read).")
     sp.add_argument("--sessions", metavar="DIR", action="append",
                     help="session folder to import (repeatable; default: pi's own)")
 
     sp = command("find", cli_find, "Search the local index (lexical, offline).")
-    sp.add_argument("query", nargs="*", help="words to look for (all must match; the last may be a prefix)")
+    sp.add_argument("query", nargs="*",
+                    help="words to look for (all must match; the last may be a prefix)")
     add_filters(sp)
     sp.add_argument("--limit", default=10, help="at most this many results (default 10)")
     sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
@@ -7543,106 +8004,133 @@ def build_parser():
     sp.add_argument("--private", action="store_true", help="also show private records")
     sp.add_argument("--include-expired", action="store_true", help="also show expired records")
 
-    command("status", cli_status, "What the local side knows: records, outbox, coverage, lag, database.")
+    command("status", cli_status,
+            "What the local side knows: records, outbox, coverage, lag, database.")
 
     sp = command("search", cli_search, "Semantic search on the gateway; the local index answers "
                  "(labelled) when it cannot.")
     sp.add_argument("query", nargs="*", help="what to look for, in plain words")
     add_filters(sp)
-    sp.add_argument("--top-k", "--limit", dest="top_k", default=8, help="at most this many results (default 8)")
+    sp.add_argument("--top-k", "--limit", dest="top_k", default=8,
+                    help="at most this many results (default 8)")
     sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
     sp.add_argument("--min-score", type=float, help="drop results scoring below this (0-1)")
     sp.add_argument("--private", action="store_true", help="also show private records")
     add_remote(sp)
 
-    sp = command("get", cli_get, "One record in full, from the gateway (refreshing the local copy) or "
-                 "the local index.")
+    sp = command("get", cli_get,
+                 "One record in full, from the gateway (refreshing the local copy) or the local "
+                 "index.")
     sp.add_argument("id", help="the memory id")
     add_remote(sp)
 
-    add_remote(command("meta", cli_meta, "What the memory holds: scope x kind counts, projects, agents, "
-                       "superseded, deleted."))
+    add_remote(command("meta", cli_meta,
+                       "What the memory holds: scope x kind counts, projects, agents, superseded, "
+                       "deleted."))
 
-    sp = command("store", cli_store, "Store a memory in the shared memory; queued in the outbox when the "
-                 "gateway is away.")
+    sp = command("store", cli_store,
+                 "Store a memory in the shared memory; queued in the outbox when the gateway is "
+                 "away.")
     sp.add_argument("text", nargs="?", help="the memory (or - to read it from stdin)")
     sp.add_argument("--project", help="the project it belongs to (required)")
-    sp.add_argument("--supersedes", metavar="ID", help="the memory this one corrects (or use `correct ID`)")
+    sp.add_argument("--supersedes", metavar="ID",
+                    help="the memory this one corrects (or use `correct ID`)")
     add_write_options(sp, "fact", "with --supersedes: why the old memory is corrected")
 
-    sp = command("correct", cli_correct, "Store a correction: a new memory that supersedes ID (marked "
-                 "superseded here at once).")
+    sp = command("correct", cli_correct,
+                 "Store a correction: a new memory that supersedes ID (marked superseded here at "
+                 "once).")
     sp.add_argument("id", help="the memory this one corrects")
     sp.add_argument("text", nargs="?", help="the corrected memory (or - to read it from stdin)")
     sp.add_argument("--project", help="default: the corrected memory's project")
-    add_write_options(sp, "the corrected memory's kind, else fact", "why the old memory is corrected")
+    add_write_options(sp, "the corrected memory's kind, else fact",
+                      "why the old memory is corrected")
 
-    sp = command("queue", cli_queue, "The outbox: writes made here, and whether they reached the shared memory "
-                 "(--drop discards failed or duplicate ones).")
+    sp = command("queue", cli_queue,
+                 "The outbox: writes made here, and whether they reached the shared memory (--drop "
+                 "discards failed or duplicate ones).")
     sp.add_argument("--state", choices=OUTBOX_STATES, help="only rows in this state")
-    sp.add_argument("--drop", nargs="+", metavar="ID", help="discard these failed or duplicate writes and "
+    sp.add_argument("--drop", nargs="+", metavar="ID",
+                    help="discard these failed or duplicate writes and "
                     "their local records")
-    sp.add_argument("--force", action="store_true", help="with --drop: also discard writes still waiting to be sent")
+    sp.add_argument("--force", action="store_true",
+                    help="with --drop: also discard writes still waiting to be sent")
     sp.add_argument("--release", nargs="+", metavar="ID", help="let these held writes (from an "
                     "unverified bundle) be sent")
     sp.add_argument("--yes", action="store_true", help="with --drop or --release: do not ask first")
 
-    sp = command("flush", cli_flush, "Deliver queued writes to the gateway, oldest first, each exactly once.")
+    sp = command("flush", cli_flush,
+                 "Deliver queued writes to the gateway, oldest first, each exactly once.")
     sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
     sp.add_argument("--respect-retry-after", action="store_true",
-                    help="leave rows that wait out a backoff or a Retry-After (default: try them now)")
+                    help="leave rows that wait out a backoff or a Retry-After (default: try them "
+                    "now)")
 
-    sp = command("enrich", cli_enrich, "Fetch full records from the gateway for those known here only partially.")
-    sp.add_argument("ids", nargs="*", metavar="ID", help="these records (default: those known partially)")
+    sp = command("enrich", cli_enrich,
+                 "Fetch full records from the gateway for those known here only partially.")
+    sp.add_argument("ids", nargs="*", metavar="ID",
+                    help="these records (default: those known partially)")
     sp.add_argument("--all", action="store_true", help="every record of the local index")
 
     sp = command("pull", cli_pull, "Copy the shared memory into the local index, incrementally "
                  "(GET /v1/memories:export).")
     sp.add_argument("--full", action="store_true", help="start over from the beginning")
 
-    sp = command("export", cli_export, "Write the local knowledge and the outbox to one file (a bundle) "
-                 "to carry to another host.")
-    sp.add_argument("file", metavar="FILE", help="the bundle to write (- for stdout; the summary then goes "
+    sp = command("export", cli_export,
+                 "Write the local knowledge and the outbox to one file (a bundle) to carry to "
+                 "another host.")
+    sp.add_argument("file", metavar="FILE",
+                    help="the bundle to write (- for stdout; the summary then goes "
                     "to stderr)")
-    sp.add_argument("--project", action="append", metavar="P", help="only this project (repeatable)")
+    sp.add_argument("--project", action="append", metavar="P",
+                    help="only this project (repeatable)")
     sp.add_argument("--since", metavar="DATE", help="only what changed since this date")
     sp.add_argument("--records-only", action="store_true", help="the records, not the outbox")
-    sp.add_argument("--outbox-only", action="store_true", help="the outbox (the writes made here), not the records")
+    sp.add_argument("--outbox-only", action="store_true",
+                    help="the outbox (the writes made here), not the records")
 
-    sp = command("load", cli_load, "Merge a bundle written by `export` on another host (checked whole first).")
+    sp = command("load", cli_load,
+                 "Merge a bundle written by `export` on another host (checked whole first).")
     sp.add_argument("file", metavar="FILE", help="the bundle to read (- for stdin)")
     sp.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
 
-    sp = command("doctor", cli_doctor, "Say what is wrong here and what to do: versions, database, config, "
-                 "the link to the gateway, breaker, outbox.")
+    sp = command("doctor", cli_doctor,
+                 "Say what is wrong here and what to do: versions, database, config, the link to "
+                 "the gateway, breaker, outbox.")
     sp.add_argument("--offline", action="store_true", help="skip the network checks")
     sp.add_argument("--repair", action="store_true", help="first rebuild the local database's "
                     "indexes (REINDEX) and its text index, inside SQLite")
 
-    command("mcp", run_mcp, "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
+    command("mcp", run_mcp,
+            "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
             "qmem_store, qmem_correct, qmem_meta.",
-            epilog="Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s mcp` "
-            "(see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__))
-    command("rules", cli_rules, "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md "
-            "(the MCP server's instructions).")
+            epilog="Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
+            "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__))
+    command("rules", cli_rules,
+            "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the "
+            "MCP server's instructions).")
 
-    sp = command("breaker", cli_breaker, "Show the circuit breaker shared by every qmem process here "
-                 "(--reset closes it).")
+    sp = command("breaker", cli_breaker,
+                 "Show the circuit breaker shared by every qmem process here (--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
 
-    sp = command("config", cli_config, "Show or change the configuration (shared with the pi extension).",
-                 epilog="Actions: show | url URL | apikey (reads stdin or prompts) | bundle-key [--new] "
-                 "(the same) | set KEY VALUE | test. "
+    sp = command("config", cli_config,
+                 "Show or change the configuration (shared with the pi extension).",
+                 epilog="Actions: show | url URL | apikey (reads stdin or prompts) | bundle-key "
+                 "[--new] (the same) | set KEY VALUE | test. "
                  "With none, on a terminal: a menu.")
-    sp.add_argument("action", nargs="?", choices=("show", "url", "apikey", "bundle-key", "set", "test"))
+    sp.add_argument("action", nargs="?",
+                    choices=("show", "url", "apikey", "bundle-key", "set", "test"))
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
-    sp.add_argument("--new", action="store_true", help="with bundle-key: make a new key (printed once)")
+    sp.add_argument("--new", action="store_true",
+                    help="with bundle-key: make a new key (printed once)")
     return p
 
 
 def add_write_options(sp, default_kind, reason):
     sp.add_argument("--text-file", metavar="FILE", help="read the text from this file")
-    sp.add_argument("--kind", choices=KINDS, help="fact | decision | preference | episode (default: %s)"
+    sp.add_argument("--kind", choices=KINDS,
+                    help="fact | decision | preference | episode (default: %s)"
                     % default_kind)
     sp.add_argument("--scope", help="e.g. project, global, agent")
     sp.add_argument("--agent", help="agent_id (default qmem.py)")
@@ -7716,7 +8204,8 @@ def main(argv=None):
     except Exception as e:  # a bug: one line, without the exception's words (they may hold the key)
         if debug:
             raise
-        err = QmemError("internal error (%s): a bug in qmem.py, nothing more is shown" % type(e).__name__,
+        err = QmemError("internal error (%s): a bug in qmem.py, nothing more is shown"
+                        % type(e).__name__,
                         kind="internal", hint="run it again with --debug for the traceback")
         render_error(err, json_mode)
         return err.exit_code
@@ -7735,7 +8224,8 @@ def _config_for(args):
         if args.command not in ("doctor", "rules"):
             raise
         args.config_error = e
-        environ = dict(os.environ, QMEM_CONFIG=os.path.join(os.sep, "nonexistent", "qmem-defaults.json"))
+        environ = dict(os.environ,
+                       QMEM_CONFIG=os.path.join(os.sep, "nonexistent", "qmem-defaults.json"))
         for var in ENV_KEYS.values():
             environ.pop(var, None)
         return load_config(environ=environ)
@@ -7768,7 +8258,8 @@ def _run_writer(db_path):
         warn(str(e))
         return e.exit_code
     except (ValueError, EOFError, TypeError, IndexError):  # marshal: not what an import sends
-        warn("the import writer got input that is not an import's (it is started by `qmem.py import`)")
+        warn("the import writer got input that is not an import's (it is started by `qmem.py "
+             "import`)")
         return EXIT_USAGE
     except sqlite3.Error as e:
         warn("cannot write %s: %s" % (db_path, e))
