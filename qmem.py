@@ -40,7 +40,7 @@ Configuration precedence: defaults < config file < environment < flags.
 
 Sections (grep -n '^# ==='), each using only those above it: Errors, Utilities,
 Config, Circuit breaker, Gateway client, Local store, Import, Local search and
-status, Sync, Bundles, Doctor, Operations, Output, MCP server, Command line.
+status, Sync, Bundles, Doctor, Launcher, Operations, Output, MCP server, Command line.
 """
 import sys
 
@@ -2657,10 +2657,10 @@ _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
 # Credentials agents see and might store: refused as a write unless a person asks
 # (--allow-secret), and masked on every path into the local index (normalize_record).
 # Few and precise: hex ids, UUIDs and shas pass. Python's re spends ~30 µs a text on
-# these, so a gate of plain substring tests (~2 µs) comes first.
+# these, so a gate of plain substring tests (~2 µs) comes first; and they are compiled
+# when a text first needs them (re keeps them), not by every command at its start.
 _SECRET_NAMES = "(?:password|passwd|pwd|secret|token|api[_-]?key|access[_-]?key|client[_-]?secret)"
-_SECRET_KINDS = tuple((what, anchors, re.compile(pattern, flags)) for what, anchors, pattern,
-                      flags in (
+_SECRET_KINDS = (
     # (what, literals one of which it holds, pattern, flags)
     ("a private key block", ("PRIVATE KEY",),
      r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY(?: BLOCK)?-----"
@@ -2690,33 +2690,33 @@ _SECRET_KINDS = tuple((what, anchors, re.compile(pattern, flags)) for what, anch
     ("a password, secret or token assignment", (), r"(?<![a-z])" + _SECRET_NAMES +
      r"[\"']?\s*[:=]\s*(\"(?![$<{%*])[^\"\n]{6,200}\"|'(?![$<{%*])[^'\n]{6,200}'|"
      r"(?![$<{%*]|x{4})(?=[^\s\"',;()\[\]{}<>]*[0-9!@#$%^&*+=~?])[^\s\"',;()\[\]{}<>]{8,})",
-     re.IGNORECASE)))
-_SECRET_NAME_RE = re.compile(_SECRET_NAMES + r"[\"']?\s*[:=]")  # on lower-cased text
+     re.IGNORECASE))
+_SECRET_NAME = _SECRET_NAMES + r"[\"']?\s*[:=]"  # on lower-cased text
 
 
 def _secret_kinds_in(text):
-    """The kinds whose literals the text holds: plain substring tests, ~2 µs a text, decide
-    which patterns run at all (Python's re takes ~30 µs a text over all of them)."""
-    if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "glpat-" in text or "xox"
-        in text
-            or "AIza" in text or "sk-" in text or "SG." in text or "slack" in text or "eyJ" in text
-            or "_" in text
-        and ("gh" in text or "npm_" in text or "hf_" in text or "k_live_" in text)
-            or "@" in text and "://" in text or "Bearer " in text or "Basic " in text):
+    """(what, compiled pattern) of the kinds whose literals the text holds: plain substring
+    tests, ~2 µs a text, decide which patterns run at all (Python's re takes ~30 µs a text
+    over all of them)."""
+    kinds = []
+    if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "glpat-" in text
+            or "xox" in text or "AIza" in text or "sk-" in text or "SG." in text
+            or "slack" in text or "eyJ" in text or "Bearer " in text or "Basic " in text
+            or "_" in text and ("gh" in text or "npm_" in text or "hf_" in text
+                                or "k_live_" in text)
+            or "@" in text and "://" in text):
         kinds = [k for k in _SECRET_KINDS[:-1] if any(a in text for a in k[1])]
-    else:
-        kinds = []
     if "=" in text or ":" in text:
         low = text.lower()
         named = "pass" in low or "pwd" in low or "secret" in low or "token" in low or "key" in low
-        if named and _SECRET_NAME_RE.search(low):
+        if named and re.search(_SECRET_NAME, low):
             kinds.append(_SECRET_KINDS[-1])
-    return kinds
+    return [(what, re.compile(pattern, flags)) for what, _, pattern, flags in kinds]
 
 
 def find_secret(text):
     """(what kind of credential, its character offset) of the first one in text, or None."""
-    for what, _, pattern in _secret_kinds_in(text) if text else ():
+    for what, pattern in _secret_kinds_in(text) if text else ():
         m = pattern.search(text)
         if m:
             return what, m.start()
@@ -2738,7 +2738,7 @@ def secret_in_write(payload):
 
 def mask_secrets(text):
     """text with every credential replaced by a mark (an assignment keeps its name)."""
-    for what, _, pattern in _secret_kinds_in(text) if text else ():
+    for what, pattern in _secret_kinds_in(text) if text else ():
         if pattern.groups:  # only the secret part: the name, the URL, the scheme stay
             text = pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + "[masked]"
                                + m.group(0)[m.end(1) - m.start(0):], text)
@@ -5170,6 +5170,115 @@ def _judge_status(resp, took, config, clock):
     return found
 
 
+# === Launcher ================================================================
+#
+# Python caches the compiled code of imported modules only, never of the script it
+# runs: `python3 qmem.py` compiles the whole file on every command. `qmem.py install`
+# writes a small launcher, `qmem`, that runs this file with its compiled code cached
+# in a folder of the user's (0700), keyed by the file's size and mtime, on every
+# Python from 3.6 (3.6 and 3.7 have no sys.pycache_prefix; one way for all is less).
+# The launcher names the interpreter that installed it, runs it isolated (-I: no
+# folder of the launcher's, no PYTHON* variable on sys.path) and loads qmem.py by
+# its path.
+
+LAUNCHER_MARK = "# qmem launcher, written by `qmem.py install`"
+LAUNCHER = '''#!%(python)s -I
+%(mark)s (`qmem.py install --uninstall` removes it).
+# It runs %(source)s with its compiled code cached in %(cache)s.
+import marshal, os, sys
+SOURCE, CACHE = %(source)r, %(cache)r
+
+
+def compiled():
+    st = os.stat(SOURCE)
+    key = ("%%d %%d\\n" %% (st.st_size, st.st_mtime_ns)).encode()
+    path = os.path.join(CACHE, "qmem.%%s.code" %% sys.implementation.cache_tag)
+    try:
+        os.makedirs(CACHE, 0o700, exist_ok=True)
+        folder = os.stat(CACHE)
+        private = folder.st_uid == os.geteuid() and not folder.st_mode & 0o077
+        if private and os.path.exists(path):
+            with open(path, "rb") as f:
+                if f.readline() == key:
+                    return marshal.loads(f.read())
+    except (OSError, ValueError, EOFError, TypeError):
+        private = False
+    with open(SOURCE, "rb") as f:
+        code = compile(f.read(), SOURCE, "exec")
+    if private:
+        tmp = "%%s.%%d" %% (path, os.getpid())
+        try:
+            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                f.write(key + marshal.dumps(code))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return code
+
+
+try:
+    code = compiled()
+except OSError as e:
+    sys.exit("qmem: cannot read %%s (%%s): run `python3 qmem.py install` where it is now"
+             %% (SOURCE, e.strerror))
+module = type(sys)("qmem")
+module.__file__ = SOURCE
+sys.modules["qmem"] = module
+exec(code, module.__dict__)
+sys.exit(module.main())
+'''
+
+
+def _launcher_is_ours(path):
+    """None when there is no file at path, else whether it is a launcher qmem.py wrote (a
+    link or anything but a regular file is not)."""
+    try:
+        st = os.lstat(path)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        with open(path, "rb") as f:
+            return LAUNCHER_MARK.encode() in f.read(512)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return False
+
+
+def install_launcher(bin_dir=None, uninstall=False, environ=None):
+    """Write (or remove) the launcher DIR/qmem; a file there that qmem.py did not write
+    is left alone."""
+    environ = os.environ if environ is None else environ
+    home = environ.get("HOME") or os.path.expanduser("~")
+    folder = os.path.abspath(os.path.expanduser(bin_dir or os.path.join(home, ".local", "bin")))
+    path, ours = os.path.join(folder, "qmem"), _launcher_is_ours(os.path.join(folder, "qmem"))
+    if ours is False:
+        raise UsageError("%s is not a launcher `qmem.py install` wrote: leaving it alone" % path,
+                         hint="move it aside, or choose another folder with --bin DIR")
+    doc = {"action": "uninstall" if uninstall else "install", "launcher": path}
+    if uninstall:
+        try:
+            if ours:
+                os.unlink(path)
+        except OSError as e:
+            raise QmemError("cannot remove %s: %s" % (path, e.strerror or e), kind="io")
+        return dict(doc, removed=bool(ours))
+    python = sys.executable
+    if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
+        raise UsageError("a launcher needs a POSIX system and an interpreter path without "
+                         "spaces (%s)" % (python or "unknown"), hint="run `python3 qmem.py` instead")
+    cache = environ.get("XDG_CACHE_HOME") or ""
+    cache = os.path.join(cache if os.path.isabs(cache) else os.path.join(home, ".cache"), "qmem")
+    source = os.path.abspath(__file__)
+    text = LAUNCHER % {"python": python, "mark": LAUNCHER_MARK, "source": source, "cache": cache}
+    try:
+        atomic_write(path, text.encode("utf-8"), 0o755)
+    except OSError as e:
+        raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
+    on_path = [p for p in environ.get("PATH", "").split(os.pathsep)
+               if p and os.path.realpath(p) == os.path.realpath(folder)]
+    return dict(doc, source=source, python=python, cache=cache, on_path=bool(on_path))
+
+
 # === Operations ==============================================================
 #
 # What the front ends (the command line; the MCP server) ask for. Each operation
@@ -5352,6 +5461,10 @@ class Operations:
         if not self.has_index():
             return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None)
         return dict(local_status(self.store()), index_exists=True, writes_stuck=self.writes_stuck())
+
+    def install(self, bin_dir=None, uninstall=False):
+        """The launcher (see the Launcher section), written or removed."""
+        return install_launcher(bin_dir, uninstall)
 
     def rules(self):
         """The rules for agents (see AGENT_RULES), as data and as Markdown."""
@@ -6722,13 +6835,25 @@ def show_rules(doc, out):
     out.write(doc["markdown"])
 
 
+def show_install(doc, out):
+    if doc["action"] == "uninstall":
+        out.write("%s %s\n" % ("removed" if doc["removed"] else "no launcher at", doc["launcher"]))
+        return
+    out.write("launcher written: %s\n  it runs %s with %s, its compiled code cached in %s\n"
+              % (doc["launcher"], doc["source"], doc["python"], doc["cache"]))
+    if not doc["on_path"]:
+        folder = os.path.dirname(doc["launcher"])
+        out.write("  %s is not on PATH: add it (PATH=\"%s:$PATH\" in your shell's profile), or "
+                  "run the launcher by its path\n" % (folder, folder))
+
+
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write,
              "correct": show_write,
              "queue": show_queue, "flush": show_flush,
              "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load,
-             "doctor": show_doctor, "rules": show_rules}
+             "doctor": show_doctor, "rules": show_rules, "install": show_install}
 
 
 def render(command, doc, json_mode, out=None, bold=False, width=None):
@@ -7714,6 +7839,10 @@ def cli_rules(ops, a):
     return ops.rules()
 
 
+def cli_install(ops, a):
+    return ops.install(a.bin, uninstall=a.uninstall)
+
+
 def run_mcp(args):
     """`qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
     first message: the configuration and the database at the first tool call."""
@@ -7963,7 +8092,16 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, hint="see `%s --help`" % self.prog)
 
 
-def build_parser():
+class _Unused:
+    """A subparser not built: the command line names another command."""
+
+    def add_argument(self, *args, **kw):
+        pass
+
+
+def build_parser(only=None):
+    """The parser; with only=COMMAND, of that command alone (a quarter of the cost of
+    all of them, paid by every run)."""
     common = argparse.ArgumentParser(add_help=False)
     # SUPPRESS: a --json given before the subcommand must survive the subparser's default.
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
@@ -7983,7 +8121,12 @@ def build_parser():
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
+    built = []
+
     def command(name, func, about, **kw):
+        built.append(name)
+        if only not in (None, name):
+            return _Unused()
         sp = sub.add_parser(name, parents=[common], help=about, description=about,
                             allow_abbrev=False, **kw)
         sp.set_defaults(func=func)
@@ -8110,6 +8253,12 @@ def build_parser():
             "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the "
             "MCP server's instructions).")
 
+    sp = command("install", cli_install,
+                 "Write a launcher, qmem, that runs this file with its compiled code cached "
+                 "(faster: python3 qmem.py compiles the whole file on every command).")
+    sp.add_argument("--bin", metavar="DIR", help="where to write it (default ~/.local/bin)")
+    sp.add_argument("--uninstall", action="store_true", help="remove the launcher written there")
+
     sp = command("breaker", cli_breaker,
                  "Show the circuit breaker shared by every qmem process here (--reset closes it).")
     sp.add_argument("--reset", action="store_true", help="close the breaker now")
@@ -8124,7 +8273,7 @@ def build_parser():
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
     sp.add_argument("--new", action="store_true",
                     help="with bundle-key: make a new key (printed once)")
-    return p
+    return p if only is None or only in built else build_parser()
 
 
 def add_write_options(sp, default_kind, reason):
@@ -8166,7 +8315,7 @@ def main(argv=None):
         if "--version" in argv and json_mode:
             render_json_version()
             return EXIT_OK
-        args = build_parser().parse_args(argv)
+        args = build_parser(_command_word(argv)).parse_args(argv)
         if args.command == "mcp":
             return run_mcp(args)
         if args.command == "export" and args.file == "-":
@@ -8221,7 +8370,7 @@ def _config_for(args):
     try:
         return load_config(overrides={"localDbPath": args.db})
     except ConfigError as e:
-        if args.command not in ("doctor", "rules"):
+        if args.command not in ("doctor", "rules", "install"):
             raise
         args.config_error = e
         environ = dict(os.environ,
@@ -8249,6 +8398,17 @@ def _global_options(argv):
         else:
             kept.append(word)
     return front + kept + argv[end:], "--json" in front, "--debug" in front
+
+
+def _command_word(argv):
+    """The command an argv (after _global_options) names, or None."""
+    words = iter(argv)
+    for word in words:
+        if word == "--db":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
 
 
 def _run_writer(db_path):

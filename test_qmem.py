@@ -5548,6 +5548,68 @@ class SoakTests(McpTestCase):
                 self.assertNotIn(bad, text)
 
 
+class LauncherTests(QmemTestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.bin = os.path.join(self.home, "bin")
+        self.launcher = os.path.join(self.bin, "qmem")
+        self.cache = os.path.join(self.home, ".cache", "qmem")
+
+    def run_launcher(self, *argv):
+        done = subprocess.run([self.launcher] + list(argv), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=dict(os.environ))
+        return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+    def test_install_writes_a_launcher_that_runs_this_file_with_its_code_cached(self):
+        doc = self.ok_json("install", "--bin", self.bin)
+        self.assertEqual((doc["launcher"], doc["source"]), (self.launcher, QMEM))
+        self.assertFalse(doc["on_path"])
+        with open(self.launcher) as f:
+            text = f.read()
+        self.assertTrue(text.startswith("#!%s -I\n" % sys.executable))
+        self.assertEqual(stat.S_IMODE(os.stat(self.launcher).st_mode), 0o755)
+        code, out, err = self.run_launcher("--version")
+        self.assertEqual((code, out.strip(), err), (0, "qmem.py " + qmem.__version__, ""))
+        cached = os.path.join(self.cache, "qmem.%s.code" % sys.implementation.cache_tag)
+        self.assertEqual(stat.S_IMODE(os.stat(self.cache).st_mode), 0o700)
+        self.assertEqual(stat.S_IMODE(os.stat(cached).st_mode), 0o600)
+        # A cache that no longer matches the file is never used: it is compiled again.
+        with open(cached, "r+b") as f:
+            f.write(b"1")  # the size in the key: another file's
+        code, out, _ = self.run_launcher("status", "--json")
+        self.assertEqual(code, 0)
+        self.assertIn("records", json.loads(out))
+        with open(cached, "rb") as f:
+            self.assertEqual(f.readline(), ("%d %d\n" % (os.stat(QMEM).st_size,
+                                                          os.stat(QMEM).st_mtime_ns)).encode())
+
+    def test_the_launcher_says_where_it_is_not_on_path(self):
+        out = self.ok("install", "--bin", self.bin)
+        self.assertIn("%s is not on PATH" % self.bin, out)
+        os.environ["PATH"] = self.bin + os.pathsep + os.environ.get("PATH", "")
+        self.assertTrue(self.ok_json("install", "--bin", self.bin)["on_path"])
+
+    def test_install_and_uninstall_never_touch_a_qmem_they_did_not_write(self):
+        os.makedirs(self.bin)
+        for make in (lambda: open(self.launcher, "w").write("#!/bin/sh\necho mine\n"),
+                     lambda: os.symlink(os.path.join(self.home, "elsewhere"), self.launcher)):
+            make()
+            for argv in (("install",), ("install", "--uninstall")):
+                err = self.expect_fail(2, *(argv + ("--bin", self.bin)))
+                self.assertIn("is not a launcher `qmem.py install` wrote", err)
+            self.assertTrue(os.path.lexists(self.launcher))
+            os.unlink(self.launcher)
+        self.ok("install", "--bin", self.bin)
+        self.assertEqual(self.ok_json("install", "--uninstall", "--bin", self.bin)["removed"], True)
+        self.assertFalse(os.path.lexists(self.launcher))
+        self.assertIn("no launcher at", self.ok("install", "--uninstall", "--bin", self.bin))
+
+    def test_the_default_folder_is_the_users_local_bin(self):
+        doc = self.ok_json("install")
+        self.assertEqual(doc["launcher"], os.path.join(self.home, ".local", "bin", "qmem"))
+
+
 class CompatibilityTests(unittest.TestCase):
 
     def test_source_parses_as_python_3_6(self):
