@@ -1662,6 +1662,27 @@ PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
 # records.origin: where a record's view came from.
 ORIGIN_HERE, ORIGIN_SIGNED, ORIGIN_UNVERIFIED = 0, 1, 2  # here or the gateway; a bundle
 WAITING = (PENDING, SENDING)  # written here, will still be sent
+# Every change of an outbox row, all made by Store.move (the one UPDATE of the outbox):
+# name -> (the states it moves a row from, the state it moves it to, what else it sets).
+_UNCLAIM = "claim_token=NULL, lease_until=NULL, "
+_SETTLE = _UNCLAIM + "done_at=:now, last_status=:status, "
+OUTBOX_MOVES = {
+    "claim": ((PENDING, SENDING), SENDING, "claim_token=:token, lease_until=:now + :lease, "
+              "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, :now)"),
+    "unlease": ((SENDING,), SENDING, "lease_until=0"),  # its claimant is proven dead
+    "release": ((SENDING,), PENDING,  # given back untried (another flush may take it)
+                _UNCLAIM + "attempts=attempts-1, last_error=coalesce(:error, last_error)"),
+    "retry": ((SENDING,), PENDING, _UNCLAIM + "next_attempt_at=:now + :delay, "
+              "last_status=:status, last_error=:error"),
+    "due": ((PENDING,), PENDING, "next_attempt_at=:now"),  # no backoff waited out
+    "unhold": ((HELD,), PENDING, "next_attempt_at=0"),  # the user vouches for it
+    "unfail": ((FAILED,), PENDING, "next_attempt_at=0"),  # flush --retry-failed
+    "synced": ((PENDING, SENDING, FAILED), SYNCED,
+               _SETTLE + "gateway_id=:other, last_error=NULL"),
+    "duplicate": ((PENDING, SENDING, FAILED), DUPLICATE,
+                  _SETTLE + "duplicate_of=:other, last_error=:error"),
+    "failed": ((PENDING, SENDING), FAILED, _SETTLE + "last_error=:error"),
+}
 # records.pending: 0 in shared memory (or seen there), else a write made here that waits
 # in the outbox, or that the gateway refused (its outbox row is failed).
 LOCAL_WAITING, LOCAL_FAILED = 1, 2
@@ -2217,12 +2238,19 @@ class Store:
                            created if 0 < created < 1e11 else time.time(),
                            "refused when loaded here: %s" % reason[:300], time.time()))
 
+    def move(self, name, where, **params):
+        """Move the outbox rows that `where` selects (and that are in a state the move
+        starts from) as OUTBOX_MOVES[name] says; the number moved. Inside a transaction."""
+        froms, to, sets = OUTBOX_MOVES[name]
+        params = dict(dict.fromkeys(("now", "error", "status", "other")), **params)
+        return self.conn.execute("UPDATE outbox SET state='%s', %s WHERE state IN ('%s') AND %s"
+                                 % (to, sets, "', '".join(froms), where), params).rowcount
+
     def release_held(self, local_ids):
         """Held writes -> pending (queue --release): the user vouches for them now."""
         with self.transaction():
             for local_id in local_ids:
-                self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 "
-                                  "WHERE id=? AND state='held'", (local_id,))
+                self.move("unhold", "id=:row", row=local_id)
                 self.conn.execute("UPDATE records SET origin=0 WHERE id=?", (local_id,))
             self.link_supersessions()  # a released correction hides what it corrects
 
@@ -2305,9 +2333,7 @@ class Store:
         """Every waiting write may be sent now (an explicit flush does not wait out a
         backoff or a Retry-After)."""
         with self.transaction():
-            self.conn.execute("UPDATE outbox SET next_attempt_at=? WHERE state='pending' AND "
-                              "next_attempt_at>?",
-                              (now, now))
+            self.move("due", "next_attempt_at > :now", now=now)
 
     def retry_failed(self):
         """Make every failed write pending again (flush --retry-failed): its record waits
@@ -2322,9 +2348,7 @@ class Store:
                     self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND "
                                       "superseded_by IS NULL",
                                       (local_id, self.current_id(target)))
-            self.conn.execute("UPDATE outbox SET state='pending', next_attempt_at=0 "
-                              # 0: never sent
-                              "WHERE state='failed' AND coalesce(last_status, -1) != 0")
+            self.move("unfail", "coalesce(last_status, -1) != 0")  # 0: never to be sent
 
     def bundle_record_count(self, projects, since):
         where, params = _bundle_filter(projects, since)
@@ -2369,24 +2393,16 @@ class Store:
     def refuse_write(self, local_id, reason):
         """Inside a transaction: a write of this machine that another machine sent and the
         gateway refused (a bundle says so): failed here too, with the reason."""
-        self.conn.execute("UPDATE outbox SET state='failed', last_error=?, claim_token=NULL, "
-                          "lease_until=NULL, done_at=? WHERE id=? AND state IN ('pending', "
-                          "'sending')",
-                          (reason, time.time(), local_id))
+        self.move("failed", "id=:row", row=local_id, now=time.time(), error=reason)
         self.mark_failed(local_id)
 
     def settle_write(self, local_id, state, other_id):
         """Inside a transaction: a write of this machine that another machine delivered
         (a bundle says so): it takes the gateway id (or is the duplicate of one)."""
+        self.move(state, "id=:row", row=local_id, now=time.time(), other=other_id)
         if state == SYNCED:
-            self.conn.execute("UPDATE outbox SET state='synced', gateway_id=?, claim_token=NULL, "
-                              "lease_until=NULL, done_at=? WHERE id=?",
-                              (other_id, time.time(), local_id))
             self.adopt(local_id, {"id": other_id})
         else:
-            self.conn.execute("UPDATE outbox SET state='duplicate', duplicate_of=?, "
-                              "claim_token=NULL, lease_until=NULL, done_at=? WHERE id=?",
-                              (other_id, time.time(), local_id))
             self.drop_local(local_id, other_id)
 
     def journal_mode(self):
@@ -3945,34 +3961,27 @@ class Flusher:
         hold them for the rest of its lease. Nothing else ends a lease early."""
         for token in self.store.claim_tokens(now):
             if claimant_is_gone(token):
-                self.store.conn.execute("UPDATE outbox SET lease_until=0 WHERE claim_token=? AND "
-                                        "state='sending'",
-                                        (token,))
+                self.store.move("unlease", "claim_token=:token", token=token)
 
     def claim_new(self, local_id):
         """Inside the transaction that queues a write: claim it for its writer at once, so
         that no other flusher takes it before its writer sends it. Returns the token."""
-        now, token = self.clock(), claim_token()
-        self.store.conn.execute("UPDATE outbox SET state='sending', claim_token=?, lease_until=?, "
-                                "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, ?) "
-                                "WHERE id=? AND state='pending'",
-                                (token, now + self.lease_s, now, local_id))
+        token = claim_token()
+        self.store.move("claim", "id=:row AND state='pending'", row=local_id, token=token,
+                        now=self.clock(), lease=self.lease_s)
         return token
 
     def claim(self, only=None):
         """Take up to `batch` ready rows (committed before any HTTP): pending ones whose
         time has come, and sending ones whose lease has run out."""
         now, token = self.clock(), claim_token()
-        where = "((state='pending' AND next_attempt_at<=:now) OR (state='sending' AND lease_until<:now))"
-        if only is not None:
-            where += " AND id=:only"
-        params = {"t": token, "now": now, "lease": self.lease_s, "n": self.batch, "only": only}
+        ready = ("(state='pending' AND next_attempt_at<=:now OR state='sending' AND "
+                 "lease_until<:now)" + (" AND id=:only" if only is not None else ""))
         with self.store.transaction():
             self._reclaim_dead(now)
-            self.store.conn.execute(
-                "UPDATE outbox SET state='sending', claim_token=:t, lease_until=:now + :lease, "
-                "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, :now) WHERE rid IN ("
-                "SELECT rid FROM outbox WHERE %s ORDER BY rid LIMIT :n)" % where, params)
+            self.store.move("claim", "rid IN (SELECT rid FROM outbox WHERE %s ORDER BY rid "
+                            "LIMIT :n)" % ready, token=token, now=now, lease=self.lease_s,
+                            n=self.batch, only=only)
             rows = self._claimed(token)
         return token, rows
 
@@ -4133,39 +4142,23 @@ class Flusher:
 
     def _record(self, o, token, targets):
         """One outcome, fenced; returns whether it took (the row was still ours)."""
-        conn, now = self.store.conn, self.clock()
-        rid, local_id = o.row[0], o.row[1]
-        fence = " WHERE rid=? AND claim_token=? AND state='sending'"
-        if o.action == RELEASE:
-            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, "
-                                "lease_until=NULL, attempts=attempts-1, last_error=coalesce(?, "
-                                "last_error)" + fence,
-                                (o.error, rid, token)).rowcount
-        if o.action == RETRY:
-            return conn.execute("UPDATE outbox SET state='pending', claim_token=NULL, "
-                                "lease_until=NULL, next_attempt_at=?, last_status=?, last_error=?"
-                                + fence,
-                                (now + o.delay, o.status, o.error, rid, token)).rowcount
+        now, rid, local_id = self.clock(), o.row[0], o.row[1]
+        fence = dict(where="rid=:rid AND claim_token=:token AND state='sending'", rid=rid,
+                     token=token, now=now, status=o.status, error=o.error)
+        if o.action in (RELEASE, RETRY):
+            return self.store.move(o.action, delay=o.delay, **fence)
         if o.action == SYNCED:
-            took = conn.execute("UPDATE outbox SET state='synced', claim_token=NULL, "
-                                "lease_until=NULL, done_at=?, gateway_id=?, last_status=?, "
-                                "last_error=NULL" + fence,
-                                (now, o.record["id"], o.status, rid, token)).rowcount
+            took = self.store.move(SYNCED, other=o.record["id"], **fence)
             if took:  # corrections are the only local references: to this row, or from it
                 self.store.adopt(local_id, o.record,
                                  referenced=local_id in targets or bool(o.row[4]), sent=o.sent)
             return took
         if o.action == DUPLICATE:
-            took = conn.execute("UPDATE outbox SET state='duplicate', claim_token=NULL, "
-                                "lease_until=NULL, done_at=?, duplicate_of=?, last_status=409, "
-                                "last_error=?" + fence,
-                                (now, o.duplicate_of, o.error, rid, token)).rowcount
+            took = self.store.move(DUPLICATE, other=o.duplicate_of, **fence)
             if took:
                 self.store.drop_local(local_id, o.duplicate_of)
             return took
-        took = conn.execute("UPDATE outbox SET state='failed', claim_token=NULL, lease_until=NULL, "
-                            "done_at=?, last_status=?, last_error=?" + fence,
-                            (now, o.status, o.error, rid, token)).rowcount
+        took = self.store.move(FAILED, **fence)
         if took:
             self.store.mark_failed(local_id)
         return took
