@@ -1814,37 +1814,39 @@ def _fold(text):
 
 
 _MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # a row of Store.merge_many, in order
+_INDEXED = ("text", "project_id", "kind")  # the columns of the FTS index
 
 
-def _merge_statement():
-    """upsert()'s merge rule as one INSERT ... ON CONFLICT DO UPDATE (SQLite 3.24+),
-    for bulk loads: no read per record, and executemany() does the looping. The
-    WHERE makes a view that adds nothing change nothing (and count nothing)."""
-    # Named parameters (a value is used several times): ?NNN with a sequence is
-    # deprecated since Python 3.12. Rows are bound as dicts, keyed _MERGE_KEYS.
+def _merge_sql():
+    """The merge rule (design.md), written once, in SQL: never replace known data with
+    missing data; a more complete view wins over a partial one; the mutable fields follow
+    the newest updated_at. Returns the INSERT of a new record, the UPDATE of a known one
+    (which changes nothing, and counts nothing, when the view adds nothing), and both in
+    one UPSERT for bulk loads (SQLite 3.24+: no read per record). Rows are bound as dicts
+    keyed _MERGE_KEYS (named parameters: a value is used several times)."""
     n = {f: ":" + f for f in _MERGE_KEYS}
-    values = ["coalesce(%s, '')" % n[f] if f == "text" else "coalesce(%s, 0)" % n[f] if f
-              == "private"
-              else n[f] for f in _MERGE_KEYS]
-    newer = "({u} IS NOT NULL AND (updated_at IS NULL OR {u} > updated_at))".format(u=n["updated_at"])
+    values = ["coalesce(:text, '')" if f == "text" else "coalesce(:private, 0)"
+              if f == "private" else n[f] for f in _MERGE_KEYS]
+    newer = "(:updated_at IS NOT NULL AND (updated_at IS NULL OR :updated_at > updated_at))"
     sets, conds = [], [newer]
     for f in IMMUTABLE:
         missing = "text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL"
-        cond = "(%s IS NOT NULL AND (%s > view OR %s))" % (n[f], n["view"], missing)
-        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
-        conds.append(cond)
-    sets.append("updated_at = CASE WHEN %s THEN %s ELSE updated_at END" % (newer, n["updated_at"]))
+        conds.append("(%s IS NOT NULL AND (:view > view OR %s))" % (n[f], missing))
+        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, conds[-1], n[f], f))
+    sets.append("updated_at = CASE WHEN %s THEN :updated_at ELSE updated_at END" % newer)
     for f in MUTABLE:
-        cond = "({p} IS NOT NULL AND {p} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
-            p=n[f], f=f, newer=newer)
-        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, cond, n[f], f))
-        conds.append(cond)
-    sets += ["view = max(view, %s)" % n["view"], "seen_at = coalesce(%s, seen_at)" % n["seen_at"]]
-    return "INSERT INTO records(id, view, seen_at, %s) VALUES(%s) ON CONFLICT(id) DO UPDATE SET %s WHERE %s" % (
-        ", ".join(FIELDS), ", ".join(values), ", ".join(sets), " OR ".join(conds))
+        conds.append("({p} IS NOT NULL AND {p} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
+            p=n[f], f=f, newer=newer))
+        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, conds[-1], n[f], f))
+    sets += ["view = max(view, :view)", "seen_at = coalesce(:seen_at, seen_at)"]
+    insert = "INSERT INTO records(id, view, seen_at, %s) VALUES(%s)" % (
+        ", ".join(FIELDS), ", ".join(values))
+    update = "SET %s WHERE (%s)" % (", ".join(sets), " OR ".join(conds))
+    return insert, "UPDATE records %s AND id = :id" % update, "%s ON CONFLICT(id) DO UPDATE %s" % (
+        insert, update)
 
 
-_MERGE_SQL = _merge_statement()
+_INSERT_SQL, _UPDATE_SQL, _MERGE_SQL = _merge_sql()
 
 
 # How long a write waits for another process's transaction before it gives up. Tests
@@ -2003,9 +2005,8 @@ class Store:
                         "SELECT rid, text, project_id, kind FROM records").fetchall():
                     masked = mask_secrets(text)
                     if masked != text:
-                        self._unindex(rid, {"text": text, "project_id": project, "kind": kind})
                         self.conn.execute("UPDATE records SET text=? WHERE rid=?", (masked, rid))
-                        self._index(rid, {"text": masked, "project_id": project, "kind": kind})
+                        self._reindex(rid, (text, project, kind), (masked, project, kind))
                 self.set_meta("secrets_masked", SECRETS_MASKED)
         except StoreError:  # busy or read-only: the next command that can write does it
             pass
@@ -2079,16 +2080,6 @@ class Store:
         row = cur.fetchone()
         return _row_dict(cur, row) if row else None
 
-    # What merging needs of the stored row, without reading (and decoding) every column:
-    # the mutable state, and a bit mask of the immutable fields that are missing.
-    _SELECT_FOR_MERGE = "SELECT rid, view, updated_at, superseded_by, deleted_at, %s FROM records WHERE id=?" % (
-        " | ".join("((%s)<<%d)"
-                   % ("text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL", n)
-                   for n, f in enumerate(IMMUTABLE)))
-    _INSERT = "INSERT INTO records(id, view, seen_at, %s) VALUES(%s)" % (
-        ", ".join(FIELDS), ", ".join("?" * (len(FIELDS) + 3)))
-
-
     @property
     def bulk_sql(self):
         """May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
@@ -2103,75 +2094,39 @@ class Store:
         may have inserted the same records since (a rowcount counts those as nothing)."""
         self.known.update(hash(row[0]) for row in rows)
         before = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
-        changed = self.conn.executemany(_MERGE_SQL, map(_masked_row, rows)).rowcount
+        bound = (_masked(dict(zip(_MERGE_KEYS, row))) for row in rows)
+        changed = self.conn.executemany(_MERGE_SQL, bound).rowcount
         new = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0] - before
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
-        """Merge one view of a record into the index, its credentials masked (mask_secrets:
-        every path into the index comes here, to merge_many or to adopt); return 'new',
-        'updated' or 'same'.
-
-        The merge rule (design.md): never replace known data with missing data; a more
-        complete view wins over a partial one; the mutable fields follow the newest
-        updated_at. `rec` must come from normalize_record()."""
-        rec["text"], rec["supersede_reason"] = mask_secrets(rec["text"]), mask_secrets(rec["supersede_reason"])
-        row = None
+        """Merge one view of a record into the index under the merge rule (_merge_sql),
+        its credentials masked (every path into the index comes here, to merge_many or to
+        adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record()."""
+        bound = _masked(dict(rec, view=view, seen_at=seen_at))
+        old = None
         if self.known is None or hash(rec["id"]) in self.known:
-            row = self.conn.execute(self._SELECT_FOR_MERGE, (rec["id"],)).fetchone()
-        if row is None:
-            if rec["text"] is None:
-                rec["text"] = ""  # never a NULL text: the index needs a string
-            if rec["private"] is None:
-                rec["private"] = 0
+            old = self._indexed("id", rec["id"])
+        if old is None:
             try:
-                cur = self.conn.execute(self._INSERT,
-                                        [rec["id"], view, seen_at] + [rec[f] for f in FIELDS])
+                rid = self.conn.execute(_INSERT_SQL, bound).lastrowid
             except sqlite3.IntegrityError:  # another process inserted it since begin_bulk()
-                row = self.conn.execute(self._SELECT_FOR_MERGE, (rec["id"],)).fetchone()
+                old = self._indexed("id", rec["id"])
             else:
-                self._index(cur.lastrowid, rec)
+                self._index(rid, [bound[f] for f in _INDEXED])
                 if self.known is not None:
                     self.known.add(hash(rec["id"]))
                 return "new"
-        rowid, old_view, old_updated, old_superseded, old_deleted, missing = row
-        upgrade = view > old_view
-        changes = {}
-        for n, f in enumerate(IMMUTABLE):
-            value = rec[f]
-            if value is not None and (upgrade or missing >> n & 1):
-                changes[f] = value
-        updated = rec["updated_at"]
-        newer = updated is not None and (old_updated is None or updated > old_updated)
-        if newer:
-            changes["updated_at"] = updated
-        for f, old in (("superseded_by", old_superseded), ("deleted_at", old_deleted)):
-            value = rec[f]
-            if value is not None and value != old and (old is None or newer):
-                changes[f] = value
-        if not changes:
+        if not self.conn.execute(_UPDATE_SQL, bound).rowcount:
             return "same"
-        if upgrade:
-            changes["view"] = view
-        if seen_at:
-            changes["seen_at"] = seen_at
-        reindex = self.fts and not self.defer_index and (
-            "text" in changes or "project_id" in changes or "kind" in changes)
-        if reindex:
-            old_indexed = self.conn.execute("SELECT text, project_id, kind FROM records WHERE rid=?",
-                                            (rowid,)).fetchone()
-            if old_indexed == (changes.get("text", old_indexed[0]),
-                               changes.get("project_id", old_indexed[1]),
-                               changes.get("kind", old_indexed[2])):
-                reindex = False
-        self.conn.execute("UPDATE records SET %s WHERE rid=?"
-                          % ", ".join(k + "=?" for k in changes),
-                          list(changes.values()) + [rowid])
-        if reindex:
-            self._unindex(rowid, dict(zip(("text", "project_id", "kind"), old_indexed)))
-            self._index(rowid, dict(zip(("text", "project_id", "kind"), self.conn.execute(
-                "SELECT text, project_id, kind FROM records WHERE rid=?", (rowid,)).fetchone())))
+        if self.fts and not self.defer_index:
+            self._reindex(old[0], old[1:], self._indexed("rid", old[0])[1:])
         return "updated"
+
+    def _indexed(self, key, value):
+        """(rid, text, project_id, kind) of the record whose `key` is value, or None."""
+        return self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE %s=?"
+                                 % key, (value,)).fetchone()
 
     def merge_seen(self, records, view):
         """Merge records the gateway returned (one transaction); the malformed are skipped."""
@@ -2206,7 +2161,7 @@ class Store:
         if row is None:
             return False
         self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (record_id,))
-        self._unindex(row[0], {"text": row[1], "project_id": row[2], "kind": row[3]})
+        self._unindex(row[0], row[1:])
         self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
         return True
 
@@ -2497,12 +2452,9 @@ class Store:
         if gid != local_id:
             self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
         # What the index holds for this row is what was sent; re-index only if that changed.
-        if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f
-                               in ("text", "project_id", "kind")):
-            row = conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=?",
-                               (local_id,)).fetchone()
-        else:
-            row = None
+        row = None
+        if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f in _INDEXED):
+            row = self._indexed("id", local_id)
         try:
             # The gateway's view of every field it gave wins: it is the complete record.
             given = [f for f in FIELDS if rec[f] is not None]
@@ -2515,12 +2467,8 @@ class Store:
             self.delete(local_id)
             self.upsert(rec, VIEW_FULL, iso_now())
         else:
-            if row and (rec["text"] or row[1], rec["project_id"] or row[2],
-                        rec["kind"] or row[3]) != row[1:]:
-                self._unindex(row[0], dict(zip(("text", "project_id", "kind"), row[1:])))
-                self._index(row[0], dict(zip(("text", "project_id", "kind"), conn.execute(
-                    "SELECT text, project_id, kind FROM records WHERE rid=?",
-                    (row[0],)).fetchone())))
+            if row:
+                self._reindex(row[0], row[1:], self._indexed("rid", row[0])[1:])
         if referenced and gid != local_id:
             self._remap(local_id, gid)
 
@@ -2535,24 +2483,26 @@ class Store:
         self.conn.execute("UPDATE records SET superseded_by=? WHERE superseded_by=?", (new, old))
 
     def delete(self, record_id):
-        row = self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=?",
-                                (record_id,)).fetchone()
+        row = self._indexed("id", record_id)
         if row:
-            self._unindex(row[0], dict(zip(("text", "project_id", "kind"), row[1:])))
+            self._unindex(row[0], row[1:])
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
-    def _index(self, rid, rec):
-        if self.fts and not self.defer_index:
-            self.conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) VALUES(?, ?, "
-                              "?, ?)",
-                              (rid, rec.get("text") or "", rec.get("project_id"), rec.get("kind")))
-
-    def _unindex(self, rid, old):
-        """Remove a row from the external-content index: FTS5 needs the values it indexed."""
+    def _index(self, rid, values, command=""):
+        """Index a row's (text, project_id, kind); command='delete' removes them (FTS5's
+        external-content index needs the values it indexed)."""
         if self.fts and not self.defer_index:
             self.conn.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
-                              "VALUES('delete', ?, ?, ?, ?)",
-                              (rid, old.get("text") or "", old.get("project_id"), old.get("kind")))
+                              "VALUES(?, ?, ?, ?, ?)",
+                              (command or None, rid, values[0] or "", values[1], values[2]))
+
+    def _unindex(self, rid, values):
+        self._index(rid, values, "delete")
+
+    def _reindex(self, rid, old, new):
+        if tuple(old) != tuple(new):
+            self._unindex(rid, old)
+            self._index(rid, new)
 
     def link_supersessions(self):
         """Mark every record that some other record corrects as superseded by its newest
@@ -2763,14 +2713,11 @@ def mask_secrets(text):
     return text
 
 
-_TEXT_AT = _MERGE_KEYS.index("text")
-
-
-def _masked_row(row):
-    """A row of merge_many as the dict _MERGE_SQL binds, its text masked (in the import's
-    writer child: off the reader's path)."""
-    bound = dict(zip(_MERGE_KEYS, row))
-    bound["text"] = mask_secrets(row[_TEXT_AT])
+def _masked(bound):
+    """A record to merge, its text and reason masked (mask_secrets); in the import's
+    writer child, this is off the reader's path."""
+    bound["text"] = mask_secrets(bound["text"])
+    bound["supersede_reason"] = mask_secrets(bound["supersede_reason"])
     return bound
 
 
