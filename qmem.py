@@ -270,16 +270,17 @@ def make_private_dirs(folder):
 
 
 def atomic_write(path, data, mode=0o600, sync=True):
-    """Write bytes to path through a temporary file and os.replace; readers never see a
-    torn file. The file gets `mode` (0600: it may hold a secret). sync=False skips the
-    fsync, for state that may be lost on power failure (the breaker)."""
+    """Write bytes (or what data(file) writes: a stream) to path through a temporary file
+    and os.replace; readers never see a torn file, an interrupted write leaves none. The
+    file gets `mode` (0600: it may hold a secret). sync=False skips the fsync, for state
+    that may be lost on power failure (the breaker). Returns what data(file) returns."""
     import tempfile
     folder = os.path.dirname(os.path.abspath(path))
     make_private_dirs(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            result = data(f) if callable(data) else f.write(data)
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -294,6 +295,7 @@ def atomic_write(path, data, mode=0o600, sync=True):
         except OSError:
             pass
         raise
+    return result
 
 
 # Control characters that must not reach a terminal raw: C0 but tab and newline, DEL,
@@ -339,6 +341,10 @@ def _warn_once(message):
     if message not in _warned:
         _warned.add(message)
         warn(message)
+
+
+def _fit(text, width):
+    return text if len(text) <= width else text[:max(0, width - 1)] + "…"
 
 
 def plural(n, word):
@@ -580,8 +586,7 @@ def _check_type(key, value, origin, typed=False):
 
 
 _BOOL_WORDS = {"true": True, "false": False, "1": True, "0": False, "yes": True, "no": False,
-               "on": True,
-               "off": False}
+               "on": True, "off": False}
 
 
 MAX_CONFIG_BYTES = 1 << 20
@@ -5746,33 +5751,16 @@ class Operations:
                 "key_id": bundle_key_id(options["key"]) if options["key"] else None}
 
     def _export_file(self, path, options):
-        import tempfile
         if os.path.islink(path):  # in a shared folder it could point at any file of yours
             raise UsageError("%s is a symbolic link: refusing to write through it" % path,
                              hint="name the file itself, or - for standard output")
         if os.path.lexists(path) and not os.path.isfile(path):
             raise UsageError("%s is not a regular file: refusing to replace it" % path,
                              hint="name a regular file, or - for standard output")
-        folder = os.path.dirname(os.path.abspath(path))
         try:
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
+            return atomic_write(path, lambda f: write_bundle(self.store(), f, **options))
         except OSError as e:
             raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                counts = write_bundle(self.store(), f, **options)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if isinstance(e, OSError):
-                raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
-            raise
-        return counts
 
     @utf8_arguments
     def load(self, path, dry_run=False, stream=None):
@@ -6245,7 +6233,7 @@ def _check_id(value, where):
     """A memory id, gateway or local, is a UUID: anything else would be queued only to
     fail at flush."""
     if not UUID_RE.fullmatch(value):
-        raise UsageError("%s %s is not a memory id" % (where, value),
+        raise UsageError("%s %s is not a memory id" % (where, _fit(value, 60)),
                          hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 (see `qmem.py "
                          "find`)")
     return value
@@ -6345,10 +6333,6 @@ class TerminalText:
         except UnicodeEncodeError:  # an ASCII or Latin-1 terminal: what it cannot show becomes '?'
             encoding = getattr(self.out, "encoding", None) or "ascii"
             self.out.write(text.encode(encoding, "replace").decode(encoding))
-
-
-def _fit(text, width):
-    return text if len(text) <= width else text[:max(0, width - 1)] + "…"
 
 
 def _table(rows, width=None, caps=()):
@@ -6960,11 +6944,6 @@ MCP_ALIASES = {"q": "query", "project": "project_id", "type": "kind", "memory_id
                "supersedes_id": "id", "limit": "top_k", "top_k": "limit"}
 
 
-_BOOLEANS = {"true": True, "yes": True, "1": True, "on": True, "false": False, "no": False,
-             "0": False,
-             "off": False}
-
-
 def _mcp_value(name, value, prop):
     """One argument converted to the property's type, or a UsageError saying what it
     must be."""
@@ -6981,8 +6960,8 @@ def _mcp_value(name, value, prop):
         return value
     if kind == "boolean":
         word = str(value).strip().lower() if isinstance(value, (str, int)) else None
-        if isinstance(value, bool) or word in _BOOLEANS:
-            return value if isinstance(value, bool) else _BOOLEANS[word]
+        if isinstance(value, bool) or word in _BOOL_WORDS:
+            return value if isinstance(value, bool) else _BOOL_WORDS[word]
         raise UsageError("%s must be true or false, not %s" % (name, shown))
     if kind == "integer":
         number = _mcp_number(value, r"\s*[+-]?\d{1,9}(\.0*)?\s*")
@@ -7417,7 +7396,7 @@ class McpServer:
         return out
 
     def tool_get(self, ops, a):
-        doc = ops.get(_mcp_id(a["id"]))
+        doc = ops.get(_check_id(a["id"].strip(), "id"))
         record = _memory_out(doc["record"], whole=True)
         out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"],
                "id": record["id"],
@@ -7466,7 +7445,7 @@ class McpServer:
         return _written(doc, where)
 
     def tool_correct(self, ops, a):
-        doc = ops.correct(_mcp_id(a["id"]), a["text"], project=a.get("project_id"),
+        doc = ops.correct(_check_id(a["id"].strip(), "id"), a["text"], project=a.get("project_id"),
                           kind=a.get("kind"),
                           agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
         return _written(doc, doc["project_from"], corrects=a["id"].strip())
@@ -7517,16 +7496,6 @@ def _file_stamp(path):
     except OSError:
         return None
     return st.st_mtime_ns, st.st_size, st.st_ino
-
-
-def _mcp_id(value):
-    value = value.strip()
-    if not UUID_RE.fullmatch(value):
-        raise UsageError("%r is not a memory id" % _fit(value, 60),
-                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 and come from "
-                         "qmem_search or "
-                              "qmem_find results")
-    return value
 
 
 def _found_note(doc, results, project, where):
