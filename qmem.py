@@ -2380,7 +2380,7 @@ class Store:
             found = [m for (m,) in self.conn.execute("PRAGMA integrity_check(20)")
                      if m != "ok" and not (pending and "records_fts" in m)]  # 3.44+ checks FTS5 too
             if self.fts and not pending and not found:
-                self._check_text_index(found)
+                self._verify_text_index(found)
         except sqlite3.DatabaseError as e:
             if "interrupt" in str(e):
                 return "unfinished", []
@@ -2389,7 +2389,7 @@ class Store:
             self.conn.set_progress_handler(None, 0)
         return ("damaged" if found else "ok"), found
 
-    def _check_text_index(self, found):
+    def _verify_text_index(self, found):
         try:  # rank 1: against the records it indexes (external content), not only itself
             self.conn.execute("INSERT INTO records_fts(records_fts, rank) "
                               "VALUES('integrity-check', 1)")
@@ -4810,14 +4810,14 @@ def check(name, status, detail, advice=None):
 def doctor_local(config, config_error=None):
     """The checks that need no network: Python, SQLite, the database, the config, the
     breaker, the outbox and the import lag."""
-    checks = [_check_python(), _check_sqlite()]
+    checks = [_doctor_python(), _doctor_sqlite()]
     checks += _doctor_config(config, config_error)
-    checks += _check_database(config)
-    checks.append(_check_breaker(config))
+    checks += _doctor_database(config)
+    checks.append(_doctor_breaker(config))
     return checks
 
 
-def _check_python():
+def _doctor_python():
     version = "%d.%d.%d" % sys.version_info[:3]
     if sys.version_info < (3, 7):
         return check("python", "warn", "Python %s" % version,
@@ -4826,7 +4826,7 @@ def _check_python():
     return check("python", "ok", "Python %s" % version)
 
 
-def _check_sqlite():
+def _doctor_sqlite():
     tokenizer = fts5_tokenizer()
     detail = "SQLite %s, %s" % (sqlite3.sqlite_version,
                                 "FTS5 " + tokenizer if tokenizer else "no FTS5")
@@ -4880,7 +4880,7 @@ def _doctor_config(config, config_error):
     return found
 
 
-def _check_database(config):
+def _doctor_database(config):
     path = config.db_path
     if not os.path.exists(path) or (os.path.isfile(path) and os.path.getsize(path) == 0):
         return [check("database", "warn", "no local index yet at %s" % path,
@@ -4890,7 +4890,7 @@ def _check_database(config):
     except StoreError as e:
         return [check("database", "fail", e.message, e.hint)]
     try:
-        return _check_open_store(store)
+        return _doctor_open_store(store)
     finally:
         store.close()
 
@@ -4917,7 +4917,7 @@ def repair_database(config):
                  "from the records")
 
 
-def _check_open_store(store):
+def _doctor_open_store(store):
     found = []
     verdict, findings = store.integrity(INTEGRITY_BUDGET_S)
     mode = store.journal_mode()
@@ -4941,12 +4941,12 @@ def _check_open_store(store):
             store.path, SCHEMA_VERSION, mode),
                            None if mode == "wal" else "WAL is not available here: several "
             "processes at once will wait on each other"))
-    found.append(_check_outbox(store))
-    found.append(_check_import_lag(store))
+    found.append(_doctor_outbox(store))
+    found.append(_doctor_import_lag(store))
     return found
 
 
-def _check_outbox(store):
+def _doctor_outbox(store):
     stuck = store.unsettled_before(time.time() - 86400)
     if stuck[0]:
         return check("outbox", "warn",
@@ -4960,7 +4960,7 @@ def _check_outbox(store):
                  "%s waiting" % plural(waiting, "write") if waiting else "nothing waiting")
 
 
-def _check_import_lag(store):
+def _doctor_import_lag(store):
     last = parse_iso(store.meta("last_import_at") or "")
     newest = 0.0
     for root in session_dirs():
@@ -4978,7 +4978,7 @@ def _check_import_lag(store):
     return check("import", "ok", "last import %s" % (store.meta("last_import_at") or "never"))
 
 
-def _check_breaker(config):
+def _doctor_breaker(config):
     if not config["url"]:
         return check("breaker", "ok", "no gateway, no breaker")
     breaker = Breaker.from_config(config)
