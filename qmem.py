@@ -48,6 +48,7 @@ if sys.version_info < (3, 6):  # pragma: no cover - the guard itself
     sys.exit("qmem: Python 3.6 or newer is required")
 
 import argparse
+import collections
 import json
 import operator
 import os
@@ -3350,18 +3351,22 @@ def query_was_cut(query):
     return len(query) > MAX_QUERY_CHARS or len(_words(query)) > len(query_tokens(query))
 
 
+# What a search shows: of a project, kind, scope (None: any), and what it hides unless
+# asked (deleted: True for only tombstones, None for both).
+Filters = collections.namedtuple("Filters", "project kind scope include_superseded deleted "
+                                 "private include_expired")
+Filters.__new__.__defaults__ = (None, None, None, False, False, False, False)
 # Why a matching record is not shown by default, and the flag that shows it.
 HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded",
-                "private": "--private",
-                "expired": "--include-expired"}
+                "private": "--private", "expired": "--include-expired"}
 
 
-def hidden_matches(store, query, project=None, kind=None, scope=None, limit=1000):
+def hidden_matches(store, query, filters, limit=1000):
     """{reason: n} of the records that match but find hides by default (each counted
     once, by its first reason in HIDDEN_FLAGS order), for a search that found nothing."""
-    found = find_local(store, query, project, kind, scope, limit, include_superseded=True,
-                       deleted=None,
-                       private=True, include_expired=True)["results"]
+    everything = filters._replace(include_superseded=True, deleted=None, private=True,
+                                  include_expired=True)
+    found = find_local(store, query, everything, limit)["results"]
     now, counts = iso_now(), dict.fromkeys(HIDDEN_FLAGS, 0)
     for r in found:
         for why, hidden in (("deleted", r["deleted_at"]), ("superseded", r["superseded_by"]),
@@ -3513,9 +3518,7 @@ _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.c
                    "r.expires_at, r.superseded_by, r.deleted_at, r.private, r.pending, r.origin")
 
 
-def find_local(store, query, project=None, kind=None, scope=None, limit=10,
-               include_superseded=False, deleted=False, private=False, include_expired=False,
-               highlight=("", "")):
+def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     """Lexical search of the local index, level by level (search_levels): every word,
     then word forms, then near spellings, then any word; the first level that finds
     something answers. Returns {'match': 'all'|'stemmed'|'fuzzy'|'any'|'none',
@@ -3523,8 +3526,7 @@ def find_local(store, query, project=None, kind=None, scope=None, limit=10,
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
-    where, params = _visibility(project, kind, scope, include_superseded, deleted, private,
-                                include_expired)
+    where, params = _visibility(filters)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
     use_fts = store.fts and not store.meta("fts_pending")
     near = (lambda word: near_spellings(store, word)) if use_fts else None
@@ -3538,20 +3540,19 @@ def find_local(store, query, project=None, kind=None, scope=None, limit=10,
     return {"match": "none", "results": []}
 
 
-def _visibility(project, kind, scope, include_superseded, deleted, private, include_expired):
-    """The WHERE terms (and their parameters) of what find shows by default and the
-    filters asked for."""
+def _visibility(f):
+    """The WHERE terms (and their parameters) of Filters f."""
     where, params = [], []
-    if not include_superseded:
+    if not f.include_superseded:
         where.append("r.superseded_by IS NULL")
-    if deleted is not None:  # True: only tombstones; None: both
-        where.append("r.deleted_at IS NOT NULL" if deleted else "r.deleted_at IS NULL")
-    if not private:
+    if f.deleted is not None:
+        where.append("r.deleted_at IS NOT NULL" if f.deleted else "r.deleted_at IS NULL")
+    if not f.private:
         where.append("r.private = 0")
-    if not include_expired:
+    if not f.include_expired:
         where.append("(r.expires_at IS NULL OR r.expires_at > ?)")
         params.append(iso_now())
-    for column, value in (("project_id", project), ("kind", kind), ("scope", scope)):
+    for column, value in (("project_id", f.project), ("kind", f.kind), ("scope", f.scope)):
         if value is not None:
             where.append("r.%s = ?" % column)
             params.append(value)
@@ -5353,33 +5354,25 @@ class Operations:
 
     # -- local
     @utf8_arguments
-    def find(self, query, project=None, kind=None, scope=None, limit=10, include_superseded=False,
-             deleted=False, private=False, include_expired=False, highlight=("", "")):
+    def find(self, query, filters=Filters(), limit=10, highlight=("", "")):
         """Lexical search of the local index (offline)."""
         query = _check_query(query, "find", "circuit breaker")
         limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
         doc = {"source": "local_sqlite", "degraded": False, "query": query,
                "query_cut": query_was_cut(query)}
-        doc.update(self._find_local(query, project, kind, scope, limit,
-                                    include_superseded=include_superseded,
-                                    deleted=deleted, private=private,
-                                    include_expired=include_expired,
-                                    highlight=highlight))
+        doc.update(self._find_local(query, filters, limit, highlight))
         doc["hidden"] = {}
-        if not doc["results"] and doc["index_exists"] and not (include_superseded or deleted
-                                                               or private
-                                                               or include_expired):
-            doc["hidden"] = hidden_matches(self.store(), query, project, kind, scope)
+        if not doc["results"] and doc["index_exists"] and filters[3:] == Filters()[3:]:
+            doc["hidden"] = hidden_matches(self.store(), query, filters)
         return doc
 
-    def _find_local(self, query, project, kind, scope, limit, **options):
+    def _find_local(self, query, filters, limit, highlight):
         """find_local() for find and for the fallback of search: no index yet is an
         empty answer that says so, not an error."""
         if not self.has_index():
             return {"match": "none", "results": [], "index_exists": False,
                     "db": self.config.db_path}
-        out = find_local(self.store(), query, project=project, kind=kind, scope=scope, limit=limit,
-                         **options)
+        out = find_local(self.store(), query, filters, limit, highlight)
         out.update(index_exists=True, db=self.config.db_path)
         return out
 
@@ -5949,16 +5942,19 @@ class Operations:
 
     # -- the gateway, with the local index as fallback
     @utf8_arguments
-    def search(self, query, project=None, kind=None, scope=None, top_k=8, include_superseded=False,
-               min_score=None, require_remote=False, highlight=("", ""), private=False):
+    def search(self, query, filters=Filters(), top_k=8, min_score=None, require_remote=False,
+               highlight=("", "")):
         """Semantic search on the gateway; the local index answers (labelled) when it cannot.
         Private records only when asked for: the gateway has no such filter, so it is
         asked for more, to still fill top_k."""
         query = _check_query(query, "search", "how do we deploy")
         top_k = _check_int(top_k, "--top-k", 1, 100)
+        private = filters.private
         asked = top_k if private else min(100, 2 * top_k + 8)
-        body = {"query": query, "top_k": asked, "include_superseded": bool(include_superseded)}
-        for key, value in (("kind", kind), ("project_id", project), ("scope", scope),
+        body = {"query": query, "top_k": asked,
+                "include_superseded": bool(filters.include_superseded)}
+        for key, value in (("kind", filters.kind), ("project_id", filters.project),
+                           ("scope", filters.scope),
                            ("min_score", _check_score(min_score))):
             if value is not None:
                 body[key] = value
@@ -5973,9 +5969,7 @@ class Operations:
         except GatewayError as e:
             doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True,
                        query=query)
-            doc.update(self._find_local(query, project, kind, scope, top_k,
-                                        include_superseded=include_superseded,
-                                        highlight=highlight, private=private))
+            doc.update(self._find_local(query, filters, top_k, highlight))
             return doc
         results = [_hit(r) for r in results if isinstance(r, dict)]
         results = [r for r in results if private or r.get("private") is not True][:top_k]
@@ -7361,17 +7355,13 @@ class McpServer:
 
     def tool_search(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
-        doc = ops.search(a["query"], project=project, kind=a.get("kind"), scope=a.get("scope"),
-                         top_k=a.get("top_k", 8),
-                         include_superseded=a.get("include_superseded", False),
-                         min_score=a.get("min_score"), private=a.get("private", False))
+        doc = ops.search(a["query"], _tool_filters(project, a), top_k=a.get("top_k", 8),
+                         min_score=a.get("min_score"))
         return self._found(doc, project, where)
 
     def tool_find(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
-        doc = ops.find(a["query"], project=project, kind=a.get("kind"), scope=a.get("scope"),
-                       limit=a.get("limit", 10),
-                       include_superseded=a.get("include_superseded", False))
+        doc = ops.find(a["query"], _tool_filters(project, a), limit=a.get("limit", 10))
         return self._found(doc, project, where)
 
     def _found(self, doc, project, where):
@@ -7449,6 +7439,11 @@ class McpServer:
                           kind=a.get("kind"),
                           agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
         return _written(doc, doc["project_from"], corrects=a["id"].strip())
+
+
+def _tool_filters(project, a):
+    return Filters(project, a.get("kind"), a.get("scope"), a.get("include_superseded", False),
+                   private=a.get("private", False))
 
 
 # The next step for a failure that does not name one, by its kind.
@@ -7735,9 +7730,13 @@ def _color_ok():
 
 def cli_find(ops, a):
     marks = HIGHLIGHT if not a.json else ("", "")
-    return ops.find(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope, limit=a.limit,
-                    include_superseded=a.include_superseded, deleted=a.deleted, private=a.private,
-                    include_expired=a.include_expired, highlight=marks)
+    return ops.find(" ".join(a.query), _filters(a), limit=a.limit, highlight=marks)
+
+
+def _filters(a):
+    """The Filters of find's and search's options (search has no --deleted)."""
+    return Filters(*(getattr(a, name, default) for name, default
+                     in zip(Filters._fields, Filters())))
 
 
 def cli_status(ops, a):
@@ -7766,10 +7765,8 @@ def run_mcp(args):
 
 def cli_search(ops, a):
     marks = HIGHLIGHT if not a.json else ("", "")
-    return ops.search(" ".join(a.query), project=a.project, kind=a.kind, scope=a.scope,
-                      top_k=a.top_k,
-                      include_superseded=a.include_superseded, min_score=a.min_score,
-                      require_remote=a.require_remote, highlight=marks, private=a.private)
+    return ops.search(" ".join(a.query), _filters(a), top_k=a.top_k, min_score=a.min_score,
+                      require_remote=a.require_remote, highlight=marks)
 
 
 def cli_get(ops, a):
