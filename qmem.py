@@ -4161,45 +4161,41 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
         if not isinstance(items, list) or not (next_cursor is None or isinstance(next_cursor, str)):
             raise GatewayError(AMBIGUOUS, "the gateway's export answer has an unexpected shape",
                                detail="answer of the wrong shape")
-        newest = since
-        with store.transaction():
-            for item in items:
-                rec = normalize_record(item)
-                if rec is None:
-                    continue
-                was = store.conn.execute("SELECT deleted_at FROM records WHERE id=?",
-                                         (rec["id"],)).fetchone()
-                outcome = store.from_gateway(rec, VIEW_FULL, iso_now())
-                if outcome == "new":
-                    stats.new += 1
-                elif outcome == "updated":
-                    stats.updated += 1
-                else:
-                    stats.same += 1
-                if rec["deleted_at"] and (was is None or was[0] is None):
-                    stats.deleted += 1
-                if rec["updated_at"] and (newest is None or rec["updated_at"] > newest):
-                    newest = rec["updated_at"]
-            store.link_supersessions()
-            if next_cursor:
-                store.set_meta("pull_cursor", next_cursor)
-            else:
-                store.conn.execute("DELETE FROM meta WHERE key='pull_cursor'")
-            if newest:
-                store.set_meta("pull_since", newest)
-            if not next_cursor:
-                store.set_meta("last_pull_at", iso_now())
-        stats.pages += 1
+        _merge_page(store, items, next_cursor, since, stats)
         if progress:
             progress.update("%d pages, %d new, %d updated"
                             % (stats.pages, stats.new, stats.updated))
         if not next_cursor or not items:
             return stats
         if next_cursor == cursor:  # an answer that would ask for the same page for ever
-            raise GatewayError(PROTOCOL,
-                               "the gateway's export answered the same cursor twice (%s)" % _shown(
-                next_cursor), hint="the pages so far are kept; this gateway's export is broken, "
-                               "tell its admin")
+            raise GatewayError(PROTOCOL, "the gateway's export answered the same cursor twice "
+                               "(%s)" % _shown(next_cursor), hint="the pages so far are kept; "
+                               "this gateway's export is broken, tell its admin")
+
+
+def _merge_page(store, items, next_cursor, since, stats):
+    """One page of the export and the cursor after it, in one transaction."""
+    newest = since
+    with store.transaction():
+        for rec in filter(None, map(normalize_record, items)):
+            was = store.conn.execute("SELECT deleted_at FROM records WHERE id=?",
+                                     (rec["id"],)).fetchone()
+            outcome = store.from_gateway(rec, VIEW_FULL, iso_now())
+            stats.new += outcome == "new"
+            stats.updated += outcome == "updated"
+            stats.same += outcome == "same"
+            stats.deleted += bool(rec["deleted_at"] and (was is None or was[0] is None))
+            if rec["updated_at"] and (newest is None or rec["updated_at"] > newest):
+                newest = rec["updated_at"]
+        store.link_supersessions()
+        store.conn.execute("DELETE FROM meta WHERE key='pull_cursor'")
+        if next_cursor:
+            store.set_meta("pull_cursor", next_cursor)
+        else:
+            store.set_meta("last_pull_at", iso_now())
+        if newest:
+            store.set_meta("pull_since", newest)
+    stats.pages += 1
 
 
 def enrich(store, gateway, ids, progress=None):
@@ -7165,9 +7161,8 @@ class McpServer:
             return rpc_error(None, RPC_INVALID, "Invalid request: an id is a string or an integer")
         method = msg.get("method")
         if msg.get("jsonrpc") != "2.0" or not isinstance(method, str):
-            return rpc_error(rid, RPC_INVALID,
-                             'Invalid request: it needs "jsonrpc": "2.0" and a method') \
-                if is_request else None
+            bad = 'Invalid request: it needs "jsonrpc": "2.0" and a method'
+            return rpc_error(rid, RPC_INVALID, bad) if is_request else None
         if not is_request:
             # notifications/initialized; notifications/cancelled names a request that was
             # answered before this line was read (one at a time); others mean nothing here.
@@ -7405,8 +7400,9 @@ class McpServer:
         except StoreError as e:
             warn("the local outbox cannot be read: %s" % e.message)
             queued = None
-        where_from = "from the gateway" if doc["source"] == "gateway" else \
-            "from this machine's local index, because the gateway could not be asked (%s)" % doc["reason"]
+        where_from = "from the gateway" if doc["source"] == "gateway" else (
+            "from this machine's local index, because the gateway could not be asked (%s)"
+            % doc["reason"])
         note = "What the memory holds, %s; %s queued on this machine%s." % (
             where_from, "?" if queued is None else plural(queued, "write"),
             "; writes without a project_id go to project %s (from %s)" % (project, where) if project
@@ -7589,8 +7585,8 @@ def _written(doc, where, corrects=None):
                 doc["error"]["message"], doc["error"]["hint"]))
         note += "."
     if corrects and doc.get("kind_from") == "default":
-        note = note[:-1] + "; the corrected memory's kind could not be looked up, so this one is a fact (pass " \
-                           "kind to say otherwise)."
+        note = note[:-1] + ("; the corrected memory's kind could not be looked up, so this one "
+                            "is a fact (pass kind to say otherwise).")
     out = {"status": status, "source": doc["source"], "degraded": doc["degraded"], "id": rid,
            "project_id": project, "project_from": where, "kind": doc["kind"], "note": note}
     if corrects:
