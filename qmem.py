@@ -5677,6 +5677,11 @@ class Operations:
             raise QmemError("not stored (offlineQueue is off, nothing kept): %s"
                             % row["last_error"],
                             kind="not_stored")
+        return self._write_doc(op, payload, row, local_id, repeated, queue_only, error)
+
+    def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
+        """What became of a write (its outbox row), as the document of store and correct."""
+        state = row["state"]
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
                "local_id": local_id, "state": state,
                "id": row["gateway_id"] or row["duplicate_of"] or local_id,
