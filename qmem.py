@@ -6541,31 +6541,41 @@ def show_config(doc, out):
             out.write("  error: %s\n" % doc["error"]["message"])
 
 
+# What became of a write, said once: the command line prints it to a person, the MCP
+# server's note says it to a model, in the same words (each adds what to do next there).
+WRITE_SAID = {
+    SYNCED: "stored as {id} in the shared memory",
+    DUPLICATE: "not stored again: the shared memory already holds a near-identical memory, {id}",
+    FAILED: "not stored: the gateway refused it ({last_error})",
+    PENDING: "not shared yet: queued on this machine as {local_id} ({reason})",
+    "repeated": "the very same write was already waiting here and is not queued twice",
+    "wait": "the gateway asked to wait: the next attempt is after {when}",
+}
+
+
+def write_said(doc, what=None):
+    """WRITE_SAID of a write's document: of its outcome, or of `what`."""
+    state = doc["state"] if doc["state"] in WRITE_SAID else PENDING
+    when = when_utc(parse_iso(doc["next_attempt_at"])) if doc.get("next_attempt_at") else None
+    return WRITE_SAID[what or state].format(
+        when=when, **dict(doc, id=doc["id"] if doc["duplicate_of"] or state != DUPLICATE
+                          else "which the gateway did not say"))
+
+
 def show_write(doc, out):
     state = doc["state"]
-    if state == SYNCED:
-        out.write("%s: %s (in shared memory)\n"
-                  % ("stored" if doc["op"] == "store" else "correction stored",
-                                                  doc["id"]))
-    elif state == DUPLICATE:
-        if doc["duplicate_of"]:
-            out.write("not stored: a near-identical memory already exists: %s\n"
-                      "  to change what it says: qmem.py correct %s \"…\"\n"
-                      % (doc["duplicate_of"], doc["duplicate_of"]))
-        else:
-            out.write("not stored: a near-identical memory already exists (the gateway did not say "
-                      "which)\n")
+    out.write(("correction " if doc["op"] == "correct" and state == SYNCED else "")
+              + write_said(doc) + "\n")
+    if state == DUPLICATE and doc["duplicate_of"]:
+        out.write("  to change what it says: qmem.py correct %s \"…\"\n" % doc["duplicate_of"])
     elif state == FAILED:
-        out.write("not stored: the gateway refused it: %s\n  kept in the outbox as failed (%s): "
-                  "fix it and `qmem.py flush --retry-failed`, or `qmem.py queue --drop %s`\n" % (
-                      doc["last_error"], doc["local_id"], doc["local_id"]))
-    else:
-        out.write("queued: not yet in shared memory; other agents will see it after `flush`\n"
-                  "  local id %s (%s)\n" % (doc["local_id"], doc["reason"]))
-        if doc.get("already_queued"):
-            out.write("  the very same write was already waiting here: it is not queued twice\n")
-        if doc.get("next_attempt_at"):
-            out.write("  next attempt after %s\n" % when_utc(parse_iso(doc["next_attempt_at"])))
+        out.write("  kept in the outbox as failed (%s): fix it and `qmem.py flush --retry-failed`, "
+                  "or `qmem.py queue --drop %s`\n" % (doc["local_id"], doc["local_id"]))
+    elif state not in (SYNCED, DUPLICATE):
+        out.write("  other agents see it once it is delivered (`qmem.py flush`)\n")
+        for what in ("repeated", "wait"):
+            if doc.get({"repeated": "already_queued", "wait": "next_attempt_at"}[what]):
+                out.write("  %s\n" % write_said(doc, what))
         if doc.get("error"):
             out.write("  it waits in the outbox: %s, then `qmem.py flush`\n"
                       % (doc["error"]["hint"] or "fix this"))
@@ -6601,7 +6611,8 @@ def show_queue(doc, out):
         if it["last_error"] and it["state"] in (PENDING, FAILED, DUPLICATE):
             out.write("    last error: %s\n" % _one_line(it["last_error"]))
         if it["next_attempt_at"]:
-            out.write("    next attempt after %s\n" % when_utc(parse_iso(it["next_attempt_at"])))
+            out.write("    the next attempt is after %s\n"
+                      % when_utc(parse_iso(it["next_attempt_at"])))
     shown = set(it["state"] for it in items)
     if DUPLICATE in shown:
         out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct "
@@ -7559,39 +7570,36 @@ def _written(doc, where, corrects=None):
     state, rid, project = doc["state"], doc["id"], doc["project_id"]
     status = {SYNCED: "stored", DUPLICATE: "duplicate", FAILED: "failed"}.get(state, "queued")
     what = ("correction of %s" % corrects) if corrects else "memory"
+    said = write_said(doc)
+    said = said[:1].upper() + said[1:]
     if status == "stored":
-        note = "Stored as %s in the shared memory (project %s, kind %s): %s." % (
-            rid, project, doc["kind"], "every agent can find it now" if not doc["private"] else
+        note = "%s (project %s, kind %s): %s" % (
+            said, project, doc["kind"], "every agent can find it now" if not doc["private"] else
             "private, so searches show it only when asked for private memories")
         if corrects:
-            note = note[:-1] + "; it supersedes %s." % corrects
+            note += "; it supersedes %s" % corrects
     elif status == "duplicate":
-        note = ("Not stored again: the shared memory already holds a near-identical memory, %s; if "
-                "this %s changes what that one says, correct it with qmem_correct and that id."
-                % (rid, what))
+        note = ("%s; if this %s changes what that one says, correct it with qmem_correct and "
+                "that id" % (said, what))
     elif status == "failed":
-        note = ("Not stored: the gateway refused this %s (%s); change what it refused and call the "
-                "tool again (the refused copy stays in `qmem.py queue` until it is dropped)."
-                % (what, doc["last_error"]))
+        note = ("%s; change what it refused and call the tool again (the refused copy stays in "
+                "`qmem.py queue` until it is dropped)" % said)
     else:
         when = ("once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
                 if doc.get("not_configured") else
                 "after a later call that reaches the gateway, or `qmem.py flush`")
-        note = ("Not shared yet: queued on this machine as %s (project %s), as the gateway could "
-                "not take it (%s); qmem_find finds it here now, other agents once it is delivered "
-                "(%s), so do not store it again" % (rid, project, doc["reason"], when))
-        if doc.get("next_attempt_at"):
-            note += "; the gateway asked to wait: the next attempt is after %s" % when_utc(
-                parse_iso(doc["next_attempt_at"]))
-        if doc["already_queued"]:
-            note += "; the very same write was already waiting here and is not queued twice"
+        note = ("%s, project %s; qmem_find finds it here now, other agents once it is delivered "
+                "(%s), so do not store it again" % (said, project, when))
+        for what, key in (("wait", "next_attempt_at"), ("repeated", "already_queued")):
+            if doc.get(key):
+                note += "; " + write_said(doc, what)
         if doc.get("error"):
             note += "; it will not be delivered until this is fixed: %s" % str(QmemError(
                 doc["error"]["message"], doc["error"]["hint"]))
-        note += "."
     if corrects and doc.get("kind_from") == "default":
-        note = note[:-1] + ("; the corrected memory's kind could not be looked up, so this one "
-                            "is a fact (pass kind to say otherwise).")
+        note += ("; the corrected memory's kind could not be looked up, so this one is a fact "
+                 "(pass kind to say otherwise)")
+    note += "."
     out = {"status": status, "source": doc["source"], "degraded": doc["degraded"], "id": rid,
            "project_id": project, "project_from": where, "kind": doc["kind"], "note": note}
     if corrects:

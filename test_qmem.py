@@ -1634,7 +1634,7 @@ class WriteTests(GatewayTestCase):
         found = self.ok_json("find", "nodo")["results"]
         self.assertEqual([(r["id"], r["pending"]) for r in found], [(doc["id"], False)])
         out = self.ok("store", "altro", "--project", "p")
-        self.assertRegex(out, r"^stored: [0-9a-f-]{36} \(in shared memory\)")
+        self.assertRegex(out, r"^stored as [0-9a-f-]{36} in the shared memory")
         self.assertNotIn("queued", out)
 
     def test_text_from_a_file_or_stdin(self):
@@ -1757,7 +1757,8 @@ class WriteTests(GatewayTestCase):
     def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
         self.go_offline()
         out = self.ok("store", "La coda locale è cercabile subito", "--project", "infra")
-        self.assertIn("queued: not yet in shared memory; other agents will see it after `flush`", out)
+        self.assertIn("not shared yet: queued on this machine as", out)
+        self.assertIn("other agents see it once it is delivered (`qmem.py flush`)", out)
         found = self.ok_json("find", "coda locale")["results"]
         self.assertEqual(len(found), 1)
         self.assertTrue(found[0]["pending"])
@@ -1799,7 +1800,7 @@ class WriteTests(GatewayTestCase):
         original = self.gw.add("the same thing")
         self.gw.duplicate_texts["the same thing again"] = original["id"]
         out = self.ok("store", "the same thing again", "--project", "p")
-        self.assertIn("near-identical memory already exists: %s" % original["id"], out)
+        self.assertIn("already holds a near-identical memory, %s" % original["id"], out)
         self.assertIn("qmem.py correct %s" % original["id"], out)
         item = list(self.outbox().values())[0]
         self.assertEqual((item["state"], item["duplicate_of"]), ("duplicate", original["id"]))
@@ -1898,7 +1899,7 @@ class WriteTests(GatewayTestCase):
         code, out, err = self.run_cli("store", "chiave", "--project", "p")
         self.assertEqual(code, 1)
         self.assertIn("API key rejected", err)
-        self.assertTrue(out.startswith("queued: not yet in shared memory"), out)
+        self.assertTrue(out.startswith("not shared yet: queued on this machine"), out)
         self.assertIn("config apikey", out)
         code, out, err = self.run_cli("store", "chiave due", "--project", "p", "--json")
         doc = json.loads(out)
@@ -2760,8 +2761,8 @@ class HardeningNetworkTests(GatewayTestCase):
         out = self.ok("store", "dopo la manutenzione", "--project", "p")
         self.assertIn("the gateway asked to wait 24 h", out)
         when = qmem.when_utc(time.time() + 3600)[:13]  # a stored wait is at most an hour (to the hour here)
-        self.assertIn("next attempt after " + when, out)
-        self.assertIn("next attempt after " + when, self.ok("queue"))
+        self.assertIn("the next attempt is after " + when, out)
+        self.assertIn("the next attempt is after " + when, self.ok("queue"))
 
     def test_a_breaker_field_of_the_wrong_type_is_corrupt_and_said_once(self):
         os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
@@ -4375,7 +4376,7 @@ class ReviewTwoTests(GatewayTestCase):
     def test_a_duplicate_without_an_id_and_an_ascii_terminal(self):
         self.gw.script = [(409, {"detail": "duplicate", "duplicate_of": {"no": "id"}})]
         out = self.ok("store", "doppio", "--project", "p")
-        self.assertIn("the gateway did not say which", out)
+        self.assertIn("which the gateway did not say", out)
         self.assertNotIn("None", out)
         raw = io.BytesIO()
         ascii_out = io.TextIOWrapper(raw, encoding="ascii")
@@ -4961,7 +4962,7 @@ class McpToolTests(McpTestCase):
         self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"]),
                          (False, "queued", "outbox", True))
         self.assertEqual(s["id"], s["local_id"])
-        for words in ("Not shared yet", "queued on this machine", "could not take it (gateway unreachable",
+        for words in ("Not shared yet", "queued on this machine", "(gateway unreachable",
                       "do not store it again"):
             self.assertIn(words, s["note"])
         found = server.call("qmem_find", query="citta staging", project_id="infra")["structuredContent"]
