@@ -7516,7 +7516,7 @@ def _found_note(doc, results, project, where):
         head = "There is no local index on this machine yet (`qmem.py import` or `qmem.py pull` makes one)"
     elif n:
         head = "%s from the local index on this machine%s, %s (words, not meaning: no scores)" % (
-            _memories(n), scope, _MATCHED_BY[doc["match"]])
+            _memories(n), scope, "matched by " + MATCH_LABELS[doc["match"]])
     else:
         head = "No memory matched%s in the local index on this machine" % scope
     if doc["degraded"]:
@@ -7529,13 +7529,6 @@ def _found_note(doc, results, project, where):
     if hidden:
         head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
     return head + ("" if n or not doc.get("index_exists", True) else _wider(project, where)) + "."
-
-
-# How a list of local results matched, in a note.
-_MATCHED_BY = {"all": "matching every word", "stemmed": "matching forms of the words",
-               "fuzzy": "matching near spellings of the words",
-               "any": "matching only some of the words",
-               "none": "matching nothing"}
 
 
 def _wider(project, where):
