@@ -761,7 +761,8 @@ def normalize_url(url):
     return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
 
 
-_HOST_RE = re.compile(r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z|\A[0-9A-Fa-f:.]+\Z")
+_HOST_RE = re.compile(r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z"
+                      r"|\A[0-9A-Fa-f:.]+\Z")
 
 
 def check_url(url):
@@ -910,7 +911,8 @@ class _FileLock:
 
 
 def why_open(state):
-    """'opened at once: could not connect: …' or 'opened after 3 consecutive failures (last: HTTP 503)'."""
+    """'opened at once: could not connect: …' or 'opened after 3 consecutive failures
+    (last: HTTP 503)'."""
     last = state["last_detail"] or state["last_error"] or "unknown error"
     if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
         return "opened at once: %s" % last
@@ -1013,8 +1015,8 @@ class Breaker:
             if default is None or isinstance(default, str):
                 ok = v is None or isinstance(v, str)
             else:
-                ok = isinstance(v, (int, float)) and not isinstance(v,
-                                                                    bool) and 0 <= v <= _BREAKER_NUMBER_MAX
+                ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
+                      and 0 <= v <= _BREAKER_NUMBER_MAX)
             if ok:
                 state[k] = v
             else:
@@ -1139,7 +1141,8 @@ class Breaker:
                          last_detail=detail)
             if kind == AMBIGUOUS and state["state"] == "closed":
                 state["failures"] += 1
-            if kind == UNREACHABLE or state["state"] != "closed" or state["failures"] >= self.trip_after:
+            if (kind == UNREACHABLE or state["state"] != "closed"
+                    or state["failures"] >= self.trip_after):
                 self._open(state, now)
             self._write(state)
         self.probing = False
@@ -1409,8 +1412,9 @@ class Gateway:
                                        resp.status,
                                        hint="set the right one with `qmem.py config apikey`")
                 return resp
-            # Every failed attempt counts, retries too (resilience4j's Retry(CircuitBreaker(call))):
-            # a gateway that stalls every body costs breakerTripAfter requests, not three times that.
+            # Every failed attempt counts, retries too (resilience4j's
+            # Retry(CircuitBreaker(call))): a gateway that stalls every body costs
+            # breakerTripAfter requests, not three times that.
             attempt += 1
             self.breaker.failure(AMBIGUOUS, str(failure), failure.detail)
             delay = failure.retry_in_ms / 1000.0 if failure.retry_in_ms is not None else None
@@ -1708,7 +1712,7 @@ def _m001_initial(conn, fts_tokenizer):
       created_at TEXT, updated_at TEXT, expires_at TEXT,
       supersedes_id TEXT, supersede_reason TEXT, superseded_by TEXT, deleted_at TEXT,
       view INTEGER NOT NULL DEFAULT 0,     -- 0 search hit, 1 call arguments, 2 full record
-      pending INTEGER NOT NULL DEFAULT 0,  -- written here, not in shared memory: 1 waiting, 2 refused
+      pending INTEGER NOT NULL DEFAULT 0,  -- written here, not shared: 1 waiting, 2 refused
       seen_at TEXT                         -- when this machine last saw it
     );
     CREATE INDEX records_supersedes ON records(supersedes_id) WHERE supersedes_id IS NOT NULL;
@@ -2230,7 +2234,7 @@ class Store:
 
     def outbox_counts(self):
         counts = dict.fromkeys(OUTBOX_STATES, 0)
-        counts.update(self.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state").fetchall())
+        counts.update(self.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state"))
         return counts
 
     def outbox_items(self, state, now, ids=None):
@@ -2426,7 +2430,8 @@ class Store:
 
     def outbox_waiting(self):
         """Writes made here that are not in shared memory yet and will be sent."""
-        return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')").fetchone()[0]
+        return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', "
+                                 "'sending')").fetchone()[0]
 
     def outbox_ready(self, now):
         """Writes a flush would send now (not counting those of a claimant since gone)."""
@@ -2527,8 +2532,8 @@ class Store:
               SELECT c.id FROM records c WHERE c.supersedes_id = records.id AND c.pending != 2
                 AND c.origin != 2 ORDER BY c.created_at DESC, c.rid DESC LIMIT 1)
           WHERE superseded_by IS NULL
-            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL AND pending != 2
-                       AND origin != 2)
+            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL
+                       AND pending != 2 AND origin != 2)
         """).rowcount
 
     def mark_failed(self, local_id):
@@ -2617,7 +2622,8 @@ def _row_dict(cur, row):
     if "private" in rec and rec["private"] is not None:
         rec["private"] = bool(rec["private"])
     if "pending" in rec:
-        rec["pending"], rec["failed"] = rec["pending"] == LOCAL_WAITING, rec["pending"] == LOCAL_FAILED
+        local = rec["pending"]
+        rec["pending"], rec["failed"] = local == LOCAL_WAITING, local == LOCAL_FAILED
     return rec
 
 
@@ -2959,7 +2965,8 @@ class Importer:
             if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
                 conn.execute("COMMIT")
             more_to_come = n + 1 < len(todo)
-            if self.bulk is not None and not self.writer_tried and rows >= PARALLEL_MIN_ROWS and more_to_come:
+            if (self.bulk is not None and not self.writer_tried and rows >= PARALLEL_MIN_ROWS
+                    and more_to_come):
                 if conn.in_transaction:
                     conn.execute("COMMIT")  # the child takes over the writing from here
                 self.writer_tried = True  # once: without a child, the writing stays here
@@ -3286,8 +3293,8 @@ def _add_calls(calls, entry):
 def _call_of(block, entry):
     """(name, arguments, timestamp) of a toolCall block, as text the index can keep."""
     ts = entry.get("timestamp")
-    return text_of(str(block["name"])), block.get("arguments"), text_of(ts) if isinstance(ts,
-                                                                                          str) else None
+    return (text_of(str(block["name"])), block.get("arguments"),
+            text_of(ts) if isinstance(ts, str) else None)
 
 
 def _take_call(calls, call_id):
@@ -3415,7 +3422,8 @@ def word_stems(word):
                 stem = word[:-len(suffix)]
                 if suffix == "y" and stem[-1] in "aeiou":  # deploy stays deploy; library -> librar
                     continue
-                if english and len(stem) > MIN_STEM and stem[-1] == stem[-2] and stem[-1] not in "aeiousl":
+                if (english and len(stem) > MIN_STEM and stem[-1] == stem[-2]
+                        and stem[-1] not in "aeiousl"):
                     stem = stem[:-1]
                 if stem != word:
                     found.add(stem)
@@ -3444,11 +3452,12 @@ def one_edit_apart(a, b):
 
 def search_levels(tokens, near=None):
     """The levels find tries, in order (a generator: a level is made only when the one
-    before found nothing), each as (match, alternatives per word, every word or any): 'all' (every word exact, the last a prefix), 'stemmed' (every word in
-    some form), 'fuzzy' (in some form or a near spelling: near(word) gives the index's
-    terms one edit away; None where there is no vocabulary), 'any' (any word in some
-    form). Stop words are left out when other words remain. A level that would ask what
-    the one before asked is left out."""
+    before found nothing), each as (match, alternatives per word, every word or any):
+    'all' (every word exact, the last a prefix), 'stemmed' (every word in some form),
+    'fuzzy' (in some form or a near spelling: near(word) gives the index's terms one edit
+    away; None where there is no vocabulary), 'any' (any word in some form). Stop words
+    are left out when other words remain. A level that would ask what the one before
+    asked is left out."""
     folded = [_fold(t) for t in tokens]
     words = [w for w in folded if w not in STOP_WORDS] or folded
     last = len(words) - 1
@@ -3618,11 +3627,13 @@ def local_status(store):
         return {k if k is not None else "(none)": v for k, v in q(sql)}
 
     r = q("""SELECT count(*), sum(superseded_by IS NOT NULL), sum(deleted_at IS NOT NULL),
-                    sum(private != 0), sum(view = 0), sum(pending = 1), sum(pending = 2) FROM records""").fetchone()
+                    sum(private != 0), sum(view = 0), sum(pending = 1), sum(pending = 2)
+             FROM records""").fetchone()
     total = r[0]
     records = {"total": total, "superseded": r[1] or 0, "deleted": r[2] or 0, "private": r[3] or 0,
                "partial_only": r[4] or 0, "pending": r[5] or 0, "failed": r[6] or 0,
-               "by_kind": counts("SELECT kind, count(*) FROM records GROUP BY kind ORDER BY 2 DESC"),
+               "by_kind": counts("SELECT kind, count(*) FROM records GROUP BY kind "
+                                 "ORDER BY 2 DESC"),
                "by_project": counts("SELECT project_id, count(*) FROM records GROUP BY project_id "
                                     "ORDER BY 2 DESC")}
     outbox = dict.fromkeys(OUTBOX_STATES, 0)
@@ -3683,7 +3694,8 @@ def local_meta(store):
     for scope, kind, n in q("SELECT coalesce(scope, '(none)'), coalesce(kind, '(none)'), count(*) "
                             "FROM records WHERE %s GROUP BY 1, 2 ORDER BY 1, 2" % live):
         scopes.setdefault(scope, {})[kind] = n
-    group = "SELECT coalesce(%s, '(none)'), count(*) FROM records WHERE " + live + " GROUP BY 1 ORDER BY 2 DESC, 1"
+    group = ("SELECT coalesce(%s, '(none)'), count(*) FROM records WHERE " + live
+             + " GROUP BY 1 ORDER BY 2 DESC, 1")
     return {"scopes": scopes, "projects": dict(q(group % "project_id").fetchall()),
             "agents": dict(q(group % "agent_id").fetchall()),
             "superseded": q("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL AND %s"
@@ -3817,8 +3829,8 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
     store.conn.execute("UPDATE records SET pending=? WHERE id=?",
                        (LOCAL_FAILED if state == FAILED else LOCAL_WAITING, local_id))
     if target and state == PENDING:  # not a refused one, nor a held one (nothing vouches for it)
-        store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
-                           (local_id, store.current_id(target)))
+        store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND "
+                           "superseded_by IS NULL", (local_id, store.current_id(target)))
 
 
 # What a flush does with a claimed row, beside the final states.
@@ -3830,7 +3842,8 @@ class Outcome:
 
     def __init__(self, action, row, error=None, status=None, delay=None, record=None, sent=None,
                  duplicate_of=None, held=False):
-        self.action, self.row, self.error, self.status, self.delay = action, row, error, status, delay
+        self.action, self.row, self.error, self.status = action, row, error, status
+        self.delay = delay
         self.record, self.sent, self.duplicate_of, self.held = record, sent, duplicate_of, held
 
 
@@ -4025,12 +4038,11 @@ class Flusher:
                                      idempotency_key=local_id)
         except GatewayError as e:
             if e.kind == AMBIGUOUS:
-                delay = e.retry_in_ms / 1000.0 if e.retry_in_ms else min(3600,
-                                                                         30
-                                                                         * 2 ** min(10,
-                                                                                    self._attempts(rid)))
+                told, delay = "", min(3600, 30 * 2 ** min(10, self._attempts(rid)))
+                if e.retry_in_ms:
+                    delay = e.retry_in_ms / 1000.0
+                    told = "; the gateway asked to wait %s" % duration(delay)
                 delay = min(delay, MAX_STORED_WAIT_S)
-                told = "; the gateway asked to wait %s" % duration(e.retry_in_ms / 1000.0) if e.retry_in_ms else ""
                 return Outcome(RETRY, row, error=str(e) + told, status=e.status, delay=delay)
             stats.stopped = str(e)
             stats.stop_error = e
@@ -4054,8 +4066,9 @@ class Flusher:
                            sent=json.loads(row[3]))
         if resp.status == 409 and data.get("detail") == "duplicate":
             original = data.get("duplicate_of")
-            original = original.strip() if isinstance(original,
-                                                      str) and UUID_RE.fullmatch(original.strip()) else None
+            if not (isinstance(original, str) and UUID_RE.fullmatch(original.strip())):
+                original = None
+            original = original and original.strip()
             self.delivered[local_id] = original
             similarity = data.get("similarity")
             return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
@@ -4078,8 +4091,8 @@ class Flusher:
         savepoint: one that cannot be recorded fails alone, with the reason."""
         conn = self.store.conn
         with self.store.transaction():
-            targets = {t for (t,)
-                       in conn.execute("SELECT DISTINCT target FROM outbox WHERE target IS NOT NULL")}
+            targets = {t for (t,) in conn.execute("SELECT DISTINCT target FROM outbox WHERE "
+                                                  "target IS NOT NULL")}
             for o in done:
                 conn.execute("SAVEPOINT outcome")
                 try:
@@ -5207,7 +5220,8 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
     python = sys.executable
     if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
         raise UsageError("a launcher needs a POSIX system and an interpreter path without "
-                         "spaces (%s)" % (python or "unknown"), hint="run `python3 qmem.py` instead")
+                         "spaces (%s)" % (python or "unknown"),
+                         hint="run `python3 qmem.py` instead")
     cache = environ.get("XDG_CACHE_HOME") or ""
     cache = os.path.join(cache if os.path.isabs(cache) else os.path.join(home, ".cache"), "qmem")
     source = os.path.abspath(__file__)
@@ -5891,7 +5905,8 @@ class Operations:
         elif err is not None and not (stats.synced or stats.duplicate):
             hint = "the writes stay queued; `qmem.py flush` again later"
             if err.kind == BREAKER_OPEN:
-                hint += ", or try the gateway now: `qmem.py breaker --reset` (or `qmem.py config test`)"
+                hint += (", or try the gateway now: `qmem.py breaker --reset` (or `qmem.py "
+                         "config test`)")
             doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message,
                                                    hint=hint)))
         elif stats.failed:
@@ -6012,12 +6027,11 @@ class Operations:
         except GatewayError as e:
             fb = self._fallback(e, require_remote)
             if local is None:
-                raise QmemError("%s is not in the local index, and the gateway cannot be asked (%s)" % (
-                    rid, fb["reason"]), kind="unavailable",
-                    hint=("no gateway is configured here (`qmem.py config url`)" if e.kind
-                          == NOT_CONFIGURED else
-                          "try again once the gateway is back")
-                                + "; `qmem.py find` searches this machine meanwhile")
+                hint = ("no gateway is configured here (`qmem.py config url`)"
+                        if e.kind == NOT_CONFIGURED else "try again once the gateway is back")
+                raise QmemError("%s is not in the local index, and the gateway cannot be asked "
+                                "(%s)" % (rid, fb["reason"]), kind="unavailable",
+                                hint=hint + "; `qmem.py find` searches this machine meanwhile")
             return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
         self._remember([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
@@ -6241,7 +6255,8 @@ def _check_droppable(row, force, now):
                          % (row["local_id"], row["gateway_id"]),
                          hint="to change what it says: qmem.py correct %s \"…\""
                          % row["gateway_id"])
-    if state == SENDING and row["lease_until"] and row["lease_until"] > now and not row["claimant_gone"]:
+    if (state == SENDING and row["lease_until"] and row["lease_until"] > now
+            and not row["claimant_gone"]):
         raise UsageError("%s is being sent right now by another flush" % row["local_id"],
                          hint="try again in a moment")
     if state in WAITING and not force:
@@ -6415,13 +6430,13 @@ def show_search(doc, out):
         show_find(doc, out, header=fallback_header(doc))
         return
     results = doc["results"]
-    out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a guess\n"
-              % (
-        plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
+    out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a "
+              "guess\n" % (plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
     for r in results:
         score = r.get("score")
         score = score if isinstance(score, (int, float)) and not isinstance(score, bool) else None
-        band = "-" if score is None else "strong" if score >= STRONG_SCORE else "weak" if score >= WEAK_SCORE else "guess"
+        band = ("-" if score is None else "strong" if score >= STRONG_SCORE
+                else "weak" if score >= WEAK_SCORE else "guess")
         out.write("%s %-6s  %s  %s  %s  %s%s  %s\n" % (
             "%.2f" % score if score is not None else "  - ", band, r.get("id"),
             r.get("kind") or "-",
@@ -6488,7 +6503,8 @@ def show_breaker(doc, out):
         what = "half-open (one process is probing the gateway%s)" % (
             "; retry in %d s" % ceil_s(doc["retry_in_ms"]) if doc["refusing"] else "")
     elif doc["refusing"]:
-        what = "open: calls fail at once, without network, retry in %d s" % ceil_s(doc["retry_in_ms"])
+        what = ("open: calls fail at once, without network, retry in %d s"
+                % ceil_s(doc["retry_in_ms"]))
     else:
         what = "open period over: the next call probes the gateway"
     out.write("breaker for %s: %s\n" % (doc["url"], what))
@@ -6684,15 +6700,16 @@ def show_load(doc, out):
     if doc["verified"]:
         out.write("  verified: %s\n" % doc["verification"])
         return
-    out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing settled%s\n" % (
-        doc["verification"], ", its writes held" if doc["held"] else ""))
+    out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing "
+              "settled%s\n" % (doc["verification"], ", its writes held" if doc["held"] else ""))
     for h in doc["held"][:50]:
         out.write("  held %s  %s  %s  by %s from %s: %s\n" % (
             h["local_id"], _one_line(h["project_id"], 40), h["kind"], _one_line(h["agent_id"], 40),
             _one_line(h["source"], 60), _one_line(h["text"], 80) + (
                 " (%d characters in all)" % h["text_chars"] if h["text_chars"] > 80 else "")))
     if len(doc["held"]) > 50:
-        out.write("  … and %d more held (`qmem.py queue --state held`)\n" % (len(doc["held"]) - 50))
+        out.write("  … and %d more held (`qmem.py queue --state held`)\n"
+                  % (len(doc["held"]) - 50))
     if doc["held"]:
         out.write("  held writes are never sent: check them, then `qmem.py queue --release ID… "
                   "--yes` (or `queue --drop ID… --yes`)\n")
@@ -6737,8 +6754,8 @@ def show_status(doc, out):
     out.write("  by kind: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
     out.write("  by project: %s\n"
               % (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
-    share = " (%.0f%% complete)" % (100
-                                    * cov["complete_share"]) if cov["complete_share"] is not None else ""
+    share = cov["complete_share"]
+    share = "" if share is None else " (%.0f%% complete)" % (100 * share)
     out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
         cov["complete"], cov["search_hit_only"], share))
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["outbox"].items()))
@@ -6836,7 +6853,8 @@ MAX_MESSAGE = 16 << 20    # bytes in one message (clients allow 10 MiB)
 RESULT_TEXT_CHARS = 1000  # of a memory's text in a list of results; qmem_get gives it whole
 # of one search: a model's context is small (Claude Code caps a result at 25k tokens)
 MCP_MAX_RESULTS = 50
-RPC_PARSE, RPC_INVALID, RPC_NO_METHOD, RPC_PARAMS, RPC_INTERNAL = -32700, -32600, -32601, -32602, -32603
+RPC_PARSE, RPC_INVALID, RPC_NO_METHOD = -32700, -32600, -32601
+RPC_PARAMS, RPC_INTERNAL = -32602, -32603
 ALL_PROJECTS = "*"        # project_id of a search over every project
 RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results, all together
 
@@ -7513,7 +7531,8 @@ def _found_note(doc, results, project, where):
         return ("%s from the shared memory (gateway)%s, best first: a score of 0.60 or more is a "
                 "strong match, 0.45-0.60 a weak one." % (_memories(n), scope))
     if not doc.get("index_exists", True):
-        head = "There is no local index on this machine yet (`qmem.py import` or `qmem.py pull` makes one)"
+        head = ("There is no local index on this machine yet (`qmem.py import` or `qmem.py "
+                "pull` makes one)")
     elif n:
         head = "%s from the local index on this machine%s, %s (words, not meaning: no scores)" % (
             _memories(n), scope, "matched by " + MATCH_LABELS[doc["match"]])
@@ -7533,8 +7552,8 @@ def _found_note(doc, results, project, where):
 
 def _wider(project, where):
     if project and where != "argument":
-        return "; only project %s (from %s) was searched: pass project_id \"*\" to search every project" % (
-            project, where)
+        return ("; only project %s (from %s) was searched: pass project_id \"*\" to search "
+                "every project" % (project, where))
     return "; try other words%s" % (", or project_id \"*\" for every project" if project else "")
 
 
