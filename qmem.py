@@ -3820,9 +3820,8 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
     target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
     store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, "
                        "done_at) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
-                       (local_id, op, payload_text, target, created_at, state,
-                                                          last_error,
-                                                          created_at if state == FAILED else None))
+                       (local_id, op, payload_text, target, created_at, state, last_error,
+                        created_at if state == FAILED else None))
     when = iso_from_epoch(created_at)
     store.upsert(normalize_record(dict(payload, id=local_id, created_at=when, updated_at=when)),
                  VIEW_FULL, when)
@@ -4574,8 +4573,8 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
                 settle += [item] if item is not None else []
                 continue
             rec = normalize_record(item)
-            view = item.get("view") if item.get("view") in (VIEW_HIT, VIEW_ARGS,
-                                                            VIEW_FULL) else VIEW_FULL
+            view = item.get("view")
+            view = view if view in (VIEW_HIT, VIEW_ARGS, VIEW_FULL) else VIEW_FULL
             rec = rec if rec is not None and _bounded(rec) else None
             # a write of that machine: it comes with its outbox row
             if rec is None or item.get("pending"):
@@ -4633,8 +4632,8 @@ class _DryRun(Exception):
 
 def _bounded(rec):
     """Is every field of a bundle's record within what qmem.py itself writes?"""
-    if len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT or len(rec["project_id"]
-                                                                        or "") > MAX_PROJECT:
+    if (len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT
+            or len(rec["project_id"] or "") > MAX_PROJECT):
         return False
     return all(len(rec[f] or "") <= MAX_FIELD for f in ("kind", "scope", "agent_id", "source",
                                                         "supersede_reason", "supersedes_id",
@@ -5002,8 +5001,8 @@ def _doctor_breaker(config):
         return check("breaker", "warn", noticed[0], "`qmem.py breaker --reset` rewrites it")
     if breaker.refuses(state, time.time()):
         return check("breaker", "warn",
-                     "open, retry in %d s: %s" % (ceil_s(breaker.retry_in(state, time.time())),
-                                                                   why_open(state)),
+                     "open, retry in %d s: %s"
+                     % (ceil_s(breaker.retry_in(state, time.time())), why_open(state)),
                      "`qmem.py breaker --reset` (or `qmem.py config test`) tries the gateway now")
     return check("breaker", "ok", state["state"] + (" (%d of %d failures counted)" % (
         state["failures"], config["breakerTripAfter"]) if state["failures"] else ""))
@@ -6687,8 +6686,7 @@ def show_load(doc, out):
     r, o = doc["records"], doc["outbox"]
     out.write("load%s: bundle of %s, written %s\n"
               % (" (dry run, nothing changed)" if doc["dry_run"] else "",
-                                                       doc["machine"] or "?",
-                                                      doc["created_at"] or "?"))
+                 doc["machine"] or "?", doc["created_at"] or "?"))
     out.write("  records: %d new, %d updated, %d unchanged\n"
               % (r["new"], r["updated"], r["unchanged"]))
     out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered "
@@ -7068,9 +7066,7 @@ MCP_TOOLS = (
             "Project and kind default to the corrected memory's. Queued here like qmem_store when "
             "the gateway cannot take it now.",
             {"id": _prop("string", "the id of the memory it corrects"),
-             "text": _prop("string", "the corrected "
-                                                                                        "memory, "
-                                                                                      "whole"),
+             "text": _prop("string", "the corrected memory, whole"),
              "reason": _prop("string", "why the old memory was wrong"), "project_id": _PROJECT,
              "kind": _KIND,
              "agent_id": _prop("string", "who writes it (default: the client's name)")},
@@ -7539,9 +7535,8 @@ def _found_note(doc, results, project, where):
     else:
         head = "No memory matched%s in the local index on this machine" % scope
     if doc["degraded"]:
-        head = "A fallback, as the gateway could not be asked (%s): %s" % (doc["reason"],
-                                                                           head[:1].lower()
-                                                                           + head[1:])
+        head = "A fallback, as the gateway could not be asked (%s): %s" % (
+            doc["reason"], head[:1].lower() + head[1:])
         if doc.get("index_exists", True):
             head += "; memories stored elsewhere since the last `qmem.py pull` may be missing"
     hidden = sum((doc.get("hidden") or {}).values())
