@@ -2966,7 +2966,7 @@ class Importer:
                 conn.execute("COMMIT")
             more_to_come = n + 1 < len(todo)
             if (self.bulk is not None and not self.writer_tried and rows >= PARALLEL_MIN_ROWS
-                    and more_to_come):
+                    and more_to_come and _cores() > 1):
                 if conn.in_transaction:
                     conn.execute("COMMIT")  # the child takes over the writing from here
                 self.writer_tried = True  # once: without a child, the writing stays here
@@ -3175,9 +3175,12 @@ def _apply_file(store, job, stats):
 
 
 # A large cold import hands its writing to a child process once it has merged this
-# many rows: SQLite's half of the work then runs on a second core while this one
-# parses (records-100000: 5.5 s -> ~4 s). A tree of few records never pays for the
-# child's start. A thread does not help: it fights the parser for the GIL (measured).
+# many rows, where it may run on a second core: SQLite's half of the work then runs
+# beside the parsing. Measured on bench.py's records tree (about 100,000 memory calls),
+# the import into an empty index, median of 3 (2026-12-02): on two cores 6.39 s
+# without the child, 4.40 s with it; on one core 6.38 s without, 7.07 s with (so it
+# is started only where the process may use two). A tree of few records never pays
+# for the child's start; a thread does not help: it fights the parser for the GIL.
 PARALLEL_MIN_ROWS = 10000
 _WRITER_COMMAND = "_import-writer"  # the child's hidden command line: qmem.py _import-writer DB
 
@@ -3237,6 +3240,14 @@ class _WriterProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
+
+
+def _cores():
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _child_environment():
