@@ -3,6 +3,23 @@
 Standard library only, offline, loopback only. Every test runs with a fresh
 temporary HOME (and QMEM_* variables pointing into it), so nothing touches the
 real one. Classes follow the layers of qmem.py.
+
+How the suite is organised. First the helpers: QmemTestCase (a fresh HOME, the CLI
+run in this process), pi's session files (Session), the fake gateway on loopback
+(FakeGateway) and GatewayTestCase, which configures it. Then one block of classes
+per section of qmem.py, in the file's order, each under the section's banner:
+Errors, Utilities, Config, Circuit breaker, Gateway client, Local store, Import,
+Local search and status, Sync (outbox, flush, pull, enrich), Bundles, Doctor,
+Operations, Output, MCP server, Command line. A test is in the class of the layer
+whose behaviour it asserts, whichever command it goes through (a CLI message about
+the breaker is a breaker test). A class is named for its layer (ConfigTests,
+FlushTests, ...), with a word more when a layer has several (ConfigGatewayTests,
+OperationsWriteTests, McpProcessTests, ...). Last, SoakTests (every layer at once,
+real processes) and SourceTests (the files themselves).
+
+Most tests call qmem in this process. Those about processes (concurrency, signals,
+pipes, a crash) start real ones; the MCP server's are McpProcessTests and
+SoakTests, the other MCP tests drive McpServer in this process (McpInProcess).
 """
 import contextlib
 import io
@@ -26,6 +43,40 @@ UUIDS = ["%08x-0000-4000-8000-%012x" % (n, n) for n in range(1, 200)]
 TODAY = time.strftime("%Y-%m-%d", time.gmtime())  # the fake gateway's records are of today
 
 
+def qmem_command():
+    """The command that starts a `python3 qmem.py` process, for the tests of processes: the
+    code of qmem.py, compiled once for the whole run, run as __main__ with the argv,
+    __file__ and sys.path[0] a script has. A script is compiled again at every start
+    (80 ms of qmem.py's, in each of the suite's ~60 children); test_runs_as_a_script_...
+    starts the script itself."""
+    if not _COMPILED:
+        import marshal
+        folder = tempfile.mkdtemp(prefix="qmem-test-code-")
+        path = os.path.join(folder, "qmem.code")
+        with open(QMEM, "rb") as f:
+            code = compile(f.read(), QMEM, "exec", dont_inherit=True)
+        with open(path, "wb") as f:
+            marshal.dump(code, f)
+        _COMPILED.append(path)
+    return [sys.executable, "-c", _AS_SCRIPT, _COMPILED[0]]
+
+
+_COMPILED = []
+_AS_SCRIPT = ("import marshal, sys\n"
+              "with open(sys.argv[1], 'rb') as f:\n"
+              "    code = marshal.load(f)\n"
+              "sys.argv[:2], sys.path[0] = [%r], %r\n"
+              "import __main__\n"
+              "__main__.__file__ = sys.argv[0]\n"
+              "exec(code, __main__.__dict__)\n" % (QMEM, HERE))
+
+
+def tearDownModule():
+    import shutil
+    for path in _COMPILED:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
 class QmemTestCase(unittest.TestCase):
     """A fresh HOME per test, and a harness that runs the CLI in-process."""
 
@@ -33,15 +84,21 @@ class QmemTestCase(unittest.TestCase):
         tmp = tempfile.TemporaryDirectory()
         self.addCleanup(tmp.cleanup)
         self.home = tmp.name
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("QMEM_", "PI_CODING_AGENT"))}
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("QMEM_", "PI_CODING_AGENT"))}
         env.update(HOME=self.home, NO_PROXY="*", no_proxy="*")
         patcher = mock.patch.dict(os.environ, env, clear=True)
         patcher.start()
         self.addCleanup(patcher.stop)
         self.db = os.path.join(self.home, ".local", "share", "pi-qmem", "qmem.sqlite")
         self.sessions = os.path.join(self.home, ".pi", "agent", "sessions")
+        # What one process remembers (warnings said once, flush errors, a breaker that could
+        # not be written) starts empty, as in a fresh qmem.py process.
+        for state in (qmem._warned, qmem._FLUSH_ERRORS, qmem._BREAKER_IN_MEMORY):
+            state.clear()
 
     def run_cli(self, *argv):
+        """qmem.main(argv) in this process: exit code, stdout, stderr."""
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             try:
@@ -77,12 +134,40 @@ class QmemTestCase(unittest.TestCase):
 
     def put_record(self, rid, text, **extra):
         """A complete record straight into the local index."""
+        self.put_records([(rid, text)], **extra)
+
+    def put_records(self, pairs, **extra):
+        """Complete records, (id, text) each, straight into the local index at once."""
         store = qmem.Store(self.db)
         try:
             with store.transaction():
-                store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
+                for rid, text in pairs:
+                    store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
         finally:
             store.close()
+
+    def child(self, argv, **popen):
+        """A child process that, when the test ends, is killed if it still runs, waited for,
+        and has its pipes closed."""
+        proc = subprocess.Popen(argv, **popen)
+
+        def end():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+        self.addCleanup(end)
+        return proc
+
+    def need_other_uid(self):
+        """The cases of another user's files need root (to chown); without it they say so
+        and are skipped."""
+        uid = other_uid()
+        if uid is None:
+            self.skipTest("needs root to make files of another uid (run as root, as CI does)")
+        return uid
 
 
 def read_bytes(path):
@@ -121,7 +206,8 @@ class Session:
 
     def entry(self, message, parent="leaf"):
         self.n += 1
-        line = {"type": "message", "timestamp": "2026-11-30T09:%02d:%02d.000Z" % (20 + self.n // 60, self.n % 60),
+        line = {"type": "message",
+                "timestamp": "2026-11-30T09:%02d:%02d.000Z" % (20 + self.n // 60, self.n % 60),
                 "message": message}
         if self.version > 1:
             line["id"] = "%08x" % (0xabc00000 + self.n)
@@ -149,7 +235,8 @@ class Session:
         args = {k: rec[k] for k in ("text", "kind", "project_id")}
         cid = self.call("qmem_store", args)
         if shape == "record":
-            self.result(cid, "qmem_store", "Stored memory %s" % rec["id"], {"id": rec["id"], "record": rec})
+            self.result(cid, "qmem_store", "Stored memory %s" % rec["id"],
+                        {"id": rec["id"], "record": rec})
         elif shape == "id":
             self.result(cid, "qmem_store", "Stored memory %s" % rec["id"], {"id": rec["id"]})
         elif shape == "json":
@@ -165,670 +252,6 @@ class Session:
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(data)
         return self.path
-
-
-class ConfigTests(QmemTestCase):
-
-    def test_missing_config_file_gives_defaults(self):
-        cfg = qmem.load_config()
-        self.assertEqual(cfg["connectTimeoutMs"], 15000)
-        self.assertEqual(cfg.sources["url"], "default")
-        self.assertEqual(cfg.db_path, self.db)
-
-    def test_precedence_defaults_file_env_flags(self):
-        path = os.path.join(self.home, ".config", "pi-qmem", "config.json")
-        os.makedirs(os.path.dirname(path))
-        with open(path, "w") as f:
-            json.dump({"url": "https://file.example", "timeoutMs": 1234, "unknownKey": 1,
-                       "localDbPath": "/from/file.sqlite"}, f)
-        with mock.patch.dict(os.environ, {"QMEM_URL": "https://env.example", "QMEM_SQLITE": "/from/env.sqlite"}):
-            cfg = qmem.load_config(overrides={"localDbPath": "/from/flag.sqlite"})
-        self.assertEqual(cfg["url"], "https://env.example")
-        self.assertEqual(cfg.sources["url"], "env QMEM_URL")
-        self.assertEqual(cfg["timeoutMs"], 1234)
-        self.assertEqual(cfg.sources["timeoutMs"], "file")
-        self.assertEqual(cfg.db_path, "/from/flag.sqlite")
-
-    def test_invalid_config_is_a_usage_error_naming_the_file(self):
-        path = os.path.join(self.home, "bad.json")
-        with open(path, "w") as f:
-            f.write("{not json")
-        os.environ["QMEM_CONFIG"] = path
-        err = self.expect_fail(2, "status")
-        self.assertIn(path, err)
-        self.assertIn("not valid JSON", err)
-
-    def test_wrong_type_in_config_is_named(self):
-        path = os.path.join(self.home, "bad.json")
-        with open(path, "w") as f:
-            json.dump({"timeoutMs": "soon"}, f)
-        os.environ["QMEM_CONFIG"] = path
-        self.assertIn("timeoutMs", self.expect_fail(2, "status"))
-
-    def test_secret_is_masked(self):
-        self.assertEqual(qmem.mask_secret("sk-live-0123456789abcd"), "sk-…abcd")
-        self.assertNotIn("0123", qmem.mask_secret("sk-live-0123456789abcd"))
-
-    def test_session_dirs_follow_pi(self):
-        self.assertEqual(qmem.session_dirs(), [self.sessions])
-        os.environ["PI_CODING_AGENT_DIR"] = "/agent"
-        self.assertEqual(qmem.session_dirs(), ["/agent/sessions"])
-        os.environ["PI_CODING_AGENT_SESSION_DIR"] = "/custom"
-        self.assertEqual(qmem.session_dirs(), ["/custom"])
-
-
-class StoreTests(QmemTestCase):
-
-    def test_created_with_parents_wal_and_schema_version(self):
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        self.assertTrue(os.path.isfile(self.db))
-        self.assertEqual(store.conn.execute("PRAGMA journal_mode").fetchone()[0], "wal")
-        self.assertEqual(store.conn.execute("PRAGMA user_version").fetchone()[0], qmem.SCHEMA_VERSION)
-
-    def test_newer_schema_is_refused_and_left_untouched(self):
-        os.makedirs(os.path.dirname(self.db))
-        conn = sqlite3.connect(self.db)
-        conn.execute("PRAGMA user_version=99")
-        conn.close()
-        before = read_bytes(self.db)
-        err = self.expect_fail(1, "find", "x")
-        self.assertIn("newer qmem.py", err)
-        self.assertEqual(read_bytes(self.db), before)
-
-    def test_a_file_that_is_not_sqlite_is_refused_and_left_untouched(self):
-        os.makedirs(os.path.dirname(self.db))
-        with open(self.db, "wb") as f:
-            f.write(b"these are my notes, not a database\n" * 10)
-        before = read_bytes(self.db)
-        err = self.expect_fail(1, "status")
-        self.assertIn("not a SQLite database", err)
-        self.assertEqual(read_bytes(self.db), before)
-        with open(self.db, "wb") as f:
-            f.write(b"notes")  # shorter than a header: SQLite still reads it, and refuses it
-        err = self.expect_fail(1, "store", "--queue-only", "--project", "p", "--kind", "fact", "x")
-        self.assertIn("not a SQLite database", err)
-        self.assertEqual(read_bytes(self.db), b"notes")
-        self.assertFalse(os.path.exists(self.db + "-wal") or os.path.exists(self.db + "-shm"))
-
-    def test_a_second_store_in_one_process_keeps_the_first_ones_locks(self):
-        """Part 10: a process with two connections (the MCP server and its background
-        flush) while other processes come and go. Opening and closing the file outside
-        SQLite dropped the process's locks: the next process to close deleted the WAL
-        under the live connection, and a write it was told was queued was lost."""
-        child = ("import os, sys; sys.path.insert(0, %r); import qmem\n"
-                 "first = qmem.Store(sys.argv[1])\n"
-                 "qmem.enqueue(first, 'store', {'text': 'w1'})\n"
-                 "second = qmem.Store(sys.argv[1])\n"
-                 "print('open', flush=True); sys.stdin.readline()\n"
-                 "qmem.enqueue(first, 'store', {'text': 'w2'})\n"
-                 "print('queued', flush=True); sys.stdin.readline()\n" % HERE)
-        write = ("store", "--queue-only", "--project", "p", "--kind", "fact")
-        self.ok(*write + ("w0",))
-        proc = subprocess.Popen([sys.executable, "-c", child, self.db], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, universal_newlines=True)
-        self.addCleanup(proc.wait)
-        self.addCleanup(proc.kill)
-        self.assertEqual(proc.stdout.readline(), "open\n")
-        self.ok(*write + ("w3",))  # this process comes and goes while the other is open
-        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under a connection")
-        proc.stdin.write("\n")
-        proc.stdin.flush()
-        self.assertEqual(proc.stdout.readline(), "queued\n")
-        self.ok(*write + ("w4",))
-        proc.kill()  # told "queued": it must be on disk without a clean close
-        proc.wait()
-        conn = sqlite3.connect(self.db)
-        self.addCleanup(conn.close)
-        texts = sorted(json.loads(p)["text"] for (p,) in conn.execute("SELECT payload FROM outbox"))
-        self.assertEqual(texts, ["w0", "w1", "w2", "w3", "w4"])
-        self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
-
-    def test_merge_never_replaces_known_data_with_missing_data(self):
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        full = qmem.normalize_record(record(UUIDS[0], "Il backup notturno gira alle 02:30"))
-        with store.transaction():
-            store.upsert(full, qmem.VIEW_FULL)
-            hit = qmem.normalize_record({"id": UUIDS[0], "text": "Il backup", "kind": None})
-            self.assertEqual(store.upsert(hit, qmem.VIEW_HIT), "same")
-        got = store.get(UUIDS[0])
-        self.assertEqual(got["text"], "Il backup notturno gira alle 02:30")
-        self.assertEqual(got["kind"], "fact")
-
-    def test_complete_view_wins_over_search_hit(self):
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        with store.transaction():
-            store.upsert(qmem.normalize_record({"id": UUIDS[0], "text": "troncato…", "kind": "fact"}),
-                         qmem.VIEW_HIT)
-            self.assertEqual(store.upsert(qmem.normalize_record(record(UUIDS[0], "testo completo")),
-                                          qmem.VIEW_FULL), "updated")
-        self.assertEqual(store.get(UUIDS[0])["text"], "testo completo")
-        self.assertEqual(qmem.find_local(store, "completo")["results"][0]["id"], UUIDS[0])
-        self.assertEqual(qmem.find_local(store, "troncato")["results"], [])
-
-    def test_bulk_merge_in_sql_follows_the_same_rule_as_upsert(self):
-        import random
-        rng = random.Random(7)
-        ids = UUIDS[:6]
-        views = []
-        for _ in range(300):  # views of a few records: partial, args, full; old and new
-            rid = rng.choice(ids)
-            data = {"id": rid}
-            for f in ("text", "kind", "project_id", "scope", "source", "created_at", "expires_at",
-                      "supersedes_id", "supersede_reason"):
-                if rng.random() < 0.5:
-                    data[f] = rng.choice(["a", "b", ""]) if not f.endswith("_at") else \
-                        "2026-11-%02dT10:00:00Z" % rng.randint(1, 28)
-            if rng.random() < 0.5:
-                data["private"] = rng.random() < 0.5
-            for f in ("updated_at", "superseded_by", "deleted_at"):
-                if rng.random() < 0.4:
-                    data[f] = "2026-11-%02dT10:00:00Z" % rng.randint(1, 28) if f != "superseded_by" \
-                        else rng.choice(ids)
-            views.append((data, rng.choice([0, 1, 2]), "2026-11-30T10:00:%02d.000Z" % rng.randint(0, 59)))
-        one, bulk = (qmem.Store(os.path.join(self.home, name + ".sqlite")) for name in ("one", "bulk"))
-        self.addCleanup(one.close)
-        self.addCleanup(bulk.close)
-        outcomes = {"new": 0, "updated": 0, "same": 0}
-        with one.transaction():
-            for data, view, seen in views:
-                outcomes[one.upsert(qmem.normalize_record(data), view, seen)] += 1
-        bulk.begin_bulk()
-        self.assertTrue(bulk.bulk_sql)
-        with bulk.transaction():
-            rows = [(r["id"], v, s) + qmem._FIELD_VALUES(r)
-                    for r, v, s in ((qmem.normalize_record(d), v, s) for d, v, s in views)]
-            new, updated = 0, 0
-            for chunk in (rows[i:i + 37] for i in range(0, len(rows), 37)):
-                n, u = bulk.merge_many(chunk)
-                new, updated = new + n, updated + u
-            bulk.finish_bulk()
-        self.assertEqual((new, updated), (outcomes["new"], outcomes["updated"]))
-        cols = "id, view, seen_at, " + ", ".join(qmem.FIELDS)
-        dump = lambda s: s.conn.execute("SELECT %s FROM records ORDER BY id" % cols).fetchall()
-        self.assertEqual(dump(bulk), dump(one))
-
-    def test_mutable_fields_follow_the_newest_updated_at(self):
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        with store.transaction():
-            store.upsert(qmem.normalize_record(record(UUIDS[0], "x", updated_at="2026-11-30T10:00:00Z",
-                                                      deleted_at="2026-11-30T10:00:00Z")), qmem.VIEW_FULL)
-            # an older view cannot undo the deletion
-            store.upsert(qmem.normalize_record(record(UUIDS[0], "x", updated_at="2026-11-29T10:00:00Z")),
-                         qmem.VIEW_FULL)
-        self.assertEqual(store.get(UUIDS[0])["deleted_at"], "2026-11-30T10:00:00.000Z")
-
-    def test_interrupted_bulk_load_still_finds_everything_and_is_repaired(self):
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        store.begin_bulk()  # an import into an empty index defers FTS to its end...
-        with store.transaction():
-            store.upsert(qmem.normalize_record(record(UUIDS[0], "bulk loaded memory")), qmem.VIEW_FULL)
-        # ...and dies before finish_bulk(): find answers through the LIKE scan meanwhile
-        self.assertEqual(self.find_ids("bulk", "memory"), [UUIDS[0]])
-        os.makedirs(self.sessions)
-        self.ok("import")  # the next import rebuilds the index
-        self.assertIsNone(store.meta("fts_pending"))
-        self.assertEqual(store.conn.execute(
-            "SELECT rowid FROM records_fts WHERE records_fts MATCH 'bulk'").fetchall(), [(1,)])
-
-    def test_two_processes_write_at_once(self):
-        qmem.Store(self.db).close()
-        code = ("import qmem, sys\ns = qmem.Store(sys.argv[1])\nfor i in range(200):\n"
-                "    with s.transaction():\n"
-                "        s.upsert(qmem.normalize_record({'id': sys.argv[2] + str(i), 'text': 'parallel write'}), 2)\n")
-        procs = [subprocess.Popen([sys.executable, "-c", code, self.db, tag], cwd=HERE) for tag in "ab"]
-        self.assertEqual([p.wait(timeout=60) for p in procs], [0, 0])
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        self.assertEqual(store.conn.execute("SELECT count(*) FROM records").fetchone()[0], 400)
-
-
-class ImportTests(QmemTestCase):
-
-    def import_json(self, *extra):
-        return self.ok_json("import", *extra)["stats"]
-
-    def mixed_tree(self):
-        """A few sessions with every kind of call, for comparing two ways of importing."""
-        for n in range(4):
-            s = Session(os.path.join(self.sessions, "--home-dev-p%d--" % n), "s%d.jsonl" % n)
-            for k in range(6):
-                rid = UUIDS[n * 10 + k]
-                s.store(record(rid, "Memoria %d-%d della città" % (n, k)), shape=("record", "id", "json")[k % 3])
-            hits = [record(UUIDS[(n * 10 + 13) % 40 + k], "visto in una ricerca %d" % k) for k in range(3)]
-            cid = s.call("qmem_search", {"query": "ricerca"})
-            s.result(cid, "qmem_search", "3 results", {"results": hits})
-            s.write()
-
-    def test_a_large_import_writes_in_a_child_process_with_the_same_result(self):
-        self.mixed_tree()
-        in_process = self.import_json()
-        table = "SELECT id, view, %s FROM records ORDER BY id" % ", ".join(qmem.FIELDS)
-        store = qmem.Store(self.db)
-        expected = store.conn.execute(table).fetchall()
-        store.close()
-        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "child.sqlite")
-        started = []
-        real_start = qmem._WriterProcess.start
-        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
-                mock.patch.object(qmem._WriterProcess, "start", lambda db: started.append(db) or real_start(db)):
-            in_child = self.import_json()
-        self.assertEqual(started, [os.environ["QMEM_SQLITE"]])
-        self.assertEqual(in_child, in_process)
-        store = qmem.Store(os.environ["QMEM_SQLITE"])
-        self.addCleanup(store.close)
-        self.assertEqual(store.conn.execute(table).fetchall(), expected)
-        self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
-
-    def test_a_failing_writer_process_is_a_clear_error_and_nothing_is_half_done(self):
-        import subprocess as sp
-        self.mixed_tree()
-
-        def broken(db):
-            w = qmem._WriterProcess()
-            w.proc = sp.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(10); "
-                               "sys.stderr.write('qmem: database or disk is full\\n'); sys.exit(1)"],
-                              stdin=sp.PIPE, stdout=sp.PIPE, stderr=sp.PIPE)
-            return w
-        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), mock.patch.object(qmem._WriterProcess, "start", broken):
-            err = self.expect_fail(1, "import")
-        self.assertIn("import writer process failed: database or disk is full", err)
-        # The first file was written here, before the child took over; no file the child
-        # had counts as imported, so the next import reads those again.
-        self.assertEqual(self.import_json()["files_read"], 3)
-        self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
-
-    def test_store_results_in_every_shape_become_records(self):
-        s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
-        for n, shape in enumerate(("record", "id", "json", "text")):
-            s.store(record(UUIDS[n], "Memoria numero %d sul deploy" % n), shape=shape)
-        s.write()
-        stats = self.import_json()
-        self.assertEqual(stats["records_new"], 4)
-        self.assertEqual(stats["calls"], {"qmem_store": 4})
-        results = self.ok_json("find", "deploy")["results"]
-        self.assertEqual(sorted(r["id"] for r in results), sorted(UUIDS[:4]))
-        for r in results:  # fields the result did not carry come from the call's arguments
-            self.assertEqual((r["kind"], r["project_id"]), ("fact", "infra"))
-
-    def test_formats_v1_v2_v3_are_all_read(self):
-        for version in (1, 2, 3):
-            s = Session(self.sessions, "v%d.jsonl" % version, version=version)
-            s.store(record(UUIDS[version], "formato versione %d" % version))
-            s.write()
-        self.import_json()
-        self.assertEqual(sorted(self.find_ids("formato")), sorted(UUIDS[1:4]))
-
-    def test_every_branch_is_imported(self):
-        s = Session(self.sessions, "tree.jsonl")
-        fork_point = s.leaf
-        s.store(record(UUIDS[0], "abandoned branch still stored this"))
-        s.entry({"role": "user", "content": [{"type": "text", "text": "back to the fork"}]}, parent=fork_point)
-        s.store(record(UUIDS[1], "active branch stored this"))
-        s.write()
-        self.import_json()
-        self.assertEqual(sorted(self.find_ids("branch", "stored")), sorted(UUIDS[:2]))
-
-    def test_clone_is_deduplicated_by_record_id(self):
-        s = Session(self.sessions, "orig.jsonl")
-        s.store(record(UUIDS[0], "cloned memory"))
-        s.write()
-        clone = Session(self.sessions, "clone.jsonl", parent=s.path)
-        clone.lines[1:] = s.lines[1:]  # a clone copies entries, ids and toolCall ids included
-        clone.write()
-        stats = self.import_json()
-        self.assertEqual(stats["records_new"], 1)
-        self.assertEqual(self.ok_json("status")["records"]["total"], 1)
-
-    def test_errored_call_and_call_without_result_create_nothing(self):
-        s = Session(self.sessions, "errors.jsonl")
-        cid = s.call("qmem_store", {"text": "never stored", "kind": "fact", "project_id": "infra"})
-        s.result(cid, "qmem_store", "qmem gateway unreachable: connect ECONNREFUSED", {}, is_error=True)
-        cid = s.call("qmem_get", {"id": UUIDS[5]})
-        s.result(cid, "qmem_get", "qmem gateway unreachable", {}, is_error=True)
-        s.call("qmem_store", {"text": "stream errored before running", "kind": "fact", "project_id": "infra"})
-        s.write()
-        stats = self.import_json()
-        self.assertEqual(stats["records_new"], 0)
-        self.assertEqual(stats["calls_errored"], 2)
-        self.assertEqual(stats["calls_without_result"], 1)
-        self.assertEqual(self.find_ids("stored"), [])
-
-    def test_soft_error_with_record_in_details_creates_the_record(self):
-        s = Session(self.sessions, "soft.jsonl")
-        rec = record(UUIDS[0], "Decision: in Q3 the staging DB moves onto the città-app cluster")
-        cid = s.call("qmem_store", {"text": rec["text"], "kind": "decision", "project_id": "infra"})
-        s.result(cid, "qmem_store", "Stored memory %s locally (fallback: local_sqlite)" % UUIDS[0],
-                 {"id": UUIDS[0], "record": rec, "fallback": "local_sqlite", "synced": False}, is_error=True)
-        s.write()
-        self.import_json()
-        self.assertEqual(self.find_ids("staging", "citta"), [UUIDS[0]])
-
-    def test_search_hits_from_other_agents_are_partial_views(self):
-        s = Session(self.sessions, "search.jsonl")
-        hit = record(UUIDS[7], "Ollama serve gli embedding sul nodo gpu-2", agent_id="claude@ci", score=0.71)
-        cid = s.call("qmem_search", {"query": "embedding", "top_k": 8})
-        s.result(cid, "qmem_search", "1. [0.71] ...", {"results": [hit]})
-        s.write()
-        self.import_json()
-        found = self.ok_json("find", "embedding")["results"]
-        self.assertEqual([(r["id"], r["agent_id"]) for r in found], [(UUIDS[7], "claude@ci")])
-        status = self.ok_json("status")
-        self.assertEqual(status["records"]["partial_only"], 1)
-        self.assertEqual(status["coverage"]["search_hit_only"], 1)
-
-    def test_get_gives_the_full_payload(self):
-        s = Session(self.sessions, "get.jsonl")
-        cid = s.call("qmem_get", {"id": UUIDS[3]})
-        s.result(cid, "qmem_get", json.dumps(record(UUIDS[3], "Payload completo da get")))
-        s.write()
-        self.import_json()
-        self.assertEqual(self.find_ids("payload"), [UUIDS[3]])
-        self.assertEqual(self.ok_json("status")["records"]["partial_only"], 0)
-
-    def test_correction_supersedes_the_old_record_in_any_order(self):
-        s = Session(self.sessions, "a-correct.jsonl")  # read before the file with the original
-        new = record(UUIDS[1], "Il backup notturno parte alle 02:30", supersedes_id=UUIDS[0])
-        cid = s.call("qmem_correct", {"id": UUIDS[0], "text": new["text"], "reason": "orario cambiato"})
-        s.result(cid, "qmem_correct", "Corrected: new memory %s supersedes %s" % (UUIDS[1], UUIDS[0]),
-                 {"id": UUIDS[1], "superseded_id": UUIDS[0]})
-        s.write()
-        s = Session(self.sessions, "b-store.jsonl")
-        s.store(record(UUIDS[0], "Il backup notturno parte alle 03:00"))
-        s.write()
-        self.import_json()
-        self.assertEqual(self.find_ids("backup", "notturno"), [UUIDS[1]])
-        old = [r for r in self.ok_json("find", "backup", "--include-superseded")["results"] if r["id"] == UUIDS[0]]
-        self.assertEqual(old[0]["superseded_by"], UUIDS[1])
-        # the correction, given only text and reason, inherits the target's project and kind
-        self.assertEqual(self.find_ids("02:30", "--project", "infra", "--kind", "fact"), [UUIDS[1]])
-
-    def test_accented_italian_text(self):
-        s = Session(self.sessions, "it.jsonl", cwd="/home/dev/projects/città-app")
-        s.store(record(UUIDS[0], "Perché la città usa il caffè delle 02:30? Però sì."))
-        s.write()
-        self.import_json()
-        for query in ("perche", "perché", "citta", "città", "caffe", "PERCHÉ CITTÀ"):
-            self.assertEqual(self.find_ids(query), [UUIDS[0]], query)
-
-    def test_truncated_last_line_is_read_once_complete(self):
-        s = Session(self.sessions, "live.jsonl")
-        s.store(record(UUIDS[0], "prima memoria"))
-        s.store(record(UUIDS[1], "seconda memoria"))
-        s.write(truncate_last=True)
-        stats = self.import_json()
-        self.assertEqual(stats["lines_truncated"], 1)
-        self.assertEqual(self.find_ids("memoria"), [UUIDS[0]])
-        s.write()  # the writer finished the line
-        stats = self.import_json()
-        self.assertEqual(stats["records_new"], 1)
-        self.assertEqual(sorted(self.find_ids("memoria")), sorted(UUIDS[:2]))
-
-    def test_second_import_of_unchanged_tree_reads_nothing(self):
-        s = Session(self.sessions, "one.jsonl")
-        s.store(record(UUIDS[0], "una memoria"))
-        s.write()
-        self.import_json()
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        with mock.patch("builtins.open", side_effect=AssertionError("a session file was read")):
-            stats = qmem.Importer(store).run([self.sessions])
-        self.assertEqual((stats.files_unchanged, stats.files_read, stats.bytes_read), (1, 0, 0))
-
-    def test_grown_file_is_read_from_the_last_complete_line(self):
-        s = Session(self.sessions, "grow.jsonl")
-        s.store(record(UUIDS[0], "scritta prima"))
-        cid = s.call("qmem_store", {"text": "scritta dopo", "kind": "fact", "project_id": "infra"})
-        size_before = os.path.getsize(s.write())
-        stats = self.import_json()
-        self.assertEqual(stats["calls_without_result"], 1)
-        s.result(cid, "qmem_store", "Stored memory %s" % UUIDS[1], {"id": UUIDS[1]})
-        size_after = os.path.getsize(s.write())
-        stats = self.import_json()
-        self.assertEqual(stats["bytes_read"], size_after - size_before)
-        self.assertEqual(stats["records_new"], 1)  # the call from the first read got its result
-        self.assertEqual(self.find_ids("dopo"), [UUIDS[1]])
-
-    def test_invalid_lines_are_counted_and_skipped(self):
-        s = Session(self.sessions, "bad.jsonl")
-        s.store(record(UUIDS[0], "valida"))
-        path = s.write()
-        with open(path, "a") as f:
-            f.write('{"type":"message","message":{"role":"toolResult","toolName":"qmem_store" BROKEN\n')
-        self.assertEqual(self.import_json()["lines_skipped"], 1)
-        self.assertEqual(self.find_ids("valida"), [UUIDS[0]])
-
-    def test_a_file_that_is_not_a_session_is_skipped_with_a_warning(self):
-        os.makedirs(self.sessions)
-        with open(os.path.join(self.sessions, "notes.jsonl"), "w") as f:
-            f.write("this is not json\n")
-        code, out, err = self.run_cli("import")
-        self.assertEqual(code, 0)
-        self.assertIn("not a pi session file", err)
-        self.assertNotIn("Traceback", err)
-
-    def test_summary_counts_files_calls_and_records(self):
-        s = Session(self.sessions, "sum.jsonl")
-        s.store(record(UUIDS[0], "riassunto"))
-        s.write()
-        out = self.ok("import")
-        self.assertIn("1 files scanned", out)
-        self.assertIn("qmem_store 1", out)
-        self.assertIn("1 new", out)
-
-    def test_sessions_option_is_repeatable(self):
-        for n in range(2):
-            s = Session(os.path.join(self.home, "dir%d" % n), "s.jsonl")
-            s.store(record(UUIDS[n], "cartella personalizzata"))
-            s.write()
-        self.import_json("--sessions", os.path.join(self.home, "dir0"), "--sessions", os.path.join(self.home, "dir1"))
-        self.assertEqual(len(self.find_ids("cartella")), 2)
-
-    def test_missing_sessions_dir_is_a_usage_error(self):
-        err = self.expect_fail(2, "import", "--sessions", os.path.join(self.home, "nope"))
-        self.assertIn("no such directory", err)
-
-    def test_fresh_machine_without_sessions_says_where_it_looked(self):
-        out = self.ok("import")
-        self.assertIn(self.sessions, out)
-        self.assertIn("nothing to import", out)
-
-
-class FindTests(QmemTestCase):
-
-    def setUp(self):
-        super().setUp()
-        self.store = qmem.Store(self.db)
-        self.addCleanup(self.store.close)
-
-    def put(self, n, text, view=qmem.VIEW_FULL, **extra):
-        with self.store.transaction():
-            self.store.upsert(qmem.normalize_record(record(UUIDS[n], text, **extra)), view)
-
-    def test_all_words_must_match_and_last_is_a_prefix(self):
-        self.put(0, "The circuit breaker opens after three failures")
-        self.put(1, "A circuit of the city")
-        out = self.ok_json("find", "circuit", "break")
-        self.assertEqual(out["match"], "all")
-        self.assertEqual([r["id"] for r in out["results"]], [UUIDS[0]])
-        self.assertEqual(sorted(self.find_ids("circ")), sorted(UUIDS[:2]))
-
-    def test_no_full_match_falls_back_to_any_word_and_says_so(self):
-        self.put(0, "deploy on node-3")
-        out = self.ok_json("find", "deploy", "kubernetes")
-        self.assertEqual(out["match"], "any")
-        self.assertEqual(out["results"][0]["id"], UUIDS[0])
-        self.assertIn("partial match (any word)", self.ok("find", "deploy", "kubernetes"))
-
-    def test_bm25_ranks_the_better_match_first(self):
-        self.put(0, "qdrant mentioned once among many other words about the weather and lunch")
-        self.put(1, "qdrant qdrant: the qdrant collection")
-        self.assertEqual(self.find_ids("qdrant"), [UUIDS[1], UUIDS[0]])
-
-    def test_hostile_queries_are_plain_words(self):
-        self.put(0, "deploy on node-3 uses blue/green; it's C++ -O2 kind:fact")
-        for q in ('"', "deploy\"", "(", "NEAR(", "text:", "*", "-O2", "AND", "OR", "NOT deploy",
-                  "kind:fact", "C++", "blue/green", "it's", "node-3", "🚀", "') OR 1=1 --", "^deploy", "{x}"):
-            code, out, err = self.run_cli("find", "--json", "--", q)
-            self.assertEqual(code, 0, (q, err))
-            json.loads(out)
-        # kind:fact is two words, not a column filter: it matches the text itself
-        self.assertEqual(self.find_ids("kind:fact"), [UUIDS[0]])
-        self.assertEqual(self.find_ids("node-3"), [UUIDS[0]])
-
-    def test_empty_query_is_a_usage_error(self):
-        self.expect_fail(2, "find", "")
-        self.expect_fail(2, "find")
-
-    def test_hidden_records_and_the_flags_that_show_them(self):
-        self.put(0, "visible alpha")
-        self.put(1, "superseded alpha", superseded_by=UUIDS[0])
-        self.put(2, "deleted alpha", deleted_at="2026-11-30T10:00:00Z")
-        self.put(3, "private alpha", private=True)
-        self.put(4, "expired alpha", expires_at="2020-01-01T00:00:00Z")
-        self.assertEqual(self.find_ids("alpha"), [UUIDS[0]])
-        self.assertIn(UUIDS[1], self.find_ids("alpha", "--include-superseded"))
-        self.assertEqual(self.find_ids("alpha", "--deleted"), [UUIDS[2]])
-        self.assertIn(UUIDS[3], self.find_ids("alpha", "--private"))
-        self.assertIn(UUIDS[4], self.find_ids("alpha", "--include-expired"))
-
-    def test_filters_and_limit(self):
-        self.put(0, "gamma one", project="infra", kind="fact", scope="project")
-        self.put(1, "gamma two", project="web", kind="decision", scope="global")
-        self.assertEqual(self.find_ids("gamma", "--project", "web"), [UUIDS[1]])
-        self.assertEqual(self.find_ids("gamma", "--kind", "fact"), [UUIDS[0]])
-        self.assertEqual(self.find_ids("gamma", "--scope", "global"), [UUIDS[1]])
-        self.assertEqual(len(self.find_ids("gamma", "--limit", "1")), 1)
-        self.expect_fail(2, "find", "gamma", "--kind", "rumour")
-
-    def test_json_shape(self):
-        self.put(0, "delta record", agent_id="pi@laptop")
-        out = self.ok_json("find", "delta")
-        self.assertEqual((out["source"], out["match"], out["degraded"]), ("local_sqlite", "all", False))
-        self.assertEqual(set(out["results"][0]), {
-            "id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "superseded_by",
-            "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet", "expires_at",
-            "unverified"})
-        self.assertEqual(out["results"][0]["rank"], 1)
-
-    def test_human_output_header_and_pending_marker(self):
-        self.put(0, "epsilon queued here")
-        self.store.conn.execute("UPDATE records SET pending=1")
-        out = self.ok("find", "epsilon")
-        self.assertIn("local_sqlite · lexical (not semantic)", out.splitlines()[0])
-        line = out.splitlines()[1]
-        self.assertTrue(line.startswith(UUIDS[0]))
-        self.assertIn("PENDING", line)
-        self.assertNotIn("\x1b", out)  # plain text when stdout is not a terminal
-
-    def test_find_without_any_index_yet(self):
-        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "none.sqlite")
-        code, out, err = self.run_cli("find", "x")
-        self.assertEqual(code, 0)
-        self.assertIn("no local index yet", out)
-        doc = self.ok_json("find", "x")
-        self.assertEqual((doc["index_exists"], doc["match"], doc["results"]), (False, "none", []))
-        self.assertFalse(os.path.exists(os.path.join(self.home, "none.sqlite")))
-
-
-class NoFts5Tests(QmemTestCase):
-    """The LIKE path of a SQLite built without FTS5, forced."""
-
-    def setUp(self):
-        super().setUp()
-        patcher = mock.patch.object(qmem, "FORCE_NO_FTS5", True)
-        patcher.start()
-        self.addCleanup(patcher.stop)
-
-    def test_like_search_with_accents_and_a_one_time_notice(self):
-        s = Session(self.sessions, "it.jsonl")
-        s.store(record(UUIDS[0], "Perché la città usa 100% del disco_dati"))
-        s.write()
-        code, out, err = self.run_cli("import")
-        self.assertEqual(code, 0)
-        self.assertIn("no FTS5", err)
-        self.assertIn("not near spellings", err)
-        self.assertEqual(self.find_ids("perche", "citta"), [UUIDS[0]])
-        self.assertEqual(self.find_ids("città"), [UUIDS[0]])
-        self.assertEqual(self.find_ids("100%"), [UUIDS[0]])
-        self.assertEqual(self.find_ids("50%"), [])
-        out = self.ok_json("find", "citta", "nothing")
-        self.assertEqual(out["match"], "any")
-        code, out, err = self.run_cli("find", "perche")
-        self.assertEqual(err, "")  # said once, at creation, not on every search
-        self.assertIn("LIKE", self.ok("status"))
-
-
-class StatusTests(QmemTestCase):
-
-    def test_counts_and_json_keys(self):
-        s = Session(self.sessions, "st.jsonl")
-        s.store(record(UUIDS[0], "uno", kind="fact", project="infra"))
-        s.store(record(UUIDS[1], "due", kind="decision", project="web", private=True))
-        s.store(record(UUIDS[2], "uno", kind="fact", project="web"))  # same text, other id
-        s.write()
-        self.ok("import")
-        st = self.ok_json("status")
-        self.assertEqual(st["records"]["total"], 3)
-        self.assertEqual(st["records"]["by_kind"], {"fact": 2, "decision": 1})
-        self.assertEqual(st["records"]["by_project"], {"web": 2, "infra": 1})
-        self.assertEqual(st["records"]["private"], 1)
-        self.assertEqual(st["outbox"]["pending"], 0)
-        self.assertEqual(st["duplicates"], {"groups": 1, "records": 2})
-        self.assertEqual(st["db"]["schema_version"], qmem.SCHEMA_VERSION)
-        self.assertTrue(st["fts"]["available"])
-        self.assertTrue(st["lag"]["last_import_at"])
-        self.assertEqual(st["lag"]["newest_entry_imported_at"][:10], "2026-11-30")
-        self.assertIn("(", st["machine"])
-        text = self.ok("status")
-        self.assertIn("records: 3", text)
-
-    def test_status_before_anything_was_imported(self):
-        self.assertIn("no local index yet", self.ok("status"))
-        doc = self.ok_json("status")
-        self.assertEqual((doc["index_exists"], doc["records"]["total"], doc["outbox"]["pending"]), (False, 0, 0))
-        self.assertFalse(os.path.exists(self.db))
-
-
-class CliTests(QmemTestCase):
-
-    def test_usage_errors_exit_2_without_traceback(self):
-        self.expect_fail(2, "frobnicate")
-        self.expect_fail(2, "find", "--limit")
-        self.expect_fail(2, "find", "x", "--limit", "zero")
-
-    def test_json_flag_before_or_after_the_subcommand(self):
-        os.makedirs(self.sessions)
-        self.assertIn("stats", json.loads(self.ok("--json", "import")))
-        self.assertIn("stats", json.loads(self.ok("import", "--json")))
-
-    def test_interrupt_exits_130(self):
-        with mock.patch.object(qmem.Operations, "status", side_effect=KeyboardInterrupt):
-            code, out, err = self.run_cli("status")
-            self.assertEqual((code, out, err), (130, "", "qmem: interrupted\n"))
-            code, out, err = self.run_cli("status", "--json")
-        self.assertEqual(code, 130)
-        self.assertEqual(json.loads(out), {"error": {"kind": "interrupted", "message": "interrupted", "hint": None},
-                                           "exit_code": 130})
-
-    def test_runs_as_a_script_and_find_loads_no_network_module(self):
-        env = dict(os.environ)
-        probe = ("import runpy, sys; sys.argv = ['qmem.py', 'find', 'x'];\n"
-                 "try:\n    runpy.run_path(%r, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-                 "bad = [m for m in ('ssl', 'http.client', 'socket', 'urllib.request') if m in sys.modules]\n"
-                 "sys.stderr.write('NET:%%s' %% bad)\n" % QMEM)
-        p = subprocess.run([sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, universal_newlines=True)
-        self.assertIn("NET:[]", p.stderr)
-        p = subprocess.run([sys.executable, QMEM, "--help"], env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, universal_newlines=True)
-        self.assertEqual(p.returncode, 0)
-        for name in ("import", "find", "status"):
-            self.assertIn(name, p.stdout)
 
 
 # --- A scripted fake gateway on 127.0.0.1 (gateway-api.md) --------------------
@@ -852,6 +275,7 @@ class FakeGateway:
         self.export_404 = False
         self.send_date = False        # a Date header on every answer (the doctor's clock check)
         self.stopping = threading.Event()
+        self.released = threading.Event()  # set: a "silent" connection closes, unanswered
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
         self.listener.listen(64)
@@ -863,7 +287,12 @@ class FakeGateway:
 
     def close(self):
         self.stopping.set()
+        self.released.set()
         self.listener.close()
+
+    def release(self):
+        """The connections held "silent" close now, unanswered (and later ones at once)."""
+        self.released.set()
 
     def _accept(self):
         import threading
@@ -906,7 +335,8 @@ class FakeGateway:
 
     def _send(self, conn, status, obj, extra=None, raw=None, ctype="application/json"):
         payload = raw if raw is not None else json.dumps(obj).encode()
-        head = "HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (status, ctype, len(payload))
+        head = "HTTP/1.1 %d X\r\nContent-Type: %s\r\nContent-Length: %d\r\n" % (status, ctype,
+                                                                                len(payload))
         if self.send_date:
             import email.utils
             head += "Date: %s\r\n" % email.utils.formatdate(usegmt=True)
@@ -924,11 +354,12 @@ class FakeGateway:
             status, obj, extra = (action + (None,))[:3]
             self._send(conn, status, obj, extra)
             return True
-        if action == "silent":              # accepts, reads, never answers
-            self.stopping.wait(30)
+        if action == "silent":              # accepts, reads, never answers (until released)
+            self.released.wait(30)
             return False
         if action == "trickle":             # headers one byte every 100 ms
-            for b in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Padding: " + b"x" * 100:
+            head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Padding: "
+            for b in head + b"x" * 100:
                 if self.stopping.wait(0.1):
                     return False
                 conn.sendall(bytes([b]))
@@ -950,7 +381,8 @@ class FakeGateway:
                          + payload[:len(payload) // 2])
             return False
         if action == "html":
-            self._send(conn, 200, None, raw=b"<html><body>Proxy login</body></html>", ctype="text/html")
+            self._send(conn, 200, None, raw=b"<html><body>Proxy login</body></html>",
+                       ctype="text/html")
             return True
         if action == "drop_after_store":    # does the work, loses the reply
             self.app(method, target, headers, data)
@@ -974,10 +406,12 @@ class FakeGateway:
         self.clock = getattr(self, "clock", 0) + 1
         now = "%sT00:%02d:%02d.000Z" % (TODAY, self.clock // 60 % 60, self.clock % 60)
         rid = str(uuid.uuid4())
-        rec = record(rid, data["text"], data["kind"], data["project_id"], created_at=now, updated_at=now,
-                     agent_id=data.get("agent_id"), scope=data.get("scope") or "project", source=data.get("source"),
+        rec = record(rid, data["text"], data["kind"], data["project_id"], created_at=now,
+                     updated_at=now, agent_id=data.get("agent_id"),
+                     scope=data.get("scope") or "project", source=data.get("source"),
                      private=bool(data.get("private")), expires_at=data.get("expires_at"),
-                     supersedes_id=data.get("supersedes_id"), supersede_reason=data.get("supersede_reason"))
+                     supersedes_id=data.get("supersedes_id"),
+                     supersede_reason=data.get("supersede_reason"))
         self.records[rid] = rec
         if rec["supersedes_id"]:
             old = self.records[rec["supersedes_id"]]
@@ -995,7 +429,8 @@ class FakeGateway:
 
     def app(self, method, target, headers, data):
         from urllib.parse import urlsplit, parse_qs, unquote
-        if headers.get("x-api-key") != self.key or headers.get("authorization") != "Bearer " + self.key:
+        if headers.get("x-api-key") != self.key \
+                or headers.get("authorization") != "Bearer " + self.key:
             return 401, {"detail": "invalid API key"}, None
         url = urlsplit(target)
         path, query = url.path, {k: v[0] for k, v in parse_qs(url.query).items()}
@@ -1007,9 +442,11 @@ class FakeGateway:
                 return 200, self.records[self.keys[key]], None
             missing = [f for f in ("text", "kind", "project_id") if not data.get(f)]
             if missing:
-                return 422, {"detail": [{"loc": ["body", f], "msg": "field required"} for f in missing]}, None
+                detail = [{"loc": ["body", f], "msg": "field required"} for f in missing]
+                return 422, {"detail": detail}, None
             if data["text"] in self.duplicate_texts:
-                return 409, {"detail": "duplicate", "duplicate_of": self.duplicate_texts[data["text"]],
+                return 409, {"detail": "duplicate",
+                             "duplicate_of": self.duplicate_texts[data["text"]],
                              "similarity": 0.97}, None
             if data.get("supersedes_id") and data["supersedes_id"] not in self.records:
                 return 404, {"detail": "supersedes_id %s not found" % data["supersedes_id"]}, None
@@ -1084,6 +521,73 @@ class GatewayTestCase(QmemTestCase):
         self.assertNotIn(API_KEY, str(cm.exception))
         return cm.exception
 
+    # -- where the gateway is
+    def offline(self):
+        """The gateway configured, and nothing listening there."""
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+
+    def go_online(self):
+        os.environ["QMEM_URL"] = self.gw.url
+
+    def unconfigured(self):
+        """No gateway URL at all."""
+        os.environ.pop("QMEM_URL")
+
+    def no_gateway(self):
+        """Neither a URL nor a key: the environment of a QmemTestCase."""
+        for name in ("QMEM_URL", "QMEM_API_KEY"):
+            os.environ.pop(name, None)
+
+    # -- the outbox
+    def outbox(self):
+        return {r["local_id"]: r for r in self.ok_json("queue")["items"]}
+
+    def enqueue(self, n):
+        """n writes queued straight into the outbox; their local ids."""
+        store = qmem.Store(self.db)
+        try:
+            return [qmem.enqueue(store, "store", {"text": "memoria numero %d" % i, "kind": "fact",
+                                                  "project_id": "p"}) for i in range(n)]
+        finally:
+            store.close()
+
+    REFUSE = (422, {"detail": [{"loc": ["body", "text"], "msg": "text rejected by policy"}]})
+
+    def refused_store(self, text, *extra):
+        """A store the gateway refuses (422): its local id."""
+        self.gw.script.append(self.REFUSE)
+        code, out, err = self.run_cli("store", text, "--project", "p", *extra)
+        self.assertEqual(code, 1, out + err)
+        return [r for r in self.ok_json("queue")["items"] if r["text"] == text][0]["local_id"]
+
+    def ops_with_quiet_retries(self):
+        """Operations whose gateway does not retry: one failed attempt per call, so the
+        label's count can be watched call by call."""
+        cfg = qmem.load_config()
+        ops = qmem.Operations(cfg)
+        self.addCleanup(ops.close)
+        ops._gateway = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg), retries=0)
+        return ops
+
+    def assert_one_document(self, expected_code, *argv):
+        """The command with --json: exactly one JSON document on stdout, and the exit code
+        of the table (README, Exit codes); an error document for a failure."""
+        code, out, err = self.run_cli(*(argv + ("--json",)))
+        self.assertEqual(code, expected_code, "%s: stdout %s stderr %s" % (argv, out, err))
+        self.assertEqual(out.count("\n"), 1, "%s printed %r" % (argv, out))
+        doc = json.loads(out)
+        self.assertIsInstance(doc, dict)
+        self.assertNotIn("Traceback", err)
+        if code == 0:
+            self.assertFalse(isinstance(doc.get("error"), dict) or doc.get("exit_code"),
+                             (argv, doc))
+        else:
+            self.assertEqual(doc["exit_code"], code, (argv, doc))
+            self.assertEqual(set(doc["error"]), {"kind", "message", "hint"}, (argv, doc))
+            self.assertTrue(doc["error"]["kind"] and doc["error"]["message"], (argv, doc))
+            self.assertTrue(err.startswith("qmem: "), (argv, err))
+        return doc
+
 
 def closed_port():
     import socket
@@ -1094,329 +598,202 @@ def closed_port():
     return port
 
 
-class GatewayClientTests(GatewayTestCase):
-    """Each row of design.md's classification table, against a real loopback server."""
-
-    def test_2xx_answer_and_both_auth_headers(self):
-        resp = self.client().call("GET", "/v1/status")
-        self.assertEqual((resp.status, resp.data["version"]), (200, "2.12.0"))
-        headers = self.gw.requests[-1][2]
-        self.assertEqual(headers["x-api-key"], API_KEY)
-        self.assertEqual(headers["authorization"], "Bearer " + API_KEY)
-
-    def test_one_connection_is_reused_across_calls(self):
-        gw = self.client()
-        for _ in range(3):
-            gw.call("GET", "/v1/status")
-        self.assertEqual(self.gw.connections, 1)
-
-    def test_refused_is_unreachable_opens_the_breaker_at_once_and_is_not_retried(self):
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        sleeps = []
-        err = self.assert_fails("unreachable", self.client(sleeps), "GET", "/v1/status")
-        self.assertIn("could not connect", str(err))
-        self.assertEqual(sleeps, [])
-        self.assertEqual(self.breaker_state()["state"], "open")
-
-    def test_server_that_accepts_and_never_answers_fails_at_the_connect_budget(self):
-        import time as t
-        self.gw.script = ["silent"]
-        started = t.monotonic()
-        err = self.assert_fails("unreachable", self.client(connectTimeoutMs=500), "GET", "/v1/status")
-        elapsed = t.monotonic() - started
-        self.assertIn("connected to", str(err))
-        self.assertIn("no answer within 0.5 s", str(err))
-        self.assertLess(elapsed, 1.0)
-        self.assertGreater(elapsed, 0.45)
-
-    def test_headers_trickled_one_byte_every_100ms_fail_at_the_budget(self):
-        import time as t
-        self.gw.script = ["trickle"]
-        started = t.monotonic()
-        self.assert_fails("unreachable", self.client(connectTimeoutMs=1000), "GET", "/v1/status")
-        elapsed = t.monotonic() - started
-        self.assertLess(elapsed, 1.3)
-        self.assertGreater(elapsed, 0.95)
-
-    def test_stalled_body_is_ambiguous_and_retried(self):
-        import time as t
-        self.gw.script = ["stall_body", "stall_body"]
-        sleeps = []
-        started = t.monotonic()
-        err = self.assert_fails("ambiguous", self.client(sleeps, timeoutMs=300), "GET", "/v1/status", None, None, 1)
-        self.assertIn("stalled", str(err))
-        self.assertLess(t.monotonic() - started, 1.5)
-        self.assertEqual(len(sleeps), 1)  # one retry
-        self.assertEqual(len(self.gw.requests), 2)
-        self.assertEqual(self.breaker_state()["failures"], 2)  # every failed attempt counts
-
-    def test_body_cut_midway_is_a_failure_never_empty_data(self):
-        self.gw.script = ["cut_body"]
-        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
-        self.assertIn("cut off", str(err))
-
-    def test_wrong_content_length_is_a_failure(self):
-        self.gw.script = ["wrong_length"]
-        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
-        self.assertIn("cut off", str(err))
-
-    def test_200_with_an_html_page_is_a_failure(self):
-        self.gw.script = ["html"]
-        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
-        self.assertIn("not JSON", str(err))
-        self.assertIn("text/html", str(err))
-
-    def test_503_with_retry_after_then_success(self):
-        self.gw.script = [(503, {"detail": "warming up"}, {"Retry-After": "1"})]
-        sleeps = []
-        resp = self.client(sleeps).call("GET", "/v1/status")
-        self.assertEqual(resp.status, 200)
-        self.assertEqual(len(sleeps), 1)
-        self.assertGreaterEqual(sleeps[0], 1.0)   # never earlier than asked
-        self.assertLess(sleeps[0], 1.5)           # jitter is small and additive
-        self.assertEqual(self.breaker_state()["state"], "closed")
-
-    def test_429_with_an_http_date_is_honoured(self):
-        date = "Mon, 30 Nov 2026 10:00:00 GMT"
-        later = "Mon, 30 Nov 2026 10:00:04 GMT"
-        self.gw.script = [(429, {"detail": "slow down"}, {"Retry-After": later, "Date": date})]
-        sleeps = []
-        self.assertEqual(self.client(sleeps).call("GET", "/v1/status").status, 200)
-        self.assertGreaterEqual(sleeps[0], 4.0)
-        self.assertLess(sleeps[0], 5.0)
-
-    def test_retry_after_longer_than_the_cap_is_reported_not_slept(self):
-        self.gw.script = [(503, None, {"Retry-After": "3600"})]
-        sleeps = []
-        err = self.assert_fails("ambiguous", self.client(sleeps), "GET", "/v1/status")
-        self.assertEqual(sleeps, [])
-        self.assertEqual(err.retry_in_ms, 3600000)
-
-    def test_retry_after_forms(self):
-        headers = {"Retry-After": "Sunday, 06-Nov-94 08:49:37 GMT", "Date": "Sun, 06 Nov 1994 08:49:30 GMT"}
-        self.assertEqual(qmem.retry_after_seconds(headers), 7.0)
-        self.assertEqual(qmem.retry_after_seconds({"Retry-After": "Sun Nov  6 08:49:37 1994",
-                                                   "Date": "Sun, 06 Nov 1994 08:49:37 GMT"}), 0.0)
-        for bad in ("-1", "1.5", "+5", "soon", "5, 10"):
-            self.assertIsNone(qmem.retry_after_seconds({"Retry-After": bad}), bad)
-
-    def test_401_is_auth_and_leaves_the_breaker_alone(self):
-        os.environ["QMEM_API_KEY"] = "sk-wrong-key-000000000"
-        err = self.assert_fails("auth", self.client(), "GET", "/v1/status")
-        self.assertIn("API key rejected", str(err))
-        self.assertFalse(os.path.exists(self.breaker_file))
-
-    def test_4xx_answers_are_returned_and_do_not_trip(self):
-        gw = self.client()
-        self.assertEqual(gw.call("GET", "/v1/memories/nope").status, 404)
-        self.assertEqual(gw.call("POST", "/v1/memories", {"text": "x"}).status, 422)
-        self.gw.duplicate_texts["same"] = "abc"
-        resp = gw.call("POST", "/v1/memories", {"text": "same", "kind": "fact", "project_id": "p"})
-        self.assertEqual((resp.status, resp.data["duplicate_of"]), (409, "abc"))
-        self.assertEqual(self.breaker_state()["state"], "closed")
-
-    def test_three_ambiguous_failures_in_a_row_open_the_breaker(self):
-        gw = self.client()
-        self.gw.script = [(502, None)] * 3
-        for n in (1, 2):
-            self.assert_fails("ambiguous", gw, "GET", "/v1/status", None, None, 0)
-            self.assertEqual(self.breaker_state()["state"], "closed")
-            self.assertEqual(self.breaker_state()["failures"], n)
-        self.assert_fails("ambiguous", gw, "GET", "/v1/status", None, None, 0)
-        self.assertEqual(self.breaker_state()["state"], "open")
-
-    def test_redirect_is_not_followed(self):
-        self.gw.script = [(301, None, {"Location": "https://elsewhere.example/"})]
-        err = self.assert_fails("protocol", self.client(), "GET", "/v1/status")
-        self.assertIn("elsewhere.example", str(err))
-
-    def test_proxy_variables_are_honoured(self):
-        # Through a plain-http proxy (the fake gateway plays it: it answers absolute-form
-        # requests), a gateway name that does not even resolve is reached.
-        os.environ.update(QMEM_URL="http://gateway.invalid:8080", http_proxy=self.gw.url, no_proxy="")
-        del os.environ["NO_PROXY"]
-        self.assertEqual(self.client().call("GET", "/v1/status").status, 200)
-        self.assertEqual(self.gw.requests[-1][1], "http://gateway.invalid:8080/v1/status")
-        env = {"https_proxy": "http://proxy.corp:3128", "no_proxy": "internal.example, .vpn"}
-        self.assertEqual(qmem._proxy_for("https", "gw.example", env), ("proxy.corp", 3128))
-        self.assertIsNone(qmem._proxy_for("https", "qmem.internal.example", env))
-        self.assertIsNone(qmem._proxy_for("https", "a.vpn", env))
-        self.assertIsNone(qmem._proxy_for("https", "127.0.0.1", env))
-        self.assertIsNone(qmem._proxy_for("http", "gw.example", env))
-
-    def test_tls_is_verified(self):
-        cfg = self.config(url="https://127.0.0.1:%d" % self.gw.port)
-        ctx = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg))._ssl_context()
-        import ssl
-        self.assertEqual(ctx.verify_mode, ssl.CERT_REQUIRED)
-        self.assertTrue(ctx.check_hostname)
-
-    def test_https_against_a_plain_server_fails_cleanly(self):
-        os.environ["QMEM_URL"] = "https://127.0.0.1:%d" % self.gw.port
-        err = self.assert_fails("unreachable", self.client(), "GET", "/v1/status")
-        self.assertIn("could not connect", str(err))
+def other_uid():
+    """A uid that is not ours, for the other-user cases: only root can make files of it."""
+    return 65534 if hasattr(os, "geteuid") and os.geteuid() == 0 else None
 
 
-class BreakerTests(GatewayTestCase):
-    """The breaker's life cycle, with an injected clock."""
+# === Errors ==================================================================
 
-    def setUp(self):
-        super().setUp()
-        self.now = 1000000.0
-        self.dead = "http://127.0.0.1:%d" % closed_port()
 
-    def breaker(self, url=None, **kw):
-        kw.setdefault("base_ms", 120000)
-        kw.setdefault("max_ms", 600000)
-        return qmem.Breaker(self.breaker_file, url or self.gw.url, clock=lambda: self.now,
-                            rand=lambda: 0.5, lease_s=50, **kw)
+class ErrorTests(GatewayTestCase):
+    """Every expected failure, with --json: one line on stderr, one error document on stdout,
+    and the exit code of its class (README, Exit codes)."""
 
-    def test_trip_fail_fast_probe_double_cap_close(self):
-        b = self.breaker()
-        b.failure("unreachable", "refused")
-        self.assertEqual(b.read()["open_until"], self.now + 120)
-        connections = self.gw.connections
-        gw = self.closing(qmem.Gateway(self.config(), breaker=self.breaker()))
-        err = self.assert_fails("breaker_open", gw, "GET", "/v1/status")
-        self.assertEqual(err.retry_in_ms, 120000)
-        self.assertEqual(self.gw.connections, connections)  # no connection attempted
-        # After the open period one process probes, the others keep failing fast.
-        self.now += 121
-        prober, other = self.breaker(), self.breaker()
-        prober.admit()
-        self.assertEqual(prober.read()["state"], "half_open")
-        with self.assertRaises(qmem.GatewayError) as cm:
-            other.admit()
-        self.assertIn("probing", str(cm.exception))
-        # The probe fails: open again, twice as long.
-        prober.failure("unreachable", "refused")
-        self.assertEqual(b.read()["open_until"], self.now + 240)
-        for expected in (480, 600, 600):  # doubling, capped at breakerMaxMs
-            self.now = b.read()["open_until"] + 1
-            p = self.breaker()
-            p.admit()
-            p.failure("unreachable", "refused")
-            self.assertEqual(b.read()["open_until"] - self.now, expected)
-        # Success closes it and forgets the trips.
-        self.now = b.read()["open_until"] + 1
-        p = self.breaker()
-        p.admit()
-        p.success()
-        self.assertEqual(b.read()["state"], "closed")
-        self.assertFalse(os.path.exists(self.breaker_file) and b.read()["trips"])
-
-    def test_killed_prober_does_not_wedge_it(self):
-        b = self.breaker()
-        b.failure("unreachable", "refused")
-        self.now += 121
-        self.breaker().admit()      # a prober that then dies
-        with self.assertRaises(qmem.GatewayError):
-            self.breaker().admit()
-        self.now += 51              # its lease expires
-        self.breaker().admit()
-
-    def test_a_prober_proven_dead_frees_the_probe_at_once(self):
-        """Part 10: a flush SIGKILLed mid-request held the half-open probe, and for its
-        whole lease every process answered "another process is probing it" while the
-        gateway was up. A live prober keeps it."""
-        child = ("import sys, time; sys.path.insert(0, %r); import qmem\n"
-                 "b = qmem.Breaker(sys.argv[1], sys.argv[2], base_ms=1, max_ms=1, lease_s=50)\n"
-                 "b.failure('unreachable', 'refused'); time.sleep(0.01); b.admit()\n"
-                 "print(b.read()['state'], flush=True); time.sleep(60)\n" % HERE)
-        proc = subprocess.Popen([sys.executable, "-c", child, self.breaker_file, self.gw.url],
-                                stdout=subprocess.PIPE, universal_newlines=True)
-        self.addCleanup(proc.wait)
-        self.addCleanup(proc.kill)
-        self.assertEqual(proc.stdout.readline(), "half_open\n")
-        mine = lambda: qmem.Breaker(self.breaker_file, self.gw.url, lease_s=50)  # noqa: E731
-        with self.assertRaises(qmem.GatewayError) as cm:
-            mine().admit()
-        self.assertIn("another process is probing it", str(cm.exception))
-        proc.kill()
-        proc.wait()
-        gw = self.closing(qmem.Gateway(self.config(), breaker=mine()))
-        self.assertEqual(gw.call("GET", "/v1/status").status, 200)
-        self.assertEqual(self.breaker_state()["state"], "closed")
-
-    def test_failure_while_open_does_not_extend_it(self):
-        b = self.breaker()
-        b.failure("unreachable", "refused")
-        until = b.read()["open_until"]
-        self.now += 10
-        self.breaker().failure("unreachable", "refused")  # a process that passed the check earlier
-        self.assertEqual(b.read()["open_until"], until)
-        self.assertEqual(b.read()["trips"], 1)
-
-    def test_reset_and_url_change(self):
-        self.breaker().failure("unreachable", "refused")
-        self.assertEqual(self.breaker(url="https://other.example").read()["state"], "closed")
-        self.assertEqual(self.breaker(url=self.gw.url + "/").read()["state"], "open")  # same URL
-        self.ok("breaker", "--reset")
-        self.assertEqual(self.breaker().read()["state"], "closed")
-
-    def test_config_url_resets_the_breaker(self):
-        self.breaker().failure("unreachable", "refused")
-        del os.environ["QMEM_URL"]
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+    def test_usage_and_configuration_errors_exit_2(self):
+        one = self.assert_one_document
+        self.assertEqual(one(2, "find")["error"]["kind"], "usage")
+        one(2, "find", "x", "--limit", "many")
+        one(2, "find", "x", "--limit", "0")
+        one(2, "no-such-command")
+        one(2, "search", "x", "--top-k", "500")
+        one(2, "store", "no project")
+        one(2, "store", "", "--project", "p")
+        one(2, "store", "x", "--project", "p", "--expires", "yesterday")
+        one(2, "correct", "unknown-id", "text")
+        one(2, "queue", "--drop", "nope", "--yes")
+        one(2, "config", "url", "ftp://x")
+        one(2, "config", "set", "nope", "1")
+        one(2, "config", "set", "timeoutMs", "-5")
+        one(2, "config", "show", "extra")
+        with mock.patch("sys.stdin", io.StringIO("\n")):
+            one(2, "config", "apikey")
+        self.unconfigured()
+        self.ok("store", "queued without a gateway", "--project", "p")
+        for argv in (("flush",), ("enrich",), ("pull",), ("config", "test")):
+            self.assertEqual(one(2, *argv)["error"]["kind"], "not_configured", argv)
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "broken.json")
         with open(os.environ["QMEM_CONFIG"], "w") as f:
-            json.dump({"url": self.gw.url}, f)
-        self.ok("config", "url", self.gw.url)
-        self.assertEqual(self.breaker().read()["state"], "closed")
+            f.write("{not json")
+        self.assertEqual(one(2, "status")["error"]["kind"], "config")
 
-    def test_corrupt_or_missing_file_is_closed_with_a_warning(self):
-        os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
-        for junk in (b"{not json", b"[]", b'{"gateways": {"%s": {"state": 5}}}' % self.gw.url.encode(),
-                     b"\x00\x00", b'{"gateways": {"x": {"open_until": "abc"}}}'):
-            with open(self.breaker_file, "wb") as f:
-                f.write(junk)
-            err = io.StringIO()
-            with contextlib.redirect_stderr(err):
-                self.breaker().admit()
-                self.assertEqual(self.breaker().read()["state"], "closed")
-        code, out, err = self.run_cli("breaker")
-        self.assertEqual(code, 0)
-        b = self.breaker()
-        b.failure("unreachable", "refused")  # rewrites a good file
-        self.assertEqual(self.breaker().read()["state"], "open")
-
-    def test_breaker_command_shows_state_url_and_last_error(self):
-        os.environ["QMEM_URL"] = self.dead
-        self.run_cli("search", "anything")
-        out = self.ok("breaker")
-        self.assertIn("open", out)
-        self.assertIn(self.dead, out)
-        self.assertIn("Connection refused", out)
-        self.assertIn("retry in", out)
-        doc = self.ok_json("breaker")
-        self.assertEqual(doc["state"], "open")
-        self.assertGreater(doc["retry_in_ms"], 100000)
-
-    def test_two_processes_share_it_and_the_open_one_opens_no_socket(self):
-        self.gw.script = [(503, None)] * 3
+    def test_failures_exit_1_and_require_remote_exits_3(self):
+        one = self.assert_one_document
+        self.assertEqual(one(1, "get", "does-not-exist")["error"]["kind"], "not_found")
+        self.gw.script.append((422, {"detail": "text rejected"}))
+        refused = one(1, "store", "rifiutata", "--project", "p")
+        self.assertEqual((refused["state"], refused["error"]["kind"]), ("failed", "rejected"))
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        self.gw.script.append((422, {"detail": "text rejected"}))
+        self.assertEqual(one(1, "flush")["failed"], 1)
+        self.offline()
+        self.assertEqual(one(3, "search", "x", "--require-remote")["error"]["kind"],
+                         "remote_required")
+        self.assertEqual(one(3, "get", "x", "--require-remote")["exit_code"], 3)
+        self.assertEqual(one(3, "meta", "--require-remote")["exit_code"], 3)
+        # maybe a real id: it cannot be checked now
+        self.assertEqual(one(1, "get", "not-here-either")["error"]["kind"], "unavailable")
+        # opened by the first call
+        self.assertEqual(one(1, "pull")["error"]["kind"], "breaker_open")
+        self.assertEqual(one(1, "enrich", "some-id")["error"]["kind"], "stopped")
+        self.ok("store", "offline", "--project", "p")
+        self.assertEqual(one(1, "flush")["error"]["kind"], "breaker_open")
         os.environ["QMEM_URL"] = self.gw.url
-        for _ in range(3):   # three ambiguous failures (each retried 0 times by config below)
-            gw = self.closing(qmem.Gateway(self.config(), qmem.Breaker.from_config(self.config()), retries=0))
-            self.assert_fails("ambiguous", gw, "GET", "/v1/status")
-        self.assertEqual(self.breaker_state()["state"], "open")
-        connections = self.gw.connections
-        probe = ("import sys, socket, runpy\n"
-                 "def no(*a, **k): raise AssertionError('a socket was opened')\n"
-                 "socket.socket.__init__ = no\n"
-                 "sys.argv = ['qmem.py', 'search', 'anything', '--json']\n"
-                 "try:\n    runpy.run_path(%r, run_name='__main__')\n"
-                 "except SystemExit as e:\n    code = e.code\n"
-                 "bad = [m for m in ('ssl', 'http.client') if m in sys.modules]\n"
-                 "sys.stderr.write('NET:%%s EXIT:%%s' %% (bad, code))\n" % QMEM)
-        p = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, universal_newlines=True)
-        self.assertIn("NET:[] EXIT:0", p.stderr)
-        doc = json.loads(p.stdout)
-        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("local_sqlite", True, True))
-        self.assertGreater(doc["retry_in_ms"], 0)
-        self.assertEqual(self.gw.connections, connections)
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        self.ok("breaker", "--reset")
+        self.assertEqual(one(1, "search", "x")["error"]["kind"], "auth")
+        doc = one(1, "store", "chiave sbagliata", "--project", "p")
+        self.assertEqual((doc["queued"], doc["error"]["kind"]), (True, "auth"))
+
+
+# === Utilities ===============================================================
+
+
+class UtilityTests(QmemTestCase):
+    """Masking a secret, and whether a claim's process is proven dead."""
+
+    def test_secret_is_masked(self):
+        self.assertEqual(qmem.mask_secret("sk-live-0123456789abcd"), "sk-…abcd")
+        self.assertNotIn("0123", qmem.mask_secret("sk-live-0123456789abcd"))
+
+    def test_a_claimant_is_dead_only_when_its_identity_proves_it(self):
+        host, boot, ns, pid, start = qmem.process_identity()
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              stdout=subprocess.PIPE)
+        dead_pid = dead.stdout.decode().strip()
+        self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, dead_pid, "1", "r"))))
+        self.assertFalse(qmem.claimant_is_gone(  # another pid namespace: a container
+            "|".join((host, boot, "pid:[999]", dead_pid, "1", "r"))))
+        self.assertFalse(qmem.claimant_is_gone(
+            "|".join((host, "other-boot", ns, dead_pid, "1", "r"))))
+        # alive: us
+        self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, ns, pid, start, "r"))))
+        # our pid, reused
+        self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, pid, "12", "r"))))
+        # an older qmem.py's token
+        self.assertFalse(qmem.claimant_is_gone("%s:%s:abc" % (host, dead_pid)))
+
+    def test_an_unreadable_start_time_proves_nothing(self):
+        token = qmem.claim_token()
+        with mock.patch.object(qmem, "_proc_stat", return_value=("", "")):
+            self.assertFalse(qmem.claimant_is_gone(token))
+
+    def test_a_claimant_killed_and_not_reaped_yet_is_gone(self):
+        """Part 10's soak: a client that killed its server had not waited for it yet,
+        and the zombie's claim held the write for the whole lease."""
+        child = ("import sys; sys.path.insert(0, %r); import qmem; "
+                 "print(qmem.claim_token(), flush=True); input()" % HERE)
+        proc = self.child([sys.executable, "-c", child], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, universal_newlines=True)
+        token = proc.stdout.readline().strip()
+        self.assertFalse(qmem.claimant_is_gone(token))
+        os.kill(proc.pid, 9)  # and not waited for: a zombie until proc.wait()
+        if hasattr(os, "waitid"):  # until it is one, without reaping it
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        else:
+            for _ in range(200):  # the kernel makes it one within moments
+                if qmem._proc_stat(proc.pid)[0] == "Z":
+                    break
+                time.sleep(0.01)
+        self.assertEqual(qmem._proc_stat(proc.pid)[0], "Z")
+        self.assertTrue(qmem.claimant_is_gone(token))
+
+
+# === Config ==================================================================
+
+
+class ConfigTests(QmemTestCase):
+    """The effective configuration: defaults < file < environment < flags, each value of
+    its type."""
+
+    def test_missing_config_file_gives_defaults(self):
+        cfg = qmem.load_config()
+        self.assertEqual(cfg["connectTimeoutMs"], 15000)
+        self.assertEqual(cfg.sources["url"], "default")
+        self.assertEqual(cfg.db_path, self.db)
+
+    def test_precedence_defaults_file_env_flags(self):
+        path = os.path.join(self.home, ".config", "pi-qmem", "config.json")
+        os.makedirs(os.path.dirname(path))
+        with open(path, "w") as f:
+            json.dump({"url": "https://file.example", "timeoutMs": 1234, "unknownKey": 1,
+                       "localDbPath": "/from/file.sqlite"}, f)
+        with mock.patch.dict(os.environ, {"QMEM_URL": "https://env.example",
+                                          "QMEM_SQLITE": "/from/env.sqlite"}):
+            cfg = qmem.load_config(overrides={"localDbPath": "/from/flag.sqlite"})
+        self.assertEqual(cfg["url"], "https://env.example")
+        self.assertEqual(cfg.sources["url"], "env QMEM_URL")
+        self.assertEqual(cfg["timeoutMs"], 1234)
+        self.assertEqual(cfg.sources["timeoutMs"], "file")
+        self.assertEqual(cfg.db_path, "/from/flag.sqlite")
+
+    def test_invalid_config_is_a_usage_error_naming_the_file(self):
+        path = os.path.join(self.home, "bad.json")
+        with open(path, "w") as f:
+            f.write("{not json")
+        os.environ["QMEM_CONFIG"] = path
+        err = self.expect_fail(2, "status")
+        self.assertIn(path, err)
+        self.assertIn("not valid JSON", err)
+
+    def test_wrong_type_in_config_is_named(self):
+        path = os.path.join(self.home, "bad.json")
+        with open(path, "w") as f:
+            json.dump({"timeoutMs": "soon"}, f)
+        os.environ["QMEM_CONFIG"] = path
+        self.assertIn("timeoutMs", self.expect_fail(2, "status"))
+
+    def test_session_dirs_follow_pi(self):
+        self.assertEqual(qmem.session_dirs(), [self.sessions])
+        os.environ["PI_CODING_AGENT_DIR"] = "/agent"
+        self.assertEqual(qmem.session_dirs(), ["/agent/sessions"])
+        os.environ["PI_CODING_AGENT_SESSION_DIR"] = "/custom"
+        self.assertEqual(qmem.session_dirs(), ["/custom"])
+
+    def test_config_booleans_and_numbers_must_have_their_json_type(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        for bad, named in (({"offlineQueue": "no"}, "offlineQueue must be a JSON boolean"),
+                           ({"localFallback": 0}, "localFallback must be a JSON boolean"),
+                           ({"timeoutMs": "5000"}, "timeoutMs must be a whole number"),
+                           ({"breakerTripAfter": 10 ** 20},
+                            "breakerTripAfter must be between 1 and 1000"),
+                           ({"url": 42}, "url must be a string")):
+            with open(os.environ["QMEM_CONFIG"], "w") as f:
+                json.dump(bad, f)
+            err = self.expect_fail(2, "status")
+            self.assertIn(named, err)
+            self.assertIn(os.environ["QMEM_CONFIG"], err)
+        os.remove(os.environ["QMEM_CONFIG"])
+        # words are for the command line; the file gets a boolean
+        self.ok("config", "set", "offlineQueue", "no")
+        with open(os.environ["QMEM_CONFIG"]) as f:
+            self.assertIs(json.load(f)["offlineQueue"], False)
+        self.assertIn("between 1 and 600000",
+                      self.expect_fail(2, "config", "set", "connectTimeoutMs", "99999999999"))
 
 
 class ConfigCommandTests(GatewayTestCase):
+    """`qmem.py config`: its actions, with nothing in the environment."""
 
     def setUp(self):
         super().setUp()
@@ -1484,7 +861,8 @@ class ConfigCommandTests(GatewayTestCase):
     def test_test_reports_version_latency_and_a_rejected_key(self):
         os.environ.update(QMEM_URL=self.gw.url, QMEM_API_KEY=API_KEY)
         doc = self.ok_json("config", "test")
-        self.assertEqual((doc["reachable"], doc["key_valid"], doc["version"]), (True, True, "2.12.0"))
+        self.assertEqual((doc["reachable"], doc["key_valid"], doc["version"]),
+                         (True, True, "2.12.0"))
         self.assertIsInstance(doc["latency_ms"], int)
         os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
         code, out, err = self.run_cli("config", "test")
@@ -1504,1535 +882,9 @@ class ConfigCommandTests(GatewayTestCase):
         self.assertEqual(self.saved()["url"], self.gw.url)
 
 
-class SearchGetMetaTests(GatewayTestCase):
-
-    def test_search_shows_scores_and_merges_hits_as_partial_views(self):
-        rec = self.gw.add("Il deploy usa blue/green sul nodo 3")
-        out = self.ok("search", "deploy")
-        self.assertIn("0.71 strong", out)
-        self.assertIn("0.60 strong", out)
-        self.assertIn(rec["id"], out)
-        self.assertEqual(self.find_ids("deploy"), [rec["id"]])
-        self.assertEqual(self.local_record(rec["id"])["view"], qmem.VIEW_HIT)
-        doc = self.ok_json("search", "deploy", "--project", "infra", "--top-k", "3", "--min-score", "0.5")
-        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("gateway", False, False))
-        body = self.gw.requests[-1][3]
-        # 2 * 3 + 8: private hits are left out here, so the gateway is asked for more (part 11)
-        self.assertEqual((body["project_id"], body["top_k"], body["min_score"]), ("infra", 14, 0.5))
-        self.assertEqual(len(doc["results"]), 1)
-
-    def test_private_records_stay_out_of_search_unless_asked_and_are_marked(self):
-        """Part 11: with the gateway up, search and qmem_search returned private records,
-        unmarked."""
-        public = self.gw.add("la chiave del deploy pubblica")
-        secret = self.gw.add("la chiave del deploy privata", private=True)
-        self.assertEqual([r["id"] for r in self.ok_json("search", "deploy")["results"]], [public["id"]])
-        both = self.ok_json("search", "deploy", "--private")["results"]
-        self.assertEqual({r["id"] for r in both}, {public["id"], secret["id"]})
-        self.assertIn("[private]", [l for l in self.ok("search", "deploy", "--private").splitlines()
-                                    if secret["id"] in l][0])
-        server = qmem.McpServer(qmem.load_config)
-        self.addCleanup(server.close)
-        for private, expected in ((False, [public["id"]]), (True, [public["id"], secret["id"]])):
-            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
-                "name": "qmem_search", "arguments": {"query": "deploy", "project_id": "*", "private": private}}})
-            results = reply["result"]["structuredContent"]["results"]
-            self.assertEqual(sorted(r["id"] for r in results), sorted(expected))
-            self.assertEqual([r["private"] for r in results if r["id"] == secret["id"]], [True] if private else [])
-
-    def test_search_falls_back_with_a_label_and_require_remote_exits_3(self):
-        rec = self.gw.add("circuit breaker half-open probe")
-        self.ok("search", "breaker")
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        out = self.ok("search", "circuit breaker")
-        self.assertIn("fallback: local_sqlite — gateway unreachable (could not connect: ", out)
-        self.assertIn("); breaker open, retry in", out)
-        self.assertIn("lexical match, not semantic", out)
-        self.assertIn(rec["id"], out)
-        self.assertNotIn("0.71", out)
-        doc = self.ok_json("search", "circuit breaker")
-        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]), ("local_sqlite", True, True))
-        self.assertIn("breaker open", doc["reason"])
-        self.assertEqual(doc["results"][0]["id"], rec["id"])
-        self.assertNotIn("score", doc["results"][0])
-        err = self.expect_fail(3, "search", "circuit breaker", "--require-remote")
-        self.assertIn("--require-remote", err)
-
-    def test_no_fallback_when_disabled_or_on_401(self):
-        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
-        err = self.expect_fail(1, "search", "x")
-        self.assertIn("API key rejected", err)
-        os.environ["QMEM_API_KEY"] = API_KEY
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        with open(os.environ["QMEM_CONFIG"], "w") as f:
-            json.dump({"localFallback": False}, f)
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        self.expect_fail(1, "search", "x")
-
-    def test_get_refreshes_the_local_copy_and_404_is_clear(self):
-        rec = self.gw.add("Le città del nord usano il nodo 7", project="geo")
-        doc = self.ok_json("get", rec["id"])
-        self.assertEqual((doc["source"], doc["record"]["text"]), ("gateway", rec["text"]))
-        self.assertEqual(self.local_record(rec["id"])["view"], qmem.VIEW_FULL)
-        self.assertIn("no such memory", self.expect_fail(1, "get", "does-not-exist"))
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        out = self.ok("get", rec["id"])
-        self.assertIn("fallback: local_sqlite", out)
-        self.assertIn(rec["text"], out)
-        self.assertIn("not in the local index", self.expect_fail(1, "get", "unknown-id"))
-
-    def test_meta_from_the_gateway_or_the_local_index(self):
-        self.gw.add("one", kind="fact")
-        self.gw.add("two", kind="decision")
-        doc = self.ok_json("meta")
-        self.assertEqual((doc["source"], doc["scopes"]["project"]["fact"]), ("gateway", 1))
-        self.ok("search", "one two")
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        doc = self.ok_json("meta")
-        self.assertEqual((doc["source"], doc["degraded"]), ("local_sqlite", True))
-        self.assertEqual(doc["scopes"]["project"], {"decision": 1, "fact": 1})
-        self.assertIn("fallback: local_sqlite", self.ok("meta"))
-
-    def test_the_api_key_appears_in_no_output(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        captured = []
-        for argv in (("config", "show"), ("config", "show", "--json"), ("config", "test"), ("search", "x"),
-                     ("get", "nope"), ("meta",), ("breaker",), ("status",)):
-            captured.append(self.run_cli(*argv))
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        for argv in (("search", "x"), ("search", "x", "--json"), ("breaker", "--json"), ("get", "x")):
-            captured.append(self.run_cli(*argv))
-        for code, out, err in captured:
-            self.assertNotIn(API_KEY, out + err)
-            self.assertNotIn("0123456789", out + err)
-        with open(self.breaker_file) as f:
-            self.assertNotIn(API_KEY, f.read())
-
-
-class WriteTests(GatewayTestCase):
-    """store, correct, queue, flush: every outcome, against the fake gateway."""
-
-    def outbox(self):
-        return {r["local_id"]: r for r in self.ok_json("queue")["items"]}
-
-    def go_offline(self):
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-
-    def go_online(self):
-        os.environ["QMEM_URL"] = self.gw.url
-
-    def test_store_online_adopts_the_gateway_id(self):
-        doc = self.ok_json("store", "Il nodo 3 ospita il deploy", "--project", "infra", "--kind", "decision",
-                           "--scope", "project", "--expires", "2099-01-01")
-        self.assertEqual((doc["source"], doc["state"], doc["degraded"]), ("gateway", "synced", False))
-        self.assertIn(doc["id"], self.gw.records)
-        sent = self.gw.posts()[0]
-        self.assertEqual(sent[2]["idempotency-key"], doc["local_id"])
-        self.assertEqual(sent[3]["kind"], "decision")
-        self.assertEqual(sent[3]["expires_at"], "2099-01-01T00:00:00.000Z")
-        self.assertIn("(", sent[3]["source"])  # this machine: "host (OS)"
-        found = self.ok_json("find", "nodo")["results"]
-        self.assertEqual([(r["id"], r["pending"]) for r in found], [(doc["id"], False)])
-        out = self.ok("store", "altro", "--project", "p")
-        self.assertRegex(out, r"^stored as [0-9a-f-]{36} in the shared memory")
-        self.assertNotIn("queued", out)
-
-    def test_text_from_a_file_or_stdin(self):
-        path = os.path.join(self.home, "note.txt")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write("Perché la città usa il nodo 7\n")
-        self.ok("store", "--text-file", path, "--project", "geo")
-        with mock.patch("sys.stdin", io.StringIO("dallo stdin")):
-            self.ok("store", "-", "--project", "geo")
-        self.assertEqual(sorted(r["text"] for r in self.gw.records.values()),
-                         ["Perché la città usa il nodo 7", "dallo stdin"])
-
-    def test_bad_input_is_refused_and_nothing_is_queued(self):
-        for argv in (("store", "", "--project", "p"), ("store", "x"), ("store", "x", "--project", " "),
-                     ("store", "x", "--project", "p", "--kind", "rumour"),
-                     ("store", "x", "--project", "p", "--expires", "next week"),
-                     ("store", "x", "--project", "p", "--expires", "2001-01-01"),
-                     ("store", "x" * 40000, "--project", "p"),
-                     ("store", "x", "--project", "p", "--text-file", "/no/such/file"),
-                     ("store", "x", "--project", "p", "--reason", "no target"),
-                     ("correct", "unknown-id", "x")):
-            self.expect_fail(2, *argv)
-        self.assertEqual(self.ok_json("queue")["items"], [])
-        self.assertEqual(self.gw.posts(), [])
-
-    def test_every_field_of_a_write_is_bounded(self):
-        """Part 11: scope, agent, source and reason of 10 MiB each were queued."""
-        huge = "x" * (qmem.MAX_FIELD + 1)
-        for argv in (("--scope", huge), ("--agent", huge), ("--source", huge),
-                     ("--project", "p" * 101), ("--supersedes", UUIDS[0], "--reason", huge)):
-            err = self.expect_fail(2, "store", "testo", "--project", "p", *argv)
-            self.assertIn("it may have at most", err)
-        self.assertIn("holds a control character", self.expect_fail(2, "store", "t", "--project", "a\x1b[2Jb"))
-        self.assertEqual(self.ok_json("queue")["items"], [])
-        self.assertEqual(self.gw.posts(), [])
-        with mock.patch.object(qmem, "machine_identity", return_value="h" * 1000):
-            doc = self.ok_json("store", "testo", "--project", "p", "--queue-only")
-        self.assertEqual(len(doc["provenance"]), qmem.MAX_FIELD)  # a default is cut, not refused
-
-    def test_a_write_past_the_outbox_bound_is_refused_and_kept_aside(self):
-        """Part 11: 200 calls grew the database by 100 MB in 5 s; the outbox had no bound."""
-        config = os.path.join(self.home, "c.json")
-        with open(config, "w") as f:
-            json.dump({"outboxMaxMB": 1}, f)
-        os.environ["QMEM_CONFIG"] = config
-        big = "x" * 30000  # 1 MiB holds 34 such writes
-        for n in range(34):
-            self.ok("store", "%s %d" % (big, n), "--project", "p", "--queue-only")
-        err = self.expect_fail(1, "store", big + " troppo", "--project", "p", "--queue-only")
-        self.assertIn("the outbox is full: the writes waiting here take more than outboxMaxMB (1 MB)", err)
-        self.assertIn("`qmem.py flush`", err)
-        saved = re.search(r"your text is saved in (\S+):", err).group(1)
-        self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
-        texts = [r["text"] for r in self.ok_json("queue")["items"]]
-        self.assertEqual((len(texts), [t for t in texts if "troppo" in t]), (34, []))
-        self.assertEqual(self.ok_json("flush")["synced"], 34)  # delivered: room again
-        self.ok("store", "--text-file", saved, "--project", "p", "--queue-only")
-
-    def test_a_credential_is_refused_kept_aside_and_stored_only_when_a_person_asks(self):
-        """Part 11: a store whose text held a private key, a cloud key or password=... was
-        shared with the whole team as it was."""
-        cases = (("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk=\n", "a private key block"),
-                 ("usa la chiave AKIAIOSFODNN7EXAMPLE per S3", "an AWS access key id"),
-                 ("token ghp_" + "a1B2" * 9 + " del bot", "a GitHub token"),
-                 ("il db: DB_PASSWORD=s3cr3t-pass", "a password, secret or token assignment"),
-                 ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl", "a JSON Web Token"),
-                 ("db postgres://app:Sup3rS3cret!@10.0.0.5/app", "a password in a URL"),
-                 ("Authorization: Bearer abcdef0123456789abcdef", "a bearer or basic credential"),
-                 ('password: "correct horse battery"', "a password, secret or token assignment"))
-        for text, what in cases:
-            err = self.expect_fail(1, "store", text, "--project", "p")
-            self.assertIn("not stored: the text holds %s (at character" % what, err)
-            saved = re.search(r"your text is saved in (\S+):", err).group(1)
-            self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
-        self.assertEqual((self.ok_json("queue")["items"], self.gw.posts()), ([], []))
-        for innocent in ("commit 3f2a9c1e8b7d6f5a4e3d2c1b0a9f8e7d6c5b4a3f", "id " + UUIDS[3],
-                         "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
-                         "tokenizer=unicode61, the password is read from $DB_PASSWORD",
-                         "password=<la tua password>", "token=${GITHUB_TOKEN}",
-                         "key_id 0xDEADBEEF", "Password: required; min length 12",
-                         "Token: refresh every 15 minutes", "token = jwt.encode(payload, key)",
-                         "password=os.environ['PW']", "pwd: /home/user/project", "token bucket of 100",
-                         "Bearer tokens expire", "https://example.com/a@b"):
-            self.ok("store", innocent, "--project", "p")
-        err = self.expect_fail(1, "store", "ok", "--project", "p", "--supersedes", UUIDS[0],
-                               "--reason", "era trapelato password=hunter22")
-        self.assertIn("not stored: the reason holds a password", err)
-        doc = self.ok_json("store", "password=hunter22 per il test", "--project", "p",
-                           "--allow-secret")
-        self.assertEqual(self.gw.posts()[-1][3]["text"], "password=hunter22 per il test")
-        self.assertEqual(self.local_record(doc["id"])["text"], "password=[masked] per il test")
-
-    def test_the_local_index_masks_credentials_on_every_path_and_in_rows_already_there(self):
-        s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
-        s.store(record(UUIDS[9], "il token del bot è ghp_" + "a1B2" * 9))
-        s.write()
-        self.ok("import")  # through the import's writer
-        self.assertEqual(self.local_record(UUIDS[9])["text"], "il token del bot è [masked: GitHub token]")
-        self.gw.add("la chiave è AKIAIOSFODNN7EXAMPLE")
-        hit = self.ok_json("search", "chiave")["results"][0]["id"]
-        self.assertEqual(self.local_record(hit)["text"], "la chiave è [masked: AWS access key id]")
-        self.put_record(UUIDS[0], "secret: topsecret1 nel vecchio indice")
-        self.assertEqual(self.local_record(UUIDS[0])["text"], "secret: [masked] nel vecchio indice")
-        conn = sqlite3.connect(self.db)  # a row an older qmem.py stored unmasked
-        rid = conn.execute("SELECT rid FROM records WHERE id=?", (UUIDS[0],)).fetchone()[0]
-        old, new = "secret: [masked] nel vecchio indice", "secret: topsecret1 nel vecchio indice"
-        conn.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
-                     "VALUES('delete', ?, ?, 'infra', 'fact')", (rid, old))
-        conn.execute("UPDATE records SET text=? WHERE rid=?", (new, rid))
-        conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) "
-                     "VALUES(?, ?, 'infra', 'fact')", (rid, new))
-        conn.execute("DELETE FROM meta WHERE key='secrets_masked'")
-        conn.commit()
-        conn.close()
-        self.assertEqual(self.find_ids("topsecret1"), [])  # masked once, by the next command
-        self.assertEqual(self.local_record(UUIDS[0])["text"], "secret: [masked] nel vecchio indice")
-        self.assertEqual(self.find_ids("vecchio"), [UUIDS[0]])
-        self.assertEqual(self.ok_json("doctor", "--offline")["summary"]["fail"], 0)
-
-    def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
-        self.go_offline()
-        out = self.ok("store", "La coda locale è cercabile subito", "--project", "infra")
-        self.assertIn("not shared yet: queued on this machine as", out)
-        self.assertIn("other agents see it once it is delivered (`qmem.py flush`)", out)
-        found = self.ok_json("find", "coda locale")["results"]
-        self.assertEqual(len(found), 1)
-        self.assertTrue(found[0]["pending"])
-        self.assertIn("[PENDING]", self.ok("find", "cercabile"))
-        local_id = found[0]["id"]
-        self.assertEqual(self.outbox()[local_id]["state"], "pending")
-        self.ok("breaker", "--reset")
-        self.go_online()
-        self.assertIn("1 delivered", self.ok("flush"))
-        item = self.outbox()[local_id]
-        self.assertEqual(item["state"], "synced")
-        self.assertEqual(self.find_ids("coda"), [item["gateway_id"]])
-        self.assertEqual(len(self.gw.records), 1)
-        self.assertIsNotNone(self.ok_json("status")["lag"]["last_flush_at"])
-
-    def test_queue_only_and_automatic_flush_after_an_online_command(self):
-        self.ok("store", "prima", "--project", "p", "--queue-only")
-        self.ok("store", "seconda", "--project", "p", "--queue-only")
-        self.assertEqual(self.gw.posts(), [])
-        code, out, err = self.run_cli("search", "qualcosa")
-        self.assertEqual(code, 0)
-        self.assertIn("delivered 2 writes queued here (0 duplicates, 0 failed; 0 still queued)", out)
-        self.assertEqual(sorted(r["text"] for r in self.gw.records.values()), ["prima", "seconda"])
-        self.ok("store", "terza", "--project", "p", "--queue-only")
-        self.assertEqual(self.ok_json("search", "qualcosa")["auto_flush"],
-                         {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0, "error": None})
-        self.assertIsNone(self.ok_json("search", "qualcosa")["auto_flush"])  # nothing was queued
-
-    def test_offline_queue_off_fails_and_leaves_nothing(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        with open(os.environ["QMEM_CONFIG"], "w") as f:
-            json.dump({"offlineQueue": False}, f)
-        self.go_offline()
-        self.assertIn("nothing kept", self.expect_fail(1, "store", "non resta nulla", "--project", "p"))
-        self.assertEqual(self.ok_json("queue")["items"], [])
-        self.assertEqual(self.find_ids("resta"), [])
-
-    def test_duplicate_keeps_duplicate_of_and_suggests_correct(self):
-        original = self.gw.add("the same thing")
-        self.gw.duplicate_texts["the same thing again"] = original["id"]
-        out = self.ok("store", "the same thing again", "--project", "p")
-        self.assertIn("already holds a near-identical memory, %s" % original["id"], out)
-        self.assertIn("qmem.py correct %s" % original["id"], out)
-        item = list(self.outbox().values())[0]
-        self.assertEqual((item["state"], item["duplicate_of"]), ("duplicate", original["id"]))
-        self.assertIn("duplicate of " + original["id"], self.ok("queue"))
-        self.assertEqual(len(self.gw.records), 1)
-
-    def test_422_and_404_fail_with_the_reason_and_retry_failed(self):
-        self.ok("store", "x", "--project", "p", "--queue-only")
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        store.conn.execute("UPDATE outbox SET payload=json_remove(payload, '$.kind')")
-        code, out, err = self.run_cli("flush")
-        self.assertEqual(code, 1)
-        self.assertIn("kind: field required", out)
-        self.assertEqual(list(self.outbox().values())[0]["state"], "failed")
-        store.conn.execute("UPDATE outbox SET payload=json_set(payload, '$.kind', 'fact')")
-        self.assertIn("1 delivered", self.ok("flush", "--retry-failed"))
-        unknown = "00000000-0000-4000-8000-00000000abcd"
-        code, out, err = self.run_cli("store", "fix", "--project", "p", "--supersedes", unknown)
-        self.assertEqual(code, 1)
-        self.assertIn("supersedes_id %s not found" % unknown, out)
-
-    def test_correct_marks_the_old_record_superseded_at_once(self):
-        old = self.gw.add("Il deploy usa il nodo 3")
-        self.ok("search", "deploy")
-        self.go_offline()
-        out = self.ok("correct", old["id"], "Il deploy usa il nodo 4", "--reason", "migrato")
-        self.assertIn("queued", out)
-        self.assertNotIn(old["id"], self.find_ids("deploy"))
-        self.assertIn(old["id"], self.find_ids("deploy", "--include-superseded"))
-        self.ok("breaker", "--reset")
-        self.go_online()
-        self.ok("flush")
-        new_id = self.outbox()[list(self.outbox())[0]]["gateway_id"]
-        self.assertEqual(self.gw.records[new_id]["supersedes_id"], old["id"])
-        self.assertEqual(self.gw.records[new_id]["supersede_reason"], "migrato")
-        self.assertEqual(self.gw.records[new_id]["project_id"], "infra")  # inherited
-        self.assertEqual(self.local_record(old["id"])["superseded_by"], new_id)
-
-    def test_correction_of_a_queued_record_lands_on_its_gateway_id(self):
-        first = self.ok_json("store", "primo testo", "--project", "p", "--queue-only")["local_id"]
-        second = self.ok_json("correct", first, "testo corretto", "--queue-only")["local_id"]
-        self.assertEqual(self.find_ids("testo"), [second])
-        self.ok("flush")
-        box = self.outbox()
-        a, b = box[first]["gateway_id"], box[second]["gateway_id"]
-        self.assertEqual(self.gw.records[b]["supersedes_id"], a)
-        self.assertEqual(self.gw.records[a]["superseded_by"], b)
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        self.assertEqual(store.get(a)["superseded_by"], b)
-        self.assertEqual(store.get(b)["supersedes_id"], a)
-        self.assertEqual(self.find_ids("testo"), [b])
-        # A correction by the old local id, after both synced, still finds the gateway id.
-        self.ok("correct", first, "terzo", "--reason", "again")
-        self.assertEqual(self.gw.posts()[-1][3]["supersedes_id"], a)
-        # By a delivered local id, while offline: the record is marked superseded at once.
-        self.go_offline()
-        fourth = self.ok_json("correct", second, "quarto", "--reason", "again")["local_id"]
-        self.assertEqual(self.local_record(b)["superseded_by"], fourth)
-
-    def test_reply_lost_after_the_gateway_stored_ends_as_one_synced_record(self):
-        self.gw.script = ["drop_after_store"]
-        doc = self.ok_json("store", "risposta persa", "--project", "p")
-        self.assertEqual(doc["state"], "pending")
-        self.assertEqual(len(self.gw.records), 1)  # it did store it
-        self.ok("breaker", "--reset")
-        self.ok("flush")
-        self.assertEqual(len(self.gw.records), 1)
-        item = self.outbox()[doc["local_id"]]
-        self.assertEqual(item["state"], "synced")
-        self.assertEqual(item["gateway_id"], list(self.gw.records)[0])
-        keys = [r[2]["idempotency-key"] for r in self.gw.posts()]
-        self.assertEqual(keys, [doc["local_id"]] * 2)
-
-    def test_unreachable_stops_the_flush_and_keeps_the_rest_pending(self):
-        for n in range(3):
-            self.ok("store", "riga %d" % n, "--project", "p", "--queue-only")
-        self.go_offline()
-        code, out, err = self.run_cli("flush")
-        self.assertEqual(code, 1)
-        self.assertIn("3 still queued", out)
-        self.assertEqual({r["state"] for r in self.outbox().values()}, {"pending"})
-        self.assertEqual({r["attempts"] for r in self.outbox().values()}, {0})
-
-    def test_503_leaves_the_row_for_later_with_the_same_key(self):
-        self.gw.script = [(503, None, {"Retry-After": "30"})]
-        doc = self.ok_json("store", "più tardi", "--project", "p")
-        self.assertEqual(doc["state"], "pending")
-        item = self.outbox()[doc["local_id"]]
-        self.assertIsNotNone(item["next_attempt_at"])
-        self.assertIn("503", item["last_error"])
-
-    def test_401_is_an_error_and_the_write_stays_queued_and_says_so(self):
-        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
-        code, out, err = self.run_cli("store", "chiave", "--project", "p")
-        self.assertEqual(code, 1)
-        self.assertIn("API key rejected", err)
-        self.assertTrue(out.startswith("not shared yet: queued on this machine"), out)
-        self.assertIn("config apikey", out)
-        code, out, err = self.run_cli("store", "chiave due", "--project", "p", "--json")
-        doc = json.loads(out)
-        self.assertEqual((code, doc["exit_code"], doc["error"]["kind"], doc["state"], doc["queued"]),
-                         (1, 1, "auth", "pending", True))
-        self.assertEqual([r["state"] for r in self.outbox().values()], ["pending", "pending"])
-        os.environ["QMEM_API_KEY"] = API_KEY
-        self.assertEqual(self.ok_json("flush")["synced"], 2)
-
-    def test_flush_with_nothing_queued_needs_no_gateway(self):
-        del os.environ["QMEM_URL"]
-        self.assertEqual(self.ok("flush"), "flush: nothing queued\n")
-        self.assertFalse(os.path.exists(self.db))
-        self.assertEqual(self.ok_json("flush")["pending"], 0)
-
-    def test_queue_lists_state_attempts_age_and_text(self):
-        self.go_offline()
-        self.ok("store", "una cosa da ricordare", "--project", "p")
-        out = self.ok("queue")
-        self.assertIn("outbox: pending 1", out)
-        self.assertIn("una cosa da ricordare", out)
-        doc = self.ok_json("queue", "--state", "synced")
-        self.assertEqual((doc["items"], doc["counts"]["pending"]), ([], 1))
-
-
-class HonestStateTests(GatewayTestCase):
-    """Part 4's "honest states": what find, get, status, queue, the fallback label and
-    the breaker say must be what is true."""
-
-    REFUSE = (422, {"detail": [{"loc": ["body", "text"], "msg": "text rejected by policy"}]})
-
-    def outbox(self):
-        return {r["local_id"]: r for r in self.ok_json("queue")["items"]}
-
-    def refused_store(self, text, *extra):
-        self.gw.script.append(self.REFUSE)
-        code, out, err = self.run_cli("store", text, "--project", "p", *extra)
-        self.assertEqual(code, 1, out + err)
-        return [r for r in self.ok_json("queue")["items"] if r["text"] == text][0]["local_id"]
-
-    def test_a_rejected_write_is_failed_with_its_reason_in_find_and_get(self):
-        local_id = self.refused_store("scrittura rifiutata")
-        out = self.ok("find", "rifiutata")
-        self.assertIn("FAILED: text: text rejected by policy", out)
-        self.assertNotIn("PENDING", out)
-        hit = self.ok_json("find", "rifiutata")["results"][0]
-        self.assertEqual((hit["pending"], hit["failed"], hit["failed_reason"]),
-                         (False, True, "text: text rejected by policy"))
-        out = self.ok("get", local_id)
-        self.assertIn("FAILED: the gateway refused this write (text: text rejected by policy)", out)
-        self.assertNotIn("queued here", out)
-        self.assertEqual(self.ok_json("get", local_id)["record"]["failed"], True)
-
-    def test_a_rejected_correction_no_longer_hides_its_target_until_retried(self):
-        old = self.gw.add("Il deploy usa il nodo 3")
-        self.ok("get", old["id"])
-        self.gw.script.append(self.REFUSE)
-        self.assertEqual(self.run_cli("correct", old["id"], "Il deploy usa il nodo 4")[0], 1)
-        self.assertIn(old["id"], self.find_ids("deploy"))
-        self.ok("import")  # a later merge must not hide it again
-        self.assertIn(old["id"], self.find_ids("deploy"))
-        self.ok("flush", "--retry-failed")
-        self.assertNotIn(old["id"], self.find_ids("deploy"))
-        self.assertTrue(self.local_record(old["id"])["superseded_by"])
-
-    def test_status_counts_waiting_and_failed_writes_apart(self):
-        self.refused_store("rifiutata")
-        self.ok("store", "in attesa", "--project", "p", "--queue-only")
-        doc = self.ok_json("status")
-        self.assertEqual((doc["records"]["pending"], doc["records"]["failed"]), (1, 1))
-        self.assertEqual((doc["outbox"]["pending"], doc["outbox"]["failed"]), (1, 1))
-        self.assertIn("1 waiting to be shared, 1 refused by the gateway", self.ok("status"))
-
-    def test_queue_drop_discards_failed_rows_and_refuses_waiting_ones(self):
-        failed = self.refused_store("da buttare")
-        self.ok("store", "in attesa", "--project", "p", "--queue-only")
-        waiting = [i for i, r in self.outbox().items() if r["state"] == "pending"][0]
-        err = self.expect_fail(2, "queue", "--drop", failed)  # no terminal here: it must not guess
-        self.assertIn("--yes", err)
-        self.assertIn("--force", self.expect_fail(2, "queue", "--drop", waiting, "--yes"))
-        self.assertIn("no write nope", self.expect_fail(2, "queue", "--drop", "nope", "--yes"))
-        self.assertEqual(len(self.outbox()), 2)  # nothing dropped by a refused request
-        doc = self.ok_json("queue", "--drop", failed, "--yes")
-        self.assertEqual([d["local_id"] for d in doc["dropped"]], [failed])
-        self.assertEqual((doc["counts"]["failed"], doc["counts"]["pending"]), (0, 1))
-        self.assertEqual(self.find_ids("buttare"), [])
-        self.assertIn("dropped " + waiting, self.ok("queue", "--drop", waiting, "--yes", "--force"))
-        self.assertEqual(self.outbox(), {})
-        self.assertEqual(self.find_ids("attesa"), [])
-
-    def test_queue_drop_asks_on_a_terminal(self):
-        failed = self.refused_store("da buttare")
-        with mock.patch.object(qmem, "_interactive", return_value=True), \
-                mock.patch("sys.stdin", io.StringIO("n\n")):
-            code, out, err = self.run_cli("queue", "--drop", failed)
-        self.assertEqual(code, 1)
-        self.assertIn("discard 1 write and its record? [y/N]", err)
-        self.assertEqual(len(self.outbox()), 1)
-        with mock.patch.object(qmem, "_interactive", return_value=True), \
-                mock.patch("sys.stdin", io.StringIO("y\n")):
-            self.assertEqual(self.run_cli("queue", "--drop", failed)[0], 0)
-        self.assertEqual(self.outbox(), {})
-
-    def test_a_dropped_correction_shows_its_target_again(self):
-        old = self.gw.add("Il deploy usa il nodo 3")
-        self.ok("get", old["id"])
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        self.ok("correct", old["id"], "Il deploy usa il nodo 4")
-        self.assertNotIn(old["id"], self.find_ids("deploy"))
-        self.ok("queue", "--drop", list(self.outbox())[0], "--yes", "--force")
-        self.assertIn(old["id"], self.find_ids("deploy"))
-
-    def ops_with_quiet_retries(self):
-        """Operations whose gateway does not retry: one failed attempt per call, so the
-        label's count can be watched call by call."""
-        cfg = qmem.load_config()
-        ops = qmem.Operations(cfg)
-        self.addCleanup(ops.close)
-        ops._gateway = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg), retries=0)
-        return ops
-
-    def test_fallback_reason_says_failing_or_unreachable_in_one_flat_line(self):
-        self.gw.add("circuit breaker half-open")
-        self.ok("search", "circuit")
-        self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
-        ops = self.ops_with_quiet_retries()
-        reasons = [ops.search("circuit")["reason"] for _ in range(3)]
-        self.assertEqual(reasons[0], "gateway failing (HTTP 503)")
-        self.assertEqual(reasons[1], "gateway failing (HTTP 503, 2 in a row)")
-        self.assertRegex(reasons[2], r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in \d+ s$")
-        refused = ops.search("circuit")  # fails fast now, and says why it is open
-        self.assertRegex(refused["reason"], r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in")
-        self.assertEqual(len(self.gw.requests), 1 + 3)
-        out = self.ok("search", "circuit")
-        self.assertRegex(out.splitlines()[0], r"^fallback: local_sqlite — gateway failing \(HTTP 503, 3 in a row\); "
-                                              r"breaker open, retry in \d+ s — lexical match, not semantic · 1 result")
-        self.assertNotIn("unreachable", out)
-        self.assertEqual(out.count("("), 1)
-        self.ok("breaker", "--reset")
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        first = self.ok("search", "circuit").splitlines()[0]
-        self.assertRegex(first, r"^fallback: local_sqlite — gateway unreachable \(could not connect: [^()]+\); "
-                                r"breaker open, retry in \d+ s — lexical match")
-
-    def test_breaker_says_why_it_is_open(self):
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        self.run_cli("search", "x")
-        out = self.ok("breaker")
-        self.assertIn("opened at once: could not connect: ", out)
-        self.assertNotIn("0 of 3", out)
-        os.environ["QMEM_URL"] = self.gw.url
-        self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
-        ops = self.ops_with_quiet_retries()
-        for _ in range(3):
-            ops.search("x")
-        out = self.ok("breaker")
-        self.assertIn("open: calls fail at once", out)
-        self.assertIn("opened after 3 consecutive failures (last: HTTP 503)", out)
-        self.assertNotIn("0 of 3", out)
-        doc = self.ok_json("breaker")
-        self.assertEqual((doc["state"], doc["opened_after"], doc["failures"]), ("open", 3, 0))
-
-
-class JsonEverywhereTests(GatewayTestCase):
-    """Every command and config action, with --json, in success and in error: exactly
-    one JSON document on stdout, and the exit code of the table (README, Exit codes)."""
-
-    def assert_one_document(self, expected_code, *argv):
-        code, out, err = self.run_cli(*(argv + ("--json",)))
-        self.assertEqual(code, expected_code, "%s: stdout %s stderr %s" % (argv, out, err))
-        self.assertEqual(out.count("\n"), 1, "%s printed %r" % (argv, out))
-        doc = json.loads(out)
-        self.assertIsInstance(doc, dict)
-        self.assertNotIn("Traceback", err)
-        if code == 0:
-            self.assertFalse(isinstance(doc.get("error"), dict) or doc.get("exit_code"), (argv, doc))
-        else:
-            self.assertEqual(doc["exit_code"], code, (argv, doc))
-            self.assertEqual(set(doc["error"]), {"kind", "message", "hint"}, (argv, doc))
-            self.assertTrue(doc["error"]["kind"] and doc["error"]["message"], (argv, doc))
-            self.assertTrue(err.startswith("qmem: "), (argv, err))
-        return doc
-
-    def offline(self):
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-
-    def unconfigured(self):
-        os.environ.pop("QMEM_URL")
-
-    def test_a_fresh_machine(self):
-        one = self.assert_one_document
-        self.assertEqual(one(0, "find", "x")["index_exists"], False)
-        self.assertEqual(one(0, "status")["index_exists"], False)
-        self.assertEqual(one(0, "queue")["items"], [])
-        self.assertEqual(one(0, "flush")["pending"], 0)
-        self.assertEqual(one(0, "import")["sessions_found"], False)
-        self.offline()
-        self.assertEqual(one(0, "meta")["index_exists"], False)
-        self.assertEqual(one(0, "search", "x")["degraded"], True)
-        self.unconfigured()
-        self.assertEqual(one(0, "breaker")["configured"], False)
-        self.assertFalse(os.path.exists(self.db))
-
-    def test_usage_and_configuration_errors_exit_2(self):
-        one = self.assert_one_document
-        self.assertEqual(one(2, "find")["error"]["kind"], "usage")
-        one(2, "find", "x", "--limit", "many")
-        one(2, "find", "x", "--limit", "0")
-        one(2, "no-such-command")
-        one(2, "search", "x", "--top-k", "500")
-        one(2, "store", "no project")
-        one(2, "store", "", "--project", "p")
-        one(2, "store", "x", "--project", "p", "--expires", "yesterday")
-        one(2, "correct", "unknown-id", "text")
-        one(2, "queue", "--drop", "nope", "--yes")
-        one(2, "config", "url", "ftp://x")
-        one(2, "config", "set", "nope", "1")
-        one(2, "config", "set", "timeoutMs", "-5")
-        one(2, "config", "show", "extra")
-        with mock.patch("sys.stdin", io.StringIO("\n")):
-            one(2, "config", "apikey")
-        self.unconfigured()
-        self.ok("store", "queued without a gateway", "--project", "p")
-        for argv in (("flush",), ("enrich",), ("pull",), ("config", "test")):
-            self.assertEqual(one(2, *argv)["error"]["kind"], "not_configured", argv)
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "broken.json")
-        with open(os.environ["QMEM_CONFIG"], "w") as f:
-            f.write("{not json")
-        self.assertEqual(one(2, "status")["error"]["kind"], "config")
-
-    def test_online_commands_succeed_with_one_document(self):
-        one = self.assert_one_document
-        rec = self.gw.add("Il deploy usa blue/green")
-        self.assertEqual(one(0, "search", "deploy")["source"], "gateway")
-        self.assertEqual(one(0, "get", rec["id"])["record"]["id"], rec["id"])
-        self.assertEqual(one(0, "meta")["source"], "gateway")
-        stored = one(0, "store", "una cosa nuova", "--project", "p")
-        self.assertEqual(stored["state"], "synced")
-        self.assertEqual(one(0, "correct", rec["id"], "Il deploy usa canary")["state"], "synced")
-        self.assertEqual(one(0, "store", "in coda", "--project", "p", "--queue-only")["queued"], True)
-        self.assertEqual(one(0, "flush")["synced"], 1)
-        self.assertEqual(one(0, "enrich")["source"], "gateway")
-        self.assertEqual(one(0, "pull")["source"], "gateway")
-        self.assertEqual(one(0, "find", "deploy")["match"], "all")
-        self.assertEqual(one(0, "status")["index_exists"], True)
-        self.assertEqual(one(0, "queue")["counts"]["synced"], 3)
-        self.assertEqual(one(0, "breaker")["state"], "closed")
-        self.assertEqual(one(0, "breaker", "--reset")["reset"], True)
-
-    def test_config_actions_each_print_a_document(self):
-        one = self.assert_one_document
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        os.environ.pop("QMEM_API_KEY")
-        self.assertEqual(one(0, "config", "url", self.gw.url)["value"], self.gw.url)
-        self.assertEqual(one(0, "config", "set", "timeoutMs", "5000")["value"], 5000)
-        with mock.patch("sys.stdin", io.StringIO(API_KEY + "\n")):
-            self.assertEqual(one(0, "config", "apikey")["value"], qmem.mask_secret(API_KEY))
-        self.assertEqual(one(0, "config", "show")["values"]["timeoutMs"], 5000)
-        self.assertEqual(one(0, "config")["action"], "show")  # no terminal: show
-        self.assertEqual(one(0, "config", "test")["key_valid"], True)
-        one(0, "config", "apikey", "sk-wrong-000000000000")
-        self.assertEqual(one(1, "config", "test")["error"]["kind"], "auth")
-
-    def test_failures_exit_1_and_require_remote_exits_3(self):
-        one = self.assert_one_document
-        self.assertEqual(one(1, "get", "does-not-exist")["error"]["kind"], "not_found")
-        self.gw.script.append((422, {"detail": "text rejected"}))
-        refused = one(1, "store", "rifiutata", "--project", "p")
-        self.assertEqual((refused["state"], refused["error"]["kind"]), ("failed", "rejected"))
-        self.ok("store", "in coda", "--project", "p", "--queue-only")
-        self.gw.script.append((422, {"detail": "text rejected"}))
-        self.assertEqual(one(1, "flush")["failed"], 1)
-        self.offline()
-        self.assertEqual(one(3, "search", "x", "--require-remote")["error"]["kind"], "remote_required")
-        self.assertEqual(one(3, "get", "x", "--require-remote")["exit_code"], 3)
-        self.assertEqual(one(3, "meta", "--require-remote")["exit_code"], 3)
-        self.assertEqual(one(1, "get", "not-here-either")["error"]["kind"], "unavailable")  # maybe a real id: it cannot be checked now
-        self.assertEqual(one(1, "pull")["error"]["kind"], "breaker_open")  # opened by the first call
-        self.assertEqual(one(1, "enrich", "some-id")["error"]["kind"], "stopped")
-        self.ok("store", "offline", "--project", "p")
-        self.assertEqual(one(1, "flush")["error"]["kind"], "breaker_open")
-        os.environ["QMEM_URL"] = self.gw.url
-        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
-        self.ok("breaker", "--reset")
-        self.assertEqual(one(1, "search", "x")["error"]["kind"], "auth")
-        doc = one(1, "store", "chiave sbagliata", "--project", "p")
-        self.assertEqual((doc["queued"], doc["error"]["kind"]), (True, "auth"))
-
-
-class OperationsTests(GatewayTestCase):
-    """The operations themselves, without argparse: what the MCP server will call."""
-
-    def ops(self):
-        ops = qmem.Operations(qmem.load_config())
-        self.addCleanup(ops.close)
-        return ops
-
-    def test_a_write_then_find_get_and_queue_return_documents(self):
-        ops = self.ops()
-        doc = ops.store_memory("  Il nodo 7 ospita Redis  ", "infra", kind="decision", queue_only=True)
-        self.assertEqual((doc["state"], doc["queued"], doc["source"]), ("pending", True, "outbox"))
-        found = ops.find("redis")
-        self.assertEqual([r["id"] for r in found["results"]], [doc["local_id"]])
-        self.assertEqual(found["results"][0]["text"], "Il nodo 7 ospita Redis")
-        self.assertEqual(ops.get(doc["local_id"])["source"], "outbox")
-        self.assertEqual(ops.queue()["counts"]["pending"], 1)
-        flushed = ops.flush()
-        self.assertEqual((flushed["synced"], flushed["pending"]), (1, 0))
-        gid = ops.queue()["items"][0]["gateway_id"]
-        self.assertEqual(ops.get(gid)["record"]["kind"], "decision")
-
-    def test_arguments_are_checked_as_agents_send_them(self):
-        ops = self.ops()
-        self.assertEqual(len(ops.find("x", limit="5")["results"]), 0)
-        for call in (lambda: ops.find("  "), lambda: ops.find("x", limit="lots"),
-                     lambda: ops.search("x", top_k=0), lambda: ops.search("x", min_score=2),
-                     lambda: ops.store_memory("x", "p", kind="rumour"), lambda: ops.store_memory("x", " ")):
-            with self.assertRaises(qmem.UsageError):
-                call()
-        self.assertFalse(os.path.exists(self.db))
-
-    def test_the_automatic_flush_is_part_of_an_online_document(self):
-        ops = self.ops()
-        ops.store_memory("prima", "p", queue_only=True)
-        doc = ops.meta()
-        self.assertEqual(doc["auto_flush"], {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0,
-                                             "error": None})
-        self.assertIsNone(ops.meta()["auto_flush"])
-
-    def test_operations_print_nothing(self):
-        out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            ops = self.ops()
-            ops.store_memory("silenzio", "p")
-            ops.search("silenzio")
-            ops.status()
-            ops.breaker()
-            ops.config_show()
-        self.assertEqual((out.getvalue(), err.getvalue()), ("", ""))
-
-
-class FlushInvariantTests(GatewayTestCase):
-    """Crashes and concurrency, with real qmem.py flush processes."""
-
-    def queue(self, n):
-        store = qmem.Store(self.db)
-        try:
-            return [qmem.enqueue(store, "store", {"text": "memoria numero %d" % i, "kind": "fact",
-                                                  "project_id": "p"}) for i in range(n)]
-        finally:
-            store.close()
-
-    def flush_process(self):
-        return subprocess.Popen([sys.executable, QMEM, "flush"], env=dict(os.environ),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-    def assert_each_sent_once_and_synced(self, ids):
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        states = dict(store.conn.execute("SELECT id, state FROM outbox").fetchall())
-        self.assertEqual(set(states.values()), {"synced"})
-        self.assertEqual(sorted(self.gw.keys), sorted(ids))  # one record per key, none lost
-        self.assertEqual(len(self.gw.records), len(ids))
-        self.assertEqual(store.conn.execute("SELECT count(*) FROM records WHERE pending=1").fetchone()[0], 0)
-
-    def test_a_flush_that_fails_here_is_said_by_every_result_until_one_succeeds(self):
-        """Part 10: the MCP servers' background flushes failed with 'disk I/O error' for
-        minutes, and every agent was still told "queued" as if all was well."""
-        self.ok("store", "in coda", "--project", "p", "--queue-only")
-        failing = sqlite3.OperationalError("disk I/O error")
-        broken = mock.patch.object(qmem.Flusher, "claim", side_effect=failing)
-        with broken:
-            code, _, err = self.run_cli("search", "coda")
-        self.assertEqual(code, 0)
-        self.assertIn("writes are stuck here: the last flush failed on this machine's side", err)
-        self.assertIn("disk I/O error", self.ok_json("status")["writes_stuck"])
-        self.assertIn("writes are stuck here", self.ok("queue"))
-        code, _, err = self.run_cli("find", "coda")
-        self.assertEqual(err.count("writes are stuck here"), 1, err)
-        self.assertIn("`qmem.py doctor` says what is wrong, `qmem.py flush` tries again", err)
-        self.assertEqual(self.ok_json("flush")["synced"], 1)
-        self.assertIsNone(self.ok_json("status")["writes_stuck"])
-        self.assertNotIn("stuck", self.run_cli("find", "coda")[2])
-
-    def test_a_flush_error_where_the_database_takes_nothing_is_kept_in_the_process(self):
-        ops = qmem.Operations(qmem.load_config())
-        self.addCleanup(ops.close)
-        self.addCleanup(qmem._FLUSH_ERRORS.clear)
-        unusable = qmem.StoreError("database unusable")
-        with mock.patch.object(qmem.Store, "__init__", side_effect=unusable):
-            self.assertEqual(ops.deliver_ready()["error"], "database unusable")
-        self.assertIn("database unusable", ops.writes_stuck())
-
-    def test_sigkill_at_random_points_loses_nothing_and_duplicates_nothing(self):
-        import random
-        import signal
-        ids = self.queue(200)
-        seed = int(os.environ.get("QMEM_TEST_SEED", "20261130"))
-        rng = random.Random(seed)
-        kills = 0
-        for _ in range(6):
-            sent = len(self.gw.posts())
-            if len(self.gw.keys) > 190:
-                break
-            p = self.flush_process()
-            target = sent + rng.randint(1, 30)
-            with self.gw.arrived:  # kill it once it has sent a random number of rows
-                self.gw.arrived.wait_for(lambda: len(self.gw.posts()) >= target or p.poll() is not None, 10)
-            if p.poll() is None:
-                p.send_signal(signal.SIGKILL)
-                kills += 1
-            p.communicate()
-        self.assertGreaterEqual(kills, 4, "seed %d" % seed)
-        self.assertLess(len(self.gw.keys), 200)  # the kills did land mid-flush
-        p = self.flush_process()
-        out, err = p.communicate()
-        self.assertEqual(p.returncode, 0, err)
-        self.assert_each_sent_once_and_synced(ids)
-
-    def test_two_concurrent_flushes_send_each_row_exactly_once(self):
-        ids = self.queue(500)
-        procs = [self.flush_process() for _ in range(2)]
-        for p in procs:
-            out, err = p.communicate()
-            self.assertEqual(p.returncode, 0, err)
-        keys = [r[2]["idempotency-key"] for r in self.gw.posts()]
-        self.assertEqual(len(keys), 500)
-        self.assertEqual(sorted(keys), sorted(ids))
-        self.assert_each_sent_once_and_synced(ids)
-
-    def test_a_killed_flushers_lease_is_taken_over(self):
-        ids = self.queue(3)
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        zombie = qmem.Flusher(store, None)
-        token, rows = zombie.claim()
-        self.assertEqual(len(rows), 3)
-        # Another flusher (a different process) must wait for the lease ...
-        os.environ["QMEM_URL"] = self.gw.url
-        p = self.flush_process()
-        p.communicate()
-        self.assertEqual(self.gw.posts(), [])
-        # ... which a late finish by the zombie cannot steal back once it expired.
-        store.conn.execute("UPDATE outbox SET lease_until=0")
-        p = self.flush_process()
-        p.communicate()
-        counted = qmem.FlushStats()
-        zombie._finish(token, [qmem.Outcome(qmem.FAILED, rows[0], error="zombie", status=422)], counted)
-        self.assertEqual(counted.as_dict()["failed"], 0)  # fenced out: it records and counts nothing
-        self.assert_each_sent_once_and_synced(ids)
-
-    def test_a_slow_flush_gives_rows_back_before_its_lease_could_expire(self):
-        ids = self.queue(5)
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        now = [1000.0]
-        gateway = self.client()
-        real_call = gateway.call
-
-        def slow_call(*args, **kw):
-            now[0] += 100.0  # each send takes 100 s of the lease
-            return real_call(*args, **kw)
-        gateway.call = slow_call
-        flusher = qmem.Flusher(store, gateway, clock=lambda: now[0], lease_s=gateway.worst_call_s + 250)
-        claims = iter([flusher.claim, lambda only: (None, [])])  # one claim only
-        flusher.claim = lambda only: next(claims)(only)
-        flusher.run()
-        states = [s for (s,) in store.conn.execute("SELECT state FROM outbox ORDER BY rid")]
-        # 3 fit in the lease with room for the slowest call; the rest went back, unsent.
-        self.assertEqual(states, ["synced"] * 3 + ["pending"] * 2)
-        self.assertEqual(len(self.gw.posts()), 3)
-        self.assertEqual(sorted(self.gw.keys), sorted(ids[:3]))
-
-    def test_the_automatic_flush_stops_at_its_time_budget_and_gives_rows_back(self):
-        self.queue(3)
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        stats = qmem.Flusher(store, self.client()).run(budget_s=-1)
-        self.assertIn("time budget", stats.stopped)
-        self.assertEqual([r for r in store.conn.execute("SELECT state, attempts, claim_token FROM outbox")],
-                         [("pending", 0, None)] * 3)
-
-    def test_flush_is_not_much_slower_than_a_plain_http_loop(self):
-        import http.client
-        import time as t
-        n = 300
-        self.queue(n)
-        bodies = [json.dumps({"text": "loop %d" % i, "kind": "fact", "project_id": "p"}) for i in range(n)]
-        conn = http.client.HTTPConnection("127.0.0.1", self.gw.port)
-        started = t.perf_counter()
-        for i, body in enumerate(bodies):
-            conn.request("POST", "/v1/memories", body, {"X-API-Key": API_KEY, "Authorization": "Bearer " + API_KEY,
-                                                         "Content-Type": "application/json",
-                                                         "Idempotency-Key": "loop-%d" % i})
-            conn.getresponse().read()
-        plain = t.perf_counter() - started
-        conn.close()
-        started = t.perf_counter()
-        self.ok("flush")
-        flushed = t.perf_counter() - started
-        self.assertLess(flushed, 4 * plain + 0.5, "flush %.3f s vs plain loop %.3f s" % (flushed, plain))
-
-
-class PullEnrichTests(GatewayTestCase):
-
-    def test_pull_is_incremental_and_a_cut_page_resumes_exactly(self):
-        for i in range(1200):
-            self.gw.add("ricordo %d" % i)
-        self.gw.script = [None, "cut_real", "cut_real", "cut_real"]  # page 2 is cut, every try
-        with mock.patch("qmem.time.sleep"):
-            err = self.expect_fail(1, "pull")
-        self.assertIn("pull stopped after 1 pages", err)
-        self.assertEqual(self.breaker_state()["state"], "open")  # three failed attempts in a row
-        self.ok("breaker", "--reset")
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        self.assertEqual(store.conn.execute("SELECT count(*) FROM records").fetchone()[0], 500)
-        doc = self.ok_json("pull")
-        self.assertEqual((doc["new"], doc["updated"], doc["unchanged"], doc["pages"]), (700, 0, 0, 2))
-        exports = [r[1] for r in self.gw.requests if r[1].startswith("/v1/memories:export")]
-        self.assertIn("cursor=500", exports[-2])
-        ids = {i for (i,) in store.conn.execute("SELECT id FROM records")}
-        self.assertEqual(ids, set(self.gw.records))
-        self.assertEqual(self.ok_json("queue")["items"], [])  # never queued
-        # Nothing new: one request, nothing changes.
-        doc = self.ok_json("pull")
-        self.assertEqual((doc["new"], doc["updated"]), (0, 0))
-        self.assertIsNotNone(self.ok_json("status")["lag"]["last_pull_at"])
-
-    def test_a_record_deleted_later_leaves_find(self):
-        rec = self.gw.add("da cancellare presto")
-        other = self.gw.add("resta qui")
-        self.ok("pull")
-        self.assertEqual(self.find_ids("cancellare"), [rec["id"]])
-        self.gw.delete(rec["id"])
-        doc = self.ok_json("pull")
-        self.assertEqual(doc["deleted"], 1)
-        self.assertEqual(self.find_ids("cancellare"), [])
-        self.assertEqual(self.find_ids("cancellare", "--deleted"), [rec["id"]])
-        self.assertEqual(self.find_ids("resta"), [other["id"]])
-
-    def test_pull_updates_supersede_state_and_full_starts_over(self):
-        old = self.gw.add("versione uno")
-        self.ok("pull")
-        with self.gw.lock:
-            self.gw._create({"text": "versione due", "kind": "fact", "project_id": "infra",
-                             "supersedes_id": old["id"]})
-        self.ok("pull")
-        self.assertEqual(self.find_ids("versione"), [r for r in self.gw.records if r != old["id"]])
-        doc = self.ok_json("pull", "--full")
-        self.assertEqual((doc["new"], doc["unchanged"]), (0, 2))
-
-    def test_old_gateway_without_export_gets_a_hint(self):
-        self.gw.export_404 = True
-        err = self.expect_fail(1, "pull")
-        self.assertIn("older than 2.12.0", err)
-        self.assertIn("enrich", err)
-
-    def test_enrich_fills_partial_records_and_stops_cleanly(self):
-        recs = [self.gw.add("parziale %d" % i, project="proj%d" % i) for i in range(3)]
-        self.ok("search", "parziale")
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        store.conn.execute("UPDATE records SET project_id=NULL")  # as a search hit may lack it
-        doc = self.ok_json("enrich")
-        self.assertEqual((doc["asked"], doc["fetched"]), (3, 3))
-        self.assertEqual({store.get(r["id"])["project_id"] for r in recs}, {"proj0", "proj1", "proj2"})
-        self.assertEqual({store.get(r["id"])["view"] for r in recs}, {qmem.VIEW_FULL})
-        self.assertEqual(self.ok_json("enrich")["asked"], 0)
-        # A dropped kept-alive connection is retried once on a new one; twice is the end.
-        self.gw.script = [None, "close", "close"]
-        code, out, err = self.run_cli("enrich", "--all")
-        self.assertEqual(code, 1)
-        self.assertIn("1 of 3 records fetched", out)
-        self.assertIn("stopped early", out)
-        self.ok("breaker", "--reset")
-        self.assertEqual(self.ok_json("enrich", "no-such-id")["unknown"], ["no-such-id"])
-
-
-class HardeningInputTests(QmemTestCase):
-    """Part 5: whatever a user types or pipes in ends in one clear line, never a traceback,
-    and nothing half done."""
-
-    def run_process(self, argv, stdin=b""):
-        env = dict(os.environ, PYTHONIOENCODING="utf-8")
-        proc = subprocess.run([sys.executable, QMEM] + argv, input=stdin, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env, timeout=60)
-        self.assertNotIn(b"Traceback", proc.stderr)
-        return proc.returncode, proc.stdout.decode("utf-8", "replace"), proc.stderr.decode("utf-8", "replace")
-
-    def test_a_huge_limit_is_a_usage_error(self):
-        err = self.expect_fail(2, "find", "deploy", "--limit", "9223372036854775808")
-        self.assertIn("--limit must be between 1 and", err)
-        self.expect_fail(2, "search", "deploy", "--top-k", "9223372036854775808")
-
-    def test_bytes_that_are_not_utf8_are_refused_before_anything_is_queued(self):
-        code, out, err = self.run_process(["store", "-", "--project", "demo", "--queue-only"], stdin=b"x\xffy")
-        self.assertEqual(code, 2)
-        self.assertIn("the text in stdin is not valid UTF-8 (byte 0xff at offset 1)", err)
-        code, out, err = self.run_process([b"store", b"x\xffy", b"--project", b"demo", b"--queue-only"])
-        self.assertEqual(code, 2)
-        self.assertIn("the text is not valid UTF-8 (byte 0xff at character 2)", err)
-        code, out, err = self.run_process([b"store", b"fine", b"--project", b"de\xffmo", b"--queue-only"])
-        self.assertEqual(code, 2)
-        self.assertIn("the project is not valid UTF-8", err)
-        code, out, err = self.run_process([b"find", b"x\xffy", b"--json"])
-        self.assertEqual((code, json.loads(out)["error"]["kind"]), (2, "usage"))
-        self.assertEqual(self.ok_json("queue")["items"], [])
-
-    def test_ctrl_d_at_a_prompt_is_a_clean_end(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        with mock.patch.object(qmem, "_interactive", return_value=True), \
-                mock.patch("builtins.input", side_effect=EOFError):
-            code, out, err = self.run_cli("config")
-        self.assertEqual((code, err), (0, ""))
-        with mock.patch.object(qmem, "_interactive", return_value=True), \
-                mock.patch("builtins.input", side_effect=["1", EOFError]):
-            self.assertEqual(self.run_cli("config")[0], 0)
-        with mock.patch("sys.stdin") as stdin, mock.patch("getpass.getpass", side_effect=EOFError):
-            stdin.isatty.return_value = True
-            err = self.expect_fail(2, "config", "apikey")
-        self.assertIn("an API key must be one word of printable ASCII characters, not empty", err)
-        self.assertFalse(os.path.exists(os.environ["QMEM_CONFIG"]))
-
-    def test_config_booleans_and_numbers_must_have_their_json_type(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        for bad, named in (({"offlineQueue": "no"}, "offlineQueue must be a JSON boolean"),
-                           ({"localFallback": 0}, "localFallback must be a JSON boolean"),
-                           ({"timeoutMs": "5000"}, "timeoutMs must be a whole number"),
-                           ({"breakerTripAfter": 10 ** 20}, "breakerTripAfter must be between 1 and 1000"),
-                           ({"url": 42}, "url must be a string")):
-            with open(os.environ["QMEM_CONFIG"], "w") as f:
-                json.dump(bad, f)
-            err = self.expect_fail(2, "status")
-            self.assertIn(named, err)
-            self.assertIn(os.environ["QMEM_CONFIG"], err)
-        os.remove(os.environ["QMEM_CONFIG"])
-        self.ok("config", "set", "offlineQueue", "no")  # words are for the command line; the file gets a boolean
-        with open(os.environ["QMEM_CONFIG"]) as f:
-            self.assertIs(json.load(f)["offlineQueue"], False)
-        self.assertIn("between 1 and 600000", self.expect_fail(2, "config", "set", "connectTimeoutMs", "99999999999"))
-
-    def test_a_session_file_whose_name_is_not_utf8_is_skipped_with_a_warning(self):
-        s = Session(self.sessions, "ok.jsonl")
-        s.store(record(UUIDS[0], "buono"))
-        s.write()
-        with open(os.path.join(os.fsencode(self.sessions), b"x\xff.jsonl"), "wb") as f:
-            f.write(read_bytes(s.path))
-        code, out, err = self.run_cli("import")
-        self.assertEqual(code, 0)
-        self.assertIn("its name is not valid UTF-8", err)
-        self.assertEqual(self.ok_json("status")["records"]["total"], 1)
-
-    def test_ids_are_checked_when_written(self):
-        self.assertIn("--supersedes abc is not a memory id",
-                      self.expect_fail(2, "store", "x", "--project", "p", "--supersedes", "abc", "--queue-only"))
-        self.assertIn("correct notauuid is not a memory id",
-                      self.expect_fail(2, "correct", "notauuid", "x", "--project", "p", "--queue-only"))
-        self.assertEqual(self.ok_json("queue")["items"], [])
-
-
-class HardeningStoreTests(QmemTestCase):
-    """Part 5: a busy or full database, another program's file, text from other agents."""
-
-    def hold_the_database(self):
-        """A second real process holding the write lock until we let it go."""
-        qmem.Store(self.db).close()
-        holder = subprocess.Popen([sys.executable, "-c", (
-            "import sqlite3, sys\n"
-            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
-            "c.execute('BEGIN IMMEDIATE')\n"
-            "print('held', flush=True)\n"
-            "sys.stdin.read()\n"), self.db], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.assertEqual(holder.stdout.readline().strip(), b"held")
-
-        def release():
-            holder.stdin.close()
-            holder.wait(30)
-            holder.stdout.close()
-        return release
-
-    def test_a_busy_database_keeps_the_users_words_in_a_file_it_names(self):
-        release = self.hold_the_database()
-        try:
-            with mock.patch.object(qmem, "BUSY_TIMEOUT_S", 0.2):
-                code, out, err = self.run_cli("store", "parole da non perdere", "--project", "demo", "--queue-only")
-        finally:
-            release()
-        self.assertEqual(code, 1)
-        self.assertIn("local database busy: %s is held by another process for more than 0.2 s" % self.db, err)
-        saved = re.search(r"your text is saved in (\S+):", err).group(1)
-        with open(saved, encoding="utf-8") as f:
-            self.assertEqual(f.read(), "parole da non perdere\n")
-        self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
-        self.assertIn("qmem.py store --text-file %s --project demo" % saved, err)
-        self.ok("store", "--text-file", saved, "--project", "demo", "--queue-only")  # at once, nothing lost
-        self.assertEqual([r["text"] for r in self.ok_json("queue")["items"]], ["parole da non perdere"])
-
-    def test_a_percent_sign_in_a_field_of_a_write_kept_aside(self):
-        """Part 11: --project team-100%done while the database was busy: internal error,
-        and the message never said where the text was saved."""
-        release = self.hold_the_database()
-        try:
-            with mock.patch.object(qmem, "BUSY_TIMEOUT_S", 0.2):
-                code, out, err = self.run_cli("store", "sconto del 50%", "--project", "team-100%done")
-        finally:
-            release()
-        self.assertEqual(code, 1)
-        self.assertNotIn("internal error", err)
-        saved = re.search(r"your text is saved in (\S+):", err).group(1)
-        self.assertIn("qmem.py store --text-file %s --project team-100%%done" % saved, err)
-
-    def full_database(self, real_init=qmem.Store.__init__):
-        """Stores whose file may not grow: SQLite answers SQLITE_FULL like a full disk."""
-        def init(store, *args, **kw):
-            real_init(store, *args, **kw)
-            pages = store.conn.execute("PRAGMA page_count").fetchone()[0]
-            store.conn.execute("PRAGMA max_page_count=%d" % pages)
-        return mock.patch.object(qmem.Store, "__init__", init)
-
-    def test_a_full_disk_at_commit_loses_nothing(self):
-        self.ok("store", "prima", "--project", "demo", "--queue-only")
-        with self.full_database():
-            code, out, err = self.run_cli("store", "x" * 20000, "--project", "demo", "--queue-only", "--json")
-        self.assertEqual(code, 1)
-        self.assertIn("local database full", err)
-        self.assertEqual(json.loads(out)["error"]["kind"], "store_full")
-        saved = re.search(r"your text is saved in (\S+):", err).group(1)
-        with open(saved, encoding="utf-8") as f:
-            self.assertEqual(f.read().strip(), "x" * 20000)
-        self.assertEqual([r["text"] for r in self.ok_json("queue")["items"]], ["prima"])  # intact
-        with self.full_database(), mock.patch.object(qmem, "atomic_write", side_effect=OSError(28, "No space")):
-            code, out, err = self.run_cli("store", "ultima riga\n" + "y" * 20000, "--project", "demo", "--queue-only")
-        self.assertEqual(code, 1)
-        self.assertIn("no file could hold your text either", err)
-        self.assertIn("--- your text, not saved anywhere else ---\nultima riga\n%s\n--- end ---" % ("y" * 20000), err)
-
-    def test_another_programs_database_is_refused_untouched(self):
-        other = os.path.join(self.home, "other.db")
-        conn = sqlite3.connect(other)
-        conn.execute("CREATE TABLE bookmarks(url TEXT)")
-        conn.commit()
-        conn.close()
-        before = read_bytes(other)
-        os.environ["QMEM_SQLITE"] = other
-        for argv in (("status",), ("find", "x"), ("store", "x", "--project", "p", "--queue-only"),
-                     ("import", "--sessions", self.home)):
-            err = self.expect_fail(1, *argv)
-            self.assertIn("is another program's SQLite database (tables: bookmarks); left untouched", err)
-            self.assertIn("--db PATH, QMEM_SQLITE or localDbPath", err)
-        self.assertEqual(read_bytes(other), before)
-        conn = sqlite3.connect(other)
-        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 0)
-        conn.close()
-
-    def test_control_characters_of_memory_text_never_reach_the_terminal(self):
-        hostile = "deploy \x1b[2J\x1b]0;pwned\x07 done\r\n\u202eevil"
-        self.put_record(UUIDS[0], hostile)
-        for argv in (("find", "deploy"), ("get", UUIDS[0])):
-            out = self.run_cli(*argv)[1]
-            self.assertNotRegex(out, "[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e]", argv)
-            self.assertIn("\\x1b[2J\\x1b]0;pwned\\x07", out)
-        self.assertIn("done\\n\\u202eevil", self.ok("find", "deploy"))  # one line: CR LF shown as \\n
-        self.assertEqual(self.ok_json("find", "deploy")["results"][0]["text"], hostile)  # exact in JSON
-
-    def test_a_record_of_one_long_token_prints_a_bounded_line(self):
-        self.put_record(UUIDS[0], "token " + "a" * 2000000)
-        out = self.ok("find", "token")
-        self.assertLess(max(len(line) for line in out.splitlines()), 400)
-        self.assertTrue(out.splitlines()[1].endswith("…"))
-
-    def test_concurrent_imports_report_true_counts(self):
-        tree = os.path.join(self.home, "tree")
-        for n in range(4):
-            s = Session(tree, "s%d.jsonl" % n)
-            for k in range(30):
-                s.store(record(UUIDS[n * 30 + k], "ricordo %d %d" % (n, k)))
-            s.write()
-        real = qmem.Store.begin_bulk
-
-        def meanwhile_another_import(store):
-            real(store)  # this import now believes the table empty; another one fills it
-            done = subprocess.run([sys.executable, QMEM, "import", "--sessions", tree, "--json"],
-                                  stdout=subprocess.PIPE, env=dict(os.environ), timeout=60)
-            meanwhile_another_import.other = json.loads(done.stdout.decode())["stats"]
-        with mock.patch.object(qmem.Store, "begin_bulk", meanwhile_another_import):
-            mine = self.ok_json("import", "--sessions", tree)["stats"]
-        other = meanwhile_another_import.other
-        self.assertEqual(mine["records_new"] + other["records_new"], 120)
-        self.assertGreaterEqual(mine["records_updated"], 0)
-        self.assertEqual(self.ok_json("status")["records"]["total"], 120)
-
-    def test_find_searches_the_text_only(self):
-        self.put_record(UUIDS[0], "we chose postgres", kind="decision", project="infra")
-        self.put_record(UUIDS[1], "a decision about caching", kind="fact", project="web")
-        self.assertEqual([r["id"] for r in self.ok_json("find", "decision")["results"]], [UUIDS[1]])
-        self.assertEqual(self.ok_json("find", "kind:fact")["results"], [])
-        self.assertEqual(self.ok_json("find", "infra")["results"], [])
-        self.assertEqual([r["id"] for r in self.ok_json("find", "postgres", "--project", "infra")["results"]],
-                         [UUIDS[0]])
-
-
-class HardeningNetworkTests(GatewayTestCase):
-    """Part 5: a dead first address, a stalling or captive gateway, long waits, a breaker
-    file that cannot be trusted or written."""
-
-    def test_a_dead_first_address_leaves_time_for_a_live_one(self):
-        import socket
-        dead = socket.socket()
-        self.addCleanup(dead.close)
-        dead.bind(("127.0.0.1", 0))
-        dead.listen(0)
-        fillers = []
-        for _ in range(4):  # fill its queue: further SYNs are dropped, connects hang
-            s = socket.socket()
-            self.addCleanup(s.close)
-            s.setblocking(False)
-            try:
-                s.connect(dead.getsockname())
-            except BlockingIOError:
-                pass
-            fillers.append(s)
-        addresses = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", dead.getsockname()),
-                     (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", self.gw.port))]
-        with mock.patch.object(qmem, "_resolve", return_value=addresses):
-            started = time.monotonic()
-            resp = self.client(connectTimeoutMs=1000).call("GET", "/v1/status")
-        self.assertEqual(resp.status, 200)
-        self.assertLess(time.monotonic() - started, 0.9)
-        self.assertEqual(self.breaker_state()["state"], "closed")
-
-    def test_each_failed_attempt_counts_so_a_stalling_gateway_opens_the_breaker_after_three(self):
-        self.gw.script = ["stall_body"] * 3
-        gw = self.client(timeoutMs=100)
-        self.assert_fails("ambiguous", gw, "GET", "/v1/status")  # one call, its two retries
-        self.assertEqual(len(self.gw.requests), 3)
-        self.assertEqual(self.breaker_state()["state"], "open")
-        self.assert_fails("breaker_open", gw, "GET", "/v1/status")
-        self.assertEqual(len(self.gw.requests), 3)
-
-    def test_one_success_closes_it(self):
-        self.gw.script = [(503, None), (503, None)]
-        self.assertEqual(self.client().call("GET", "/v1/status").status, 200)  # the third attempt answers
-        self.assertEqual(self.breaker_state(), dict(qmem.Breaker._CLOSED))
-
-    def test_a_captive_portal_is_named_with_what_came_back(self):
-        self.gw.script = ["html"]
-        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
-        self.assertIn('"<html><body>Proxy login</body></html>"', str(err))
-        self.assertIn("an HTML page: a captive portal or a proxy login?", str(err))
-        with mock.patch.object(qmem.Gateway, "_read_body", return_value=b"\x1b[2Jnot json " + b"z" * 500):
-            err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
-        self.assertIn('"\\u001b[2Jnot json zzz', str(err))
-        self.assertNotIn("\x1b", str(err))
-        self.assertLess(len(str(err)), 400)
-
-    def test_a_long_retry_after_is_said_with_the_time_of_the_next_attempt(self):
-        self.gw.script = [(503, {"detail": "maintenance"}, {"Retry-After": "86400"})]
-        out = self.ok("store", "dopo la manutenzione", "--project", "p")
-        self.assertIn("the gateway asked to wait 24 h", out)
-        when = qmem.when_utc(time.time() + 3600)[:13]  # a stored wait is at most an hour (to the hour here)
-        self.assertIn("the next attempt is after " + when, out)
-        self.assertIn("the next attempt is after " + when, self.ok("queue"))
-
-    def test_a_breaker_field_of_the_wrong_type_is_corrupt_and_said_once(self):
-        os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
-        with open(self.breaker_file, "w") as f:
-            json.dump({"gateways": {qmem.normalize_url(self.gw.url): {"state": "open", "open_until": "abc"}}}, f)
-        code, out, err = self.run_cli("breaker")
-        self.assertEqual(code, 0)
-        self.assertIn("breaker file %s is corrupt (open_until" % self.breaker_file, err)
-        self.assertIn("closed", out)
-
-    def test_a_breaker_file_that_cannot_be_written_never_fails_a_command(self):
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        real = qmem.atomic_write
-
-        def disk_full_for_the_breaker(path, *args, **kw):
-            if path.endswith("breaker.json"):
-                raise OSError(28, "No space left on device")
-            return real(path, *args, **kw)
-        with mock.patch.object(qmem, "atomic_write", disk_full_for_the_breaker):
-            code, out, err = self.run_cli("search", "x")
-            self.assertEqual(code, 0)
-            self.assertIn("fallback: local_sqlite — gateway unreachable", out)
-            self.assertIn("breaker open", out)  # kept in memory for this process
-            self.assertEqual(err.count("cannot write breaker file"), 1)
-            self.assertIn("No space left on device", err)
-            self.assertEqual(self.run_cli("search", "x")[0], 0)
-        qmem._BREAKER_IN_MEMORY.clear()
-
-
-class HardeningSmallThingsTests(GatewayTestCase):
-    """Part 5's smaller things, met on the way."""
-
-    def test_options_where_a_user_puts_them(self):
-        self.ok("search", "x", "--limit", "3")
-        self.assertEqual(self.gw.requests[-1][3]["top_k"], 2 * 3 + 8)  # 3 asked; private left out
-        other = os.path.join(self.home, "other.sqlite")
-        self.assertEqual(self.ok_json("status", "--db", other)["db"]["path"], other)
-        code, out, err = self.run_cli("status", "--db", os.path.join(self.home, "x"), "--debug")
-        self.assertEqual(code, 0)
-
-    def test_help_says_what_defaults_are(self):
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
-            qmem.main(["correct", "--help"])
-        self.assertIn("the corrected memory's kind", " ".join(out.getvalue().split()))
-        out = io.StringIO()
-        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
-            qmem.main(["store", "--help"])
-        self.assertIn("with --supersedes: why the old memory is corrected", " ".join(out.getvalue().split()))
-
-    def test_counts_and_plurals(self):
-        self.gw.add("uno")
-        self.assertIn("pull: 1 page;", self.ok("pull"))
-        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "empty.sqlite")
-        qmem.Store(os.environ["QMEM_SQLITE"]).close()
-        self.assertNotIn("- complete", self.ok("status"))
-
-    def test_session_folders_and_empty_files(self):
-        os.makedirs(self.sessions)
-        open(os.path.join(self.sessions, "new.jsonl"), "w").close()  # pi just created it
-        self.assertEqual(self.ok_json("import")["stats"]["lines_truncated"], 0)
-        a_file = os.path.join(self.home, "f.txt")
-        open(a_file, "w").close()
-        self.assertIn("--sessions %s: not a directory" % a_file, self.expect_fail(2, "import", "--sessions", a_file))
-
-    def test_find_says_what_it_left_out(self):
-        self.put_record(UUIDS[0], "segreto di stato", private=True)
-        self.put_record(UUIDS[1], "vecchia verità", superseded_by=UUIDS[2])
-        out = self.ok("find", "segreto")
-        self.assertIn("1 matching record hidden by default: 1 private (--private)", out)
-        doc = self.ok_json("find", "vecchia")
-        self.assertEqual(doc["hidden"]["superseded"], 1)
-        out = self.ok("find", " ".join("parola%d" % n for n in range(40)))
-        self.assertIn("only the first 32 words and 500 characters of the query were searched", out)
-
-    def test_queue_footer_follows_what_it_lists(self):
-        self.gw.duplicate_texts["doppio"] = UUIDS[5]
-        self.ok("store", "doppio", "--project", "p")
-        self.ok("store", "in coda", "--project", "p", "--queue-only")
-        self.assertIn("duplicates were not stored", self.ok("queue"))
-        self.assertNotIn("duplicates were not stored", self.ok("queue", "--state", "pending"))
-
-    def test_flush_with_the_breaker_open_says_how_to_try_now(self):
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        self.ok("store", "in coda", "--project", "p")
-        err = self.expect_fail(1, "flush")
-        self.assertIn("`qmem.py breaker --reset` (or `qmem.py config test`)", err)
-
-    def test_columns_are_aligned_and_cut_to_the_terminal(self):
-        self.put_record(UUIDS[0], "deploy " + "lungo " * 100, project="a")
-        self.put_record(UUIDS[1], "deploy breve", kind="decision", project="progetto-lungo")
-        with mock.patch.object(qmem, "_terminal_width", return_value=100):
-            lines = self.ok("find", "deploy").splitlines()[1:]
-        self.assertEqual(len(lines), 2)
-        self.assertTrue(all(len(line) <= 100 for line in lines), lines)
-        self.assertEqual(len({line.index("2026-11-30") for line in lines}), 1)  # the dates line up
-
-
-class ReviewFixTests(GatewayTestCase):
-    """What a fresh-eyes review of part 4 found, each reproduced."""
-
-    def test_a_database_folder_that_cannot_be_made_is_an_error_document(self):
-        doc = json.loads(self.run_cli("--db", "/proc/no/such/x.db", "store", "hi", "--project", "p", "--json")[1])
-        self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "store"))
-        self.assertIn("cannot create the local database", doc["error"]["message"])
-
-    def test_global_options_anywhere_before_a_double_dash_and_never_abbreviated(self):
-        self.put_record(UUIDS[0], "alfa beta")
-        self.assertEqual(self.find_ids("alfa", "--json", "beta"), [UUIDS[0]])
-        code, out, err = self.run_cli("store", "--json", "--queue-only", "--project", "p", "--", "--debug")
-        self.assertEqual((code, json.loads(out)["queued"]), (0, True))
-        self.assertEqual(self.ok_json("queue")["items"][0]["text"], "--debug")
-        self.assertEqual(self.run_cli("find", "x", "--js")[0], 2)
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        self.assertEqual(self.run_cli("config", "set", "timeoutMs", "--json", "5000")[0], 0)
-        self.assertEqual(json.loads(self.run_cli("--version", "--json")[1])["name"], "qmem.py")
-
-    def test_an_explicit_flush_does_not_wait_out_a_backoff_and_says_when_nothing_went(self):
-        self.gw.script = [(503, {"detail": "busy"}, {"Retry-After": "3600"})]
-        self.ok("store", "durante il 503", "--project", "p")
-        self.assertEqual(self.ok_json("flush", "--respect-retry-after")["synced"], 0)
-        self.assertEqual(self.ok_json("flush")["synced"], 1)  # tries now
-        self.ok("store", "ancora", "--project", "p", "--queue-only")
-        self.gw.script = [(503, {"detail": "busy"})] * 3
-        with mock.patch("qmem.time.sleep"):  # the retries' waits
-            doc = json.loads(self.run_cli("flush", "--json")[1])
-        self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "not_delivered"))
-
-    def test_enrich_with_nothing_to_fetch_asks_nothing_and_creates_nothing(self):
-        doc = self.ok_json("enrich")
-        self.assertEqual((doc["asked"], doc["auto_flush"]), (0, None))
-        self.assertFalse(os.path.exists(self.db))
-        self.ok("store", "in coda", "--project", "p", "--queue-only")
-        self.assertIsNone(self.ok_json("enrich")["auto_flush"])  # the gateway was not asked: no flush
-        self.expect_fail(2, "enrich", "--all", UUIDS[0])
-
-    def test_ids_the_user_was_shown_keep_working(self):
-        self.gw.duplicate_texts["doppio"] = UUIDS[7]
-        self.assertEqual(self.ok_json("store", "doppio", "--project", "p")["id"], UUIDS[7])
-        local = self.ok_json("store", "nuovo", "--project", "p", "--queue-only")["local_id"]
-        self.ok("flush")
-        self.assertEqual(self.ok_json("get", local)["record"]["text"], "nuovo")
-
-    def test_config_test_says_only_what_it_knows(self):
-        self.gw.script = [(500, {"detail": "boom"})]
-        code, out, err = self.run_cli("config", "test")
-        self.assertEqual(code, 1)
-        self.assertNotIn("REJECTED", out)
-        os.environ["QMEM_URL"] = self.gw.url + "/wrong/prefix"
-        code, out, err = self.run_cli("config", "test")
-        self.assertEqual(code, 1)
-        self.assertNotIn("accepted", out)
-        self.assertIn("is this the gateway's base URL?", err)
-
-    def test_the_gateways_meta_cannot_set_the_documents_own_keys(self):
-        self.gw.script = [(200, {"scopes": {}, "exit_code": 3, "error": {"message": "boom"}})]
-        doc = self.ok_json("meta")
-        self.assertNotIn("exit_code", doc)
-        self.assertNotIn("error", doc)
-
-    def test_no_gateway_is_exit_2_with_the_offline_queue_off_too(self):
-        os.environ.pop("QMEM_URL")
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        self.ok("config", "set", "offlineQueue", "false")
-        self.assertIn("not stored (offlineQueue is off", self.expect_fail(2, "store", "x", "--project", "p"))
-
-    def test_an_interrupted_store_says_it_is_queued_and_its_row_can_be_dropped(self):
-        with mock.patch.object(qmem.Gateway, "call", side_effect=KeyboardInterrupt):
-            code, out, err = self.run_cli("store", "interrotto", "--project", "p")
-        self.assertEqual(code, 130)
-        self.assertIn("the write is queued here as", err)
-        items = self.ok_json("queue")["items"]
-        self.assertEqual(items[0]["state"], "pending")  # given back, not left 'sending'
-        self.ok("queue", "--drop", items[0]["local_id"], "--yes", "--force")
-
-    def test_a_dead_flushers_row_can_be_dropped_at_once(self):
-        local = self.ok_json("store", "x", "--project", "p", "--queue-only")["local_id"]
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE)
-        token = "|".join(qmem.process_identity()[:3] + (dead.stdout.decode().strip(), "1", "00"))
-        store = qmem.Store(self.db)
-        store.conn.execute("UPDATE outbox SET state='sending', claim_token=?, lease_until=?", (token, time.time() + 99))
-        store.close()
-        self.ok("queue", "--drop", local, "--yes", "--force")
-
-    def test_the_breaker_names_an_unreachable_opening_after_failures(self):
-        cfg = qmem.load_config()
-        b = qmem.Breaker.from_config(cfg)
-        b.failure("ambiguous", "HTTP 503", "HTTP 503")
-        b.failure("ambiguous", "HTTP 503", "HTTP 503")
-        b.failure("unreachable", "could not connect", "could not connect: refused")
-        self.assertIn("opened at once: could not connect: refused", self.ok("breaker"))
-
-    def test_urls_are_checked_where_they_come_from(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        self.expect_fail(2, "config", "url", "http://exa mple.com")
-        err = self.expect_fail(2, "config", "url", "https://user:hunter2@gw.example")
-        self.assertNotIn("hunter2", err)
-        with open(os.environ["QMEM_CONFIG"], "w") as f:
-            json.dump({"url": "not a url"}, f)
-        os.environ.pop("QMEM_URL")
-        err = self.expect_fail(2, "status")
-        self.assertIn("config file %s: url: invalid gateway URL" % os.environ["QMEM_CONFIG"], err)
-
-    def test_config_set_null_unsets_and_times_must_agree(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        self.ok("config", "url", self.gw.url)
-        self.ok("config", "apikey", "sk-some-key-123456")
-        self.ok("config", "set", "apiKey", "null")
-        with open(os.environ["QMEM_CONFIG"]) as f:
-            self.assertNotIn("apiKey", json.load(f))
-        self.assertIn("longer than breakerMaxMs", self.expect_fail(2, "config", "set", "breakerBaseMs", "1000000"))
-
-    def test_a_retry_after_is_in_the_fallback_label(self):
-        self.gw.script = [(503, {"detail": "busy"}, {"Retry-After": "3600"})]
-        self.assertIn("the gateway asked to wait 60 min", self.ok("search", "x"))
-
-    def test_a_correction_of_a_write_refused_in_the_same_flush_fails_with_it(self):
-        a = self.ok_json("store", "alfa", "--project", "p", "--queue-only")["local_id"]
-        b = self.ok_json("correct", a, "beta", "--queue-only")["local_id"]
-        self.gw.script = [(422, {"detail": "alfa refused"})]
-        self.run_cli("flush")
-        states = {r["local_id"]: r["state"] for r in self.ok_json("queue")["items"]}
-        self.assertEqual(states, {a: "failed", b: "failed"})
-        self.assertIn("qmem.py queue --drop", self.expect_fail(2, "queue", "--drop", a, "--yes"))
-
-    def test_the_writer_child_and_odd_files_in_a_sessions_folder(self):
-        qmem.Store(self.db).close()
-        proc = subprocess.run([sys.executable, QMEM, "_import-writer", self.db], input=b"abcdefgh",
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
-        self.assertNotIn(b"Traceback", proc.stderr)
-        self.assertEqual(proc.returncode, 2)
-        os.makedirs(self.sessions)
-        os.mkfifo(os.path.join(self.sessions, "pipe.jsonl"))
-        code, out, err = self.run_cli("import")  # must not hang on the FIFO
-        self.assertEqual(code, 0)
-        self.assertIn("not a regular file", err)
-
-
-def other_uid():
-    """A uid that is not ours, for the other-user cases: only root can make files of it."""
-    return 65534 if hasattr(os, "geteuid") and os.geteuid() == 0 else None
-
-
-class SecurityKeyTests(GatewayTestCase):
-    """Part 6: the API key never leaves through output, files or children."""
-
-    def test_a_key_with_a_trailing_crlf_works_and_a_key_with_spaces_is_refused_unshown(self):
-        os.environ["QMEM_API_KEY"] = API_KEY + "\r\n"
-        self.assertEqual(self.ok_json("search", "x")["source"], "gateway")
-        self.assertEqual(self.ok_json("store", "chiave pulita", "--project", "p")["state"], "synced")
-        os.environ["QMEM_API_KEY"] = "sk-two words-0123456789"
-        err = self.expect_fail(2, "search", "x")
-        self.assertIn("apiKey holds characters a request header cannot carry", err)
-        self.assertNotIn("two words", err)
-
-    def test_a_gateway_that_echoes_the_key_gets_it_masked_everywhere(self):
-        echo = {"detail": "upstream failed; request was Authorization: Bearer %s X-API-Key: %s" % (API_KEY, API_KEY)}
-        self.gw.script = [(503, echo)] * 3
-        with mock.patch("qmem.time.sleep"):  # the retries' waits
-            code, out, err = self.run_cli("store", "eco", "--project", "p")
-        self.assertEqual(code, 0)
-        queue = self.run_cli("queue")[1] + self.run_cli("queue", "--json")[1]
-        with open(self.breaker_file) as f:
-            breaker = f.read()
-        store = qmem.Store(self.db)
-        stored = " ".join(str(r) for r in store.conn.execute("SELECT * FROM outbox").fetchall())
-        store.close()
-        for where, text in (("output", out + err), ("queue", queue), ("breaker.json", breaker), ("outbox", stored)):
-            self.assertNotIn(API_KEY, text, where)
-        self.assertIn(qmem.mask_secret(API_KEY), queue)
+class ConfigGatewayTests(GatewayTestCase):
+    """The gateway's URL and API key: where they may come from, which gateway gets the key,
+    and that neither a password nor the key is ever shown."""
 
     def key_file(self, values):
         path = os.path.join(self.home, ".config", "pi-qmem", "config.json")
@@ -3043,15 +895,26 @@ class SecurityKeyTests(GatewayTestCase):
         os.environ.pop("QMEM_API_KEY")
         return path
 
+    def test_a_key_with_a_trailing_crlf_works_and_a_key_with_spaces_is_refused_unshown(self):
+        os.environ["QMEM_API_KEY"] = API_KEY + "\r\n"
+        self.assertEqual(self.ok_json("search", "x")["source"], "gateway")
+        self.assertEqual(self.ok_json("store", "chiave pulita", "--project", "p")["state"],
+                         "synced")
+        os.environ["QMEM_API_KEY"] = "sk-two words-0123456789"
+        err = self.expect_fail(2, "search", "x")
+        self.assertIn("apiKey holds characters a request header cannot carry", err)
+        self.assertNotIn("two words", err)
+
     def test_the_files_key_goes_only_to_the_files_gateway(self):
         """Part 11: a QMEM_URL naming another gateway (a project's .mcp.json can set it)
         received the key saved in config.json for this one."""
         other = FakeGateway(key="sk-other-0000000000000")
         self.addCleanup(other.close)
-        self.key_file({"url": self.gw.url.replace("127.0.0.1", "LOCALHOST").replace("http://", "HTTP://"),
-                       "apiKey": API_KEY})
+        spelt_otherwise = self.gw.url.replace("127.0.0.1", "LOCALHOST").replace("http:", "HTTP:")
+        self.key_file({"url": spelt_otherwise, "apiKey": API_KEY})
         os.environ["QMEM_URL"] = self.gw.url.replace("127.0.0.1", "localhost")
-        self.assertEqual(self.ok_json("search", "x")["source"], "gateway")  # the same gateway, spelt otherwise
+        # the same gateway, spelt otherwise
+        self.assertEqual(self.ok_json("search", "x")["source"], "gateway")
         os.environ["QMEM_URL"] = other.url
         code, out, err = self.run_cli("search", "x", "--require-remote")
         self.assertEqual(code, 3, err)
@@ -3102,32 +965,23 @@ class SecurityKeyTests(GatewayTestCase):
         self.assertFalse(os.path.exists(self.breaker_file))
 
     def test_loopback_is_only_loopback_and_plain_http_is_warned_from_the_environment(self):
-        for host, loop in (("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("[::1]", True),
-                           ("localhost", True), ("127.evil.example", False), ("localhost.evil", False),
+        for host, loop in (("127.0.0.1", True), ("127.8.9.10", True), ("::1", True),
+                           ("[::1]", True),
+                           ("localhost", True), ("127.evil.example", False),
+                           ("localhost.evil", False),
                            ("10.0.0.1", False)):
             self.assertEqual(qmem.is_loopback(host), loop, host)
         url = "http://gateway.example.test:8080"
         os.environ["QMEM_URL"] = url
-        qmem.Breaker.from_config(qmem.load_config()).failure("unreachable", "down", "down")  # no network at all
+        # no network at all
+        qmem.Breaker.from_config(qmem.load_config()).failure("unreachable", "down", "down")
         code, out, err = self.run_cli("search", "x")
         self.assertEqual(code, 0)
-        self.assertIn("the API key travels unencrypted over plain http to gateway.example.test", err)
-        self.assertEqual(qmem._proxy_for("http", "127.evil.example", {"http_proxy": "http://proxy:3128"}),
+        self.assertIn("the API key travels unencrypted over plain http to gateway.example.test",
+                      err)
+        self.assertEqual(qmem._proxy_for("http", "127.evil.example",
+                                         {"http_proxy": "http://proxy:3128"}),
                          ("proxy", 3128))
-
-    def test_the_import_writer_gets_no_secret(self):
-        seen = {}
-
-        class FakePopen:
-            def __init__(self, argv, **kw):
-                seen.update(kw.get("env") or {"inherited": "everything"})
-                raise OSError("not really")
-        os.environ["QMEM_API_KEY"] = API_KEY
-        with mock.patch("subprocess.Popen", FakePopen):
-            self.assertIsNone(qmem._WriterProcess.start(self.db))
-        self.assertNotIn("QMEM_API_KEY", seen)
-        self.assertNotIn("inherited", seen)
-        self.assertNotIn(API_KEY, json.dumps(seen))
 
     def test_a_config_others_can_read_is_warned_about_and_a_symlinked_one_stays_a_link(self):
         real = os.path.join(self.home, "dotfiles", "qmem.json")
@@ -3150,50 +1004,223 @@ class SecurityKeyTests(GatewayTestCase):
             os.chmod(real, 0o666)
             self.assertIn("writable by other users", self.expect_fail(2, "status"))
 
-    def test_an_exception_nobody_expected_is_one_line_without_its_words(self):
-        with mock.patch.object(qmem.Operations, "status", side_effect=ValueError("Bearer " + API_KEY)):
-            code, out, err = self.run_cli("status", "--json")
+    def test_urls_are_checked_where_they_come_from(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.expect_fail(2, "config", "url", "http://exa mple.com")
+        err = self.expect_fail(2, "config", "url", "https://user:hunter2@gw.example")
+        self.assertNotIn("hunter2", err)
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"url": "not a url"}, f)
+        os.environ.pop("QMEM_URL")
+        err = self.expect_fail(2, "status")
+        self.assertIn("config file %s: url: invalid gateway URL" % os.environ["QMEM_CONFIG"], err)
+
+    def test_config_set_null_unsets_and_times_must_agree(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "url", self.gw.url)
+        self.ok("config", "apikey", "sk-some-key-123456")
+        self.ok("config", "set", "apiKey", "null")
+        with open(os.environ["QMEM_CONFIG"]) as f:
+            self.assertNotIn("apiKey", json.load(f))
+        self.assertIn("longer than breakerMaxMs",
+                      self.expect_fail(2, "config", "set", "breakerBaseMs", "1000000"))
+
+    def test_config_test_says_only_what_it_knows(self):
+        self.gw.script = [(500, {"detail": "boom"})]
+        code, out, err = self.run_cli("config", "test")
         self.assertEqual(code, 1)
+        self.assertNotIn("REJECTED", out)
+        os.environ["QMEM_URL"] = self.gw.url + "/wrong/prefix"
+        code, out, err = self.run_cli("config", "test")
+        self.assertEqual(code, 1)
+        self.assertNotIn("accepted", out)
+        self.assertIn("is this the gateway's base URL?", err)
+
+    def test_keys_and_urls_a_request_cannot_carry_are_refused(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.expect_fail(2, "config", "apikey", "sk-ключ-0123456789")
+        with mock.patch("sys.stdin", io.StringIO("sk-abc\x01defghijklmnop\n")):
+            self.expect_fail(2, "config", "apikey")
+        self.expect_fail(2, "config", "url", "http://127.0.0.1:9/é")
+        os.environ["QMEM_API_KEY"] = "sk-\udcff-0123456789"
+        self.assertIn("cannot carry", self.expect_fail(2, "store", "x", "--project", "p"))
+        os.environ.pop("QMEM_API_KEY")
+        self.assertEqual(self.ok_json("queue")["items"], [])
+
+    def test_a_config_type_error_never_shows_the_key(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"apiKey": {"key": API_KEY}}, f)
+        code, out, err = self.run_cli("status", "--json")
+        self.assertEqual(code, 2)
         self.assertNotIn(API_KEY, out + err)
-        self.assertEqual(json.loads(out)["error"]["kind"], "internal")
-        self.assertEqual(err.count("\n"), 1)
 
 
-class SecurityOtherUserTests(QmemTestCase):
-    """Part 6: files only the user can read and replace. The cases of another user's
-    files need root (to chown); without it they say so and are skipped."""
+# === Circuit breaker =========================================================
 
-    def need_other_uid(self):
-        uid = other_uid()
-        if uid is None:
-            self.skipTest("needs root to make files of another uid (run as root, as CI does)")
-        return uid
 
-    def test_folders_and_database_are_private_from_their_creation_whatever_the_umask(self):
-        script = ("import os, sys; os.umask(0); sys.path.insert(0, %r); import qmem; "
-                  "s = qmem.Store(sys.argv[1]); s.conn.execute('CREATE TABLE IF NOT EXISTS x(a)'); "
-                  "print(os.stat(sys.argv[1] + '-wal').st_mode & 0o777, os.stat(sys.argv[1] + '-shm').st_mode & 0o777)"
-                  % HERE)
-        db = os.path.join(self.home, "a", "b", "qmem.sqlite")
-        proc = subprocess.run([sys.executable, "-c", script, db], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.assertEqual(proc.returncode, 0, proc.stderr)
-        self.assertEqual(proc.stdout.split(), [b"384", b"384"])  # 0600
-        self.assertEqual(os.stat(db).st_mode & 0o777, 0o600)
-        for folder in (os.path.join(self.home, "a"), os.path.join(self.home, "a", "b")):
-            self.assertEqual(os.stat(folder).st_mode & 0o777, 0o700, folder)
+class BreakerTests(GatewayTestCase):
+    """The breaker's life cycle, with an injected clock; its file, shared by processes
+    and never trusted; and what it says of itself."""
 
-    def test_a_database_or_folder_another_user_could_replace_is_refused(self):
-        shared = os.path.join(self.home, "shared")
-        os.mkdir(shared)
-        os.chmod(shared, 0o777)
-        err = self.expect_fail(1, "--db", os.path.join(shared, "q.sqlite"), "store", "x", "--project", "p",
-                               "--queue-only")
-        self.assertIn("writable by other users", err)
-        uid = self.need_other_uid()
-        qmem.Store(self.db).close()
-        os.chown(self.db, uid, -1)
-        err = self.expect_fail(1, "status")
-        self.assertIn("%s is owned by another user (uid %d)" % (self.db, uid), err)
+    def setUp(self):
+        super().setUp()
+        self.now = 1000000.0
+        self.dead = "http://127.0.0.1:%d" % closed_port()
+
+    def breaker(self, url=None, **kw):
+        kw.setdefault("base_ms", 120000)
+        kw.setdefault("max_ms", 600000)
+        return qmem.Breaker(self.breaker_file, url or self.gw.url, clock=lambda: self.now,
+                            rand=lambda: 0.5, lease_s=50, **kw)
+
+    def test_trip_fail_fast_probe_double_cap_close(self):
+        b = self.breaker()
+        b.failure("unreachable", "refused")
+        self.assertEqual(b.read()["open_until"], self.now + 120)
+        connections = self.gw.connections
+        gw = self.closing(qmem.Gateway(self.config(), breaker=self.breaker()))
+        err = self.assert_fails("breaker_open", gw, "GET", "/v1/status")
+        self.assertEqual(err.retry_in_ms, 120000)
+        self.assertEqual(self.gw.connections, connections)  # no connection attempted
+        # After the open period one process probes, the others keep failing fast.
+        self.now += 121
+        prober, other = self.breaker(), self.breaker()
+        prober.admit()
+        self.assertEqual(prober.read()["state"], "half_open")
+        with self.assertRaises(qmem.GatewayError) as cm:
+            other.admit()
+        self.assertIn("probing", str(cm.exception))
+        # The probe fails: open again, twice as long.
+        prober.failure("unreachable", "refused")
+        self.assertEqual(b.read()["open_until"], self.now + 240)
+        for expected in (480, 600, 600):  # doubling, capped at breakerMaxMs
+            self.now = b.read()["open_until"] + 1
+            p = self.breaker()
+            p.admit()
+            p.failure("unreachable", "refused")
+            self.assertEqual(b.read()["open_until"] - self.now, expected)
+        # Success closes it and forgets the trips.
+        self.now = b.read()["open_until"] + 1
+        p = self.breaker()
+        p.admit()
+        p.success()
+        self.assertEqual(b.read()["state"], "closed")
+        self.assertFalse(os.path.exists(self.breaker_file) and b.read()["trips"])
+
+    def test_killed_prober_does_not_wedge_it(self):
+        b = self.breaker()
+        b.failure("unreachable", "refused")
+        self.now += 121
+        self.breaker().admit()      # a prober that then dies
+        with self.assertRaises(qmem.GatewayError):
+            self.breaker().admit()
+        self.now += 51              # its lease expires
+        self.breaker().admit()
+
+    def test_a_prober_proven_dead_frees_the_probe_at_once(self):
+        """Part 10: a flush SIGKILLed mid-request held the half-open probe, and for its
+        whole lease every process answered "another process is probing it" while the
+        gateway was up. A live prober keeps it."""
+        child = ("import sys, time; sys.path.insert(0, %r); import qmem\n"
+                 "b = qmem.Breaker(sys.argv[1], sys.argv[2], base_ms=1, max_ms=1, lease_s=50)\n"
+                 "b.failure('unreachable', 'refused'); time.sleep(0.01); b.admit()\n"
+                 "print(b.read()['state'], flush=True); time.sleep(60)\n" % HERE)
+        proc = self.child([sys.executable, "-c", child, self.breaker_file, self.gw.url],
+                          stdout=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual(proc.stdout.readline(), "half_open\n")
+        mine = lambda: qmem.Breaker(self.breaker_file, self.gw.url, lease_s=50)  # noqa: E731
+        with self.assertRaises(qmem.GatewayError) as cm:
+            mine().admit()
+        self.assertIn("another process is probing it", str(cm.exception))
+        proc.kill()
+        proc.wait()
+        gw = self.closing(qmem.Gateway(self.config(), breaker=mine()))
+        self.assertEqual(gw.call("GET", "/v1/status").status, 200)
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
+    def test_failure_while_open_does_not_extend_it(self):
+        b = self.breaker()
+        b.failure("unreachable", "refused")
+        until = b.read()["open_until"]
+        self.now += 10
+        self.breaker().failure("unreachable", "refused")  # a process that passed the check earlier
+        self.assertEqual(b.read()["open_until"], until)
+        self.assertEqual(b.read()["trips"], 1)
+
+    def test_reset_and_url_change(self):
+        self.breaker().failure("unreachable", "refused")
+        self.assertEqual(self.breaker(url="https://other.example").read()["state"], "closed")
+        self.assertEqual(self.breaker(url=self.gw.url + "/").read()["state"], "open")  # same URL
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.breaker().read()["state"], "closed")
+
+    def test_config_url_resets_the_breaker(self):
+        self.breaker().failure("unreachable", "refused")
+        del os.environ["QMEM_URL"]
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"url": self.gw.url}, f)
+        self.ok("config", "url", self.gw.url)
+        self.assertEqual(self.breaker().read()["state"], "closed")
+
+    def test_corrupt_or_missing_file_is_closed_with_a_warning(self):
+        os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
+        for junk in (b"{not json", b"[]",
+                     b'{"gateways": {"%s": {"state": 5}}}' % self.gw.url.encode(),
+                     b"\x00\x00", b'{"gateways": {"x": {"open_until": "abc"}}}'):
+            with open(self.breaker_file, "wb") as f:
+                f.write(junk)
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err):
+                self.breaker().admit()
+                self.assertEqual(self.breaker().read()["state"], "closed")
+        code, out, err = self.run_cli("breaker")
+        self.assertEqual(code, 0)
+        b = self.breaker()
+        b.failure("unreachable", "refused")  # rewrites a good file
+        self.assertEqual(self.breaker().read()["state"], "open")
+
+    def test_a_breaker_field_of_the_wrong_type_is_corrupt_and_said_once(self):
+        os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
+        with open(self.breaker_file, "w") as f:
+            json.dump({"gateways": {qmem.normalize_url(self.gw.url): {"state": "open",
+                                                                      "open_until": "abc"}}}, f)
+        code, out, err = self.run_cli("breaker")
+        self.assertEqual(code, 0)
+        self.assertIn("breaker file %s is corrupt (open_until" % self.breaker_file, err)
+        self.assertIn("closed", out)
+
+    def test_numbers_a_breaker_file_cannot_mean_are_corruption(self):
+        key = qmem.normalize_url(self.gw.url)
+        for field, value in (("open_until", 1e300), ("open_until", float("nan")),
+                             ("trips", float("inf")),
+                             ("opened_after", float("inf"))):
+            os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
+            with open(self.breaker_file, "w") as f:
+                f.write(json.dumps({"gateways": {key: {"state": "open", field: value}}}))
+            code, out, err = self.run_cli("breaker", "--json")
+            self.assertEqual(code, 0, err)
+            json.loads(out)  # a document JSON can read: no Infinity
+            self.assertEqual(self.run_cli("search", "x")[0], 0)
+
+    def test_a_breaker_file_that_cannot_be_written_never_fails_a_command(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        real = qmem.atomic_write
+
+        def disk_full_for_the_breaker(path, *args, **kw):
+            if path.endswith("breaker.json"):
+                raise OSError(28, "No space left on device")
+            return real(path, *args, **kw)
+        with mock.patch.object(qmem, "atomic_write", disk_full_for_the_breaker):
+            code, out, err = self.run_cli("search", "x")
+            self.assertEqual(code, 0)
+            self.assertIn("fallback: local_sqlite — gateway unreachable", out)
+            self.assertIn("breaker open", out)  # kept in memory for this process
+            self.assertEqual(err.count("cannot write breaker file"), 1)
+            self.assertIn("No space left on device", err)
+            self.assertEqual(self.run_cli("search", "x")[0], 0)
+        qmem._BREAKER_IN_MEMORY.clear()
 
     def test_a_breaker_file_in_a_shared_folder_cannot_be_turned_against_us(self):
         shared = os.path.join(self.home, "tmp")
@@ -3219,32 +1246,448 @@ class SecurityOtherUserTests(QmemTestCase):
         self.assertEqual(code, 0)
         self.assertNotIn("Traceback", err)
 
+    def test_one_success_closes_it(self):
+        self.gw.script = [(503, None), (503, None)]
+        # the third attempt answers
+        self.assertEqual(self.client().call("GET", "/v1/status").status, 200)
+        self.assertEqual(self.breaker_state(), dict(qmem.Breaker._CLOSED))
 
-    def test_export_never_replaces_what_a_link_points_to_nor_a_file_that_is_not_regular(self):
-        """Part 11: another user's link in /tmp replaced the user's ~/.bashrc."""
-        self.put_record(UUIDS[0], "una memoria")
-        bashrc = os.path.join(self.home, ".bashrc")
-        with open(bashrc, "w") as f:
-            f.write("export PATH=~/bin:$PATH\n")
-        shared = os.path.join(self.home, "tmp")
+    def test_breaker_command_shows_state_url_and_last_error(self):
+        os.environ["QMEM_URL"] = self.dead
+        self.run_cli("search", "anything")
+        out = self.ok("breaker")
+        self.assertIn("open", out)
+        self.assertIn(self.dead, out)
+        self.assertIn("Connection refused", out)
+        self.assertIn("retry in", out)
+        doc = self.ok_json("breaker")
+        self.assertEqual(doc["state"], "open")
+        self.assertGreater(doc["retry_in_ms"], 100000)
+
+    def test_breaker_says_why_it_is_open(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.run_cli("search", "x")
+        out = self.ok("breaker")
+        self.assertIn("opened at once: could not connect: ", out)
+        self.assertNotIn("0 of 3", out)
+        os.environ["QMEM_URL"] = self.gw.url
+        self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
+        ops = self.ops_with_quiet_retries()
+        for _ in range(3):
+            ops.search("x")
+        out = self.ok("breaker")
+        self.assertIn("open: calls fail at once", out)
+        self.assertIn("opened after 3 consecutive failures (last: HTTP 503)", out)
+        self.assertNotIn("0 of 3", out)
+        doc = self.ok_json("breaker")
+        self.assertEqual((doc["state"], doc["opened_after"], doc["failures"]), ("open", 3, 0))
+
+    def test_the_breaker_names_an_unreachable_opening_after_failures(self):
+        cfg = qmem.load_config()
+        b = qmem.Breaker.from_config(cfg)
+        b.failure("ambiguous", "HTTP 503", "HTTP 503")
+        b.failure("ambiguous", "HTTP 503", "HTTP 503")
+        b.failure("unreachable", "could not connect", "could not connect: refused")
+        self.assertIn("opened at once: could not connect: refused", self.ok("breaker"))
+
+    def test_two_processes_share_it_and_the_open_one_opens_no_socket(self):
+        self.gw.script = [(503, None)] * 3
+        os.environ["QMEM_URL"] = self.gw.url
+        for _ in range(3):   # three ambiguous failures (each retried 0 times by config below)
+            gw = self.closing(qmem.Gateway(self.config(), qmem.Breaker.from_config(self.config()),
+                                           retries=0))
+            self.assert_fails("ambiguous", gw, "GET", "/v1/status")
+        self.assertEqual(self.breaker_state()["state"], "open")
+        connections = self.gw.connections
+        probe = ("import sys, socket, runpy\n"
+                 "def no(*a, **k): raise AssertionError('a socket was opened')\n"
+                 "socket.socket.__init__ = no\n"
+                 "sys.argv = ['qmem.py', 'search', 'anything', '--json']\n"
+                 "try:\n    runpy.run_path(%r, run_name='__main__')\n"
+                 "except SystemExit as e:\n    code = e.code\n"
+                 "bad = [m for m in ('ssl', 'http.client') if m in sys.modules]\n"
+                 "sys.stderr.write('NET:%%s EXIT:%%s' %% (bad, code))\n" % QMEM)
+        p = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ),
+                           stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertIn("NET:[] EXIT:0", p.stderr)
+        doc = json.loads(p.stdout)
+        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]),
+                         ("local_sqlite", True, True))
+        self.assertGreater(doc["retry_in_ms"], 0)
+        self.assertEqual(self.gw.connections, connections)
+
+
+# === Gateway client ==========================================================
+
+
+class GatewayClientTests(GatewayTestCase):
+    """Each row of design.md's classification table, against a real loopback server;
+    retries, proxies, TLS, and what a gateway's answers may not do."""
+
+    def test_2xx_answer_and_both_auth_headers(self):
+        resp = self.client().call("GET", "/v1/status")
+        self.assertEqual((resp.status, resp.data["version"]), (200, "2.12.0"))
+        headers = self.gw.requests[-1][2]
+        self.assertEqual(headers["x-api-key"], API_KEY)
+        self.assertEqual(headers["authorization"], "Bearer " + API_KEY)
+
+    def test_one_connection_is_reused_across_calls(self):
+        gw = self.client()
+        for _ in range(3):
+            gw.call("GET", "/v1/status")
+        self.assertEqual(self.gw.connections, 1)
+
+    def test_refused_is_unreachable_opens_the_breaker_at_once_and_is_not_retried(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        sleeps = []
+        err = self.assert_fails("unreachable", self.client(sleeps), "GET", "/v1/status")
+        self.assertIn("could not connect", str(err))
+        self.assertEqual(sleeps, [])
+        self.assertEqual(self.breaker_state()["state"], "open")
+
+    def test_a_dead_first_address_leaves_time_for_a_live_one(self):
+        import socket
+        dead = socket.socket()
+        self.addCleanup(dead.close)
+        dead.bind(("127.0.0.1", 0))
+        dead.listen(0)
+        fillers = []
+        for _ in range(4):  # fill its queue: further SYNs are dropped, connects hang
+            s = socket.socket()
+            self.addCleanup(s.close)
+            s.setblocking(False)
+            try:
+                s.connect(dead.getsockname())
+            except BlockingIOError:
+                pass
+            fillers.append(s)
+        addresses = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", dead.getsockname()),
+                     (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", self.gw.port))]
+        with mock.patch.object(qmem, "_resolve", return_value=addresses):
+            started = time.monotonic()
+            resp = self.client(connectTimeoutMs=1000).call("GET", "/v1/status")
+        self.assertEqual(resp.status, 200)
+        self.assertLess(time.monotonic() - started, 0.9)
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
+    def test_server_that_accepts_and_never_answers_fails_at_the_connect_budget(self):
+        import time as t
+        self.gw.script = ["silent"]
+        started = t.monotonic()
+        err = self.assert_fails("unreachable", self.client(connectTimeoutMs=500), "GET",
+                                "/v1/status")
+        elapsed = t.monotonic() - started
+        self.assertIn("connected to", str(err))
+        self.assertIn("no answer within 0.5 s", str(err))
+        self.assertLess(elapsed, 1.0)
+        self.assertGreater(elapsed, 0.45)
+
+    def test_headers_trickled_one_byte_every_100ms_fail_at_the_budget(self):
+        import time as t
+        self.gw.script = ["trickle"]
+        started = t.monotonic()
+        self.assert_fails("unreachable", self.client(connectTimeoutMs=1000), "GET", "/v1/status")
+        elapsed = t.monotonic() - started
+        self.assertLess(elapsed, 1.3)
+        self.assertGreater(elapsed, 0.95)
+
+    def test_stalled_body_is_ambiguous_and_retried(self):
+        import time as t
+        self.gw.script = ["stall_body", "stall_body"]
+        sleeps = []
+        started = t.monotonic()
+        err = self.assert_fails("ambiguous", self.client(sleeps, timeoutMs=300), "GET",
+                                "/v1/status", None, None, 1)
+        self.assertIn("stalled", str(err))
+        self.assertLess(t.monotonic() - started, 1.5)
+        self.assertEqual(len(sleeps), 1)  # one retry
+        self.assertEqual(len(self.gw.requests), 2)
+        self.assertEqual(self.breaker_state()["failures"], 2)  # every failed attempt counts
+
+    def test_each_failed_attempt_counts_so_a_stalling_gateway_opens_the_breaker_after_three(self):
+        self.gw.script = ["stall_body"] * 3
+        gw = self.client(timeoutMs=100)
+        self.assert_fails("ambiguous", gw, "GET", "/v1/status")  # one call, its two retries
+        self.assertEqual(len(self.gw.requests), 3)
+        self.assertEqual(self.breaker_state()["state"], "open")
+        self.assert_fails("breaker_open", gw, "GET", "/v1/status")
+        self.assertEqual(len(self.gw.requests), 3)
+
+    def test_body_cut_midway_is_a_failure_never_empty_data(self):
+        self.gw.script = ["cut_body"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn("cut off", str(err))
+
+    def test_wrong_content_length_is_a_failure(self):
+        self.gw.script = ["wrong_length"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn("cut off", str(err))
+
+    def test_200_with_an_html_page_is_a_failure(self):
+        self.gw.script = ["html"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn("not JSON", str(err))
+        self.assertIn("text/html", str(err))
+
+    def test_a_captive_portal_is_named_with_what_came_back(self):
+        self.gw.script = ["html"]
+        err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn('"<html><body>Proxy login</body></html>"', str(err))
+        self.assertIn("an HTML page: a captive portal or a proxy login?", str(err))
+        with mock.patch.object(qmem.Gateway, "_read_body",
+                               return_value=b"\x1b[2Jnot json " + b"z" * 500):
+            err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
+        self.assertIn('"\\u001b[2Jnot json zzz', str(err))
+        self.assertNotIn("\x1b", str(err))
+        self.assertLess(len(str(err)), 400)
+
+    def test_a_body_of_millions_of_tiny_values_is_refused_before_it_is_parsed(self):
+        with mock.patch.object(qmem, "MAX_JSON_VALUES", 1000), mock.patch("qmem.time.sleep"):
+            self.gw.script = [(200, {"results": [{}] * 5000})] * 3
+            doc = self.ok_json("search", "x")
+        self.assertEqual(doc["source"], "local_sqlite")
+        self.assertIn("answer too large", doc["reason"])
+
+    def test_503_with_retry_after_then_success(self):
+        self.gw.script = [(503, {"detail": "warming up"}, {"Retry-After": "1"})]
+        sleeps = []
+        resp = self.client(sleeps).call("GET", "/v1/status")
+        self.assertEqual(resp.status, 200)
+        self.assertEqual(len(sleeps), 1)
+        self.assertGreaterEqual(sleeps[0], 1.0)   # never earlier than asked
+        self.assertLess(sleeps[0], 1.5)           # jitter is small and additive
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
+    def test_429_with_an_http_date_is_honoured(self):
+        date = "Mon, 30 Nov 2026 10:00:00 GMT"
+        later = "Mon, 30 Nov 2026 10:00:04 GMT"
+        self.gw.script = [(429, {"detail": "slow down"}, {"Retry-After": later, "Date": date})]
+        sleeps = []
+        self.assertEqual(self.client(sleeps).call("GET", "/v1/status").status, 200)
+        self.assertGreaterEqual(sleeps[0], 4.0)
+        self.assertLess(sleeps[0], 5.0)
+
+    def test_retry_after_longer_than_the_cap_is_reported_not_slept(self):
+        self.gw.script = [(503, None, {"Retry-After": "3600"})]
+        sleeps = []
+        err = self.assert_fails("ambiguous", self.client(sleeps), "GET", "/v1/status")
+        self.assertEqual(sleeps, [])
+        self.assertEqual(err.retry_in_ms, 3600000)
+
+    def test_retry_after_forms(self):
+        headers = {"Retry-After": "Sunday, 06-Nov-94 08:49:37 GMT",
+                   "Date": "Sun, 06 Nov 1994 08:49:30 GMT"}
+        self.assertEqual(qmem.retry_after_seconds(headers), 7.0)
+        self.assertEqual(qmem.retry_after_seconds({"Retry-After": "Sun Nov  6 08:49:37 1994",
+                                                   "Date": "Sun, 06 Nov 1994 08:49:37 GMT"}), 0.0)
+        for bad in ("-1", "1.5", "+5", "soon", "5, 10"):
+            self.assertIsNone(qmem.retry_after_seconds({"Retry-After": bad}), bad)
+
+    def test_401_is_auth_and_leaves_the_breaker_alone(self):
+        os.environ["QMEM_API_KEY"] = "sk-wrong-key-000000000"
+        err = self.assert_fails("auth", self.client(), "GET", "/v1/status")
+        self.assertIn("API key rejected", str(err))
+        self.assertFalse(os.path.exists(self.breaker_file))
+
+    def test_4xx_answers_are_returned_and_do_not_trip(self):
+        gw = self.client()
+        self.assertEqual(gw.call("GET", "/v1/memories/nope").status, 404)
+        self.assertEqual(gw.call("POST", "/v1/memories", {"text": "x"}).status, 422)
+        self.gw.duplicate_texts["same"] = "abc"
+        resp = gw.call("POST", "/v1/memories", {"text": "same", "kind": "fact", "project_id": "p"})
+        self.assertEqual((resp.status, resp.data["duplicate_of"]), (409, "abc"))
+        self.assertEqual(self.breaker_state()["state"], "closed")
+
+    def test_three_ambiguous_failures_in_a_row_open_the_breaker(self):
+        gw = self.client()
+        self.gw.script = [(502, None)] * 3
+        for n in (1, 2):
+            self.assert_fails("ambiguous", gw, "GET", "/v1/status", None, None, 0)
+            self.assertEqual(self.breaker_state()["state"], "closed")
+            self.assertEqual(self.breaker_state()["failures"], n)
+        self.assert_fails("ambiguous", gw, "GET", "/v1/status", None, None, 0)
+        self.assertEqual(self.breaker_state()["state"], "open")
+
+    def test_redirect_is_not_followed(self):
+        self.gw.script = [(301, None, {"Location": "https://elsewhere.example/"})]
+        err = self.assert_fails("protocol", self.client(), "GET", "/v1/status")
+        self.assertIn("elsewhere.example", str(err))
+
+    def test_a_gateway_that_echoes_the_key_gets_it_masked_everywhere(self):
+        echo = {"detail": "upstream failed; request was Authorization: Bearer %s X-API-Key: %s"
+                          % (API_KEY, API_KEY)}
+        self.gw.script = [(503, echo)] * 3
+        with mock.patch("qmem.time.sleep"):  # the retries' waits
+            code, out, err = self.run_cli("store", "eco", "--project", "p")
+        self.assertEqual(code, 0)
+        queue = self.run_cli("queue")[1] + self.run_cli("queue", "--json")[1]
+        with open(self.breaker_file) as f:
+            breaker = f.read()
+        store = qmem.Store(self.db)
+        stored = " ".join(str(r) for r in store.conn.execute("SELECT * FROM outbox").fetchall())
+        store.close()
+        for where, text in (("output", out + err), ("queue", queue), ("breaker.json", breaker),
+                            ("outbox", stored)):
+            self.assertNotIn(API_KEY, text, where)
+        self.assertIn(qmem.mask_secret(API_KEY), queue)
+
+    def test_proxy_variables_are_honoured(self):
+        # Through a plain-http proxy (the fake gateway plays it: it answers absolute-form
+        # requests), a gateway name that does not even resolve is reached.
+        os.environ.update(QMEM_URL="http://gateway.invalid:8080", http_proxy=self.gw.url,
+                          no_proxy="")
+        del os.environ["NO_PROXY"]
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            self.assertEqual(self.client().call("GET", "/v1/status").status, 200)
+        self.assertIn("the API key travels unencrypted over plain http to gateway.invalid",
+                      err.getvalue())
+        self.assertEqual(self.gw.requests[-1][1], "http://gateway.invalid:8080/v1/status")
+        env = {"https_proxy": "http://proxy.corp:3128", "no_proxy": "internal.example, .vpn"}
+        self.assertEqual(qmem._proxy_for("https", "gw.example", env), ("proxy.corp", 3128))
+        self.assertIsNone(qmem._proxy_for("https", "qmem.internal.example", env))
+        self.assertIsNone(qmem._proxy_for("https", "a.vpn", env))
+        self.assertIsNone(qmem._proxy_for("https", "127.0.0.1", env))
+        self.assertIsNone(qmem._proxy_for("http", "gw.example", env))
+
+    def test_a_proxy_variable_that_is_not_a_url_is_ignored(self):
+        os.environ.update(https_proxy="http://127.0.0.1:99999", http_proxy="http://[::1",
+                          NO_PROXY="", no_proxy="")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        code, out, err = self.run_cli("store", "con un proxy rotto", "--project", "p")
+        self.assertEqual(code, 0, err)
+        self.assertIn("queued", out)
+
+    def test_tls_is_verified(self):
+        cfg = self.config(url="https://127.0.0.1:%d" % self.gw.port)
+        ctx = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg))._ssl_context()
+        import ssl
+        self.assertEqual(ctx.verify_mode, ssl.CERT_REQUIRED)
+        self.assertTrue(ctx.check_hostname)
+
+    def test_https_against_a_plain_server_fails_cleanly(self):
+        os.environ["QMEM_URL"] = "https://127.0.0.1:%d" % self.gw.port
+        err = self.assert_fails("unreachable", self.client(), "GET", "/v1/status")
+        self.assertIn("could not connect", str(err))
+
+    def test_an_unusable_ca_file_is_a_configuration_problem_not_an_unreachable_gateway(self):
+        os.environ["QMEM_URL"] = "https://127.0.0.1:%d" % self.gw.port
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"caFile": os.path.join(self.home, "missing.pem")}, f)
+        code, out, err = self.run_cli("search", "x", "--json")
+        self.assertEqual(json.loads(out)["error"]["kind"], "tls")
+        self.assertIn("caFile", err)
+        self.assertFalse(os.path.exists(self.breaker_file))
+
+
+# === Local store =============================================================
+
+
+class StoreTests(GatewayTestCase):
+    """The database file: its schema, its merge rule, its locks, and files it must not touch."""
+
+    def test_created_with_parents_wal_and_schema_version(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertTrue(os.path.isfile(self.db))
+        self.assertEqual(store.conn.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+        self.assertEqual(store.conn.execute("PRAGMA user_version").fetchone()[0],
+                         qmem.SCHEMA_VERSION)
+
+    def test_newer_schema_is_refused_and_left_untouched(self):
+        os.makedirs(os.path.dirname(self.db))
+        conn = sqlite3.connect(self.db)
+        conn.execute("PRAGMA user_version=99")
+        conn.close()
+        before = read_bytes(self.db)
+        err = self.expect_fail(1, "find", "x")
+        self.assertIn("newer qmem.py", err)
+        self.assertEqual(read_bytes(self.db), before)
+
+    def test_an_older_qmem_py_is_refused_by_the_claim_rules_version(self):
+        qmem.Store(self.db).close()
+        conn = sqlite3.connect(self.db)
+        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], qmem.SCHEMA_VERSION)
+        conn.close()
+        with mock.patch.object(qmem, "SCHEMA_VERSION", 1):
+            with self.assertRaises(qmem.StoreError) as cm:
+                qmem.Store(self.db)
+        self.assertIn("written by a newer qmem.py", str(cm.exception))
+
+    def test_a_file_that_is_not_sqlite_is_refused_and_left_untouched(self):
+        os.makedirs(os.path.dirname(self.db))
+        with open(self.db, "wb") as f:
+            f.write(b"these are my notes, not a database\n" * 10)
+        before = read_bytes(self.db)
+        err = self.expect_fail(1, "status")
+        self.assertIn("not a SQLite database", err)
+        self.assertEqual(read_bytes(self.db), before)
+        with open(self.db, "wb") as f:
+            f.write(b"notes")  # shorter than a header: SQLite still reads it, and refuses it
+        err = self.expect_fail(1, "store", "--queue-only", "--project", "p", "--kind", "fact", "x")
+        self.assertIn("not a SQLite database", err)
+        self.assertEqual(read_bytes(self.db), b"notes")
+        self.assertFalse(os.path.exists(self.db + "-wal") or os.path.exists(self.db + "-shm"))
+
+    def test_another_programs_database_is_refused_untouched(self):
+        other = os.path.join(self.home, "other.db")
+        conn = sqlite3.connect(other)
+        conn.execute("CREATE TABLE bookmarks(url TEXT)")
+        conn.commit()
+        conn.close()
+        before = read_bytes(other)
+        os.environ["QMEM_SQLITE"] = other
+        for argv in (("status",), ("find", "x"), ("store", "x", "--project", "p", "--queue-only"),
+                     ("import", "--sessions", self.home)):
+            err = self.expect_fail(1, *argv)
+            self.assertIn("is another program's SQLite database (tables: bookmarks); "
+                          "left untouched", err)
+            self.assertIn("--db PATH, QMEM_SQLITE or localDbPath", err)
+        self.assertEqual(read_bytes(other), before)
+        conn = sqlite3.connect(other)
+        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 0)
+        conn.close()
+
+    def test_a_database_folder_that_cannot_be_made_is_an_error_document(self):
+        doc = json.loads(self.run_cli("--db", "/proc/no/such/x.db", "store", "hi", "--project",
+                                      "p", "--json")[1])
+        self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "store"))
+        self.assertIn("cannot create the local database", doc["error"]["message"])
+
+    def test_folders_and_database_are_private_from_their_creation_whatever_the_umask(self):
+        script = ("import os, sys; os.umask(0); sys.path.insert(0, %r); import qmem; "
+                  "s = qmem.Store(sys.argv[1]); s.conn.execute('CREATE TABLE IF NOT EXISTS x(a)'); "
+                  "print(os.stat(sys.argv[1] + '-wal').st_mode & 0o777, "
+                  "os.stat(sys.argv[1] + '-shm').st_mode & 0o777)"
+                  % HERE)
+        db = os.path.join(self.home, "a", "b", "qmem.sqlite")
+        proc = subprocess.run([sys.executable, "-c", script, db], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stdout.split(), [b"384", b"384"])  # 0600
+        self.assertEqual(os.stat(db).st_mode & 0o777, 0o600)
+        for folder in (os.path.join(self.home, "a"), os.path.join(self.home, "a", "b")):
+            self.assertEqual(os.stat(folder).st_mode & 0o777, 0o700, folder)
+
+    def test_a_database_or_folder_another_user_could_replace_is_refused(self):
+        shared = os.path.join(self.home, "shared")
         os.mkdir(shared)
-        link = os.path.join(shared, "out.bundle")
-        os.symlink(bashrc, link)
-        if other_uid() is not None:
-            os.lchown(link, other_uid(), -1)  # another user's link, as in /tmp
-        err = self.expect_fail(2, "export", link)
-        self.assertIn("is a symbolic link: refusing to write through it", err)
-        self.assertEqual(read_bytes(bashrc), b"export PATH=~/bin:$PATH\n")
-        self.assertTrue(os.path.islink(link))
-        fifo = os.path.join(shared, "fifo")
-        os.mkfifo(fifo)
-        self.assertIn("not a regular file", self.expect_fail(2, "export", fifo))
-        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode))
-        self.ok("export", os.path.join(shared, "real.bundle"))
+        os.chmod(shared, 0o777)
+        err = self.expect_fail(1, "--db", os.path.join(shared, "q.sqlite"), "store", "x",
+                               "--project", "p",
+                               "--queue-only")
+        self.assertIn("writable by other users", err)
+        uid = self.need_other_uid()
+        qmem.Store(self.db).close()
+        os.chown(self.db, uid, -1)
+        err = self.expect_fail(1, "status")
+        self.assertIn("%s is owned by another user (uid %d)" % (self.db, uid), err)
 
     def test_a_database_reached_through_a_link_is_judged_where_sqlite_keeps_its_files(self):
         """Part 11: SQLite keeps -wal and -shm beside a symlink's target; a -wal another
         user planted there sent the attacker's row with the user's key."""
+        self.no_gateway()
         target = os.path.join(self.home, "elsewhere", "q.sqlite")
         os.makedirs(os.path.dirname(target), mode=0o700)
         link = os.path.join(self.home, "q.sqlite")
@@ -3259,9 +1702,199 @@ class SecurityOtherUserTests(QmemTestCase):
         err = self.expect_fail(1, "--db", link, "flush")
         self.assertIn("%s is owned by another user" % planted, err)
 
+    def test_a_second_store_in_one_process_keeps_the_first_ones_locks(self):
+        """Part 10: a process with two connections (the MCP server and its background
+        flush) while other processes come and go. Opening and closing the file outside
+        SQLite dropped the process's locks: the next process to close deleted the WAL
+        under the live connection, and a write it was told was queued was lost."""
+        child = ("import os, sys; sys.path.insert(0, %r); import qmem\n"
+                 "first = qmem.Store(sys.argv[1])\n"
+                 "qmem.enqueue(first, 'store', {'text': 'w1'})\n"
+                 "second = qmem.Store(sys.argv[1])\n"
+                 "print('open', flush=True); sys.stdin.readline()\n"
+                 "qmem.enqueue(first, 'store', {'text': 'w2'})\n"
+                 "print('queued', flush=True); sys.stdin.readline()\n" % HERE)
+        write = ("store", "--queue-only", "--project", "p", "--kind", "fact")
+        self.ok(*write + ("w0",))
+        proc = self.child([sys.executable, "-c", child, self.db], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual(proc.stdout.readline(), "open\n")
+        self.ok(*write + ("w3",))  # this process comes and goes while the other is open
+        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under a connection")
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        self.assertEqual(proc.stdout.readline(), "queued\n")
+        self.ok(*write + ("w4",))
+        proc.kill()  # told "queued": it must be on disk without a clean close
+        proc.wait()
+        conn = sqlite3.connect(self.db)
+        self.addCleanup(conn.close)
+        texts = sorted(json.loads(p)["text"] for (p,) in conn.execute("SELECT payload FROM outbox"))
+        self.assertEqual(texts, ["w0", "w1", "w2", "w3", "w4"])
+        self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
 
-class SecurityUntrustedDataTests(GatewayTestCase):
-    """Part 6: untrusted data costs one skipped item, never a crash or a stall."""
+    def test_merge_never_replaces_known_data_with_missing_data(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        full = qmem.normalize_record(record(UUIDS[0], "Il backup notturno gira alle 02:30"))
+        with store.transaction():
+            store.upsert(full, qmem.VIEW_FULL)
+            hit = qmem.normalize_record({"id": UUIDS[0], "text": "Il backup", "kind": None})
+            self.assertEqual(store.upsert(hit, qmem.VIEW_HIT), "same")
+        got = store.get(UUIDS[0])
+        self.assertEqual(got["text"], "Il backup notturno gira alle 02:30")
+        self.assertEqual(got["kind"], "fact")
+
+    def test_complete_view_wins_over_search_hit(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with store.transaction():
+            store.upsert(qmem.normalize_record({"id": UUIDS[0], "text": "troncato…",
+                                                "kind": "fact"}), qmem.VIEW_HIT)
+            self.assertEqual(store.upsert(qmem.normalize_record(record(UUIDS[0], "testo completo")),
+                                          qmem.VIEW_FULL), "updated")
+        self.assertEqual(store.get(UUIDS[0])["text"], "testo completo")
+        self.assertEqual(qmem.find_local(store, "completo")["results"][0]["id"], UUIDS[0])
+        self.assertEqual(qmem.find_local(store, "troncato")["results"], [])
+
+    def test_bulk_merge_in_sql_follows_the_same_rule_as_upsert(self):
+        import random
+        rng = random.Random(7)
+        ids = UUIDS[:6]
+        views = []
+        for _ in range(300):  # views of a few records: partial, args, full; old and new
+            rid = rng.choice(ids)
+            data = {"id": rid}
+            for f in ("text", "kind", "project_id", "scope", "source", "created_at", "expires_at",
+                      "supersedes_id", "supersede_reason"):
+                if rng.random() < 0.5:
+                    data[f] = rng.choice(["a", "b", ""]) if not f.endswith("_at") else \
+                        "2026-11-%02dT10:00:00Z" % rng.randint(1, 28)
+            if rng.random() < 0.5:
+                data["private"] = rng.random() < 0.5
+            for f in ("updated_at", "superseded_by", "deleted_at"):
+                if rng.random() < 0.4:
+                    data[f] = "2026-11-%02dT10:00:00Z" % rng.randint(1, 28) \
+                        if f != "superseded_by" else rng.choice(ids)
+            views.append((data, rng.choice([0, 1, 2]),
+                          "2026-11-30T10:00:%02d.000Z" % rng.randint(0, 59)))
+        one, bulk = (qmem.Store(os.path.join(self.home, name + ".sqlite"))
+                     for name in ("one", "bulk"))
+        self.addCleanup(one.close)
+        self.addCleanup(bulk.close)
+        outcomes = {"new": 0, "updated": 0, "same": 0}
+        with one.transaction():
+            for data, view, seen in views:
+                outcomes[one.upsert(qmem.normalize_record(data), view, seen)] += 1
+        bulk.begin_bulk()
+        self.assertTrue(bulk.bulk_sql)
+        with bulk.transaction():
+            rows = [(r["id"], v, s) + qmem._FIELD_VALUES(r)
+                    for r, v, s in ((qmem.normalize_record(d), v, s) for d, v, s in views)]
+            new, updated = 0, 0
+            for chunk in (rows[i:i + 37] for i in range(0, len(rows), 37)):
+                n, u = bulk.merge_many(chunk)
+                new, updated = new + n, updated + u
+            bulk.finish_bulk()
+        self.assertEqual((new, updated), (outcomes["new"], outcomes["updated"]))
+        cols = "id, view, seen_at, " + ", ".join(qmem.FIELDS)
+        dump = lambda s: s.conn.execute("SELECT %s FROM records ORDER BY id" % cols).fetchall()
+        self.assertEqual(dump(bulk), dump(one))
+
+    def test_mutable_fields_follow_the_newest_updated_at(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[0], "x",
+                                                      updated_at="2026-11-30T10:00:00Z",
+                                                      deleted_at="2026-11-30T10:00:00Z")),
+                         qmem.VIEW_FULL)
+            # an older view cannot undo the deletion
+            store.upsert(qmem.normalize_record(record(UUIDS[0], "x",
+                                                      updated_at="2026-11-29T10:00:00Z")),
+                         qmem.VIEW_FULL)
+        self.assertEqual(store.get(UUIDS[0])["deleted_at"], "2026-11-30T10:00:00.000Z")
+
+    def test_interrupted_bulk_load_still_finds_everything_and_is_repaired(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        store.begin_bulk()  # an import into an empty index defers FTS to its end...
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[0], "bulk loaded memory")),
+                         qmem.VIEW_FULL)
+        # ...and dies before finish_bulk(): find answers through the LIKE scan meanwhile
+        self.assertEqual(self.find_ids("bulk", "memory"), [UUIDS[0]])
+        os.makedirs(self.sessions)
+        self.ok("import")  # the next import rebuilds the index
+        self.assertIsNone(store.meta("fts_pending"))
+        self.assertEqual(store.conn.execute(
+            "SELECT rowid FROM records_fts WHERE records_fts MATCH 'bulk'").fetchall(), [(1,)])
+
+    def test_the_local_index_masks_credentials_on_every_path_and_in_rows_already_there(self):
+        s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
+        s.store(record(UUIDS[9], "il token del bot è ghp_" + "a1B2" * 9))
+        s.write()
+        self.ok("import")  # through the import's writer
+        self.assertEqual(self.local_record(UUIDS[9])["text"],
+                         "il token del bot è [masked: GitHub token]")
+        self.gw.add("la chiave è AKIAIOSFODNN7EXAMPLE")
+        hit = self.ok_json("search", "chiave")["results"][0]["id"]
+        self.assertEqual(self.local_record(hit)["text"], "la chiave è [masked: AWS access key id]")
+        self.put_record(UUIDS[0], "secret: topsecret1 nel vecchio indice")
+        self.assertEqual(self.local_record(UUIDS[0])["text"], "secret: [masked] nel vecchio indice")
+        conn = sqlite3.connect(self.db)  # a row an older qmem.py stored unmasked
+        rid = conn.execute("SELECT rid FROM records WHERE id=?", (UUIDS[0],)).fetchone()[0]
+        old, new = "secret: [masked] nel vecchio indice", "secret: topsecret1 nel vecchio indice"
+        conn.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
+                     "VALUES('delete', ?, ?, 'infra', 'fact')", (rid, old))
+        conn.execute("UPDATE records SET text=? WHERE rid=?", (new, rid))
+        conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) "
+                     "VALUES(?, ?, 'infra', 'fact')", (rid, new))
+        conn.execute("DELETE FROM meta WHERE key='secrets_masked'")
+        conn.commit()
+        conn.close()
+        self.assertEqual(self.find_ids("topsecret1"), [])  # masked once, by the next command
+        self.assertEqual(self.local_record(UUIDS[0])["text"], "secret: [masked] nel vecchio indice")
+        self.assertEqual(self.find_ids("vecchio"), [UUIDS[0]])
+        self.assertEqual(self.ok_json("doctor", "--offline")["summary"]["fail"], 0)
+
+    def test_two_processes_write_at_once(self):
+        qmem.Store(self.db).close()
+        code = ("import qmem, sys\ns = qmem.Store(sys.argv[1])\nfor i in range(200):\n"
+                "    with s.transaction():\n"
+                "        s.upsert(qmem.normalize_record({'id': sys.argv[2] + str(i),\n"
+                "                                        'text': 'parallel write'}), 2)\n")
+        procs = [subprocess.Popen([sys.executable, "-c", code, self.db, tag], cwd=HERE)
+                 for tag in "ab"]
+        self.assertEqual([p.wait(timeout=60) for p in procs], [0, 0])
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertEqual(store.conn.execute("SELECT count(*) FROM records").fetchone()[0], 400)
+
+
+# === Import ==================================================================
+
+
+class ImportTests(QmemTestCase):
+    """pi's session files into the local index: every format and result shape, incremental,
+    and untrusted lines or files that cost one skipped item."""
+
+    def import_json(self, *extra):
+        return self.ok_json("import", *extra)["stats"]
+
+    def mixed_tree(self):
+        """A few sessions with every kind of call, for comparing two ways of importing."""
+        for n in range(4):
+            s = Session(os.path.join(self.sessions, "--home-dev-p%d--" % n), "s%d.jsonl" % n)
+            for k in range(6):
+                rid = UUIDS[n * 10 + k]
+                s.store(record(rid, "Memoria %d-%d della città" % (n, k)),
+                        shape=("record", "id", "json")[k % 3])
+            hits = [record(UUIDS[(n * 10 + 13) % 40 + k], "visto in una ricerca %d" % k)
+                    for k in range(3)]
+            cid = s.call("qmem_search", {"query": "ricerca"})
+            s.result(cid, "qmem_search", "3 results", {"results": hits})
+            s.write()
 
     def raw_session(self, name, lines):
         os.makedirs(self.sessions, exist_ok=True)
@@ -3270,16 +1903,300 @@ class SecurityUntrustedDataTests(GatewayTestCase):
                 f.write(line if isinstance(line, bytes) else line.encode("utf-8"))
                 f.write(b"\n")
 
-    def test_surrogates_impossible_dates_and_deep_nesting_cost_one_item_and_later_files_are_read(self):
-        header = '{"type":"session","version":3,"id":"s1","timestamp":"2026-11-30T09:00:00Z","cwd":"/x"}'
-        call = ('{"type":"message","id":"a1","parentId":null,"timestamp":"2026-11-30T09:00:01Z","message":'
+    def test_a_large_import_writes_in_a_child_process_with_the_same_result(self):
+        self.mixed_tree()
+        in_process = self.import_json()
+        table = "SELECT id, view, %s FROM records ORDER BY id" % ", ".join(qmem.FIELDS)
+        store = qmem.Store(self.db)
+        expected = store.conn.execute(table).fetchall()
+        store.close()
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "child.sqlite")
+        started = []
+        real_start = qmem._WriterProcess.start
+        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
+                mock.patch.object(qmem, "_cores", lambda: 2), \
+                mock.patch.object(qmem._WriterProcess, "start",
+                                  lambda db: started.append(db) or real_start(db)):
+            in_child = self.import_json()
+        self.assertEqual(started, [os.environ["QMEM_SQLITE"]])
+        self.assertEqual(in_child, in_process)
+        store = qmem.Store(os.environ["QMEM_SQLITE"])
+        self.addCleanup(store.close)
+        self.assertEqual(store.conn.execute(table).fetchall(), expected)
+        self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
+
+    def test_on_one_core_the_import_writes_in_its_own_process(self):
+        self.mixed_tree()
+        started = []
+        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
+                mock.patch.object(qmem, "_cores", lambda: 1), \
+                mock.patch.object(qmem._WriterProcess, "start", started.append):
+            self.import_json()
+        self.assertEqual(started, [])
+        self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
+
+    def test_a_failing_writer_process_is_a_clear_error_and_nothing_is_half_done(self):
+        import subprocess as sp
+        self.mixed_tree()
+
+        def broken(db):
+            w = qmem._WriterProcess()
+            w.proc = sp.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(10); "
+                               "sys.stderr.write('qmem: database or disk is full\\n'); "
+                               "sys.exit(1)"],
+                              stdin=sp.PIPE, stdout=sp.PIPE, stderr=sp.PIPE)
+            return w
+        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
+                mock.patch.object(qmem, "_cores", lambda: 2), \
+                mock.patch.object(qmem._WriterProcess, "start", broken):
+            err = self.expect_fail(1, "import")
+        self.assertIn("import writer process failed: database or disk is full", err)
+        # The first file was written here, before the child took over; no file the child
+        # had counts as imported, so the next import reads those again.
+        self.assertEqual(self.import_json()["files_read"], 3)
+        self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
+
+    def test_the_import_writer_gets_no_secret(self):
+        seen = {}
+
+        class FakePopen:
+            def __init__(self, argv, **kw):
+                seen.update(kw.get("env") or {"inherited": "everything"})
+                raise OSError("not really")
+        os.environ["QMEM_API_KEY"] = API_KEY
+        with mock.patch("subprocess.Popen", FakePopen):
+            self.assertIsNone(qmem._WriterProcess.start(self.db))
+        self.assertNotIn("QMEM_API_KEY", seen)
+        self.assertNotIn("inherited", seen)
+        self.assertNotIn(API_KEY, json.dumps(seen))
+
+    def test_store_results_in_every_shape_become_records(self):
+        s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
+        for n, shape in enumerate(("record", "id", "json", "text")):
+            s.store(record(UUIDS[n], "Memoria numero %d sul deploy" % n), shape=shape)
+        s.write()
+        stats = self.import_json()
+        self.assertEqual(stats["records_new"], 4)
+        self.assertEqual(stats["calls"], {"qmem_store": 4})
+        results = self.ok_json("find", "deploy")["results"]
+        self.assertEqual(sorted(r["id"] for r in results), sorted(UUIDS[:4]))
+        for r in results:  # fields the result did not carry come from the call's arguments
+            self.assertEqual((r["kind"], r["project_id"]), ("fact", "infra"))
+
+    def test_formats_v1_v2_v3_are_all_read(self):
+        for version in (1, 2, 3):
+            s = Session(self.sessions, "v%d.jsonl" % version, version=version)
+            s.store(record(UUIDS[version], "formato versione %d" % version))
+            s.write()
+        self.import_json()
+        self.assertEqual(sorted(self.find_ids("formato")), sorted(UUIDS[1:4]))
+
+    def test_every_branch_is_imported(self):
+        s = Session(self.sessions, "tree.jsonl")
+        fork_point = s.leaf
+        s.store(record(UUIDS[0], "abandoned branch still stored this"))
+        s.entry({"role": "user", "content": [{"type": "text", "text": "back to the fork"}]},
+                parent=fork_point)
+        s.store(record(UUIDS[1], "active branch stored this"))
+        s.write()
+        self.import_json()
+        self.assertEqual(sorted(self.find_ids("branch", "stored")), sorted(UUIDS[:2]))
+
+    def test_clone_is_deduplicated_by_record_id(self):
+        s = Session(self.sessions, "orig.jsonl")
+        s.store(record(UUIDS[0], "cloned memory"))
+        s.write()
+        clone = Session(self.sessions, "clone.jsonl", parent=s.path)
+        clone.lines[1:] = s.lines[1:]  # a clone copies entries, ids and toolCall ids included
+        clone.write()
+        stats = self.import_json()
+        self.assertEqual(stats["records_new"], 1)
+        self.assertEqual(self.ok_json("status")["records"]["total"], 1)
+
+    def test_errored_call_and_call_without_result_create_nothing(self):
+        s = Session(self.sessions, "errors.jsonl")
+        cid = s.call("qmem_store", {"text": "never stored", "kind": "fact", "project_id": "infra"})
+        s.result(cid, "qmem_store", "qmem gateway unreachable: connect ECONNREFUSED", {},
+                 is_error=True)
+        cid = s.call("qmem_get", {"id": UUIDS[5]})
+        s.result(cid, "qmem_get", "qmem gateway unreachable", {}, is_error=True)
+        s.call("qmem_store",
+               {"text": "stream errored before running", "kind": "fact", "project_id": "infra"})
+        s.write()
+        stats = self.import_json()
+        self.assertEqual(stats["records_new"], 0)
+        self.assertEqual(stats["calls_errored"], 2)
+        self.assertEqual(stats["calls_without_result"], 1)
+        self.assertEqual(self.find_ids("stored"), [])
+
+    def test_soft_error_with_record_in_details_creates_the_record(self):
+        s = Session(self.sessions, "soft.jsonl")
+        rec = record(UUIDS[0], "Decision: in Q3 the staging DB moves onto the città-app cluster")
+        cid = s.call("qmem_store", {"text": rec["text"], "kind": "decision", "project_id": "infra"})
+        s.result(cid, "qmem_store", "Stored memory %s locally (fallback: local_sqlite)" % UUIDS[0],
+                 {"id": UUIDS[0], "record": rec, "fallback": "local_sqlite", "synced": False},
+                 is_error=True)
+        s.write()
+        self.import_json()
+        self.assertEqual(self.find_ids("staging", "citta"), [UUIDS[0]])
+
+    def test_search_hits_from_other_agents_are_partial_views(self):
+        s = Session(self.sessions, "search.jsonl")
+        hit = record(UUIDS[7], "Ollama serve gli embedding sul nodo gpu-2", agent_id="claude@ci",
+                     score=0.71)
+        cid = s.call("qmem_search", {"query": "embedding", "top_k": 8})
+        s.result(cid, "qmem_search", "1. [0.71] ...", {"results": [hit]})
+        s.write()
+        self.import_json()
+        found = self.ok_json("find", "embedding")["results"]
+        self.assertEqual([(r["id"], r["agent_id"]) for r in found], [(UUIDS[7], "claude@ci")])
+        status = self.ok_json("status")
+        self.assertEqual(status["records"]["partial_only"], 1)
+        self.assertEqual(status["coverage"]["search_hit_only"], 1)
+
+    def test_get_gives_the_full_payload(self):
+        s = Session(self.sessions, "get.jsonl")
+        cid = s.call("qmem_get", {"id": UUIDS[3]})
+        s.result(cid, "qmem_get", json.dumps(record(UUIDS[3], "Payload completo da get")))
+        s.write()
+        self.import_json()
+        self.assertEqual(self.find_ids("payload"), [UUIDS[3]])
+        self.assertEqual(self.ok_json("status")["records"]["partial_only"], 0)
+
+    def test_correction_supersedes_the_old_record_in_any_order(self):
+        s = Session(self.sessions, "a-correct.jsonl")  # read before the file with the original
+        new = record(UUIDS[1], "Il backup notturno parte alle 02:30", supersedes_id=UUIDS[0])
+        cid = s.call("qmem_correct",
+                     {"id": UUIDS[0], "text": new["text"], "reason": "orario cambiato"})
+        s.result(cid, "qmem_correct",
+                 "Corrected: new memory %s supersedes %s" % (UUIDS[1], UUIDS[0]),
+                 {"id": UUIDS[1], "superseded_id": UUIDS[0]})
+        s.write()
+        s = Session(self.sessions, "b-store.jsonl")
+        s.store(record(UUIDS[0], "Il backup notturno parte alle 03:00"))
+        s.write()
+        self.import_json()
+        self.assertEqual(self.find_ids("backup", "notturno"), [UUIDS[1]])
+        old = [r for r in self.ok_json("find", "backup", "--include-superseded")["results"]
+               if r["id"] == UUIDS[0]]
+        self.assertEqual(old[0]["superseded_by"], UUIDS[1])
+        # the correction, given only text and reason, inherits the target's project and kind
+        self.assertEqual(self.find_ids("02:30", "--project", "infra", "--kind", "fact"), [UUIDS[1]])
+
+    def test_accented_italian_text(self):
+        s = Session(self.sessions, "it.jsonl", cwd="/home/dev/projects/città-app")
+        s.store(record(UUIDS[0], "Perché la città usa il caffè delle 02:30? Però sì."))
+        s.write()
+        self.import_json()
+        for query in ("perche", "perché", "citta", "città", "caffe", "PERCHÉ CITTÀ"):
+            self.assertEqual(self.find_ids(query), [UUIDS[0]], query)
+
+    def test_truncated_last_line_is_read_once_complete(self):
+        s = Session(self.sessions, "live.jsonl")
+        s.store(record(UUIDS[0], "prima memoria"))
+        s.store(record(UUIDS[1], "seconda memoria"))
+        s.write(truncate_last=True)
+        stats = self.import_json()
+        self.assertEqual(stats["lines_truncated"], 1)
+        self.assertEqual(self.find_ids("memoria"), [UUIDS[0]])
+        s.write()  # the writer finished the line
+        stats = self.import_json()
+        self.assertEqual(stats["records_new"], 1)
+        self.assertEqual(sorted(self.find_ids("memoria")), sorted(UUIDS[:2]))
+
+    def test_second_import_of_unchanged_tree_reads_nothing(self):
+        s = Session(self.sessions, "one.jsonl")
+        s.store(record(UUIDS[0], "una memoria"))
+        s.write()
+        self.import_json()
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with mock.patch("builtins.open", side_effect=AssertionError("a session file was read")):
+            stats = qmem.Importer(store).run([self.sessions])
+        self.assertEqual((stats.files_unchanged, stats.files_read, stats.bytes_read), (1, 0, 0))
+
+    def test_grown_file_is_read_from_the_last_complete_line(self):
+        s = Session(self.sessions, "grow.jsonl")
+        s.store(record(UUIDS[0], "scritta prima"))
+        cid = s.call("qmem_store", {"text": "scritta dopo", "kind": "fact", "project_id": "infra"})
+        size_before = os.path.getsize(s.write())
+        stats = self.import_json()
+        self.assertEqual(stats["calls_without_result"], 1)
+        s.result(cid, "qmem_store", "Stored memory %s" % UUIDS[1], {"id": UUIDS[1]})
+        size_after = os.path.getsize(s.write())
+        stats = self.import_json()
+        self.assertEqual(stats["bytes_read"], size_after - size_before)
+        self.assertEqual(stats["records_new"], 1)  # the call from the first read got its result
+        self.assertEqual(self.find_ids("dopo"), [UUIDS[1]])
+
+    def test_invalid_lines_are_counted_and_skipped(self):
+        s = Session(self.sessions, "bad.jsonl")
+        s.store(record(UUIDS[0], "valida"))
+        path = s.write()
+        with open(path, "a") as f:
+            f.write('{"type":"message","message":{"role":"toolResult",'
+                    '"toolName":"qmem_store" BROKEN\n')
+        self.assertEqual(self.import_json()["lines_skipped"], 1)
+        self.assertEqual(self.find_ids("valida"), [UUIDS[0]])
+
+    def test_a_file_that_is_not_a_session_is_skipped_with_a_warning(self):
+        os.makedirs(self.sessions)
+        with open(os.path.join(self.sessions, "notes.jsonl"), "w") as f:
+            f.write("this is not json\n")
+        code, out, err = self.run_cli("import")
+        self.assertEqual(code, 0)
+        self.assertIn("not a pi session file", err)
+        self.assertNotIn("Traceback", err)
+
+    def test_a_session_file_whose_name_is_not_utf8_is_skipped_with_a_warning(self):
+        s = Session(self.sessions, "ok.jsonl")
+        s.store(record(UUIDS[0], "buono"))
+        s.write()
+        with open(os.path.join(os.fsencode(self.sessions), b"x\xff.jsonl"), "wb") as f:
+            f.write(read_bytes(s.path))
+        code, out, err = self.run_cli("import")
+        self.assertEqual(code, 0)
+        self.assertIn("its name is not valid UTF-8", err)
+        self.assertEqual(self.ok_json("status")["records"]["total"], 1)
+
+    def test_session_folders_and_empty_files(self):
+        os.makedirs(self.sessions)
+        open(os.path.join(self.sessions, "new.jsonl"), "w").close()  # pi just created it
+        self.assertEqual(self.ok_json("import")["stats"]["lines_truncated"], 0)
+        a_file = os.path.join(self.home, "f.txt")
+        open(a_file, "w").close()
+        self.assertIn("--sessions %s: not a directory" % a_file,
+                      self.expect_fail(2, "import", "--sessions", a_file))
+
+    def test_the_writer_child_and_odd_files_in_a_sessions_folder(self):
+        qmem.Store(self.db).close()
+        proc = subprocess.run(qmem_command() + ["_import-writer", self.db], input=b"abcdefgh",
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
+        self.assertNotIn(b"Traceback", proc.stderr)
+        self.assertEqual(proc.returncode, 2)
+        os.makedirs(self.sessions)
+        os.mkfifo(os.path.join(self.sessions, "pipe.jsonl"))
+        code, out, err = self.run_cli("import")  # must not hang on the FIFO
+        self.assertEqual(code, 0)
+        self.assertIn("not a regular file", err)
+
+    def test_surrogates_impossible_dates_and_deep_nesting_cost_one_item_and_later_files_are_read(
+            self):
+        header = ('{"type":"session","version":3,"id":"s1","timestamp":"2026-11-30T09:00:00Z",'
+                  '"cwd":"/x"}')
+        call = ('{"type":"message","id":"a1","parentId":null,"timestamp":"2026-11-30T09:00:01Z",'
+                '"message":'
                 '{"role":"assistant","content":[{"type":"toolCall","id":"c1","name":"qmem_store",'
                 '"arguments":{"text":"x","kind":"fact","project_id":"p"}}]}}')
-        result = ('{"type":"message","id":"a2","parentId":"a1","timestamp":"0001-01-01T00:00:00+01:00","message":'
-                  '{"role":"toolResult","toolCallId":"c1","toolName":"qmem_store","content":[],"details":'
-                  '{"record":{"id":"%s","text":"half an emoji \\ud83d here","kind":"fact","project_id":"p",'
+        result = ('{"type":"message","id":"a2","parentId":"a1",'
+                  '"timestamp":"0001-01-01T00:00:00+01:00","message":'
+                  '{"role":"toolResult","toolCallId":"c1","toolName":"qmem_store","content":[],'
+                  '"details":'
+                  '{"record":{"id":"%s","text":"half an emoji \\ud83d here","kind":"fact",'
+                  '"project_id":"p",'
                   '"created_at":"0001-01-01T00:00:00+01:00"}}}}' % UUIDS[0])
-        deep = '{"type":"message","message":{"toolName":"qmem_x","x":' + "[" * 200000 + "]" * 200000 + "}}"
+        deep = ('{"type":"message","message":{"toolName":"qmem_x","x":' + "[" * 200000
+                + "]" * 200000 + "}}")
         self.raw_session("a.jsonl", [header, call, result, deep])
         s = Session(self.sessions, "b.jsonl")
         s.store(record(UUIDS[1], "the next file"))
@@ -3291,42 +2208,40 @@ class SecurityUntrustedDataTests(GatewayTestCase):
         self.assertEqual((hit["text"], hit["created_at"]), ("half an emoji \ufffd here", None))
         self.assertIn("half an emoji", self.ok("find", "emoji"))
         self.assertIn("is not a date", self.expect_fail(2, "store", "x", "--project", "p",
-                                                           "--expires", "9999-12-31T23:00:00-02:00"))
+                                                       "--expires", "9999-12-31T23:00:00-02:00"))
 
-    def test_the_same_payloads_from_the_gateway_are_survived(self):
-        bad = dict(record(UUIDS[2], "dal gateway \ud83d"), created_at="0001-01-01T00:00:00+01:00")
-        self.gw.script = [(200, {"results": [dict(bad, score=1e400)]})]
-        code, out, err = self.run_cli("search", "gateway", "--json")
-        self.assertNotRegex(out, "[\ud800-\udfff]")  # a real stdout could not write it
-        doc = json.loads(out)
-        self.assertNotIn("score", doc["results"][0])
-        self.assertEqual(doc["results"][0]["text"], "dal gateway \ufffd")
-        self.assertIn("dal gateway", self.ok("find", "gateway"))
-        self.gw.script = [(200, {"items": [bad], "next_cursor": None})]
-        self.assertEqual(self.ok_json("pull")["pages"], 1)
-        self.gw.script = [(200, {"scopes": ["not", "a", "dict"], "projects": {"p": "many"}})]
-        self.ok("meta")
+    def test_a_record_id_of_the_wrong_type_costs_one_line(self):
+        s = Session(self.sessions, "a.jsonl")
+        cid = s.call("qmem_store", {"text": "x", "kind": "fact", "project_id": "p"})
+        s.result(cid, "qmem_store", "stored", {"record": {"id": ["x"], "text": "x"}})
+        s.result(["not", "an", "id"], "qmem_store", "odd", {})  # a toolCallId of the wrong type
+        s.store(record(UUIDS[0], "buona"))
+        s.write()
+        doc = self.ok_json("import")
+        self.assertEqual(doc["stats"]["records_new"], 1)
+        # recorded: not read again
+        self.assertEqual(self.ok_json("import")["stats"]["files_read"], 0)
 
-    def test_malformed_answers_fail_their_own_row_and_keep_the_others(self):
-        for n in range(4):
-            self.ok("store", "riga %d" % n, "--project", "p", "--queue-only")
-        self.gw.script = [None, (201, {"id": ""}),
-                          (409, {"detail": "duplicate", "duplicate_of": {"an": "object"}}),
-                          (422, {"detail": [{"loc": 5, "msg": "odd"}]})]
-        code, out, err = self.run_cli("flush", "--json")
-        doc = json.loads(out)
-        self.assertNotIn("Traceback", err)
-        self.assertEqual((doc["synced"], doc["duplicate"], doc["failed"]), (1, 1, 2))
-        states = [r["state"] for r in self.ok_json("queue")["items"]]
-        self.assertEqual(states, ["synced", "failed", "duplicate", "failed"])
-        self.assertEqual(qmem.retry_after_seconds({"Retry-After": "²"}), None)
+    def test_a_deep_line_with_a_surrogate_escape_and_an_unreadable_file_cost_one_item(self):
+        os.makedirs(self.sessions)
+        with open(os.path.join(self.sessions, "deep.jsonl"), "w") as f:
+            f.write('{"type":"session","id":"s","version":3}\n')
+            f.write('{"qmem_": ' + "[" * 700 + '"\\ud800"' + "]" * 700 + "}\n")
+        s = Session(self.sessions, "ok.jsonl")
+        s.store(record(UUIDS[0], "buona"))
+        s.write()
+        real_open = open
 
-    def test_a_retry_after_of_centuries_waits_an_hour_at_most_and_an_explicit_flush_tries_now(self):
-        self.gw.script = [(503, {"detail": "later"}, {"Retry-After": "9999999999"})]
-        self.ok("store", "parcheggiata", "--project", "p")
-        item = self.ok_json("queue")["items"][0]
-        self.assertLess(qmem.parse_iso(item["next_attempt_at"]), time.time() + 3601)
-        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        def refusing(path, *args, **kw):
+            if str(path).endswith("ok.jsonl") and "rb" in args:
+                raise PermissionError(13, "Permission denied")
+            return real_open(path, *args, **kw)
+        with mock.patch("builtins.open", refusing):
+            code, out, err = self.run_cli("import")
+        self.assertEqual(code, 0, err)
+        self.assertIn("Permission denied", err)
+        # the next import reads it
+        self.assertEqual(self.ok_json("import")["stats"]["records_new"], 1)
 
     def test_inputs_that_never_end_are_bounded(self):
         os.makedirs(self.sessions)
@@ -3335,7 +2250,8 @@ class SecurityUntrustedDataTests(GatewayTestCase):
         code, out, err = self.run_cli("import")
         self.assertEqual(code, 0)
         self.assertIn("not a regular file", err)
-        self.assertIn("longer than", self.expect_fail(2, "store", "--text-file", "/dev/zero", "--project", "p"))
+        self.assertIn("longer than",
+                      self.expect_fail(2, "store", "--text-file", "/dev/zero", "--project", "p"))
         self.assertLess(time.monotonic() - started, 5)
 
     def test_a_long_session_line_is_skipped_in_linear_time_without_being_kept(self):
@@ -3347,80 +2263,192 @@ class SecurityUntrustedDataTests(GatewayTestCase):
         long_line = b'{"qmem_": "' + b"x" * (3 << 20) + b'"}'
         with open(s.path, "wb") as f:
             f.write(b"\n".join(lines[:1] + [long_line] + lines[1:]))
-        with mock.patch.object(qmem, "MAX_LINE_BYTES", 1 << 20), mock.patch.object(qmem, "_CHUNK", 1 << 16):
+        with mock.patch.object(qmem, "MAX_LINE_BYTES", 1 << 20), \
+                mock.patch.object(qmem, "_CHUNK", 1 << 16):
             started = time.monotonic()
             doc = self.ok_json("import")
-        self.assertLess(time.monotonic() - started, 3)  # 48 chunks of one line: no re-copy per chunk
+        # 48 chunks of one line: no re-copy per chunk
+        self.assertLess(time.monotonic() - started, 3)
         self.assertEqual((doc["stats"]["records_new"], doc["stats"]["lines_skipped"]), (1, 1))
 
-    def test_a_body_of_millions_of_tiny_values_is_refused_before_it_is_parsed(self):
-        with mock.patch.object(qmem, "MAX_JSON_VALUES", 1000), mock.patch("qmem.time.sleep"):
-            self.gw.script = [(200, {"results": [{}] * 5000})] * 3
-            doc = self.ok_json("search", "x")
-        self.assertEqual(doc["source"], "local_sqlite")
-        self.assertIn("answer too large", doc["reason"])
+    def test_concurrent_imports_report_true_counts(self):
+        tree = os.path.join(self.home, "tree")
+        for n in range(4):
+            s = Session(tree, "s%d.jsonl" % n)
+            for k in range(30):
+                s.store(record(UUIDS[n * 30 + k], "ricordo %d %d" % (n, k)))
+            s.write()
+        real = qmem.Store.begin_bulk
+
+        def meanwhile_another_import(store):
+            real(store)  # this import now believes the table empty; another one fills it
+            done = subprocess.run(qmem_command() + ["import", "--sessions", tree, "--json"],
+                                  stdout=subprocess.PIPE, env=dict(os.environ), timeout=60)
+            meanwhile_another_import.other = json.loads(done.stdout.decode())["stats"]
+        with mock.patch.object(qmem.Store, "begin_bulk", meanwhile_another_import):
+            mine = self.ok_json("import", "--sessions", tree)["stats"]
+        other = meanwhile_another_import.other
+        self.assertEqual(mine["records_new"] + other["records_new"], 120)
+        self.assertGreaterEqual(mine["records_updated"], 0)
+        self.assertEqual(self.ok_json("status")["records"]["total"], 120)
+
+    def test_summary_counts_files_calls_and_records(self):
+        s = Session(self.sessions, "sum.jsonl")
+        s.store(record(UUIDS[0], "riassunto"))
+        s.write()
+        out = self.ok("import")
+        self.assertIn("1 files scanned", out)
+        self.assertIn("qmem_store 1", out)
+        self.assertIn("1 new", out)
+
+    def test_sessions_option_is_repeatable(self):
+        for n in range(2):
+            s = Session(os.path.join(self.home, "dir%d" % n), "s.jsonl")
+            s.store(record(UUIDS[n], "cartella personalizzata"))
+            s.write()
+        self.import_json("--sessions", os.path.join(self.home, "dir0"), "--sessions",
+                         os.path.join(self.home, "dir1"))
+        self.assertEqual(len(self.find_ids("cartella")), 2)
+
+    def test_missing_sessions_dir_is_a_usage_error(self):
+        err = self.expect_fail(2, "import", "--sessions", os.path.join(self.home, "nope"))
+        self.assertIn("no such directory", err)
+
+    def test_fresh_machine_without_sessions_says_where_it_looked(self):
+        out = self.ok("import")
+        self.assertIn(self.sessions, out)
+        self.assertIn("nothing to import", out)
 
 
-class SecurityLeaseTests(GatewayTestCase):
-    """Part 6: two flushes never send the same row at the same time."""
-
-    def queue(self, n):
-        store = qmem.Store(self.db)
-        try:
-            return [qmem.enqueue(store, "store", {"text": "riga %d" % i, "kind": "fact", "project_id": "p"})
-                    for i in range(n)]
-        finally:
-            store.close()
-
-    def test_a_long_lease_is_not_taken_by_a_flusher_with_shorter_budgets(self):
-        self.queue(2)
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        slow = qmem.Flusher(store, None, lease_s=7335)
-        token, rows = slow.claim()
-        self.assertEqual(len(rows), 2)
-        other = qmem.Flusher(store, None)
-        self.assertEqual(other.claim()[1], [])
-
-    def test_a_claimant_is_dead_only_when_its_identity_proves_it(self):
-        host, boot, ns, pid, start = qmem.process_identity()
-        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE)
-        dead_pid = dead.stdout.decode().strip()
-        self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, dead_pid, "1", "r"))))
-        self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, "pid:[999]", dead_pid, "1", "r"))))  # container
-        self.assertFalse(qmem.claimant_is_gone("|".join((host, "other-boot", ns, dead_pid, "1", "r"))))
-        self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, ns, pid, start, "r"))))  # alive: us
-        self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, pid, "12", "r"))))  # our pid, reused
-        self.assertFalse(qmem.claimant_is_gone("%s:%s:abc" % (host, dead_pid)))  # an older qmem.py's token
-
-    def test_a_fenced_out_flusher_reports_nothing_delivered(self):
-        self.queue(1)
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        cfg = qmem.load_config()
-        gateway = self.closing(qmem.Gateway(cfg, qmem.Breaker.from_config(cfg)))
-        flusher = qmem.Flusher(store, gateway)
-        real = flusher._send
-
-        def lose_the_lease(row, stats):
-            outcome = real(row, stats)
-            store.conn.execute("UPDATE outbox SET claim_token='someone-else'")  # taken over meanwhile
-            return outcome
-        flusher._send = lose_the_lease
-        self.assertEqual(flusher.run().as_dict()["synced"], 0)
-
-    def test_an_older_qmem_py_is_refused_by_the_claim_rules_version(self):
-        qmem.Store(self.db).close()
-        conn = sqlite3.connect(self.db)
-        self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], qmem.SCHEMA_VERSION)
-        conn.close()
-        with mock.patch.object(qmem, "SCHEMA_VERSION", 1):
-            with self.assertRaises(qmem.StoreError) as cm:
-                qmem.Store(self.db)
-        self.assertIn("written by a newer qmem.py", str(cm.exception))
+# === Local search and status =================================================
 
 
-class SearchLevelTests(QmemTestCase):
+class FindTests(QmemTestCase):
+    """find: the local index's lexical search."""
+
+    def setUp(self):
+        super().setUp()
+        self.store = qmem.Store(self.db)
+        self.addCleanup(self.store.close)
+
+    def put(self, n, text, view=qmem.VIEW_FULL, **extra):
+        with self.store.transaction():
+            self.store.upsert(qmem.normalize_record(record(UUIDS[n], text, **extra)), view)
+
+    def test_all_words_must_match_and_last_is_a_prefix(self):
+        self.put(0, "The circuit breaker opens after three failures")
+        self.put(1, "A circuit of the city")
+        out = self.ok_json("find", "circuit", "break")
+        self.assertEqual(out["match"], "all")
+        self.assertEqual([r["id"] for r in out["results"]], [UUIDS[0]])
+        self.assertEqual(sorted(self.find_ids("circ")), sorted(UUIDS[:2]))
+
+    def test_no_full_match_falls_back_to_any_word_and_says_so(self):
+        self.put(0, "deploy on node-3")
+        out = self.ok_json("find", "deploy", "kubernetes")
+        self.assertEqual(out["match"], "any")
+        self.assertEqual(out["results"][0]["id"], UUIDS[0])
+        self.assertIn("partial match (any word)", self.ok("find", "deploy", "kubernetes"))
+
+    def test_bm25_ranks_the_better_match_first(self):
+        self.put(0, "qdrant mentioned once among many other words about the weather and lunch")
+        self.put(1, "qdrant qdrant: the qdrant collection")
+        self.assertEqual(self.find_ids("qdrant"), [UUIDS[1], UUIDS[0]])
+
+    def test_hostile_queries_are_plain_words(self):
+        self.put(0, "deploy on node-3 uses blue/green; it's C++ -O2 kind:fact")
+        for q in ('"', "deploy\"", "(", "NEAR(", "text:", "*", "-O2", "AND", "OR", "NOT deploy",
+                  "kind:fact", "C++", "blue/green", "it's", "node-3", "🚀", "') OR 1=1 --",
+                  "^deploy", "{x}"):
+            code, out, err = self.run_cli("find", "--json", "--", q)
+            self.assertEqual(code, 0, (q, err))
+            json.loads(out)
+        # kind:fact is two words, not a column filter: it matches the text itself
+        self.assertEqual(self.find_ids("kind:fact"), [UUIDS[0]])
+        self.assertEqual(self.find_ids("node-3"), [UUIDS[0]])
+
+    def test_find_searches_the_text_only(self):
+        self.put_record(UUIDS[0], "we chose postgres", kind="decision", project="infra")
+        self.put_record(UUIDS[1], "a decision about caching", kind="fact", project="web")
+        self.assertEqual([r["id"] for r in self.ok_json("find", "decision")["results"]], [UUIDS[1]])
+        self.assertEqual(self.ok_json("find", "kind:fact")["results"], [])
+        self.assertEqual(self.ok_json("find", "infra")["results"], [])
+        found = self.ok_json("find", "postgres", "--project", "infra")["results"]
+        self.assertEqual([r["id"] for r in found], [UUIDS[0]])
+
+    def test_empty_query_is_a_usage_error(self):
+        self.expect_fail(2, "find", "")
+        self.expect_fail(2, "find")
+
+    def test_hidden_records_and_the_flags_that_show_them(self):
+        self.put(0, "visible alpha")
+        self.put(1, "superseded alpha", superseded_by=UUIDS[0])
+        self.put(2, "deleted alpha", deleted_at="2026-11-30T10:00:00Z")
+        self.put(3, "private alpha", private=True)
+        self.put(4, "expired alpha", expires_at="2020-01-01T00:00:00Z")
+        self.assertEqual(self.find_ids("alpha"), [UUIDS[0]])
+        self.assertIn(UUIDS[1], self.find_ids("alpha", "--include-superseded"))
+        self.assertEqual(self.find_ids("alpha", "--deleted"), [UUIDS[2]])
+        self.assertIn(UUIDS[3], self.find_ids("alpha", "--private"))
+        self.assertIn(UUIDS[4], self.find_ids("alpha", "--include-expired"))
+
+    def test_find_says_what_it_left_out(self):
+        self.put_record(UUIDS[0], "segreto di stato", private=True)
+        self.put_record(UUIDS[1], "vecchia verità", superseded_by=UUIDS[2])
+        out = self.ok("find", "segreto")
+        self.assertIn("1 matching record hidden by default: 1 private (--private)", out)
+        doc = self.ok_json("find", "vecchia")
+        self.assertEqual(doc["hidden"]["superseded"], 1)
+        out = self.ok("find", " ".join("parola%d" % n for n in range(40)))
+        self.assertIn("only the first 32 words and 500 characters of the query were searched", out)
+
+    def test_filters_and_limit(self):
+        self.put(0, "gamma one", project="infra", kind="fact", scope="project")
+        self.put(1, "gamma two", project="web", kind="decision", scope="global")
+        self.assertEqual(self.find_ids("gamma", "--project", "web"), [UUIDS[1]])
+        self.assertEqual(self.find_ids("gamma", "--kind", "fact"), [UUIDS[0]])
+        self.assertEqual(self.find_ids("gamma", "--scope", "global"), [UUIDS[1]])
+        self.assertEqual(len(self.find_ids("gamma", "--limit", "1")), 1)
+        self.expect_fail(2, "find", "gamma", "--kind", "rumour")
+
+    def test_json_shape(self):
+        self.put(0, "delta record", agent_id="pi@laptop")
+        out = self.ok_json("find", "delta")
+        self.assertEqual((out["source"], out["match"], out["degraded"]),
+                         ("local_sqlite", "all", False))
+        self.assertEqual(set(out["results"][0]), {
+            "id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "superseded_by",
+            "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet",
+            "expires_at",
+            "unverified"})
+        self.assertEqual(out["results"][0]["rank"], 1)
+
+    def test_human_output_header_and_pending_marker(self):
+        self.put(0, "epsilon queued here")
+        self.store.conn.execute("UPDATE records SET pending=1")
+        out = self.ok("find", "epsilon")
+        self.assertIn("local_sqlite · lexical (not semantic)", out.splitlines()[0])
+        line = out.splitlines()[1]
+        self.assertTrue(line.startswith(UUIDS[0]))
+        self.assertIn("PENDING", line)
+        self.assertNotIn("\x1b", out)  # plain text when stdout is not a terminal
+
+    def test_find_without_any_index_yet(self):
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "none.sqlite")
+        code, out, err = self.run_cli("find", "x")
+        self.assertEqual(code, 0)
+        self.assertIn("no local index yet", out)
+        doc = self.ok_json("find", "x")
+        self.assertEqual((doc["index_exists"], doc["match"], doc["results"]), (False, "none", []))
+        self.assertFalse(os.path.exists(os.path.join(self.home, "none.sqlite")))
+
+    def test_numbers_are_no_typos_and_a_query_cut_mid_word_says_so(self):
+        self.put_record(UUIDS[0], "grpc listens on port 50052")
+        self.assertNotEqual(self.ok_json("find", "port", "50051")["match"], "fuzzy")
+        self.assertTrue(qmem.query_was_cut("x" * 495 + " deployment"))
+
+
+class FindLevelTests(QmemTestCase):
     """Part 9: find answers word forms and near spellings, level by level, and says which."""
 
     def setUp(self):
@@ -3464,24 +2492,31 @@ class SearchLevelTests(QmemTestCase):
         self.assertEqual(set(found), {UUIDS[21], UUIDS[22]})
 
     def test_stop_words_need_not_match_and_labels_say_the_level(self):
-        self.assertEqual(self.level("how", "do", "we", "deploy", "with", "capistrano?"), ("stemmed", [UUIDS[0]]))
+        self.assertEqual(self.level("how", "do", "we", "deploy", "with", "capistrano?"),
+                         ("stemmed", [UUIDS[0]]))
         self.assertEqual(self.level("what", "is", "the", "release", "branch?"), ("all", [UUIDS[0]]))
-        self.assertEqual(self.level("quali", "sono", "le", "città", "supportate?"), ("all", [UUIDS[3]]))
+        self.assertEqual(self.level("quali", "sono", "le", "città", "supportate?"),
+                         ("all", [UUIDS[3]]))
         self.assertIn("· word forms", self.ok("find", "breakers"))
         self.assertIn("· near spellings", self.ok("find", "circiut", "breaker"))
         self.assertIn("· partial match (any word)", self.ok("find", "redis", "kubernetes"))
         with mock.patch.object(qmem, "_color_ok", return_value=True):
-            self.assertIn("\x1b[1mbreaker\x1b[0m", self.ok("find", "breakers"))  # the form that matched, in bold
+            # the form that matched, in bold
+            self.assertIn("\x1b[1mbreaker\x1b[0m", self.ok("find", "breakers"))
 
     def test_without_fts5_word_forms_still_match_and_typos_are_said_unavailable(self):
         os.environ["QMEM_SQLITE"] = os.path.join(self.home, "like.sqlite")
         with mock.patch.object(qmem, "FORCE_NO_FTS5", True):
             code, out, err = self.run_cli("status")
-            store = qmem.Store(os.environ["QMEM_SQLITE"])
-            store.close()
-        self.put_record_at(os.environ["QMEM_SQLITE"], UUIDS[0], "The circuit breaker opens after three failures")
+            with contextlib.redirect_stderr(io.StringIO()) as notice:
+                store = qmem.Store(os.environ["QMEM_SQLITE"])
+                store.close()
+        self.assertIn("no FTS5", notice.getvalue())  # said as the database is made
+        self.put_record_at(os.environ["QMEM_SQLITE"], UUIDS[0],
+                           "The circuit breaker opens after three failures")
         self.assertEqual(self.level("breakers"), ("stemmed", [UUIDS[0]]))
-        self.assertEqual(self.level("circiut", "breaker")[0], "any")  # no vocabulary: no near spellings
+        # no vocabulary: no near spellings
+        self.assertEqual(self.level("circiut", "breaker")[0], "any")
 
     def put_record_at(self, path, rid, text):
         store = qmem.Store(path)
@@ -3498,6 +2533,34 @@ class SearchLevelTests(QmemTestCase):
         conn.close()
         self.assertEqual(self.level("deployed", "capistrano"), ("stemmed", [UUIDS[0]]))
         self.assertEqual(self.ok_json("status")["db"]["schema_version"], qmem.SCHEMA_VERSION)
+
+
+class FindWithoutFts5Tests(QmemTestCase):
+    """The LIKE path of a SQLite built without FTS5, forced."""
+
+    def setUp(self):
+        super().setUp()
+        patcher = mock.patch.object(qmem, "FORCE_NO_FTS5", True)
+        patcher.start()
+        self.addCleanup(patcher.stop)
+
+    def test_like_search_with_accents_and_a_one_time_notice(self):
+        s = Session(self.sessions, "it.jsonl")
+        s.store(record(UUIDS[0], "Perché la città usa 100% del disco_dati"))
+        s.write()
+        code, out, err = self.run_cli("import")
+        self.assertEqual(code, 0)
+        self.assertIn("no FTS5", err)
+        self.assertIn("not near spellings", err)
+        self.assertEqual(self.find_ids("perche", "citta"), [UUIDS[0]])
+        self.assertEqual(self.find_ids("città"), [UUIDS[0]])
+        self.assertEqual(self.find_ids("100%"), [UUIDS[0]])
+        self.assertEqual(self.find_ids("50%"), [])
+        out = self.ok_json("find", "citta", "nothing")
+        self.assertEqual(out["match"], "any")
+        code, out, err = self.run_cli("find", "perche")
+        self.assertEqual(err, "")  # said once, at creation, not on every search
+        self.assertIn("LIKE", self.ok("status"))
 
 
 RELEVANCE_RECORDS = [
@@ -3618,32 +2681,44 @@ RELEVANCE_RECORDS = [
 # (kind, query, index of the record it must find)
 RELEVANCE_QUERIES = [
     # exact: the record must come first
-    ("exact", "Capistrano release branch", 1), ("exact", "circuit breaker", 2), ("exact", "Redis session tokens", 3),
+    ("exact", "Capistrano release branch", 1), ("exact", "circuit breaker", 2),
+    ("exact", "Redis session tokens", 3),
     ("exact", "Kafka offsets", 4), ("exact", "Terraform Pulumi", 5), ("exact", "Frankfurt", 6),
-    ("exact", "disk usage alerts", 7), ("exact", "cold storage bucket", 8), ("exact", "gzipped bundle", 9),
+    ("exact", "disk usage alerts", 7), ("exact", "cold storage bucket", 8),
+    ("exact", "gzipped bundle", 9),
     ("exact", "Unleash proxy", 10), ("exact", "Elasticsearch", 11), ("exact", "retention job", 12),
     ("exact", "rate limit", 13), ("exact", "tabs spaces", 14), ("exact", "certbot", 17),
     ("exact", "argon2 salt", 20), ("exact", "WeasyPrint", 21), ("exact", "Postmark", 22),
-    ("exact", "SOAP endpoint", 25), ("exact", "Zendesk macros", 29), ("exact", "Sentry release", 34),
+    ("exact", "SOAP endpoint", 25), ("exact", "Zendesk macros", 29),
+    ("exact", "Sentry release", 34),
     ("exact", "Prisma", 37), ("exact", "libvips", 42), ("exact", "Renovate", 52),
     ("exact", "MkDocs", 58), ("exact", "SAML", 59), ("exact", "Milano Roma Torino", 60),
     ("exact", "broker dei messaggi", 65), ("exact", "porte 443", 72), ("exact", "Vue React", 79),
     ("exact", "sala server", 103), ("exact", "gruppo di continuità", 106),
     # English word forms
-    ("en_forms", "deployed capistrano", 1), ("en_forms", "breakers open", 2), ("en_forms", "redis caching", 3),
-    ("en_forms", "upgrade mysql", 0), ("en_forms", "committed offsets", 4), ("en_forms", "backup encryption", 8),
-    ("en_forms", "deleting logs", 12), ("en_forms", "retry failed job", 23), ("en_forms", "rebasing branches", 24),
-    ("en_forms", "retraining model", 27), ("en_forms", "migration runs", 28), ("en_forms", "cached node modules", 39),
+    ("en_forms", "deployed capistrano", 1), ("en_forms", "breakers open", 2),
+    ("en_forms", "redis caching", 3),
+    ("en_forms", "upgrade mysql", 0), ("en_forms", "committed offsets", 4),
+    ("en_forms", "backup encryption", 8),
+    ("en_forms", "deleting logs", 12), ("en_forms", "retry failed job", 23),
+    ("en_forms", "rebasing branches", 24),
+    ("en_forms", "retraining model", 27), ("en_forms", "migration runs", 28),
+    ("en_forms", "cached node modules", 39),
     ("en_forms", "patch base image", 40), ("en_forms", "purge expired session", 44),
     ("en_forms", "batching push message", 46), ("en_forms", "upgrading router firmware", 56),
     ("en_forms", "scaling queue worker", 57), ("en_forms", "deprecating xml import", 54),
     ("en_forms", "renewing certificates", 17), ("en_forms", "hashing password", 20),
     # Italian word forms
-    ("it_forms", "citta supportata", 60), ("it_forms", "migrazioni database", 62), ("it_forms", "server migrazione", 63),
-    ("it_forms", "backup cifrato", 64), ("it_forms", "fattura generata", 66), ("it_forms", "notifica disattivata", 71),
-    ("it_forms", "immagine compressa", 75), ("it_forms", "test eseguito", 78), ("it_forms", "chiave revocata", 80),
-    ("it_forms", "richiesta approvata", 83), ("it_forms", "log conservato", 86), ("it_forms", "ordine esportato", 90),
-    ("it_forms", "copia gestita", 93), ("it_forms", "progetto rimandato", 94), ("it_forms", "sistema sostituito", 96),
+    ("it_forms", "citta supportata", 60), ("it_forms", "migrazioni database", 62),
+    ("it_forms", "server migrazione", 63),
+    ("it_forms", "backup cifrato", 64), ("it_forms", "fattura generata", 66),
+    ("it_forms", "notifica disattivata", 71),
+    ("it_forms", "immagine compressa", 75), ("it_forms", "test eseguito", 78),
+    ("it_forms", "chiave revocata", 80),
+    ("it_forms", "richiesta approvata", 83), ("it_forms", "log conservato", 86),
+    ("it_forms", "ordine esportato", 90),
+    ("it_forms", "copia gestita", 93), ("it_forms", "progetto rimandato", 94),
+    ("it_forms", "sistema sostituito", 96),
     ("it_forms", "credenziale custodita", 98), ("it_forms", "registro aggiornato", 99),
     ("it_forms", "applicazione supportata", 102), ("it_forms", "documento indicizzato", 104),
     ("it_forms", "database anonimizzato", 109),
@@ -3654,24 +2729,33 @@ RELEVANCE_QUERIES = [
     ("typos", "Zendesc macros", 29), ("typos", "Sentyr", 34), ("typos", "libvisp", 42),
     ("typos", "Renovtae", 52), ("typos", "heartbaet", 31), ("typos", "Crowdni", 32),
     ("typos", "Grafnaa", 18), ("typos", "postmortme", 50), ("typos", "anonymizde", 55),
-    ("typos", "magazino giacenze", 74), ("typos", "stampante secndo", 81), ("typos", "prenotazone sale", 96),
+    ("typos", "magazino giacenze", 74), ("typos", "stampante secndo", 81),
+    ("typos", "prenotazone sale", 96),
     ("typos", "traslcohi", 107), ("typos", "reperibilita calendrio", 101), ("typos", "Bologan", 85),
     # questions, with stop words
-    ("questions", "how do we deploy with capistrano?", 1), ("questions", "what is the rate limit of the API?", 13),
-    ("questions", "when are the certificates renewed?", 17), ("questions", "where are the user avatars stored?", 43),
-    ("questions", "which dashboards are provisioned?", 18), ("questions", "what does the ledger service write?", 51),
+    ("questions", "how do we deploy with capistrano?", 1),
+    ("questions", "what is the rate limit of the API?", 13),
+    ("questions", "when are the certificates renewed?", 17),
+    ("questions", "where are the user avatars stored?", 43),
+    ("questions", "which dashboards are provisioned?", 18),
+    ("questions", "what does the ledger service write?", 51),
     ("questions", "how often is the recommendation model retrained?", 27),
     ("questions", "what is our SLA?", 45), ("questions", "who uses Zendesk?", 29),
     ("questions", "why libvips instead of ImageMagick?", 42),
-    ("questions", "quali sono le città supportate?", 60), ("questions", "quando scade il contratto di manutenzione?", 76),
-    ("questions", "dove sono custodite le credenziali?", 98), ("questions", "come si fanno i backup notturni?", 64),
-    ("questions", "che cosa ospita il nodo tre?", 65), ("questions", "quando partono le email di marketing?", 95),
-    ("questions", "chi approva le richieste di rimborso?", 83), ("questions", "per quanto tempo si conservano i log?", 86),
-    ("questions", "qual è l'orario dell'assistenza clienti?", 91), ("questions", "quando si tengono le riunioni?", 108),
+    ("questions", "quali sono le città supportate?", 60),
+    ("questions", "quando scade il contratto di manutenzione?", 76),
+    ("questions", "dove sono custodite le credenziali?", 98),
+    ("questions", "come si fanno i backup notturni?", 64),
+    ("questions", "che cosa ospita il nodo tre?", 65),
+    ("questions", "quando partono le email di marketing?", 95),
+    ("questions", "chi approva le richieste di rimborso?", 83),
+    ("questions", "per quanto tempo si conservano i log?", 86),
+    ("questions", "qual è l'orario dell'assistenza clienti?", 91),
+    ("questions", "quando si tengono le riunioni?", 108),
 ]
 
 
-class RelevanceTests(QmemTestCase):
+class FindRelevanceTests(QmemTestCase):
     """A relevance set of our own, English and Italian: recall@5 per kind of query, and
     the level that answered."""
 
@@ -3693,7 +2777,8 @@ class RelevanceTests(QmemTestCase):
             if not good:
                 misses.append((kind, query))
             if kind == "typos":
-                self.assertEqual(doc["match"], "fuzzy", query)  # a typo is answered by near spellings
+                # a typo is answered by near spellings
+                self.assertEqual(doc["match"], "fuzzy", query)
             if kind == "exact":
                 self.assertEqual(doc["match"], "all", query)
         for kind, target in self.TARGETS.items():
@@ -3701,6 +2786,575 @@ class RelevanceTests(QmemTestCase):
         self.assertGreaterEqual(len(RELEVANCE_QUERIES), 100)
         self.assertGreaterEqual(len(RELEVANCE_RECORDS), 100)
 
+
+class StatusTests(GatewayTestCase):
+    """status: what the local index holds and what waits to be shared."""
+
+    def test_counts_and_json_keys(self):
+        s = Session(self.sessions, "st.jsonl")
+        s.store(record(UUIDS[0], "uno", kind="fact", project="infra"))
+        s.store(record(UUIDS[1], "due", kind="decision", project="web", private=True))
+        s.store(record(UUIDS[2], "uno", kind="fact", project="web"))  # same text, other id
+        s.write()
+        self.ok("import")
+        st = self.ok_json("status")
+        self.assertEqual(st["records"]["total"], 3)
+        self.assertEqual(st["records"]["by_kind"], {"fact": 2, "decision": 1})
+        self.assertEqual(st["records"]["by_project"], {"web": 2, "infra": 1})
+        self.assertEqual(st["records"]["private"], 1)
+        self.assertEqual(st["outbox"]["pending"], 0)
+        self.assertEqual(st["duplicates"], {"groups": 1, "records": 2})
+        self.assertEqual(st["db"]["schema_version"], qmem.SCHEMA_VERSION)
+        self.assertTrue(st["fts"]["available"])
+        self.assertTrue(st["lag"]["last_import_at"])
+        self.assertEqual(st["lag"]["newest_entry_imported_at"][:10], "2026-11-30")
+        self.assertIn("(", st["machine"])
+        text = self.ok("status")
+        self.assertIn("records: 3", text)
+
+    def test_status_before_anything_was_imported(self):
+        self.assertIn("no local index yet", self.ok("status"))
+        doc = self.ok_json("status")
+        self.assertEqual((doc["index_exists"], doc["records"]["total"], doc["outbox"]["pending"]),
+                         (False, 0, 0))
+        self.assertFalse(os.path.exists(self.db))
+
+    def test_status_counts_waiting_and_failed_writes_apart(self):
+        self.refused_store("rifiutata")
+        self.ok("store", "in attesa", "--project", "p", "--queue-only")
+        doc = self.ok_json("status")
+        self.assertEqual((doc["records"]["pending"], doc["records"]["failed"]), (1, 1))
+        self.assertEqual((doc["outbox"]["pending"], doc["outbox"]["failed"]), (1, 1))
+        self.assertIn("1 waiting to be shared, 1 refused by the gateway", self.ok("status"))
+
+
+# === Sync: the outbox, flush, pull, enrich ===================================
+
+
+class FlushTests(GatewayTestCase):
+    """The outbox and its flush: each outcome of a queued write against the fake gateway,
+    and what every later result says of it."""
+
+    def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
+        self.offline()
+        out = self.ok("store", "La coda locale è cercabile subito", "--project", "infra")
+        self.assertIn("not shared yet: queued on this machine as", out)
+        self.assertIn("other agents see it once it is delivered (`qmem.py flush`)", out)
+        found = self.ok_json("find", "coda locale")["results"]
+        self.assertEqual(len(found), 1)
+        self.assertTrue(found[0]["pending"])
+        self.assertIn("[PENDING]", self.ok("find", "cercabile"))
+        local_id = found[0]["id"]
+        self.assertEqual(self.outbox()[local_id]["state"], "pending")
+        self.ok("breaker", "--reset")
+        self.go_online()
+        self.assertIn("1 delivered", self.ok("flush"))
+        item = self.outbox()[local_id]
+        self.assertEqual(item["state"], "synced")
+        self.assertEqual(self.find_ids("coda"), [item["gateway_id"]])
+        self.assertEqual(len(self.gw.records), 1)
+        self.assertIsNotNone(self.ok_json("status")["lag"]["last_flush_at"])
+
+    def test_flush_with_nothing_queued_needs_no_gateway(self):
+        del os.environ["QMEM_URL"]
+        self.assertEqual(self.ok("flush"), "flush: nothing queued\n")
+        self.assertFalse(os.path.exists(self.db))
+        self.assertEqual(self.ok_json("flush")["pending"], 0)
+
+    def test_a_write_past_the_outbox_bound_is_refused_and_kept_aside(self):
+        """Part 11: 200 calls grew the database by 100 MB in 5 s; the outbox had no bound."""
+        config = os.path.join(self.home, "c.json")
+        with open(config, "w") as f:
+            json.dump({"outboxMaxMB": 1}, f)
+        os.environ["QMEM_CONFIG"] = config
+        big = "x" * 30000  # 1 MiB holds 34 such writes
+        for n in range(34):
+            self.ok("store", "%s %d" % (big, n), "--project", "p", "--queue-only")
+        err = self.expect_fail(1, "store", big + " troppo", "--project", "p", "--queue-only")
+        self.assertIn("the outbox is full: the writes waiting here take more than outboxMaxMB "
+                      "(1 MB)", err)
+        self.assertIn("`qmem.py flush`", err)
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
+        texts = [r["text"] for r in self.ok_json("queue")["items"]]
+        self.assertEqual((len(texts), [t for t in texts if "troppo" in t]), (34, []))
+        self.assertEqual(self.ok_json("flush")["synced"], 34)  # delivered: room again
+        self.ok("store", "--text-file", saved, "--project", "p", "--queue-only")
+
+    def test_duplicate_keeps_duplicate_of_and_suggests_correct(self):
+        original = self.gw.add("the same thing")
+        self.gw.duplicate_texts["the same thing again"] = original["id"]
+        out = self.ok("store", "the same thing again", "--project", "p")
+        self.assertIn("already holds a near-identical memory, %s" % original["id"], out)
+        self.assertIn("qmem.py correct %s" % original["id"], out)
+        item = list(self.outbox().values())[0]
+        self.assertEqual((item["state"], item["duplicate_of"]), ("duplicate", original["id"]))
+        self.assertIn("duplicate of " + original["id"], self.ok("queue"))
+        self.assertEqual(len(self.gw.records), 1)
+
+    def test_422_and_404_fail_with_the_reason_and_retry_failed(self):
+        self.ok("store", "x", "--project", "p", "--queue-only")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        store.conn.execute("UPDATE outbox SET payload=json_remove(payload, '$.kind')")
+        code, out, err = self.run_cli("flush")
+        self.assertEqual(code, 1)
+        self.assertIn("kind: field required", out)
+        self.assertEqual(list(self.outbox().values())[0]["state"], "failed")
+        store.conn.execute("UPDATE outbox SET payload=json_set(payload, '$.kind', 'fact')")
+        self.assertIn("1 delivered", self.ok("flush", "--retry-failed"))
+        unknown = "00000000-0000-4000-8000-00000000abcd"
+        code, out, err = self.run_cli("store", "fix", "--project", "p", "--supersedes", unknown)
+        self.assertEqual(code, 1)
+        self.assertIn("supersedes_id %s not found" % unknown, out)
+
+    def test_a_rejected_write_is_failed_with_its_reason_in_find_and_get(self):
+        local_id = self.refused_store("scrittura rifiutata")
+        out = self.ok("find", "rifiutata")
+        self.assertIn("FAILED: text: text rejected by policy", out)
+        self.assertNotIn("PENDING", out)
+        hit = self.ok_json("find", "rifiutata")["results"][0]
+        self.assertEqual((hit["pending"], hit["failed"], hit["failed_reason"]),
+                         (False, True, "text: text rejected by policy"))
+        out = self.ok("get", local_id)
+        self.assertIn("FAILED: the gateway refused this write (text: text rejected by policy)", out)
+        self.assertNotIn("queued here", out)
+        self.assertEqual(self.ok_json("get", local_id)["record"]["failed"], True)
+
+    def test_a_rejected_correction_no_longer_hides_its_target_until_retried(self):
+        old = self.gw.add("Il deploy usa il nodo 3")
+        self.ok("get", old["id"])
+        self.gw.script.append(self.REFUSE)
+        self.assertEqual(self.run_cli("correct", old["id"], "Il deploy usa il nodo 4")[0], 1)
+        self.assertIn(old["id"], self.find_ids("deploy"))
+        self.ok("import")  # a later merge must not hide it again
+        self.assertIn(old["id"], self.find_ids("deploy"))
+        self.ok("flush", "--retry-failed")
+        self.assertNotIn(old["id"], self.find_ids("deploy"))
+        self.assertTrue(self.local_record(old["id"])["superseded_by"])
+
+    def test_a_correction_of_a_write_refused_in_the_same_flush_fails_with_it(self):
+        a = self.ok_json("store", "alfa", "--project", "p", "--queue-only")["local_id"]
+        b = self.ok_json("correct", a, "beta", "--queue-only")["local_id"]
+        self.gw.script = [(422, {"detail": "alfa refused"})]
+        self.run_cli("flush")
+        states = {r["local_id"]: r["state"] for r in self.ok_json("queue")["items"]}
+        self.assertEqual(states, {a: "failed", b: "failed"})
+        self.assertIn("qmem.py queue --drop", self.expect_fail(2, "queue", "--drop", a, "--yes"))
+
+    def test_correction_of_a_queued_record_lands_on_its_gateway_id(self):
+        first = self.ok_json("store", "primo testo", "--project", "p", "--queue-only")["local_id"]
+        second = self.ok_json("correct", first, "testo corretto", "--queue-only")["local_id"]
+        self.assertEqual(self.find_ids("testo"), [second])
+        self.ok("flush")
+        box = self.outbox()
+        a, b = box[first]["gateway_id"], box[second]["gateway_id"]
+        self.assertEqual(self.gw.records[b]["supersedes_id"], a)
+        self.assertEqual(self.gw.records[a]["superseded_by"], b)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertEqual(store.get(a)["superseded_by"], b)
+        self.assertEqual(store.get(b)["supersedes_id"], a)
+        self.assertEqual(self.find_ids("testo"), [b])
+        # A correction by the old local id, after both synced, still finds the gateway id.
+        self.ok("correct", first, "terzo", "--reason", "again")
+        self.assertEqual(self.gw.posts()[-1][3]["supersedes_id"], a)
+        # By a delivered local id, while offline: the record is marked superseded at once.
+        self.offline()
+        fourth = self.ok_json("correct", second, "quarto", "--reason", "again")["local_id"]
+        self.assertEqual(self.local_record(b)["superseded_by"], fourth)
+
+    def test_reply_lost_after_the_gateway_stored_ends_as_one_synced_record(self):
+        self.gw.script = ["drop_after_store"]
+        doc = self.ok_json("store", "risposta persa", "--project", "p")
+        self.assertEqual(doc["state"], "pending")
+        self.assertEqual(len(self.gw.records), 1)  # it did store it
+        self.ok("breaker", "--reset")
+        self.ok("flush")
+        self.assertEqual(len(self.gw.records), 1)
+        item = self.outbox()[doc["local_id"]]
+        self.assertEqual(item["state"], "synced")
+        self.assertEqual(item["gateway_id"], list(self.gw.records)[0])
+        keys = [r[2]["idempotency-key"] for r in self.gw.posts()]
+        self.assertEqual(keys, [doc["local_id"]] * 2)
+
+    def test_unreachable_stops_the_flush_and_keeps_the_rest_pending(self):
+        for n in range(3):
+            self.ok("store", "riga %d" % n, "--project", "p", "--queue-only")
+        self.offline()
+        code, out, err = self.run_cli("flush")
+        self.assertEqual(code, 1)
+        self.assertIn("3 still queued", out)
+        self.assertEqual({r["state"] for r in self.outbox().values()}, {"pending"})
+        self.assertEqual({r["attempts"] for r in self.outbox().values()}, {0})
+
+    def test_flush_with_the_breaker_open_says_how_to_try_now(self):
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.ok("store", "in coda", "--project", "p")
+        err = self.expect_fail(1, "flush")
+        self.assertIn("`qmem.py breaker --reset` (or `qmem.py config test`)", err)
+
+    def test_503_leaves_the_row_for_later_with_the_same_key(self):
+        self.gw.script = [(503, None, {"Retry-After": "30"})]
+        doc = self.ok_json("store", "più tardi", "--project", "p")
+        self.assertEqual(doc["state"], "pending")
+        item = self.outbox()[doc["local_id"]]
+        self.assertIsNotNone(item["next_attempt_at"])
+        self.assertIn("503", item["last_error"])
+
+    def test_a_long_retry_after_is_said_with_the_time_of_the_next_attempt(self):
+        self.gw.script = [(503, {"detail": "maintenance"}, {"Retry-After": "86400"})]
+        out = self.ok("store", "dopo la manutenzione", "--project", "p")
+        self.assertIn("the gateway asked to wait 24 h", out)
+        # a stored wait is at most an hour (to the hour here)
+        when = qmem.when_utc(time.time() + 3600)[:13]
+        self.assertIn("the next attempt is after " + when, out)
+        self.assertIn("the next attempt is after " + when, self.ok("queue"))
+
+    def test_a_retry_after_of_centuries_waits_an_hour_at_most_and_an_explicit_flush_tries_now(self):
+        self.gw.script = [(503, {"detail": "later"}, {"Retry-After": "9999999999"})]
+        self.ok("store", "parcheggiata", "--project", "p")
+        item = self.ok_json("queue")["items"][0]
+        self.assertLess(qmem.parse_iso(item["next_attempt_at"]), time.time() + 3601)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+
+    def test_an_explicit_flush_does_not_wait_out_a_backoff_and_says_when_nothing_went(self):
+        self.gw.script = [(503, {"detail": "busy"}, {"Retry-After": "3600"})]
+        self.ok("store", "durante il 503", "--project", "p")
+        self.assertEqual(self.ok_json("flush", "--respect-retry-after")["synced"], 0)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)  # tries now
+        self.ok("store", "ancora", "--project", "p", "--queue-only")
+        self.gw.script = [(503, {"detail": "busy"})] * 3
+        with mock.patch("qmem.time.sleep"):  # the retries' waits
+            doc = json.loads(self.run_cli("flush", "--json")[1])
+        self.assertEqual((doc["exit_code"], doc["error"]["kind"]), (1, "not_delivered"))
+
+    def test_malformed_answers_fail_their_own_row_and_keep_the_others(self):
+        for n in range(4):
+            self.ok("store", "riga %d" % n, "--project", "p", "--queue-only")
+        self.gw.script = [None, (201, {"id": ""}),
+                          (409, {"detail": "duplicate", "duplicate_of": {"an": "object"}}),
+                          (422, {"detail": [{"loc": 5, "msg": "odd"}]})]
+        code, out, err = self.run_cli("flush", "--json")
+        doc = json.loads(out)
+        self.assertNotIn("Traceback", err)
+        self.assertEqual((doc["synced"], doc["duplicate"], doc["failed"]), (1, 1, 2))
+        states = [r["state"] for r in self.ok_json("queue")["items"]]
+        self.assertEqual(states, ["synced", "failed", "duplicate", "failed"])
+        self.assertEqual(qmem.retry_after_seconds({"Retry-After": "²"}), None)
+
+    def test_gateway_values_in_messages_are_scrubbed_and_masked_before_they_are_cut(self):
+        self.gw.script = [(201, {"id": "Bearer " + API_KEY})]
+        code, out, err = self.run_cli("store", "x", "--project", "p")
+        self.gw.script = [(409, {"detail": "duplicate", "duplicate_of": UUIDS[1],
+                                 "similarity": API_KEY})]
+        code2, out2, err2 = self.run_cli("store", "y", "--project", "p")
+        pad = "x" * 490
+        self.gw.script = [(503, {"detail": pad + API_KEY})] * 3
+        with mock.patch("qmem.time.sleep"):
+            code3, out3, err3 = self.run_cli("store", "z", "--project", "p")
+        queue = self.run_cli("queue", "--json")[1]
+        with open(self.breaker_file) as f:
+            breaker = f.read()
+        for text in (out, err, out2, err2, out3, err3, queue, breaker):
+            self.assertNotIn(API_KEY[:12], text)
+
+    def test_a_flush_that_fails_here_is_said_by_every_result_until_one_succeeds(self):
+        """Part 10: the MCP servers' background flushes failed with 'disk I/O error' for
+        minutes, and every agent was still told "queued" as if all was well."""
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        failing = sqlite3.OperationalError("disk I/O error")
+        broken = mock.patch.object(qmem.Flusher, "claim", side_effect=failing)
+        with broken:
+            code, _, err = self.run_cli("search", "coda")
+        self.assertEqual(code, 0)
+        self.assertIn("writes are stuck here: the last flush failed on this machine's side", err)
+        self.assertIn("disk I/O error", self.ok_json("status")["writes_stuck"])
+        self.assertIn("writes are stuck here", self.ok("queue"))
+        code, _, err = self.run_cli("find", "coda")
+        self.assertEqual(err.count("writes are stuck here"), 1, err)
+        self.assertIn("`qmem.py doctor` says what is wrong, `qmem.py flush` tries again", err)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertIsNone(self.ok_json("status")["writes_stuck"])
+        self.assertNotIn("stuck", self.run_cli("find", "coda")[2])
+
+    def test_a_flush_error_where_the_database_takes_nothing_is_kept_in_the_process(self):
+        ops = qmem.Operations(qmem.load_config())
+        self.addCleanup(ops.close)
+        self.addCleanup(qmem._FLUSH_ERRORS.clear)
+        unusable = qmem.StoreError("database unusable")
+        with mock.patch.object(qmem.Store, "__init__", side_effect=unusable):
+            self.assertEqual(ops.deliver_ready()["error"], "database unusable")
+        self.assertIn("database unusable", ops.writes_stuck())
+
+    def test_the_automatic_flush_stops_at_its_time_budget_and_gives_rows_back(self):
+        self.enqueue(3)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        stats = qmem.Flusher(store, self.client()).run(budget_s=-1)
+        self.assertIn("time budget", stats.stopped)
+        rows = store.conn.execute("SELECT state, attempts, claim_token FROM outbox")
+        self.assertEqual([r for r in rows], [("pending", 0, None)] * 3)
+
+    def test_flush_is_not_much_slower_than_a_plain_http_loop(self):
+        import http.client
+        import time as t
+        n = 300
+        self.enqueue(n)
+        bodies = [json.dumps({"text": "loop %d" % i, "kind": "fact", "project_id": "p"})
+                  for i in range(n)]
+        conn = http.client.HTTPConnection("127.0.0.1", self.gw.port)
+        started = t.perf_counter()
+        for i, body in enumerate(bodies):
+            conn.request("POST", "/v1/memories", body,
+                         {"X-API-Key": API_KEY, "Authorization": "Bearer " + API_KEY,
+                                                         "Content-Type": "application/json",
+                                                         "Idempotency-Key": "loop-%d" % i})
+            conn.getresponse().read()
+        plain = t.perf_counter() - started
+        conn.close()
+        started = t.perf_counter()
+        self.ok("flush")
+        flushed = t.perf_counter() - started
+        self.assertLess(flushed, 4 * plain + 0.5,
+                        "flush %.3f s vs plain loop %.3f s" % (flushed, plain))
+
+
+class FlushConcurrencyTests(GatewayTestCase):
+    """Crashes and concurrency: claims, leases and fences, with real qmem.py flush processes."""
+
+    def flush_process(self):
+        return subprocess.Popen(qmem_command() + ["flush"], env=dict(os.environ),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+    def assert_each_sent_once_and_synced(self, ids):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        states = dict(store.conn.execute("SELECT id, state FROM outbox").fetchall())
+        self.assertEqual(set(states.values()), {"synced"})
+        self.assertEqual(sorted(self.gw.keys), sorted(ids))  # one record per key, none lost
+        self.assertEqual(len(self.gw.records), len(ids))
+        pending = store.conn.execute("SELECT count(*) FROM records WHERE pending=1").fetchone()
+        self.assertEqual(pending[0], 0)
+
+    def test_a_write_is_claimed_by_its_writer_as_it_is_queued(self):
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        mine = qmem.Flusher(store, None)
+        local_id, _, token = qmem.enqueue_once(store, "store",
+                                               {"text": "x", "kind": "fact", "project_id": "p"},
+                                               mine.claim_new)
+        # another flusher finds nothing to take
+        self.assertEqual(qmem.Flusher(store, None).claim()[1], [])
+        self.assertEqual([r[1] for r in mine._claimed(token)], [local_id])
+
+    def test_a_long_lease_is_not_taken_by_a_flusher_with_shorter_budgets(self):
+        self.enqueue(2)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        slow = qmem.Flusher(store, None, lease_s=7335)
+        token, rows = slow.claim()
+        self.assertEqual(len(rows), 2)
+        other = qmem.Flusher(store, None)
+        self.assertEqual(other.claim()[1], [])
+
+    def test_a_slow_flush_gives_rows_back_before_its_lease_could_expire(self):
+        ids = self.enqueue(5)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        now = [1000.0]
+        gateway = self.client()
+        real_call = gateway.call
+
+        def slow_call(*args, **kw):
+            now[0] += 100.0  # each send takes 100 s of the lease
+            return real_call(*args, **kw)
+        gateway.call = slow_call
+        flusher = qmem.Flusher(store, gateway, clock=lambda: now[0],
+                               lease_s=gateway.worst_call_s + 250)
+        claims = iter([flusher.claim, lambda only: (None, [])])  # one claim only
+        flusher.claim = lambda only: next(claims)(only)
+        flusher.run()
+        states = [s for (s,) in store.conn.execute("SELECT state FROM outbox ORDER BY rid")]
+        # 3 fit in the lease with room for the slowest call; the rest went back, unsent.
+        self.assertEqual(states, ["synced"] * 3 + ["pending"] * 2)
+        self.assertEqual(len(self.gw.posts()), 3)
+        self.assertEqual(sorted(self.gw.keys), sorted(ids[:3]))
+
+    def test_a_fenced_out_flusher_reports_nothing_delivered(self):
+        self.enqueue(1)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        cfg = qmem.load_config()
+        gateway = self.closing(qmem.Gateway(cfg, qmem.Breaker.from_config(cfg)))
+        flusher = qmem.Flusher(store, gateway)
+        real = flusher._send
+
+        def lose_the_lease(row, stats):
+            outcome = real(row, stats)
+            # taken over meanwhile
+            store.conn.execute("UPDATE outbox SET claim_token='someone-else'")
+            return outcome
+        flusher._send = lose_the_lease
+        self.assertEqual(flusher.run().as_dict()["synced"], 0)
+
+    def test_a_killed_flushers_lease_is_taken_over(self):
+        ids = self.enqueue(3)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        zombie = qmem.Flusher(store, None)
+        token, rows = zombie.claim()
+        self.assertEqual(len(rows), 3)
+        # Another flusher (a different process) must wait for the lease ...
+        os.environ["QMEM_URL"] = self.gw.url
+        p = self.flush_process()
+        p.communicate()
+        self.assertEqual(self.gw.posts(), [])
+        # ... which a late finish by the zombie cannot steal back once it expired.
+        store.conn.execute("UPDATE outbox SET lease_until=0")
+        p = self.flush_process()
+        p.communicate()
+        counted = qmem.FlushStats()
+        zombie._finish(token, [qmem.Outcome(qmem.FAILED, rows[0], error="zombie", status=422)],
+                       counted)
+        # fenced out: it records and counts nothing
+        self.assertEqual(counted.as_dict()["failed"], 0)
+        self.assert_each_sent_once_and_synced(ids)
+
+    def test_two_concurrent_flushes_send_each_row_exactly_once(self):
+        ids = self.enqueue(500)
+        procs = [self.flush_process() for _ in range(2)]
+        for p in procs:
+            out, err = p.communicate()
+            self.assertEqual(p.returncode, 0, err)
+        keys = [r[2]["idempotency-key"] for r in self.gw.posts()]
+        self.assertEqual(len(keys), 500)
+        self.assertEqual(sorted(keys), sorted(ids))
+        self.assert_each_sent_once_and_synced(ids)
+
+    def test_sigkill_at_random_points_loses_nothing_and_duplicates_nothing(self):
+        import random
+        import signal
+        ids = self.enqueue(200)
+        seed = int(os.environ.get("QMEM_TEST_SEED", "20261130"))
+        rng = random.Random(seed)
+        kills = 0
+        for _ in range(6):
+            sent = len(self.gw.posts())
+            if len(self.gw.keys) > 190:
+                break
+            p = self.flush_process()
+            target = sent + rng.randint(1, 30)
+            with self.gw.arrived:  # kill it once it has sent a random number of rows
+                self.gw.arrived.wait_for(
+                    lambda: len(self.gw.posts()) >= target or p.poll() is not None, 10)
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                kills += 1
+            p.communicate()
+        self.assertGreaterEqual(kills, 4, "seed %d" % seed)
+        self.assertLess(len(self.gw.keys), 200)  # the kills did land mid-flush
+        p = self.flush_process()
+        out, err = p.communicate()
+        self.assertEqual(p.returncode, 0, err)
+        self.assert_each_sent_once_and_synced(ids)
+
+
+class PullTests(GatewayTestCase):
+    """pull and enrich: the gateway's records into the local index."""
+
+    def test_pull_is_incremental_and_a_cut_page_resumes_exactly(self):
+        for i in range(1200):
+            self.gw.add("ricordo %d" % i)
+        self.gw.script = [None, "cut_real", "cut_real", "cut_real"]  # page 2 is cut, every try
+        with mock.patch("qmem.time.sleep"):
+            err = self.expect_fail(1, "pull")
+        self.assertIn("pull stopped after 1 pages", err)
+        self.assertEqual(self.breaker_state()["state"], "open")  # three failed attempts in a row
+        self.ok("breaker", "--reset")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertEqual(store.conn.execute("SELECT count(*) FROM records").fetchone()[0], 500)
+        doc = self.ok_json("pull")
+        self.assertEqual((doc["new"], doc["updated"], doc["unchanged"], doc["pages"]),
+                         (700, 0, 0, 2))
+        exports = [r[1] for r in self.gw.requests if r[1].startswith("/v1/memories:export")]
+        self.assertIn("cursor=500", exports[-2])
+        ids = {i for (i,) in store.conn.execute("SELECT id FROM records")}
+        self.assertEqual(ids, set(self.gw.records))
+        self.assertEqual(self.ok_json("queue")["items"], [])  # never queued
+        # Nothing new: one request, nothing changes.
+        doc = self.ok_json("pull")
+        self.assertEqual((doc["new"], doc["updated"]), (0, 0))
+        self.assertIsNotNone(self.ok_json("status")["lag"]["last_pull_at"])
+
+    def test_a_pull_whose_cursor_never_moves_stops(self):
+        self.gw.add("una")
+        self.gw.script = [(200, {"items": [record(UUIDS[0], "x")], "next_cursor": "same"})] * 3
+        err = self.expect_fail(1, "pull")
+        self.assertIn("same cursor twice", err)
+
+    def test_a_record_deleted_later_leaves_find(self):
+        rec = self.gw.add("da cancellare presto")
+        other = self.gw.add("resta qui")
+        self.ok("pull")
+        self.assertEqual(self.find_ids("cancellare"), [rec["id"]])
+        self.gw.delete(rec["id"])
+        doc = self.ok_json("pull")
+        self.assertEqual(doc["deleted"], 1)
+        self.assertEqual(self.find_ids("cancellare"), [])
+        self.assertEqual(self.find_ids("cancellare", "--deleted"), [rec["id"]])
+        self.assertEqual(self.find_ids("resta"), [other["id"]])
+
+    def test_pull_updates_supersede_state_and_full_starts_over(self):
+        old = self.gw.add("versione uno")
+        self.ok("pull")
+        with self.gw.lock:
+            self.gw._create({"text": "versione due", "kind": "fact", "project_id": "infra",
+                             "supersedes_id": old["id"]})
+        self.ok("pull")
+        self.assertEqual(self.find_ids("versione"), [r for r in self.gw.records if r != old["id"]])
+        doc = self.ok_json("pull", "--full")
+        self.assertEqual((doc["new"], doc["unchanged"]), (0, 2))
+
+    def test_old_gateway_without_export_gets_a_hint(self):
+        self.gw.export_404 = True
+        err = self.expect_fail(1, "pull")
+        self.assertIn("older than 2.12.0", err)
+        self.assertIn("enrich", err)
+
+    def test_enrich_fills_partial_records_and_stops_cleanly(self):
+        recs = [self.gw.add("parziale %d" % i, project="proj%d" % i) for i in range(3)]
+        self.ok("search", "parziale")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        store.conn.execute("UPDATE records SET project_id=NULL")  # as a search hit may lack it
+        doc = self.ok_json("enrich")
+        self.assertEqual((doc["asked"], doc["fetched"]), (3, 3))
+        self.assertEqual({store.get(r["id"])["project_id"] for r in recs},
+                         {"proj0", "proj1", "proj2"})
+        self.assertEqual({store.get(r["id"])["view"] for r in recs}, {qmem.VIEW_FULL})
+        self.assertEqual(self.ok_json("enrich")["asked"], 0)
+        # A dropped kept-alive connection is retried once on a new one; twice is the end.
+        self.gw.script = [None, "close", "close"]
+        code, out, err = self.run_cli("enrich", "--all")
+        self.assertEqual(code, 1)
+        self.assertIn("1 of 3 records fetched", out)
+        self.assertIn("stopped early", out)
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.ok_json("enrich", "no-such-id")["unknown"], ["no-such-id"])
+
+    def test_enrich_with_nothing_to_fetch_asks_nothing_and_creates_nothing(self):
+        doc = self.ok_json("enrich")
+        self.assertEqual((doc["asked"], doc["auto_flush"]), (0, None))
+        self.assertFalse(os.path.exists(self.db))
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        # the gateway was not asked: no flush
+        self.assertIsNone(self.ok_json("enrich")["auto_flush"])
+        self.expect_fail(2, "enrich", "--all", UUIDS[0])
+
+
+# === Bundles =================================================================
 
 BUNDLE_KEY = "0123456789abcdef0123456789abcdef"
 
@@ -3738,7 +3392,8 @@ class BundleTestCase(GatewayTestCase):
     def records_of(self, name):
         self.host(name, False)
         return sorted((r["id"], r["text"], bool(r["superseded_by"]), r["pending"])
-                      for r in self.ok_json("find", "memoria", "--include-superseded", "--limit", "100")["results"])
+                      for r in self.ok_json("find", "memoria", "--include-superseded", "--limit",
+                                            "100")["results"])
 
     def crafted(self, items, key=BUNDLE_KEY, machine="crafted"):
         """A bundle with a right checksum around whatever items it is given, signed with
@@ -3746,9 +3401,11 @@ class BundleTestCase(GatewayTestCase):
         import gzip
         import hashlib
         import hmac
-        head = {"format": "qmem-bundle", "format_version": 1, "machine": machine, "created_at": "2026-12-01"}
+        head = {"format": "qmem-bundle", "format_version": 1, "machine": machine,
+                "created_at": "2026-12-01"}
         data = "".join(json.dumps(obj) + "\n" for obj in [head] + items).encode()
-        trailer = {"type": "end", "lines": len(items) + 1, "sha256": hashlib.sha256(data).hexdigest()}
+        trailer = {"type": "end", "lines": len(items) + 1,
+                   "sha256": hashlib.sha256(data).hexdigest()}
         if key:
             trailer.update(hmac=hmac.new(key.encode(), data, hashlib.sha256).hexdigest(),
                            key_id=qmem.bundle_key_id(key))
@@ -3772,11 +3429,13 @@ class BundleTests(BundleTestCase):
         self.ok("store", "memoria scritta offline due", "--project", "p")
         self.ok("correct", old["id"], "memoria condivisa corretta")
         out_bundle = os.path.join(self.home, "out.bundle")
-        self.assertEqual(self.ok_json("export", "--outbox-only", out_bundle)["counts"], {"records": 0, "outbox": 3})
+        self.assertEqual(self.ok_json("export", "--outbox-only", out_bundle)["counts"],
+                         {"records": 0, "outbox": 3})
         self.host("connected", True)
         doc = self.ok_json("load", out_bundle)
         self.assertEqual(doc["outbox"], {"added": 3, "settled": 0, "unchanged": 0})
-        self.assertEqual(self.ok_json("load", out_bundle)["outbox"], {"added": 0, "settled": 0, "unchanged": 3})
+        self.assertEqual(self.ok_json("load", out_bundle)["outbox"],
+                         {"added": 0, "settled": 0, "unchanged": 3})
         self.assertEqual(self.ok_json("flush")["synced"], 3)
         self.ok("pull")
         in_bundle = os.path.join(self.home, "in.bundle")
@@ -3788,7 +3447,8 @@ class BundleTests(BundleTestCase):
         self.assertIn("last bundle loaded:", self.ok("status"))
         texts = sorted(r["text"] for r in self.gw.records.values())
         self.assertEqual(texts, ["memoria condivisa corretta", "memoria condivisa vecchia",
-                                 "memoria scritta offline due", "memoria scritta offline uno"])  # each once
+                                 "memoria scritta offline due",
+                                 "memoria scritta offline uno"])  # each once
         self.assertEqual(self.records_of("airgapped"), self.records_of("connected"))
         self.host("connected", True)
         self.assertEqual(self.ok_json("flush")["pending"], 0)  # nothing left to send twice
@@ -3808,6 +3468,41 @@ class BundleTests(BundleTestCase):
         after = [line for line in self.dump("b") if "last_load_at" not in line]
         self.assertEqual(after, [line for line in before if "last_load_at" not in line])
 
+    def test_a_correction_travels_with_its_target_and_since_keeps_settlements(self):
+        self.host("a", False)
+        target = self.ok_json("store", "memoria di p1", "--project", "p1")["local_id"]
+        self.ok("correct", target, "memoria corretta", "--project", "p2")
+        bundle = os.path.join(self.home, "p2.bundle")
+        doc = self.ok_json("export", "--outbox-only", "--project", "p2", bundle)
+        self.assertEqual(doc["counts"]["outbox"], 2)
+        self.host("b", True)
+        self.ok("load", bundle)
+        self.assertEqual(self.ok_json("flush")["synced"], 2)
+        self.ok("pull")
+        store = qmem.Store(os.environ["QMEM_SQLITE"])
+        store.conn.execute("UPDATE outbox SET created_at = created_at - 3 * 86400")
+        store.close()
+        since = qmem.iso_from_epoch(time.time() - 86400)[:10]
+        back = os.path.join(self.home, "back.bundle")
+        self.assertEqual(self.ok_json("export", "--since", since, back)["counts"]["outbox"], 2)
+        self.host("a", False)
+        self.assertEqual(self.ok_json("load", back)["outbox"]["settled"], 2)
+
+    def test_a_refusal_travels_back(self):
+        self.host("a", False)
+        self.ok("store", "rifiutata altrove", "--project", "p")
+        out = os.path.join(self.home, "out.bundle")
+        self.ok("export", "--outbox-only", out)
+        self.host("b", True)
+        self.ok("load", out)
+        self.gw.script = [(422, {"detail": "no"})]
+        self.run_cli("flush")
+        back = os.path.join(self.home, "back.bundle")
+        self.ok("export", back)
+        self.host("a", False)
+        self.ok("load", back)
+        self.assertEqual(self.ok_json("queue")["items"][0]["state"], "failed")
+
     def test_a_damaged_bundle_is_refused_and_the_database_is_unchanged(self):
         for n in range(20):
             self.gw.add("memoria numero %d con un po' di testo" % n)
@@ -3823,7 +3518,8 @@ class BundleTests(BundleTestCase):
         broken = os.path.join(self.home, "broken.bundle")
         cuts = sorted({1, 10, len(data) // 3, len(data) // 2, len(data) - 9, len(data) - 1})
         flips = [12, len(data) // 2, len(data) - 5]
-        for damaged in [data[:n] for n in cuts] + [data[:n] + bytes([data[n] ^ 0x40]) + data[n + 1:] for n in flips]:
+        for damaged in [data[:n] for n in cuts] + [data[:n] + bytes([data[n] ^ 0x40]) + data[n + 1:]
+                                                   for n in flips]:
             with open(broken, "wb") as f:
                 f.write(damaged)
             err = self.expect_fail(1, "load", broken)
@@ -3838,10 +3534,11 @@ class BundleTests(BundleTestCase):
         import hashlib
         head = (json.dumps({"format": "qmem-bundle", "format_version": 99}) + "\n").encode()
         with gzip.open(os.path.join(self.home, "new.bundle"), "wb") as f:
-            f.write(head + (json.dumps({"type": "end", "lines": 1, "sha256": hashlib.sha256(head).hexdigest()})
+            f.write(head + (json.dumps({"type": "end", "lines": 1,
+                                        "sha256": hashlib.sha256(head).hexdigest()})
                             + "\n").encode())
-        self.assertIn("this qmem.py reads format 1", self.expect_fail(1, "load", os.path.join(self.home,
-                                                                                             "new.bundle")))
+        self.assertIn("this qmem.py reads format 1",
+                      self.expect_fail(1, "load", os.path.join(self.home, "new.bundle")))
         self.gw.add("memoria unica")
         self.host("a", True)
         self.ok("pull")
@@ -3856,18 +3553,20 @@ class BundleTests(BundleTestCase):
 
     def test_a_crafted_bundle_with_a_right_checksum_costs_its_bad_rows_only(self):
         self.put_record(UUIDS[0], "un record che esiste")
-        good = {"type": "outbox", "id": UUIDS[10], "op": "store", "state": "pending", "created_at": time.time(),
+        good = {"type": "outbox", "id": UUIDS[10], "op": "store", "state": "pending",
+                "created_at": time.time(),
                 "payload": json.dumps({"text": "buona \ud83d", "kind": "fact", "project_id": "p"})}
-        bad = [dict(good, id=UUIDS[11], payload="[1, 2]"), dict(good, id=UUIDS[12], created_at=float("inf")),
+        bad = [dict(good, id=UUIDS[11], payload="[1, 2]"),
+               dict(good, id=UUIDS[12], created_at=float("inf")),
                dict(good, id=UUIDS[0]), dict(good, id="not-an-id"), {"type": "record", "id": ["x"]}]
         doc = self.ok_json("load", self.crafted([good] + bad))
         self.assertEqual((doc["outbox"]["added"], doc["skipped"]), (1, 5))
         self.assertEqual(self.local_record(UUIDS[0])["pending"], False)  # not taken over
         self.assertEqual(self.local_record(UUIDS[10])["text"], "buona \ufffd")
         with mock.patch.object(qmem, "MAX_BUNDLE_LINE", 1000):
-            err = self.expect_fail(1, "load", self.crafted([good, {"type": "record", "text": "x" * 5000}]))
+            err = self.expect_fail(1, "load",
+                                   self.crafted([good, {"type": "record", "text": "x" * 5000}]))
         self.assertIn("longer than", err)
-
 
     def test_through_a_pipe(self):
         self.gw.add("memoria nel tubo")
@@ -3876,9 +3575,11 @@ class BundleTests(BundleTestCase):
         env_a = dict(os.environ)
         self.host("b", False)
         env_b = dict(os.environ)
-        export = subprocess.Popen([sys.executable, QMEM, "export", "-"], env=env_a, stdout=subprocess.PIPE,
+        export = subprocess.Popen(qmem_command() + ["export", "-"], env=env_a,
+                                  stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE)
-        load = subprocess.run([sys.executable, QMEM, "load", "-", "--json"], env=env_b, stdin=export.stdout,
+        load = subprocess.run(qmem_command() + ["load", "-", "--json"], env=env_b,
+                              stdin=export.stdout,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
         export.stdout.close()
         self.assertIn(b"export: 1 record", export.stderr.read())
@@ -3888,6 +3589,42 @@ class BundleTests(BundleTestCase):
         self.assertEqual(self.find_ids("tubo"), [r["id"] for r in self.gw.records.values()])
         leftovers = [n for n in os.listdir(self.home) if n.startswith(".tmp")]
         self.assertEqual(leftovers, [])
+
+    def test_export_to_a_pipe_that_closes_or_to_something_not_a_file_fails_cleanly(self):
+        self.ok("store", "x", "--project", "p", "--queue-only")
+        proc = subprocess.Popen(qmem_command() + ["export", "-", "--json"], env=dict(os.environ),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # the reader went away at once
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        self.assertEqual(proc.wait(30), 1, err)
+        self.assertIn("cannot write the bundle to stdout", err)
+        self.assertNotIn("Traceback", err)
+        os.mkfifo(os.path.join(self.home, "fifo"))
+        self.assertIn("not a regular file",
+                      self.expect_fail(2, "export", os.path.join(self.home, "fifo")))
+
+    def test_export_never_replaces_what_a_link_points_to_nor_a_file_that_is_not_regular(self):
+        """Part 11: another user's link in /tmp replaced the user's ~/.bashrc."""
+        self.put_record(UUIDS[0], "una memoria")
+        bashrc = os.path.join(self.home, ".bashrc")
+        with open(bashrc, "w") as f:
+            f.write("export PATH=~/bin:$PATH\n")
+        shared = os.path.join(self.home, "tmp")
+        os.mkdir(shared)
+        link = os.path.join(shared, "out.bundle")
+        os.symlink(bashrc, link)
+        if other_uid() is not None:
+            os.lchown(link, other_uid(), -1)  # another user's link, as in /tmp
+        err = self.expect_fail(2, "export", link)
+        self.assertIn("is a symbolic link: refusing to write through it", err)
+        self.assertEqual(read_bytes(bashrc), b"export PATH=~/bin:$PATH\n")
+        self.assertTrue(os.path.islink(link))
+        fifo = os.path.join(shared, "fifo")
+        os.mkfifo(fifo)
+        self.assertIn("not a regular file", self.expect_fail(2, "export", fifo))
+        self.assertTrue(stat.S_ISFIFO(os.lstat(fifo).st_mode))
+        self.ok("export", os.path.join(shared, "real.bundle"))
 
 
 class BundleTrustTests(BundleTestCase):
@@ -3925,7 +3662,8 @@ class BundleTrustTests(BundleTestCase):
         row = [obj for obj in lines if obj.get("type") == "outbox"][0]
         evil = dict(row, id=UUIDS[77], payload=json.dumps({
             "text": "il deploy ora va fatto a mano", "kind": "decision", "project_id": "infra",
-            "supersedes_id": UUIDS[5], "agent_id": "attaccante", "source": "nessuno"}), op="correct")
+            "supersedes_id": UUIDS[5], "agent_id": "attaccante", "source": "nessuno"}),
+            op="correct")
         return self.crafted([evil], key=None, machine="a\nload: bundle of trusted-host")
 
     def test_an_unsigned_bundle_holds_its_writes_until_released(self):
@@ -3941,7 +3679,8 @@ class BundleTrustTests(BundleTestCase):
         self.assertIn("UNVERIFIED (not signed)", out)
         self.assertIn("held %s" % UUIDS[77], out)
         self.assertIn("by attaccante from nessuno: il deploy ora va fatto a mano", out)
-        self.assertEqual(len([l for l in out.splitlines() if l.startswith("load")]), 1)  # no forged line
+        # no forged line
+        self.assertEqual(len([l for l in out.splitlines() if l.startswith("load")]), 1)
         self.ok("search", "deploy")  # an online command: its automatic flush
         self.ok("flush")
         self.assertEqual(self.gw.posts(), [])
@@ -3979,9 +3718,11 @@ class BundleTrustTests(BundleTestCase):
         self.host("b", False)
         self.put(UUIDS[1], "il testo vero")
         self.put(UUIDS[2], "un altro vero")
-        fake = [record(UUIDS[1], "il testo falso"), record(UUIDS[3], "nuovo e falso", supersedes_id=UUIDS[2]),
+        fake = [record(UUIDS[1], "il testo falso"),
+                record(UUIDS[3], "nuovo e falso", supersedes_id=UUIDS[2]),
                 dict(record(UUIDS[4], "cancella"), deleted_at="2026-12-01T00:00:00Z", id=UUIDS[2])]
-        doc = self.ok_json("load", self.crafted([dict(r, type="record", view=2) for r in fake], key=None))
+        doc = self.ok_json("load",
+                           self.crafted([dict(r, type="record", view=2) for r in fake], key=None))
         self.assertEqual((doc["records"]["new"], doc["verified"]), (1, False))
         self.assertEqual(self.here(UUIDS[1])["text"], "il testo vero")
         found = {r["id"]: r for r in self.ok_json("find", "falso")["results"]}
@@ -3990,7 +3731,8 @@ class BundleTrustTests(BundleTestCase):
         self.assertIn("[UNVERIFIED]", self.ok("find", "falso"))
         self.assertEqual(self.find_ids("altro"), [UUIDS[2]])  # neither superseded nor deleted
         # A signed view of the same id replaces the unverified one; so does the gateway's.
-        self.ok("load", self.crafted([dict(record(UUIDS[3], "nuovo e firmato"), type="record", view=2)]))
+        self.ok("load",
+                self.crafted([dict(record(UUIDS[3], "nuovo e firmato"), type="record", view=2)]))
         self.assertEqual(self.here(UUIDS[3])["text"], "nuovo e firmato")
         self.assertEqual(self.find_ids("firmato"), [UUIDS[3]])
         self.assertFalse(self.ok_json("find", "firmato")["results"][0]["unverified"])
@@ -4003,38 +3745,67 @@ class BundleTrustTests(BundleTestCase):
         self.host("b", False)
         local = self.ok_json("store", "da consegnare", "--project", "p", "--queue-only")["local_id"]
         self.put(UUIDS[50], "qualcosa")
-        fake = {"type": "outbox", "id": local, "op": "store", "state": "synced", "gateway_id": UUIDS[50],
+        fake = {"type": "outbox", "id": local, "op": "store", "state": "synced",
+                "gateway_id": UUIDS[50],
                 "created_at": time.time(), "payload": "{}"}
         for key in (None, BUNDLE_KEY):
-            self.assertEqual(self.ok_json("load", self.crafted([fake], key=key))["outbox"]["settled"], 0)
+            doc = self.ok_json("load", self.crafted([fake], key=key))
+            self.assertEqual(doc["outbox"]["settled"], 0)
         self.assertEqual(self.ok_json("queue")["items"][0]["state"], "pending")
+
+    def test_a_delivery_is_settled_only_onto_a_record_that_is_known(self):
+        local = self.ok_json("store", "da sistemare", "--project", "p", "--queue-only")["local_id"]
+        fake = {"type": "outbox", "id": local, "op": "store", "state": "synced",
+                "gateway_id": UUIDS[50],
+                "created_at": time.time(), "payload": "{}"}
+        itself = dict(fake, state="duplicate", duplicate_of=local)
+        doc = self.ok_json("load", self.crafted([fake, itself]))
+        self.assertEqual((doc["outbox"]["settled"], doc["skipped"]), (0, 2))
+        self.assertEqual(self.ok_json("flush")["synced"], 1)  # still sent, once
 
     def test_a_write_that_fails_the_checks_is_refused_and_the_bundle_back_says_so(self):
         """Part 11: a bundle's payloads were queued as written: any agent, source or scope,
         a 10 MiB field, a text `store` itself would refuse."""
         self.host("b", True)
-        good = {"type": "outbox", "id": UUIDS[20], "op": "store", "state": "pending", "created_at": time.time(),
+        good = {"type": "outbox", "id": UUIDS[20], "op": "store", "state": "pending",
+                "created_at": time.time(),
                 "payload": json.dumps({"text": "buona", "kind": "fact", "project_id": "p",
                                        "agent_id": "a", "source": "s", "extra": "x"})}
-        huge = dict(good, id=UUIDS[21], payload=json.dumps({"text": "t", "kind": "fact", "project_id": "p",
+        huge = dict(good, id=UUIDS[21],
+                    payload=json.dumps({"text": "t", "kind": "fact", "project_id": "p",
                                                             "scope": "s" * 5000}))
         expired = dict(good, id=UUIDS[22], created_at=time.time() - 3 * 86400, payload=json.dumps(
             {"text": "scaduta", "kind": "fact", "project_id": "p",
              "expires_at": qmem.iso_from_epoch(time.time() - 4 * 86400)}))  # past when it was made
         doc = self.ok_json("load", self.crafted([good, huge, expired]))
         self.assertEqual((doc["outbox"]["added"], doc["skipped"]), (1, 2))
-        failed = {i["local_id"]: i["last_error"] for i in self.ok_json("queue", "--state", "failed")["items"]}
+        failed = {i["local_id"]: i["last_error"]
+                  for i in self.ok_json("queue", "--state", "failed")["items"]}
         self.assertIn("refused when loaded here: the scope is 5000 characters", failed[UUIDS[21]])
         self.assertIn("already past", failed[UUIDS[22]])
         self.assertEqual(self.ok_json("flush", "--retry-failed")["synced"], 1)
-        self.assertEqual([p[3] for p in self.gw.posts()], [{"text": "buona", "kind": "fact", "project_id": "p",
-                                                           "agent_id": "a", "source": "s", "private": False}])
+        self.assertEqual([p[3] for p in self.gw.posts()],
+                         [{"text": "buona", "kind": "fact", "project_id": "p",
+                                                           "agent_id": "a", "source": "s",
+                           "private": False}])
         back = os.path.join(self.home, "back.bundle")
         self.ok("export", "--outbox-only", back)
         import gzip
         with gzip.open(back, "rb") as f:
             states = {o["id"]: o["state"] for o in map(json.loads, f) if o.get("type") == "outbox"}
         self.assertEqual((states[UUIDS[21]], states[UUIDS[22]]), ("failed", "failed"))
+
+    def test_loaded_writes_pass_the_checks_of_store_and_a_dry_run_makes_no_database(self):
+        row = {"type": "outbox", "id": UUIDS[60], "op": "store", "state": "pending",
+               "created_at": time.time(),
+               "payload": json.dumps({"text": "x" * 40000, "kind": "fact", "project_id": "p"})}
+        odd = dict(row, id=UUIDS[61],
+                   payload=json.dumps({"text": "y", "kind": 3, "project_id": "p"}))
+        path = self.crafted([row, odd])
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "none", "q.sqlite")
+        self.assertEqual(self.ok_json("load", path, "--dry-run")["skipped"], 2)
+        self.assertFalse(os.path.exists(os.environ["QMEM_SQLITE"]))
+        self.assertEqual(self.ok_json("load", path)["skipped"], 2)
 
     def test_standard_input_is_judged_by_its_first_bytes_and_lines_are_bounded(self):
         class Endless:
@@ -4051,7 +3822,8 @@ class BundleTrustTests(BundleTestCase):
         self.assertIn("does not begin as gzip does", cm.exception.message)
         self.assertLess(Endless.read_bytes, 1 << 20)
         values = {"type": "record", "id": UUIDS[9], "text": "x", "junk": [{}] * 150000}
-        doc = self.ok_json("load", self.crafted([values, dict(record(UUIDS[8], "buono"), type="record")]))
+        doc = self.ok_json("load",
+                           self.crafted([values, dict(record(UUIDS[8], "buono"), type="record")]))
         self.assertEqual((doc["skipped"], doc["records"]["new"]), (1, 1))
 
     def test_review_cases_an_unsigned_bundle_cannot_hide_take_over_or_fill(self):
@@ -4061,7 +3833,8 @@ class BundleTrustTests(BundleTestCase):
         self.put(UUIDS[30], "il record vero")
         row = {"type": "outbox", "id": UUIDS[31], "op": "correct", "state": "pending",
                "created_at": time.time(), "payload": json.dumps({
-                   "text": "falso", "kind": "fact", "project_id": "infra", "supersedes_id": UUIDS[30],
+                   "text": "falso", "kind": "fact", "project_id": "infra",
+                   "supersedes_id": UUIDS[30],
                    "agent_id": "x", "source": "y"})}
         secret = dict(row, id=UUIDS[32], op="store", payload=json.dumps({
             "text": "password=hunter22xyz", "kind": "fact", "project_id": "p"}))
@@ -4070,9 +3843,11 @@ class BundleTrustTests(BundleTestCase):
         self.assertEqual(self.find_ids("vero"), [UUIDS[30]])  # not hidden by the held correction
         self.assertIsNone(self.here(UUIDS[30])["superseded_by"])
         # A record planted under an id that a signed row then brings: the row wins.
-        self.ok("load", self.crafted([dict(record(UUIDS[33], "piantato"), type="record")], key=None))
+        self.ok("load",
+                self.crafted([dict(record(UUIDS[33], "piantato"), type="record")], key=None))
         mine = dict(row, id=UUIDS[33], op="store", payload=json.dumps({
-            "text": "la mia scrittura", "kind": "fact", "project_id": "p", "agent_id": "a", "source": "s"}))
+            "text": "la mia scrittura", "kind": "fact", "project_id": "p", "agent_id": "a",
+            "source": "s"}))
         self.assertEqual(self.ok_json("load", self.crafted([mine]))["outbox"]["added"], 1)
         self.assertEqual(self.here(UUIDS[33])["text"], "la mia scrittura")
 
@@ -4080,7 +3855,9 @@ class BundleTrustTests(BundleTestCase):
         _, genuine = self.genuine()
         self.host("b", False)
         self.ok("load", self.forged(genuine))
-        self.ok("load", self.crafted([dict(record(UUIDS[6], "ricordo non firmato"), type="record")], key=None))
+        self.ok("load",
+                self.crafted([dict(record(UUIDS[6], "ricordo non firmato"), type="record")],
+                             key=None))
         out = os.path.join(self.home, "b.bundle")
         self.assertEqual(self.ok_json("export", out)["counts"], {"records": 0, "outbox": 0})
 
@@ -4093,11 +3870,16 @@ class BundleTrustTests(BundleTestCase):
         self.assertNotIn(key, shown)
         self.assertIn(qmem.mask_secret(key), shown)
         with mock.patch("sys.stdin", io.StringIO("short\n")):
-            self.assertIn("32 to 1024 printable characters", self.expect_fail(2, "config", "bundle-key"))
+            self.assertIn("32 to 1024 printable characters",
+                          self.expect_fail(2, "config", "bundle-key"))
         with mock.patch("sys.stdin", io.StringIO(BUNDLE_KEY + "\n")):
-            self.assertEqual(self.ok_json("config", "bundle-key")["key_id"], qmem.bundle_key_id(BUNDLE_KEY))
+            self.assertEqual(self.ok_json("config", "bundle-key")["key_id"],
+                             qmem.bundle_key_id(BUNDLE_KEY))
         with open(os.environ["QMEM_CONFIG"]) as f:
             self.assertEqual(json.load(f)["bundleKey"], BUNDLE_KEY)
+
+
+# === Doctor ==================================================================
 
 
 class DoctorTests(GatewayTestCase):
@@ -4120,9 +3902,11 @@ class DoctorTests(GatewayTestCase):
         self.gw.send_date = True
         self.ok("store", "x", "--project", "p")
         found = self.checks()
-        statuses = {c["status"] for name, c in found.items() if name != "python"}  # 3.6 is warned about
+        # 3.6 is warned about
+        statuses = {c["status"] for name, c in found.items() if name != "python"}
         self.assertEqual(statuses - {"ok"}, set(), found)
-        for name in ("python", "sqlite", "database", "dns", "connect", "status", "api key", "gateway version",
+        for name in ("python", "sqlite", "database", "dns", "connect", "status", "api key",
+                     "gateway version",
                      "clock", "outbox", "breaker"):
             self.assertIn(name, found)
         started = time.monotonic()
@@ -4135,7 +3919,8 @@ class DoctorTests(GatewayTestCase):
         self.gw.script = [lambda: time.sleep(0.3)]
         found = self.checks()
         self.assertEqual(found["status"]["status"], "warn")
-        self.assertIn("connectTimeoutMs is 400: too tight for this link, use >= 1000", found["status"]["advice"])
+        self.assertIn("connectTimeoutMs is 400: too tight for this link, use >= 1000",
+                      found["status"]["advice"])
 
     def test_a_config_others_can_read_and_a_key_over_plain_http(self):
         self.config_file({"apiKey": API_KEY, "url": "http://gateway.example.test:8080"}, mode=0o644)
@@ -4156,8 +3941,7 @@ class DoctorTests(GatewayTestCase):
         self.assertIn("more than a day (the oldest 2 d)", found["outbox"]["detail"])
 
     def test_a_corrupt_database_fails(self):
-        for n in range(200):
-            self.put_record(UUIDS[n % 190], "testo numero %d " % n * 20)
+        self.put_records((UUIDS[n % 190], "testo numero %d " % n * 20) for n in range(200))
         size = os.path.getsize(self.db)
         with open(self.db, "r+b") as f:
             f.seek(size // 2)
@@ -4165,6 +3949,12 @@ class DoctorTests(GatewayTestCase):
         found = self.checks("--offline", code=1)
         self.assertEqual(found["database"]["status"], "fail")
         self.assertIn("rebuild", found["database"]["advice"])
+
+    def test_an_empty_database_file_is_left_alone(self):
+        os.makedirs(os.path.dirname(self.db), exist_ok=True)
+        open(self.db, "w").close()
+        self.run_cli("doctor", "--offline")
+        self.assertEqual(os.path.getsize(self.db), 0)
 
     def break_index(self, name="outbox_ready"):
         """Rows missing from an index: what a WAL deleted under a live connection left
@@ -4206,8 +3996,8 @@ class DoctorTests(GatewayTestCase):
         self.assertEqual(self.checks("--offline")["database"]["status"], "ok")
 
     def test_an_integrity_check_cut_short_is_not_ok(self):
-        for n in range(30):  # enough work for the check to be asked whether to go on
-            self.put_record(UUIDS[n], "il backup notturno numero %d" % n)
+        # enough work for the check to be asked whether to go on
+        self.put_records((UUIDS[n], "il backup notturno numero %d" % n) for n in range(30))
         with mock.patch.object(qmem, "INTEGRITY_BUDGET_S", -1):
             found = self.checks("--offline")
         self.assertEqual(found["database"]["status"], "warn")
@@ -4225,1328 +4015,7 @@ class DoctorTests(GatewayTestCase):
         self.assertIn("1 failed", self.run_cli("doctor", "--offline")[1])
 
 
-class ReviewTwoTests(GatewayTestCase):
-    """What a second review (hardening, security, find) found, each reproduced."""
-
-    def test_a_record_id_of_the_wrong_type_costs_one_line(self):
-        s = Session(self.sessions, "a.jsonl")
-        cid = s.call("qmem_store", {"text": "x", "kind": "fact", "project_id": "p"})
-        s.result(cid, "qmem_store", "stored", {"record": {"id": ["x"], "text": "x"}})
-        s.result(["not", "an", "id"], "qmem_store", "odd", {})  # a toolCallId of the wrong type
-        s.store(record(UUIDS[0], "buona"))
-        s.write()
-        doc = self.ok_json("import")
-        self.assertEqual(doc["stats"]["records_new"], 1)
-        self.assertEqual(self.ok_json("import")["stats"]["files_read"], 0)  # recorded: not read again
-
-    def test_gateway_values_in_messages_are_scrubbed_and_masked_before_they_are_cut(self):
-        self.gw.script = [(201, {"id": "Bearer " + API_KEY})]
-        code, out, err = self.run_cli("store", "x", "--project", "p")
-        self.gw.script = [(409, {"detail": "duplicate", "duplicate_of": UUIDS[1], "similarity": API_KEY})]
-        code2, out2, err2 = self.run_cli("store", "y", "--project", "p")
-        pad = "x" * 490
-        self.gw.script = [(503, {"detail": pad + API_KEY})] * 3
-        with mock.patch("qmem.time.sleep"):
-            code3, out3, err3 = self.run_cli("store", "z", "--project", "p")
-        queue = self.run_cli("queue", "--json")[1]
-        with open(self.breaker_file) as f:
-            breaker = f.read()
-        for text in (out, err, out2, err2, out3, err3, queue, breaker):
-            self.assertNotIn(API_KEY[:12], text)
-
-    def test_a_deep_line_with_a_surrogate_escape_and_an_unreadable_file_cost_one_item(self):
-        os.makedirs(self.sessions)
-        with open(os.path.join(self.sessions, "deep.jsonl"), "w") as f:
-            f.write('{"type":"session","id":"s","version":3}\n')
-            f.write('{"qmem_": ' + "[" * 700 + '"\\ud800"' + "]" * 700 + "}\n")
-        s = Session(self.sessions, "ok.jsonl")
-        s.store(record(UUIDS[0], "buona"))
-        s.write()
-        real_open = open
-
-        def refusing(path, *args, **kw):
-            if str(path).endswith("ok.jsonl") and "rb" in args:
-                raise PermissionError(13, "Permission denied")
-            return real_open(path, *args, **kw)
-        with mock.patch("builtins.open", refusing):
-            code, out, err = self.run_cli("import")
-        self.assertEqual(code, 0, err)
-        self.assertIn("Permission denied", err)
-        self.assertEqual(self.ok_json("import")["stats"]["records_new"], 1)  # the next import reads it
-
-    def test_keys_and_urls_a_request_cannot_carry_are_refused(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        self.expect_fail(2, "config", "apikey", "sk-ключ-0123456789")
-        with mock.patch("sys.stdin", io.StringIO("sk-abc\x01defghijklmnop\n")):
-            self.expect_fail(2, "config", "apikey")
-        self.expect_fail(2, "config", "url", "http://127.0.0.1:9/é")
-        os.environ["QMEM_API_KEY"] = "sk-\udcff-0123456789"
-        self.assertIn("cannot carry", self.expect_fail(2, "store", "x", "--project", "p"))
-        os.environ.pop("QMEM_API_KEY")
-        self.assertEqual(self.ok_json("queue")["items"], [])
-
-    def test_numbers_a_breaker_file_cannot_mean_are_corruption(self):
-        key = qmem.normalize_url(self.gw.url)
-        for field, value in (("open_until", 1e300), ("open_until", float("nan")), ("trips", float("inf")),
-                             ("opened_after", float("inf"))):
-            os.makedirs(os.path.dirname(self.breaker_file), exist_ok=True)
-            with open(self.breaker_file, "w") as f:
-                f.write(json.dumps({"gateways": {key: {"state": "open", field: value}}}))
-            code, out, err = self.run_cli("breaker", "--json")
-            self.assertEqual(code, 0, err)
-            json.loads(out)  # a document JSON can read: no Infinity
-            self.assertEqual(self.run_cli("search", "x")[0], 0)
-
-    def test_a_config_type_error_never_shows_the_key(self):
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        with open(os.environ["QMEM_CONFIG"], "w") as f:
-            json.dump({"apiKey": {"key": API_KEY}}, f)
-        code, out, err = self.run_cli("status", "--json")
-        self.assertEqual(code, 2)
-        self.assertNotIn(API_KEY, out + err)
-
-    def test_correct_keeps_the_words_when_the_database_is_not_ours(self):
-        other = os.path.join(self.home, "other.db")
-        conn = sqlite3.connect(other)
-        conn.execute("CREATE TABLE t(x)")
-        conn.commit()
-        conn.close()
-        err = self.expect_fail(1, "--db", other, "correct", UUIDS[0], "parole corrette", "--project", "p")
-        saved = re.search(r"your text is saved in (\S+):", err).group(1)
-        with open(saved, encoding="utf-8") as f:
-            self.assertEqual(f.read(), "parole corrette\n")
-        self.assertIn("--supersedes %s" % UUIDS[0], err)
-
-    def test_a_pull_whose_cursor_never_moves_stops(self):
-        self.gw.add("una")
-        self.gw.script = [(200, {"items": [record(UUIDS[0], "x")], "next_cursor": "same"})] * 3
-        err = self.expect_fail(1, "pull")
-        self.assertIn("same cursor twice", err)
-
-    def test_an_unusable_ca_file_is_a_configuration_problem_not_an_unreachable_gateway(self):
-        os.environ["QMEM_URL"] = "https://127.0.0.1:%d" % self.gw.port
-        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
-        with open(os.environ["QMEM_CONFIG"], "w") as f:
-            json.dump({"caFile": os.path.join(self.home, "missing.pem")}, f)
-        code, out, err = self.run_cli("search", "x", "--json")
-        self.assertEqual(json.loads(out)["error"]["kind"], "tls")
-        self.assertIn("caFile", err)
-        self.assertFalse(os.path.exists(self.breaker_file))
-
-    def test_an_unreadable_start_time_proves_nothing(self):
-        token = qmem.claim_token()
-        with mock.patch.object(qmem, "_proc_stat", return_value=("", "")):
-            self.assertFalse(qmem.claimant_is_gone(token))
-
-    def test_a_claimant_killed_and_not_reaped_yet_is_gone(self):
-        """Part 10's soak: a client that killed its server had not waited for it yet,
-        and the zombie's claim held the write for the whole lease."""
-        child = ("import sys; sys.path.insert(0, %r); import qmem; "
-                 "print(qmem.claim_token(), flush=True); input()" % HERE)
-        proc = subprocess.Popen([sys.executable, "-c", child], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, universal_newlines=True)
-        self.addCleanup(proc.wait)
-        token = proc.stdout.readline().strip()
-        self.assertFalse(qmem.claimant_is_gone(token))
-        os.kill(proc.pid, 9)  # and not waited for: a zombie until proc.wait()
-        for _ in range(200):  # the kernel makes it one within moments
-            if qmem._proc_stat(proc.pid)[0] == "Z":
-                break
-            time.sleep(0.01)
-        self.assertTrue(qmem.claimant_is_gone(token))
-
-    def test_numbers_are_no_typos_and_a_query_cut_mid_word_says_so(self):
-        self.put_record(UUIDS[0], "grpc listens on port 50052")
-        self.assertNotEqual(self.ok_json("find", "port", "50051")["match"], "fuzzy")
-        self.assertTrue(qmem.query_was_cut("x" * 495 + " deployment"))
-
-    def test_prompts_and_diagnostics_escape_what_they_show(self):
-        hostile = "da \x1b]0;pwned\x07 buttare"
-        self.gw.script = [(422, {"detail": "no"})]
-        self.run_cli("store", hostile, "--project", "p")
-        local = self.ok_json("queue")["items"][0]["local_id"]
-        with mock.patch.object(qmem, "_interactive", return_value=True), mock.patch("sys.stdin", io.StringIO("n\n")):
-            code, out, err = self.run_cli("queue", "--drop", local)
-        self.assertNotIn("\x1b", err)
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            qmem.stderr_diagnostic("name \u202eevil\u2028x")
-        self.assertNotRegex(err.getvalue(), "[\u202e\u2028]")
-
-    def test_a_duplicate_without_an_id_and_an_ascii_terminal(self):
-        self.gw.script = [(409, {"detail": "duplicate", "duplicate_of": {"no": "id"}})]
-        out = self.ok("store", "doppio", "--project", "p")
-        self.assertIn("which the gateway did not say", out)
-        self.assertNotIn("None", out)
-        raw = io.BytesIO()
-        ascii_out = io.TextIOWrapper(raw, encoding="ascii")
-        qmem.render("find", {"results": [], "match": "none", "query": "x", "index_exists": False, "db": "d"},
-                    False, out=ascii_out)
-        ascii_out.flush()
-        self.assertIn(b"no local index yet", raw.getvalue())
-
-
-class ReviewThreeTests(BundleTestCase):
-    """What a third review (export, load, doctor) found, each reproduced."""
-
-    def test_a_delivery_is_settled_only_onto_a_record_that_is_known(self):
-        local = self.ok_json("store", "da sistemare", "--project", "p", "--queue-only")["local_id"]
-        fake = {"type": "outbox", "id": local, "op": "store", "state": "synced", "gateway_id": UUIDS[50],
-                "created_at": time.time(), "payload": "{}"}
-        itself = dict(fake, state="duplicate", duplicate_of=local)
-        doc = self.ok_json("load", self.crafted([fake, itself]))
-        self.assertEqual((doc["outbox"]["settled"], doc["skipped"]), (0, 2))
-        self.assertEqual(self.ok_json("flush")["synced"], 1)  # still sent, once
-
-    def test_a_correction_travels_with_its_target_and_since_keeps_settlements(self):
-        self.host("a", False)
-        target = self.ok_json("store", "memoria di p1", "--project", "p1")["local_id"]
-        self.ok("correct", target, "memoria corretta", "--project", "p2")
-        bundle = os.path.join(self.home, "p2.bundle")
-        self.assertEqual(self.ok_json("export", "--outbox-only", "--project", "p2", bundle)["counts"]["outbox"], 2)
-        self.host("b", True)
-        self.ok("load", bundle)
-        self.assertEqual(self.ok_json("flush")["synced"], 2)
-        self.ok("pull")
-        store = qmem.Store(os.environ["QMEM_SQLITE"])
-        store.conn.execute("UPDATE outbox SET created_at = created_at - 3 * 86400")
-        store.close()
-        since = qmem.iso_from_epoch(time.time() - 86400)[:10]
-        back = os.path.join(self.home, "back.bundle")
-        self.assertEqual(self.ok_json("export", "--since", since, back)["counts"]["outbox"], 2)
-        self.host("a", False)
-        self.assertEqual(self.ok_json("load", back)["outbox"]["settled"], 2)
-
-    def test_a_refusal_travels_back(self):
-        self.host("a", False)
-        self.ok("store", "rifiutata altrove", "--project", "p")
-        out = os.path.join(self.home, "out.bundle")
-        self.ok("export", "--outbox-only", out)
-        self.host("b", True)
-        self.ok("load", out)
-        self.gw.script = [(422, {"detail": "no"})]
-        self.run_cli("flush")
-        back = os.path.join(self.home, "back.bundle")
-        self.ok("export", back)
-        self.host("a", False)
-        self.ok("load", back)
-        self.assertEqual(self.ok_json("queue")["items"][0]["state"], "failed")
-
-    def test_export_to_a_pipe_that_closes_or_to_something_not_a_file_fails_cleanly(self):
-        self.ok("store", "x", "--project", "p", "--queue-only")
-        proc = subprocess.Popen([sys.executable, QMEM, "export", "-", "--json"], env=dict(os.environ),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        proc.stdout.close()  # the reader went away at once
-        err = proc.stderr.read().decode()
-        proc.stderr.close()
-        self.assertEqual(proc.wait(30), 1, err)
-        self.assertIn("cannot write the bundle to stdout", err)
-        self.assertNotIn("Traceback", err)
-        os.mkfifo(os.path.join(self.home, "fifo"))
-        self.assertIn("not a regular file", self.expect_fail(2, "export", os.path.join(self.home, "fifo")))
-
-    def test_loaded_writes_pass_the_checks_of_store_and_a_dry_run_makes_no_database(self):
-        row = {"type": "outbox", "id": UUIDS[60], "op": "store", "state": "pending", "created_at": time.time(),
-               "payload": json.dumps({"text": "x" * 40000, "kind": "fact", "project_id": "p"})}
-        odd = dict(row, id=UUIDS[61], payload=json.dumps({"text": "y", "kind": 3, "project_id": "p"}))
-        path = self.crafted([row, odd])
-        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "none", "q.sqlite")
-        self.assertEqual(self.ok_json("load", path, "--dry-run")["skipped"], 2)
-        self.assertFalse(os.path.exists(os.environ["QMEM_SQLITE"]))
-        self.assertEqual(self.ok_json("load", path)["skipped"], 2)
-
-    def test_doctor_leaves_an_empty_file_alone_and_a_bad_proxy_variable_is_ignored(self):
-        os.makedirs(os.path.dirname(self.db), exist_ok=True)
-        open(self.db, "w").close()
-        self.run_cli("doctor", "--offline")
-        self.assertEqual(os.path.getsize(self.db), 0)
-        os.environ.update(https_proxy="http://127.0.0.1:99999", http_proxy="http://[::1", NO_PROXY="", no_proxy="")
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-        code, out, err = self.run_cli("store", "con un proxy rotto", "--project", "p")
-        self.assertEqual(code, 0, err)
-        self.assertIn("queued", out)
-
-
-# --- qmem.py mcp: the server as a client drives it, over pipes -----------------
-
-class McpProcess:
-    """`qmem.py mcp` as a subprocess over pipes. Every line it writes to stdout is kept
-    and must be one JSON-RPC message; stderr is kept apart."""
-
-    def __init__(self, test, env=None, cwd=None):
-        import queue
-        import threading
-        self.test = test
-        self.proc = subprocess.Popen([sys.executable, QMEM, "mcp"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env or dict(os.environ), cwd=cwd or test.home)
-        test.addCleanup(self.kill)
-        self.lines, self.replies = [], queue.Queue()
-        self.err = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
-        self.next_id = 100
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            self.replies.put(line)
-        self.replies.put(None)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                stream.close()
-            except OSError:
-                pass
-
-    def send(self, message):
-        data = message if isinstance(message, bytes) else (json.dumps(message) + "\n").encode("utf-8")
-        self.proc.stdin.write(data)
-        self.proc.stdin.flush()
-
-    def recv(self, timeout=20):
-        import queue
-        try:
-            line = self.replies.get(timeout=timeout)
-        except queue.Empty:
-            self.test.fail("no answer from qmem.py mcp within %s s" % timeout)
-        self.test.assertIsNotNone(line, "qmem.py mcp closed its output; stderr: %s" % self.stderr())
-        self.test.assertTrue(line.endswith(b"\n"))
-        return json.loads(line.decode("utf-8"))
-
-    def request(self, method, params=None, rid=None):
-        if rid is None:
-            rid, self.next_id = self.next_id, self.next_id + 1
-        message = {"jsonrpc": "2.0", "id": rid, "method": method}
-        if params is not None:
-            message["params"] = params
-        self.send(message)
-        reply = self.recv()
-        self.test.assertEqual(reply.get("id"), rid, reply)
-        return reply
-
-    def initialize(self, version="2025-11-25", client="test-client"):
-        reply = self.request("initialize", {"protocolVersion": version, "capabilities": {},
-                                            "clientInfo": {"name": client, "version": "1"}})
-        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        return reply["result"]
-
-    def call(self, tool, **arguments):
-        """A tools/call result; its text content must say what its structuredContent says."""
-        reply = self.request("tools/call", {"name": tool, "arguments": arguments})
-        self.test.assertIn("result", reply, reply)
-        result = reply["result"]
-        self.test.assertEqual(json.loads(result["content"][0]["text"]), result["structuredContent"])
-        for key in ("status", "note"):
-            self.test.assertIn(key, result["structuredContent"])
-        if not result["isError"]:  # one sentence (an error's adds one: what to do next)
-            self.test.assertNotRegex(result["structuredContent"]["note"], r"[.!?] [A-Z]")
-        return result
-
-    def close(self, timeout=10):
-        """Close stdin (as clients do); the exit code, after checking stdout was protocol only."""
-        self.proc.stdin.close()
-        code = self.proc.wait(timeout)
-        self.assert_protocol_only()
-        return code
-
-    def assert_protocol_only(self):
-        for line in self.lines:
-            message = json.loads(line.decode("utf-8"))
-            for each in message if isinstance(message, list) else [message]:
-                self.test.assertEqual(each["jsonrpc"], "2.0")
-                self.test.assertIn("id", each)
-                self.test.assertTrue(("result" in each) != ("error" in each), each)
-
-    def stderr(self):
-        return b"".join(self.err).decode("utf-8", "replace")
-
-
-class McpTestCase(GatewayTestCase):
-
-    def setUp(self):
-        super().setUp()
-        self.workdir = os.path.join(self.home, "work")
-        os.makedirs(self.workdir)
-
-    def server(self, **env):
-        environ = dict(os.environ)
-        environ.update(env)
-        for name, value in env.items():
-            if value is None:
-                del environ[name]
-        server = McpProcess(self, environ, cwd=self.workdir)
-        return server
-
-    def offline(self):
-        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
-
-    def outbox_rows(self):
-        conn = sqlite3.connect(self.db)
-        try:
-            return conn.execute("SELECT id, state FROM outbox").fetchall()
-        finally:
-            conn.close()
-
-
-class McpProtocolTests(McpTestCase):
-
-    def test_handshake_echoes_each_known_version_and_answers_newest_otherwise(self):
-        server = self.server()
-        for version in qmem.MCP_VERSIONS:
-            result = server.initialize(version)
-            self.assertEqual(result["protocolVersion"], version)
-            self.assertEqual(result["capabilities"], {"tools": {"listChanged": False}})
-            self.assertEqual(result["serverInfo"]["name"], "qmem")
-        for asked in ("2099-01-01", "2026-07-28", None, 7):
-            reply = server.request("initialize", {"protocolVersion": asked, "capabilities": {}})
-            self.assertEqual(reply["result"]["protocolVersion"], "2025-11-25")
-        self.assertEqual(server.request("ping")["result"], {})
-        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(server.stderr(), "")
-        self.assertFalse(os.path.exists(os.path.dirname(self.db)))  # nothing opened before a tool call
-
-    def test_server_discover_and_unknown_methods_get_32601_at_once_before_initialize(self):
-        server = self.server()
-        started = time.monotonic()
-        reply = server.request("server/discover", {"_meta": {}}, rid="server-discover-probe-1")
-        self.assertLess(time.monotonic() - started, 3.0)  # the interpreter's start included
-        self.assertEqual(reply["error"]["code"], -32601)
-        for method in ("resources/list", "prompts/list", "logging/setLevel", "completion/complete"):
-            self.assertEqual(server.request(method)["error"]["code"], -32601)
-        started = time.monotonic()
-        self.assertEqual(server.request("no/such")["error"]["code"], -32601)
-        self.assertLess(time.monotonic() - started, 0.5)
-        self.assertEqual(server.initialize()["protocolVersion"], "2025-11-25")
-        self.assertEqual(server.close(), 0)
-
-    def test_ids_zero_and_strings_notifications_unanswered(self):
-        server = self.server()
-        self.assertEqual(server.request("ping", rid=0), {"jsonrpc": "2.0", "id": 0, "result": {}})
-        self.assertEqual(server.request("ping", rid="abc-1")["id"], "abc-1")
-        server.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
-        server.send({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {"requestId": 0}})
-        server.send({"jsonrpc": "2.0", "method": "notifications/whatever"})
-        self.assertEqual(server.request("ping", rid=5)["id"], 5)  # the first answer after them
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(len(server.lines), 3)
-
-    def test_malformed_messages_get_json_rpc_errors_and_the_server_goes_on(self):
-        server = self.server()
-        cases = [(b"{not json\n", -32700), (b"\xff\xfe{}\n", -32700), (b"[" * 100000 + b"\n", -32700),
-                 (b"42\n", -32600), (b"[]\n", -32600), (b'{"jsonrpc":"2.0","id":null,"method":"ping"}\n', -32600),
-                 (b'{"jsonrpc":"2.0","id":true,"method":"ping"}\n', -32600),
-                 (b'{"id":1,"method":"ping"}\n', -32600), (b'{"jsonrpc":"2.0","id":2}\n', -32600),
-                 (b'{"jsonrpc":"2.0","id":3,"method":"tools/list","params":[1]}\n', -32602)]
-        for raw, code in cases:
-            server.send(raw)
-            reply = server.recv()
-            self.assertEqual(reply["error"]["code"], code, raw[:40])
-        server.send(b"\n   \n")  # blank lines are nothing
-        self.assertEqual(server.request("ping")["result"], {})
-        self.assertEqual(server.close(), 0)
-        self.assertNotIn("Traceback", server.stderr())
-
-    def test_a_batch_gets_one_array_without_the_notifications(self):
-        server = self.server()
-        server.send([{"jsonrpc": "2.0", "id": 1, "method": "ping"}, {"jsonrpc": "2.0", "method": "notifications/x"},
-                     {"jsonrpc": "2.0", "id": 2, "method": "nope"}])
-        replies = server.recv()
-        self.assertEqual([r["id"] for r in replies], [1, 2])
-        self.assertEqual(replies[1]["error"]["code"], -32601)
-        self.assertEqual(server.close(), 0)
-
-    def test_200_pipelined_requests_are_answered_in_order(self):
-        self.put_record(UUIDS[0], "circuit breaker opens after three failures")
-        server = self.server()
-        methods = ["ping", "tools/list", "tools/call"]
-        burst = b"".join((json.dumps({"jsonrpc": "2.0", "id": n if n % 2 else "s%d" % n, "method": methods[n % 3],
-                                      "params": {"name": "qmem_find", "arguments": {"query": "breaker %d" % n,
-                                                                                    "project_id": "*"}}})
-                          + "\n").encode() for n in range(200))
-        server.send(burst)
-        for n in range(200):
-            reply = server.recv()
-            self.assertEqual(reply["id"], n if n % 2 else "s%d" % n)
-            self.assertIn("result", reply)
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(len(server.lines), 200)
-
-    def test_eof_in_the_middle_of_a_request_exits_cleanly_unanswered(self):
-        server = self.server()
-        self.assertEqual(server.request("ping")["result"], {})
-        server.send(b'{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"qmem_fi')
-        self.assertEqual(server.close(timeout=5), 0)
-        self.assertEqual(len(server.lines), 1)
-        self.assertIn("the input ended in the middle of a message", server.stderr())
-        self.assertNotIn("Traceback", server.stderr())
-
-    def test_sigterm_ends_it_cleanly(self):
-        import signal
-        server = self.server()
-        self.assertEqual(server.request("ping")["result"], {})
-        server.proc.send_signal(signal.SIGTERM)
-        self.assertEqual(server.proc.wait(5), 0)
-        self.assertEqual(server.stderr(), "")
-
-    def test_sigterm_during_a_call_ends_it_at_once_and_the_write_waits_in_the_outbox(self):
-        import signal
-        self.gw.script.append("silent")
-        server = self.server(QMEM_CONFIG=self._config(connectTimeoutMs=20000))
-        server.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                     "params": {"name": "qmem_store", "arguments": {"text": "kept", "project_id": "p"}}})
-        self._wait_for_requests(1)  # the call now waits on the silent gateway
-        started = time.monotonic()
-        server.proc.send_signal(signal.SIGTERM)
-        self.assertEqual(server.proc.wait(5), 0)
-        self.assertLess(time.monotonic() - started, 3)  # not the 20 s the gateway would take
-        self.assertNotIn("Traceback", server.stderr())
-        self.assertEqual([state for _, state in self.outbox_rows()], ["pending"])  # given back on the way out
-        self.assertEqual(self.ok_json("flush")["synced"], 1)
-
-    def test_the_writes_of_a_killed_server_are_taken_over_by_the_next_one(self):
-        self.gw.script.append("silent")
-        server = self.server(QMEM_CONFIG=self._config(connectTimeoutMs=20000))
-        server.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
-                     "params": {"name": "qmem_store", "arguments": {"text": "kept", "project_id": "p"}}})
-        self._wait_for_requests(1)
-        server.kill()  # SIGKILL, as clients do to a server that does not exit in time
-        self.assertEqual([state for _, state in self.outbox_rows()], ["sending"])  # its lease runs for minutes
-        server = self.server()
-        server.call("qmem_meta")
-        server.request("ping")  # answered after the automatic flush
-        self.assertEqual(server.close(), 0)
-        self.assertEqual([state for _, state in self.outbox_rows()], ["synced"])
-        self.assertEqual([r["text"] for r in self.gw.records.values()], ["kept"])
-
-    def _wait_for_requests(self, n):
-        with self.gw.arrived:
-            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.requests) >= n, 10))
-
-    def _config(self, **values):
-        path = os.path.join(self.home, "config-%d.json" % len(os.listdir(self.home)))
-        with open(path, "w") as f:
-            json.dump(values, f)
-        return path
-
-    def test_a_message_over_the_limit_is_refused_and_the_next_one_answered(self):
-        server = self.server()
-        big = b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"' + b"a" * qmem.MAX_MESSAGE + b'"}}\n'
-        server.send(big)
-        self.assertEqual(server.recv()["error"]["code"], -32600)
-        self.assertEqual(server.request("ping")["result"], {})
-        self.assertEqual(server.close(), 0)
-
-    def test_tools_list_is_portable_and_the_same_online_and_offline(self):
-        online = self.server()
-        tools = online.request("tools/list")["result"]["tools"]
-        self.assertEqual(online.close(), 0)
-        self.offline()
-        os.environ["QMEM_API_KEY"] = ""
-        offline = self.server()
-        self.assertEqual(offline.request("tools/list")["result"]["tools"], tools)
-        self.assertEqual(offline.request("tools/list", {"cursor": "x"})["error"]["code"], -32602)
-        self.assertEqual(offline.close(), 0)
-        self.assertEqual([t["name"] for t in tools], ["qmem_search", "qmem_find", "qmem_get", "qmem_store",
-                                                      "qmem_correct", "qmem_meta"])
-        for tool in tools:
-            self.assertRegex(tool["name"], r"\A[A-Za-z0-9_.-]{1,128}\Z")
-            self.assertLessEqual(len(tool["description"].encode("utf-8")), 2048)
-            schema = tool["inputSchema"]
-            self.assertEqual(schema["type"], "object")
-            self.assertLessEqual(set(schema["required"]), set(schema["properties"]))
-            for name, prop in schema["properties"].items():
-                self.assertIn(prop["type"], ("string", "integer", "number", "boolean"), name)
-                self.assertTrue(prop["description"])
-                self.assertFalse({"oneOf", "anyOf", "allOf"} & set(prop))
-            if "kind" in schema["properties"]:
-                self.assertEqual(schema["properties"]["kind"]["enum"], list(qmem.KINDS))
-            notes = tool["annotations"]
-            self.assertEqual(set(notes) - {"title"}, {"readOnlyHint", "destructiveHint", "idempotentHint",
-                                                      "openWorldHint"})
-            self.assertIs(notes["destructiveHint"], False)
-            self.assertIs(notes["openWorldHint"], False)
-            self.assertIs(notes["readOnlyHint"], tool["name"] not in ("qmem_store", "qmem_correct"))
-        by_name = {t["name"]: t for t in tools}
-        self.assertEqual(by_name["qmem_store"]["inputSchema"]["required"], ["text"])
-        self.assertEqual(by_name["qmem_correct"]["inputSchema"]["required"], ["id", "text"])
-
-    def test_instructions_carry_the_rules_under_2_kb_and_rules_prints_them(self):
-        server = self.server()
-        instructions = server.initialize()["instructions"]
-        self.assertEqual(server.close(), 0)
-        self.assertLessEqual(len(instructions.encode("utf-8")), 2048)
-        for essential in ("project_id", "0.60", "0.45", "qmem_correct", "qmem_meta", "queued",
-                          "not yet" if "not yet" in instructions else "only once it is delivered", "hostname"):
-            self.assertIn(essential, instructions)
-        markdown = self.ok("rules")
-        self.assertTrue(markdown.startswith("## Shared memory (qmem)\n"))
-        for _, text in qmem.AGENT_RULES:
-            self.assertIn(text, markdown)
-            self.assertIn(text.replace("`", ""), instructions)
-        self.assertEqual(self.ok_json("rules")["markdown"], markdown)
-
-    def test_unknown_tool_and_malformed_calls_are_32602(self):
-        server = self.server()
-        self.assertEqual(server.request("tools/call", {"name": "qmem_nope", "arguments": {}})["error"]["code"], -32602)
-        self.assertEqual(server.request("tools/call", {"arguments": {}})["error"]["code"], -32602)
-        self.assertEqual(server.request("tools/call", {"name": "qmem_find", "arguments": "query=x"})["error"]["code"],
-                         -32602)
-        self.assertEqual(server.request("tools/call")["error"]["code"], -32602)
-        self.assertEqual(server.close(), 0)
-
-    def test_bad_arguments_are_results_that_say_what_to_do(self):
-        server = self.server()
-        for tool, arguments, words in (
-                ("qmem_find", {}, "needs query"), ("qmem_search", {"query": "x", "top_k": "many"}, "whole number"),
-                ("qmem_search", {"query": "x", "top_k": 0}, "between 1 and 50"),
-                ("qmem_find", {"query": "x", "limit": 51}, "between 1 and 50"),
-                ("qmem_store", {"text": "x", "kind": "opinion", "project_id": "p"}, "one of fact"),
-                ("qmem_store", {"text": "x", "projet": "p"}, "takes no argument 'projet'"),
-                ("qmem_store", {"text": "   ", "project_id": "p"}, "empty"),
-                ("qmem_get", {"id": "not-an-id"}, "is not a memory id"),
-                ("qmem_find", {"query": "x", "include_superseded": "maybe"}, "true or false"),
-                ("qmem_search", {"query": "x", "min_score": 3}, "between 0 and 1")):
-            result = server.call(tool, **arguments)
-            self.assertIs(result["isError"], True, (tool, arguments))
-            self.assertEqual(result["structuredContent"]["status"], "error")
-            self.assertIn(words, result["structuredContent"]["note"])
-            self.assertIn("Next: ", result["structuredContent"]["note"])
-            self.assertIn("project_from", result["structuredContent"])
-        self.assertEqual(server.close(), 0)
-        self.assertFalse(os.path.exists(self.db))  # nothing was written for them
-
-    def test_models_strings_for_numbers_and_booleans_and_kind_case_are_taken(self):
-        server = self.server()
-        result = server.call("qmem_store", text="Backups run at 02:30", kind="Decision", project_id="infra",
-                             private="false")
-        self.assertEqual(result["structuredContent"]["status"], "stored")
-        self.assertEqual(self.gw.posts()[-1][3]["kind"], "decision")
-        found = server.call("qmem_search", q="backups", top_k="3", include_superseded="true")
-        self.assertEqual(self.gw.requests[-1][3]["top_k"], 2 * 3 + 8)  # 3 asked; private left out
-        self.assertIs(self.gw.requests[-1][3]["include_superseded"], True)
-        self.assertEqual(found["structuredContent"]["status"], "found")
-        self.assertEqual(server.close(), 0)
-
-    def test_a_broken_config_costs_tool_results_not_the_handshake(self):
-        config = os.path.join(self.home, "broken.json")
-        with open(config, "w") as f:
-            f.write("{broken")
-        server = self.server(QMEM_CONFIG=config)
-        self.assertEqual(server.initialize()["protocolVersion"], "2025-11-25")
-        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
-        result = server.call("qmem_find", query="x")
-        self.assertIs(result["isError"], True)
-        self.assertIn(config, result["structuredContent"]["note"])
-        with open(config, "w") as f:
-            f.write("{}")
-        self.assertIs(server.call("qmem_find", query="x")["isError"], False)  # read again at the next call
-        self.assertEqual(server.close(), 0)
-
-    def test_nothing_but_json_rpc_on_stdout_diagnostics_go_to_stderr(self):
-        breaker = os.path.join(self.home, "breaker.json")
-        with open(breaker, "w") as f:
-            f.write("not json")  # warn(): a corrupt breaker file
-        server = self.server(QMEM_BREAKER_FILE=breaker)
-        server.initialize()
-        result = server.call("qmem_search", query="anything", project_id="*")
-        self.assertEqual(server.close(), 0)
-        self.assertIn("qmem: ", server.stderr())
-        self.assertTrue(result["structuredContent"]["warnings"])
-        self.assertEqual(len(server.lines), 2)
-
-
-class McpToolTests(McpTestCase):
-
-
-    def test_an_agents_fields_are_bounded_and_results_cut_every_field(self):
-        """Part 11: an agent's 10 MiB agent_id was queued, and a later qmem_find answer was
-        21 MB, far past the result budget."""
-        server = qmem.McpServer(qmem.load_config, cwd=self.workdir)
-        self.addCleanup(server.close)
-
-        def call(name, **arguments):
-            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                                   "params": {"name": name, "arguments": arguments}})
-            return reply["result"]
-        refused = call("qmem_store", text="x", project_id="p", agent_id="a" * 100000)
-        self.assertTrue(refused["isError"])
-        self.assertIn("the agent is 100000 characters; it may have at most", refused["structuredContent"]["note"])
-        self.assertEqual(self.gw.posts(), [])
-        secret = call("qmem_store", text="la chiave AKIAIOSFODNN7EXAMPLE", project_id="p")
-        self.assertTrue(secret["isError"])
-        self.assertIn("not stored: the text holds an AWS access key id",
-                      secret["structuredContent"]["note"])
-        self.assertEqual(self.gw.posts(), [])
-        self.put_record(UUIDS[0], "ricordo lungo", scope="s" * 100000, source="o" * 100000)
-        found = call("qmem_find", query="ricordo", project_id="*")["structuredContent"]["results"][0]
-        self.assertLessEqual(max(len(v) for v in found.values() if isinstance(v, str)), qmem.MAX_FIELD)
-
-    def test_a_background_flush_that_fails_here_is_told_in_every_later_result(self):
-        """Part 10: 58 'automatic flush: disk I/O error' lines on the servers' stderr,
-        and the agents were never told. In-process: the flush made to fail on cue."""
-        self.addCleanup(qmem._FLUSH_ERRORS.clear)
-        self.ok("store", "in coda", "--project", "p", "--queue-only")
-        server = qmem.McpServer(qmem.load_config, cwd=self.workdir)
-        self.addCleanup(server.close)
-
-        def call(**arguments):
-            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                                   "params": {"name": "qmem_find", "arguments": arguments}})
-            result = reply["result"]
-            self.assertEqual(json.loads(result["content"][0]["text"]), result["structuredContent"])
-            return result["structuredContent"]
-        self.assertNotIn("writes_stuck", call(query="coda", project_id="p"))
-        failing = sqlite3.OperationalError("disk I/O error")
-        with mock.patch.object(qmem.Flusher, "claim", side_effect=failing):
-            with contextlib.redirect_stderr(io.StringIO()) as err:
-                server._flush(server.ops.config)
-        self.assertIn("automatic flush: local database", err.getvalue())
-        for _ in range(2):
-            self.assertIn("disk I/O error", call(query="coda", project_id="p")["writes_stuck"])
-        with contextlib.redirect_stderr(io.StringIO()):
-            server._flush(server.ops.config)
-        self.assertNotIn("writes_stuck", call(query="coda", project_id="p"))
-
-    def test_each_tool_online(self):
-        old = self.gw.add("The staging database runs Postgres 15")
-        server = self.server()
-        server.initialize(client="claude-code")
-        stored = server.call("qmem_store", text="Backups run at 02:30, after VACUUM", kind="decision",
-                             project_id="infra")
-        s = stored["structuredContent"]
-        self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"], s["project_id"],
-                          s["project_from"]), (False, "stored", "gateway", False, "infra", "argument"))
-        self.assertIn(s["id"], self.gw.records)
-        self.assertIn("every agent can find it now", s["note"])
-        sent = self.gw.posts()[-1][3]
-        self.assertEqual(sent["agent_id"], "claude-code")
-        self.assertEqual(sent["source"], qmem.machine_identity())  # this machine: hostname and OS
-        self.assertEqual(s["machine"], qmem.machine_identity())
-        found = server.call("qmem_search", query="postgres", project_id="infra")["structuredContent"]
-        self.assertEqual((found["status"], found["source"], found["degraded"]), ("found", "gateway", False))
-        self.assertEqual(found["results"][0]["id"], old["id"])
-        self.assertEqual(found["results"][0]["score"], 0.71)
-        self.assertIn("0.60 or more is a strong match", found["note"])
-        got = server.call("qmem_get", id=old["id"])["structuredContent"]
-        self.assertEqual((got["source"], got["record"]["text"], got["project_id"]),
-                         ("gateway", old["text"], "infra"))
-        fixed = server.call("qmem_correct", id=old["id"], text="The staging database runs Postgres 16",
-                            reason="upgraded")["structuredContent"]
-        self.assertEqual((fixed["status"], fixed["corrects"], fixed["project_id"], fixed["project_from"]),
-                         ("stored", old["id"], "infra", "the corrected memory"))
-        self.assertEqual(self.gw.records[old["id"]]["superseded_by"], fixed["id"])
-        got = server.call("qmem_get", id=old["id"])["structuredContent"]
-        self.assertIn("%s supersedes it" % fixed["id"], got["note"])
-        meta = server.call("qmem_meta")["structuredContent"]
-        self.assertEqual((meta["source"], meta["projects"], meta["queued_here"]), ("gateway", {"infra": 3}, 0))
-        local = server.call("qmem_find", query="Backups VACUUM", project_id="infra")["structuredContent"]
-        self.assertEqual((local["source"], local["results"][0]["id"]), ("local_sqlite", s["id"]))
-        self.assertNotIn("score", local["results"][0])
-        self.assertIn("no scores", local["note"])
-        self.assertEqual(server.close(), 0)
-
-    def test_each_tool_offline_and_the_queued_write_is_delivered_once_later(self):
-        known = self.gw.add("Deploys use blue/green on node-3")
-        self.ok("search", "deploys")  # the local index knows it
-        gateway_url = os.environ["QMEM_URL"]
-        self.offline()
-        server = self.server()
-        server.initialize()
-        stored = server.call("qmem_store", text="Città cluster hosts staging from Q3", project_id="infra")
-        s = stored["structuredContent"]
-        self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"]),
-                         (False, "queued", "outbox", True))
-        self.assertEqual(s["id"], s["local_id"])
-        for words in ("Not shared yet", "queued on this machine", "(gateway unreachable",
-                      "do not store it again"):
-            self.assertIn(words, s["note"])
-        found = server.call("qmem_find", query="citta staging", project_id="infra")["structuredContent"]
-        self.assertEqual(found["results"][0]["id"], s["id"])
-        self.assertIs(found["results"][0]["queued"], True)
-        fallback = server.call("qmem_search", query="deploys", project_id="infra")
-        f = fallback["structuredContent"]
-        self.assertEqual((fallback["isError"], f["source"], f["degraded"]), (False, "local_sqlite", True))
-        self.assertIn("fallback", f["note"])
-        self.assertIn("gateway unreachable", f["reason"])
-        self.assertEqual(f["results"][0]["id"], known["id"])
-        self.assertNotIn("score", f["results"][0])
-        got = server.call("qmem_get", id=known["id"])["structuredContent"]
-        self.assertEqual((got["source"], got["degraded"]), ("local_sqlite", True))
-        self.assertIn("a fallback", got["note"])
-        mine = server.call("qmem_get", id=s["id"])["structuredContent"]
-        self.assertEqual(mine["source"], "outbox")
-        self.assertIn("still queued", mine["note"])
-        meta = server.call("qmem_meta")["structuredContent"]
-        self.assertEqual((meta["source"], meta["degraded"], meta["queued_here"]), ("local_sqlite", True, 1))
-        unknown = server.call("qmem_get", id=UUIDS[5])
-        self.assertIs(unknown["isError"], True)
-        self.assertEqual(unknown["structuredContent"]["error"], "unavailable")  # it may exist: it cannot be checked
-        self.assertIn("once the gateway is back; qmem_find searches this machine", unknown["structuredContent"]["note"])
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(self.outbox_rows(), [(s["id"], "pending")])
-        # Later the gateway is back: the next online call of a server delivers it, once.
-        os.environ["QMEM_URL"] = gateway_url
-        self.ok("breaker", "--reset")
-        server = self.server()
-        server.call("qmem_meta")
-        server.request("ping")  # answered after the automatic flush
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(self.outbox_rows(), [(s["id"], "synced")])
-        self.assertEqual(self.ok_json("flush")["synced"], 0)
-        texts = [r["text"] for r in self.gw.records.values()]
-        self.assertEqual(texts.count("Città cluster hosts staging from Q3"), 1)
-        self.assertEqual(len(self.gw.posts()), 1)
-
-    def test_the_same_write_asked_twice_offline_is_queued_once(self):
-        self.offline()
-        server = self.server()
-        first = server.call("qmem_store", text="Releases are cut on Thursdays", project_id="web")["structuredContent"]
-        again = server.call("qmem_store", text="Releases are cut on Thursdays", project_id="web")["structuredContent"]
-        other = server.call("qmem_store", text="Releases are cut on Thursdays", project_id="api")["structuredContent"]
-        self.assertEqual(server.close(), 0)
-        self.assertEqual((again["status"], again["id"]), ("queued", first["id"]))
-        self.assertIn("not queued twice", again["note"])
-        self.assertNotIn("not queued twice", first["note"])
-        self.assertNotEqual(other["id"], first["id"])
-        self.assertEqual(len(self.outbox_rows()), 2)
-        self.assertNotIn("not queued twice", self.ok("store", "Releases are cut on Thursdays", "--project", "web"))
-        self.assertIn("not queued twice", self.ok("store", "Releases are cut on Thursdays", "--project", "web"))
-        self.assertEqual(len(self.outbox_rows()), 3)  # the command line's own agent_id: another write
-
-    def test_non_ascii_is_stored_byte_exact_under_a_legacy_code_page(self):
-        text = "héllo 世界 \u2028 ∑ 🎉 «città»"
-        self.offline()
-        server = self.server(PYTHONIOENCODING="cp1252")
-        result = server.call("qmem_store", text=text, project_id="infra")
-        found = server.call("qmem_find", query="héllo", project_id="infra")
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(found["structuredContent"]["results"][0]["text"], text)
-        conn = sqlite3.connect(self.db)
-        try:
-            stored = conn.execute("SELECT text FROM records WHERE id=?", (result["structuredContent"]["id"],)).fetchone()
-        finally:
-            conn.close()
-        self.assertEqual(stored[0].encode("utf-8"), text.encode("utf-8"))
-        self.assertNotIn(b"\xe2\x80\xa8", b"".join(server.lines))  # U+2028 travels escaped
-
-    def test_the_project_comes_from_the_argument_then_the_environment_then_git(self):
-        os.makedirs(os.path.join(self.workdir, ".git"))
-        server = self.server(QMEM_PROJECT="from-env", CLAUDE_PROJECT_DIR="/home/u/claude-proj")
-        s = server.call("qmem_store", text="one")["structuredContent"]
-        self.assertEqual((s["project_id"], s["project_from"]), ("from-env", "QMEM_PROJECT"))
-        self.assertEqual(server.call("qmem_store", text="two", project_id="mine")["structuredContent"]["project_id"],
-                         "mine")
-        self.assertEqual(server.close(), 0)
-        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR="/home/u/claude-proj/")
-        s = server.call("qmem_store", text="three")["structuredContent"]
-        self.assertEqual((s["project_id"], s["project_from"]), ("claude-proj", "CLAUDE_PROJECT_DIR"))
-        self.assertEqual(server.close(), 0)
-        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR=None)
-        s = server.call("qmem_store", text="four")["structuredContent"]
-        self.assertEqual((s["project_id"], s["project_from"]), ("work", "the git root of %s" % self.workdir))
-        found = server.call("qmem_find", query="four")["structuredContent"]
-        self.assertEqual(found["project_id"], "work")
-        everywhere = server.call("qmem_find", query="three", project_id="*")["structuredContent"]
-        self.assertEqual((everywhere["project_id"], len(everywhere["results"])), (None, 1))
-        self.assertEqual(server.close(), 0)
-        self.assertEqual([p[3]["project_id"] for p in self.gw.posts()], ["from-env", "mine", "claude-proj", "work"])
-        os.rmdir(os.path.join(self.workdir, ".git"))
-        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR=None)
-        refused = server.call("qmem_store", text="five")
-        self.assertIs(refused["isError"], True)
-        self.assertIn("pass project_id", refused["structuredContent"]["note"])
-        missing = server.call("qmem_find", query="four")["structuredContent"]
-        self.assertEqual((missing["project_id"], missing["results"][0]["project_id"]), (None, "work"))
-        self.assertEqual(server.close(), 0)
-
-    def test_a_correction_of_a_memory_known_only_to_the_gateway_keeps_its_project_and_kind(self):
-        target = self.gw.add("Deploys use blue/green", kind="decision", project="infra")
-        server = self.server(CLAUDE_PROJECT_DIR="/home/u/webapp")
-        fixed = server.call("qmem_correct", id=target["id"], text="Deploys use canary releases")["structuredContent"]
-        self.assertEqual((fixed["status"], fixed["project_id"], fixed["kind"], fixed["project_from"]),
-                         ("stored", "infra", "decision", "the corrected memory"))
-        unknown = server.call("qmem_correct", id=UUIDS[9], text="whatever")
-        self.assertEqual((unknown["isError"], unknown["structuredContent"]["error"]), (True, "not_found"))
-        self.assertEqual(server.close(), 0)
-        other = self.gw.add("Staging runs on node-2", project="infra")
-        self.offline()
-        server = self.server(CLAUDE_PROJECT_DIR="/home/u/webapp")
-        refused = server.call("qmem_correct", id=other["id"], text="Staging runs on node-4")
-        self.assertIs(refused["isError"], True)
-        self.assertIn("say which project the correction belongs to", refused["structuredContent"]["note"])
-        queued = server.call("qmem_correct", id=other["id"], text="Staging runs on node-4", project_id="infra")
-        self.assertEqual(queued["structuredContent"]["status"], "queued")
-        self.assertEqual(server.close(), 0)
-        self.assertEqual([p[3]["project_id"] for p in self.gw.posts()], ["infra"])
-
-    def test_a_failing_gateway_is_tried_once_per_call(self):
-        self.gw.add("the gateway is busy today")
-        self.gw.script += [(503, {"detail": "busy"}, {"Retry-After": "0"})] * 2
-        server = self.server()
-        answer = server.call("qmem_search", query="busy", project_id="*")["structuredContent"]
-        self.assertEqual((answer["source"], answer["degraded"]), ("local_sqlite", True))
-        self.assertIn("HTTP 503", answer["reason"])
-        self.assertEqual(len(self.gw.posts("/v1/memories:search")), 1)  # the command line tries 3 times
-        self.assertEqual(server.call("qmem_search", query="busy", project_id="*")["structuredContent"]["source"],
-                         "local_sqlite")
-        self.assertEqual(server.call("qmem_search", query="busy", project_id="*")["structuredContent"]["source"],
-                         "gateway")
-        self.assertEqual(server.close(), 0)
-
-    def test_long_memories_are_cut_in_lists_and_whole_from_get(self):
-        text = "retention policy " + "words " * 2000
-        self.put_record(UUIDS[0], text)
-        self.offline()
-        server = self.server()
-        hit = server.call("qmem_find", query="retention policy", project_id="*")["structuredContent"]["results"][0]
-        self.assertEqual((len(hit["text"]), hit["text_cut"]), (qmem.RESULT_TEXT_CHARS + 1, True))
-        whole = server.call("qmem_get", id=UUIDS[0])["structuredContent"]["record"]
-        self.assertEqual(whole["text"], text)
-        self.assertNotIn("text_cut", whole)
-        self.assertEqual(server.close(), 0)
-
-    def test_a_filter_the_model_did_not_ask_for_says_how_to_widen_it(self):
-        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
-        server = self.server(QMEM_PROJECT="web")
-        empty = server.call("qmem_find", query="release train")["structuredContent"]
-        self.assertEqual(empty["status"], "empty")
-        self.assertIn('only project web (from QMEM_PROJECT) was searched: pass project_id "*"', empty["note"])
-        self.assertEqual(server.close(), 0)
-
-    def test_failed_duplicate_and_rejected_key_writes_are_honest(self):
-        server = self.server()
-        self.gw.duplicate_texts["same again"] = UUIDS[7]
-        dup = server.call("qmem_store", text="same again", project_id="infra")
-        self.assertEqual((dup["isError"], dup["structuredContent"]["status"], dup["structuredContent"]["id"]),
-                         (False, "duplicate", UUIDS[7]))
-        self.assertIn("qmem_correct", dup["structuredContent"]["note"])
-        self.gw.script.append((422, {"detail": "text too vague"}, None))
-        failed = server.call("qmem_store", text="vague", project_id="infra")
-        self.assertEqual((failed["isError"], failed["structuredContent"]["status"]), (True, "failed"))
-        self.assertIn("text too vague", failed["structuredContent"]["note"])
-        self.gw.key = "another-key"
-        rejected = server.call("qmem_store", text="kept for later", project_id="infra")
-        r = rejected["structuredContent"]
-        self.assertEqual((rejected["isError"], r["status"], r["error"]), (True, "queued", "auth"))
-        self.assertIn("do not store it again", r["note"])
-        self.assertIn("config apikey", r["note"])
-        self.assertEqual(server.close(), 0)
-        self.assertNotIn(API_KEY, b"".join(server.lines).decode("utf-8") + server.stderr())
-
-    def test_two_servers_share_one_outbox_and_each_write_is_delivered_once(self):
-        gateway_url = os.environ["QMEM_URL"]
-        self.offline()
-        servers = [self.server(), self.server()]
-        ids = []
-        for n in range(5):
-            for i, server in enumerate(servers):
-                ids.append(server.call("qmem_store", text="note %d from server %d" % (n, i),
-                                       project_id="infra")["structuredContent"]["id"])
-        self.assertEqual(len(set(ids)), 10)
-        for server in servers:
-            self.assertEqual(server.close(), 0)
-        os.environ["QMEM_URL"] = gateway_url
-        self.ok("breaker", "--reset")
-        servers = [self.server(), self.server()]
-        for server in servers:  # both deliver at once, racing for the same rows
-            server.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "qmem_meta"}})
-        for server in servers:
-            server.recv()
-            server.request("ping")
-            self.assertEqual(server.close(), 0)
-        self.ok("flush")
-        self.assertEqual(sorted(state for _, state in self.outbox_rows()), ["synced"] * 10)
-        self.assertEqual(len(self.gw.records), 10)
-
-    def test_a_config_change_reaches_a_running_server(self):
-        self.offline()
-        os.environ.pop("QMEM_URL")
-        config = os.path.join(self.home, "config.json")
-        with open(config, "w") as f:
-            json.dump({"url": "http://127.0.0.1:%d" % closed_port()}, f)
-        server = self.server(QMEM_CONFIG=config)
-        self.assertEqual(server.call("qmem_meta")["structuredContent"]["source"], "local_sqlite")
-        with open(config, "w") as f:
-            json.dump({"url": self.gw.url, "pad": "x"}, f)
-        self.assertEqual(server.call("qmem_meta")["structuredContent"]["source"], "gateway")
-        self.assertEqual(server.close(), 0)
-
-
-class McpReviewTests(McpTestCase):
-    """What a fresh-eyes review of `qmem.py mcp` found, each fixed."""
-
-    def test_project_names_are_checked_and_star_means_every_project_only_for_reads(self):
-        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
-        server = self.server(QMEM_PROJECT="*")
-        self.assertEqual(len(server.call("qmem_find", query="release train")["structuredContent"]["results"]), 1)
-        for project in ("*", "a\x1b[31mb", "\u200binfra", "p" * 101):
-            refused = server.call("qmem_store", text="x", project_id=project)
-            self.assertIs(refused["isError"], True, project)
-        self.assertIn('"*" (from argument) means every project', server.call(
-            "qmem_store", text="x", project_id="*")["structuredContent"]["note"])
-        self.assertIn("from QMEM_PROJECT", server.call("qmem_store", text="x")["structuredContent"]["note"])
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(self.gw.posts(), [])
-
-    def test_every_tool_takes_project_id_and_the_same_aliases(self):
-        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
-        self.offline()
-        server = self.server()
-        self.assertEqual(len(server.call("qmem_find", q="release", project="infra")["structuredContent"]["results"]),
-                         1)
-        self.assertEqual(server.call("qmem_get", id=UUIDS[0], project_id="infra")["structuredContent"]["project_id"],
-                         "infra")
-        meta = server.call("qmem_meta", project_id="infra")["structuredContent"]
-        self.assertEqual((meta["project_id"], meta["project_from"]), ("infra", "argument"))
-        both = server.call("qmem_find", q="release", query="train")
-        self.assertIs(both["isError"], True)
-        self.assertIn("got both query and q", both["structuredContent"]["note"])
-        self.assertEqual(server.call("qmem_find", query="release", limit="5.0", project_id="*")["isError"], False)
-        self.assertEqual(server.call("qmem_search", query="release", min_score="1e-1", project_id="*")["isError"],
-                         False)
-        self.assertEqual(server.close(), 0)
-
-    def test_a_client_name_that_is_not_text_does_not_break_writes(self):
-        server = self.server()
-        server.send(b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-11-25",'
-                    b'"clientInfo":{"name":"evil\\ud800\\u001b[31m-client"}}}\n')
-        self.assertEqual(server.recv()["id"], 1)
-        stored = server.call("qmem_store", text="a plain memory", project_id="infra")["structuredContent"]
-        self.assertEqual((stored["status"], stored["agent_id"]), ("stored", "evil[31m-client"))
-        self.assertEqual(server.close(), 0)
-
-    def test_a_line_with_a_byte_order_mark_is_answered(self):
-        server = self.server()
-        server.send(b'\xef\xbb\xbf{"jsonrpc":"2.0","id":7,"method":"ping"}\n')
-        self.assertEqual(server.recv(), {"jsonrpc": "2.0", "id": 7, "result": {}})
-        self.assertEqual(server.close(), 0)
-
-    def test_many_long_results_share_a_text_budget(self):
-        store = qmem.Store(self.db)
-        with store.transaction():
-            for n in range(50):
-                store.upsert(qmem.normalize_record(record(UUIDS[n], "budget item %d " % n + "word " * 400)),
-                             qmem.VIEW_FULL)
-        store.close()
-        server = self.server()
-        found = server.call("qmem_find", query="budget item", limit=50, project_id="*")["structuredContent"]
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(len(found["results"]), 50)
-        self.assertLessEqual(sum(len(r["text"]) for r in found["results"]), qmem.RESULTS_TEXT_BUDGET + 50)
-        self.assertTrue(all(r["text_cut"] for r in found["results"]))
-
-    def test_a_gateway_that_sends_too_much_or_not_memories_is_cut_down(self):
-        for n in range(20):
-            self.gw.add("flood %d" % n)
-        real = self.gw.app
-
-        def flood(method, target, headers, data):
-            status, body, extra = real(method, target, headers, data)
-            if target == "/v1/memories:search":
-                body = {"results": [dict(r) for r in self.gw.records.values()] + [{"text": "no id"}, 7]}
-            return status, body, extra
-        self.gw.app = flood
-        server = self.server()
-        found = server.call("qmem_search", query="flood", top_k=3, project_id="*")["structuredContent"]
-        self.assertEqual(len(found["results"]), 3)
-        self.assertEqual(server.close(), 0)
-
-    def test_no_automatic_flush_after_the_key_was_rejected(self):
-        self.gw.key = "another-key"
-        server = self.server()
-        first = server.call("qmem_store", text="kept until the key is fixed", project_id="infra")
-        self.assertEqual(first["structuredContent"]["status"], "queued")
-        server.request("ping")
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(len(self.gw.posts()), 1)  # the write itself; no flush behind it with the same key
-
-    def test_a_stalled_automatic_flush_delays_no_answer(self):
-        gateway_url = os.environ["QMEM_URL"]
-        self.offline()
-        self.ok("store", "waits for the gateway", "--project", "infra")
-        os.environ["QMEM_URL"] = gateway_url
-        self.ok("breaker", "--reset")
-        self.gw.script += [None, "silent"]  # the search is answered, the flush behind it is not
-        config = os.path.join(self.home, "tight.json")
-        with open(config, "w") as f:
-            json.dump({"connectTimeoutMs": 2000}, f)
-        server = self.server(QMEM_CONFIG=config)
-        self.assertEqual(server.call("qmem_search", query="x", project_id="*")["structuredContent"]["source"],
-                         "gateway")
-        with self.gw.arrived:  # the flush's POST has reached the silent gateway
-            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.posts()) >= 1, 10))
-        started = time.monotonic()
-        self.assertEqual(server.request("ping")["result"], {})
-        self.assertLess(time.monotonic() - started, 1.0)  # not the 2 s the flush waits
-        self.assertEqual(server.close(), 0)
-        self.ok("breaker", "--reset")  # the silent gateway opened it
-        self.assertEqual(self.ok_json("flush")["synced"], 1)
-
-    def test_a_correction_of_a_queued_memory_sends_both_once_the_gateway_is_there(self):
-        gateway_url = os.environ["QMEM_URL"]
-        self.offline()
-        server = self.server()
-        first = server.call("qmem_store", text="Staging runs Postgres 15", project_id="infra")["structuredContent"]
-        self.assertEqual(server.close(), 0)
-        os.environ["QMEM_URL"] = gateway_url
-        self.ok("breaker", "--reset")
-        server = self.server()
-        fixed = server.call("qmem_correct", id=first["id"], text="Staging runs Postgres 16")["structuredContent"]
-        self.assertEqual(server.close(), 0)
-        self.assertEqual((fixed["status"], fixed["project_id"]), ("stored", "infra"))
-        self.assertEqual([p[3]["text"] for p in self.gw.posts()], ["Staging runs Postgres 15",
-                                                                    "Staging runs Postgres 16"])
-        old_id = self.gw.posts()[1][3]["supersedes_id"]
-        self.assertEqual(self.gw.records[old_id]["superseded_by"], fixed["id"])
-
-    def test_a_write_is_claimed_by_its_writer_as_it_is_queued(self):
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        mine = qmem.Flusher(store, None)
-        local_id, _, token = qmem.enqueue_once(store, "store", {"text": "x", "kind": "fact", "project_id": "p"},
-                                               mine.claim_new)
-        self.assertEqual(qmem.Flusher(store, None).claim()[1], [])  # another flusher finds nothing to take
-        self.assertEqual([r[1] for r in mine._claimed(token)], [local_id])
-
-    def test_a_refused_write_cannot_be_corrected_it_was_never_stored(self):
-        self.gw.script.append((422, {"detail": "too vague"}, None))
-        server = self.server()
-        refused = server.call("qmem_store", text="vague", project_id="infra")["structuredContent"]
-        again = server.call("qmem_correct", id=refused["id"], text="precise")
-        self.assertEqual(server.close(), 0)
-        self.assertIs(again["isError"], True)
-        self.assertIn("never stored", again["structuredContent"]["note"])
-        self.assertIn("qmem_store", again["structuredContent"]["note"])
-        self.assertEqual(len(self.gw.posts()), 1)
-
-    def test_second_review_notes(self):
-        target = self.gw.add("Deploys use blue/green", kind="decision")
-        server = self.server()
-        private = server.call("qmem_store", text="my own note", project_id="infra", private=True)
-        self.assertIn("private, so searches show it only", private["structuredContent"]["note"])
-        past = server.call("qmem_store", text="x", project_id="infra", expires_at="2020-01-01")
-        self.assertIn("already past", past["structuredContent"]["note"])
-        self.gw.script.append((503, {"detail": "busy"}, {"Retry-After": "7200"}))
-        later = server.call("qmem_store", text="wait two hours", project_id="infra")["structuredContent"]
-        self.assertEqual(later["status"], "queued")
-        self.assertIn("the next attempt is after", later["note"])
-        self.assertIn("next_attempt_at", later)
-        self.assertEqual(server.close(), 0)
-        self.gw.key = "another-key"
-        server = self.server()
-        rejected = server.call("qmem_correct", id=target["id"], text="Deploys use canary")
-        self.assertEqual(rejected["structuredContent"]["error"], "auth")  # not "usage": the key is what to fix
-        self.assertEqual(server.close(), 0)
-        self.offline()
-        server = self.server()
-        guessed = server.call("qmem_correct", id=target["id"], text="Deploys use canary", project_id="infra")
-        self.assertIn("kind could not be looked up, so this one is a fact", guessed["structuredContent"]["note"])
-        self.assertEqual(server.close(), 0)
-        os.environ.pop("QMEM_URL")
-        server = self.server()
-        self.assertIn("no gateway is configured here", server.call(
-            "qmem_get", id=UUIDS[3])["structuredContent"]["note"])
-        self.assertEqual(server.close(), 0)
-
-    def test_a_broken_local_index_does_not_spoil_what_the_gateway_answered(self):
-        rec = self.gw.add("blue/green deploys on node-3")
-        os.makedirs(os.path.dirname(self.db))
-        with open(self.db, "wb") as f:
-            f.write(b"this is not a database" * 100)
-        server = self.server()
-        found = server.call("qmem_search", query="deploys", project_id="*")
-        got = server.call("qmem_get", id=rec["id"])
-        self.assertEqual(server.close(), 0)
-        self.assertEqual((found["isError"], found["structuredContent"]["source"]), (False, "gateway"))
-        self.assertTrue(found["structuredContent"]["warnings"])
-        self.assertEqual((got["isError"], got["structuredContent"]["record"]["text"]), (False, rec["text"]))
-
-    def test_notes_say_the_next_step_for_the_case_at_hand(self):
-        os.environ.pop("QMEM_URL")
-        server = self.server()
-        queued = server.call("qmem_store", text="no gateway yet", project_id="infra")["structuredContent"]
-        self.assertIn("once a gateway is configured (`qmem.py config url`)", queued["note"])
-        bad_date = server.call("qmem_store", text="x", project_id="infra", expires_at="tomorrow")
-        self.assertIn("expires_at \"tomorrow\" is not a date", bad_date["structuredContent"]["note"])
-        self.assertEqual(server.close(), 0)
-        config = os.path.join(self.home, "broken.json")
-        with open(config, "w") as f:
-            f.write("{broken")
-        server = self.server(QMEM_CONFIG=config)
-        self.assertIn("Next: fix the file it names or move it aside", server.call(
-            "qmem_find", query="x")["structuredContent"]["note"])
-        self.assertEqual(server.close(), 0)
-
-
-class SoakTests(McpTestCase):
-    """Part 10: several agents on one machine. Three `qmem.py mcp` servers, CLI writers
-    and flushes share one database, outbox and breaker, against a gateway that fails on
-    a fixed schedule (resets, cut bodies, replies lost after storing, 503s, stalls,
-    slow answers), with a server and a flush SIGKILLed mid-call. Every write its
-    writer was told is stored or queued reaches the gateway exactly once."""
-
-    SEED = 20261202
-    FAULTS = ["close", "cut_real", "drop_after_store", "silent", "slow",
-              (503, {"detail": "busy"}, {"Retry-After": "0"})]
-
-    def setUp(self):
-        super().setUp()
-        config = os.path.join(self.home, ".config", "pi-qmem", "config.json")
-        os.makedirs(os.path.dirname(config))
-        with open(config, "w") as f:
-            json.dump({"connectTimeoutMs": 300, "timeoutMs": 500, "breakerBaseMs": 20,
-                       "breakerMaxMs": 50, "breakerTripAfter": 2}, f)
-        os.chmod(config, 0o600)
-        gw = self.gw
-        real_app = gw.app
-
-        def app(*request):  # one request at a time, as a real store would serialise them
-            with gw.lock:
-                return real_app(*request)
-        gw.app = app
-        self.told, self.untold, self.outputs, self.errors = [], [], [], []
-
-    def schedule(self, n):
-        import random
-        rng = random.Random(self.SEED)
-        slow = lambda: time.sleep(0.2)  # noqa: E731
-        faults = [slow if a == "slow" else a for a in self.FAULTS]
-        return [rng.choice(faults) if rng.random() < 0.4 else None for _ in range(n)]
-
-    def cli(self, *argv):
-        proc = subprocess.run([sys.executable, QMEM] + list(argv), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, universal_newlines=True,
-                              env=dict(os.environ), timeout=60)
-        self.outputs.append(proc.stdout + proc.stderr)
-        return proc
-
-    def cli_writer(self, name, count, queue_only=False):
-        for n in range(count):
-            text = "soak %s %d" % (name, n)
-            extra = ("--queue-only",) if n % 2 or queue_only else ()
-            proc = self.cli("store", text, "--project", "soak", "--json", *extra)
-            (self.told if proc.returncode == 0 else self.untold).append(text)
-
-    def cron(self):
-        for _ in range(4):
-            self.cli("flush")
-            self.cli("search", "soak")  # an online read: its automatic flush delivers too
-
-    def agent(self, server, name, count):
-        for n in range(count):
-            text = "soak %s %d" % (name, n)
-            result = server.call("qmem_store", text=text, project_id="soak", kind="fact")
-            status = result["structuredContent"]["status"]
-            (self.told if status in ("stored", "queued") else self.untold).append(text)
-            if n % 3 == 2:
-                server.call("qmem_find", query="soak %s" % name, project_id="soak")
-
-    def in_threads(self, *jobs):
-        import threading
-
-        def guarded(job):
-            try:
-                job()
-            except BaseException as e:  # an assertion in a thread: reported by the test
-                self.errors.append("%s: %s" % (type(e).__name__, e))
-        threads = [threading.Thread(target=guarded, args=(job,)) for job in jobs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-
-    def wait_for_request(self, before):
-        with self.gw.arrived:
-            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.requests) > before, 20))
-
-    def test_agents_writers_and_flushes_on_one_database_deliver_each_write_once(self):
-        import signal
-        servers = [self.server() for _ in range(3)]
-        for s in servers:
-            s.initialize()
-        self.gw.script = self.schedule(90)
-        # Everyone at once, through the faults.
-        agents = [lambda s=s, i=i: self.agent(s, "agent%d" % i, 8) for i, s in enumerate(servers)]
-        self.in_threads(lambda: self.cli_writer("cli", 8), self.cron, *agents)
-        self.assertEqual(self.errors, [])
-        # A server killed mid-call: its write was queued before any network.
-        self.ok("breaker", "--reset")  # so that the call goes out, and is cut there
-        self.gw.script = ["silent"]
-        before = len(self.gw.requests)
-        servers[0].send({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
-            "name": "qmem_store", "arguments": {"text": "soak killed", "project_id": "soak"}}})
-        self.wait_for_request(before)
-        servers[0].proc.send_signal(signal.SIGKILL)
-        servers[0].proc.wait()  # as its client does
-        self.untold.append("soak killed")
-        # A flush killed mid-request, holding its claims (and the probe, if it was one).
-        self.cli_writer("queued", 2)
-        self.ok("breaker", "--reset")
-        self.gw.script = ["silent"]
-        before = len(self.gw.requests)
-        flush = subprocess.Popen([sys.executable, QMEM, "flush"], env=dict(os.environ),
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.addCleanup(flush.wait)
-        self.wait_for_request(before)
-        flush.kill()
-        flush.wait()
-        self.gw.script = []
-        # The healthy gateway. Each survivor's call delivers ready writes in the background
-        # (its second connection), while other processes come and go.
-        self.cli("flush")
-        for n, s in enumerate(servers[1:]):
-            self.cli_writer("ready%d" % n, 1, queue_only=True)
-            self.agent(s, "late%d" % n, 1)
-            self.wait_until_delivered()
-        self.cli_writer("passing", 1)
-        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under live servers")
-        for n, s in enumerate(servers[1:]):
-            self.agent(s, "last%d" % n, 1)
-        servers[1].proc.kill()  # told "stored" or "queued": on disk without a clean close
-        servers[1].proc.wait()
-        self.outputs.append(servers[2].stderr())
-        self.assertEqual(servers[2].close(), 0)
-        self.wait_until_delivered(flush=True)
-        self.assertEqual(self.errors, [])
-        self.assert_exactly_once()
-
-    def wait_until_delivered(self, flush=False):
-        """Until nothing waits in the outbox (a flush each round when asked), or 15 s."""
-        give_up = time.monotonic() + 15
-        while time.monotonic() < give_up:
-            if flush:
-                self.cli("flush")
-            conn = sqlite3.connect(self.db)
-            try:
-                waiting = conn.execute("SELECT count(*) FROM outbox "
-                                       "WHERE state IN ('pending', 'sending')").fetchone()[0]
-            finally:
-                conn.close()
-            if not waiting:
-                return
-            time.sleep(0.05)  # the breaker's open time (at most breakerMaxMs) runs out
-
-    def assert_exactly_once(self):
-        import collections
-        stored = collections.Counter(r["text"] for r in self.gw.records.values())
-        self.assertGreaterEqual(len(self.told), 20)
-        self.assertEqual([t for t in self.told if stored[t] != 1], [], "told: not exactly once")
-        self.assertEqual([t for t in self.untold if stored[t] > 1], [], "untold: delivered twice")
-        self.assertEqual(set(stored) - set(self.told) - set(self.untold), set())
-        conn = sqlite3.connect(self.db)
-        self.addCleanup(conn.close)
-        self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
-        left = conn.execute("SELECT state, count(*) FROM outbox WHERE state != 'synced' "
-                            "GROUP BY state").fetchall()
-        self.assertEqual(left, [])
-        for text in self.outputs:
-            for bad in ("Traceback", "database is locked", "internal", "malformed", "disk I/O"):
-                self.assertNotIn(bad, text)
+# === Operations ==============================================================
 
 
 class LauncherTests(QmemTestCase):
@@ -5611,7 +4080,2094 @@ class LauncherTests(QmemTestCase):
         self.assertEqual(doc["launcher"], os.path.join(self.home, ".local", "bin", "qmem"))
 
 
-class CompatibilityTests(unittest.TestCase):
+class OperationsTests(GatewayTestCase):
+    """The operations themselves, without argparse: what the MCP server will call."""
+
+    def ops(self):
+        ops = qmem.Operations(qmem.load_config())
+        self.addCleanup(ops.close)
+        return ops
+
+    def test_a_write_then_find_get_and_queue_return_documents(self):
+        ops = self.ops()
+        doc = ops.store_memory("  Il nodo 7 ospita Redis  ", "infra", kind="decision",
+                               queue_only=True)
+        self.assertEqual((doc["state"], doc["queued"], doc["source"]), ("pending", True, "outbox"))
+        found = ops.find("redis")
+        self.assertEqual([r["id"] for r in found["results"]], [doc["local_id"]])
+        self.assertEqual(found["results"][0]["text"], "Il nodo 7 ospita Redis")
+        self.assertEqual(ops.get(doc["local_id"])["source"], "outbox")
+        self.assertEqual(ops.queue()["counts"]["pending"], 1)
+        flushed = ops.flush()
+        self.assertEqual((flushed["synced"], flushed["pending"]), (1, 0))
+        gid = ops.queue()["items"][0]["gateway_id"]
+        self.assertEqual(ops.get(gid)["record"]["kind"], "decision")
+
+    def test_arguments_are_checked_as_agents_send_them(self):
+        ops = self.ops()
+        self.assertEqual(len(ops.find("x", limit="5")["results"]), 0)
+        for call in (lambda: ops.find("  "), lambda: ops.find("x", limit="lots"),
+                     lambda: ops.search("x", top_k=0), lambda: ops.search("x", min_score=2),
+                     lambda: ops.store_memory("x", "p", kind="rumour"),
+                     lambda: ops.store_memory("x", " ")):
+            with self.assertRaises(qmem.UsageError):
+                call()
+        self.assertFalse(os.path.exists(self.db))
+
+    def test_a_huge_limit_is_a_usage_error(self):
+        err = self.expect_fail(2, "find", "deploy", "--limit", "9223372036854775808")
+        self.assertIn("--limit must be between 1 and", err)
+        self.expect_fail(2, "search", "deploy", "--top-k", "9223372036854775808")
+
+    def test_the_automatic_flush_is_part_of_an_online_document(self):
+        ops = self.ops()
+        ops.store_memory("prima", "p", queue_only=True)
+        doc = ops.meta()
+        self.assertEqual(doc["auto_flush"],
+                         {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0,
+                                             "error": None})
+        self.assertIsNone(ops.meta()["auto_flush"])
+
+    def test_queue_only_and_automatic_flush_after_an_online_command(self):
+        self.ok("store", "prima", "--project", "p", "--queue-only")
+        self.ok("store", "seconda", "--project", "p", "--queue-only")
+        self.assertEqual(self.gw.posts(), [])
+        code, out, err = self.run_cli("search", "qualcosa")
+        self.assertEqual(code, 0)
+        self.assertIn("delivered 2 writes queued here (0 duplicates, 0 failed; 0 still queued)",
+                      out)
+        self.assertEqual(sorted(r["text"] for r in self.gw.records.values()), ["prima", "seconda"])
+        self.ok("store", "terza", "--project", "p", "--queue-only")
+        self.assertEqual(self.ok_json("search", "qualcosa")["auto_flush"],
+                         {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0,
+                          "error": None})
+        self.assertIsNone(self.ok_json("search", "qualcosa")["auto_flush"])  # nothing was queued
+
+    def test_operations_print_nothing(self):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            ops = self.ops()
+            ops.store_memory("silenzio", "p")
+            ops.search("silenzio")
+            ops.status()
+            ops.breaker()
+            ops.config_show()
+        self.assertEqual((out.getvalue(), err.getvalue()), ("", ""))
+
+
+class OperationsReadTests(GatewayTestCase):
+    """search, get and meta: the gateway's answer, or the local index's with a label that
+    says why."""
+
+    def test_search_shows_scores_and_merges_hits_as_partial_views(self):
+        rec = self.gw.add("Il deploy usa blue/green sul nodo 3")
+        out = self.ok("search", "deploy")
+        self.assertIn("0.71 strong", out)
+        self.assertIn("0.60 strong", out)
+        self.assertIn(rec["id"], out)
+        self.assertEqual(self.find_ids("deploy"), [rec["id"]])
+        self.assertEqual(self.local_record(rec["id"])["view"], qmem.VIEW_HIT)
+        doc = self.ok_json("search", "deploy", "--project", "infra", "--top-k", "3",
+                           "--min-score", "0.5")
+        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]),
+                         ("gateway", False, False))
+        body = self.gw.requests[-1][3]
+        # 2 * 3 + 8: private hits are left out here, so the gateway is asked for more (part 11)
+        self.assertEqual((body["project_id"], body["top_k"], body["min_score"]), ("infra", 14, 0.5))
+        self.assertEqual(len(doc["results"]), 1)
+
+    def test_private_records_stay_out_of_search_unless_asked_and_are_marked(self):
+        """Part 11: with the gateway up, search and qmem_search returned private records,
+        unmarked."""
+        public = self.gw.add("la chiave del deploy pubblica")
+        secret = self.gw.add("la chiave del deploy privata", private=True)
+        self.assertEqual([r["id"] for r in self.ok_json("search", "deploy")["results"]],
+                         [public["id"]])
+        both = self.ok_json("search", "deploy", "--private")["results"]
+        self.assertEqual({r["id"] for r in both}, {public["id"], secret["id"]})
+        self.assertIn("[private]", [l for l in self.ok("search", "deploy", "--private").splitlines()
+                                    if secret["id"] in l][0])
+        server = qmem.McpServer(qmem.load_config)
+        self.addCleanup(server.close)
+        for private, expected in ((False, [public["id"]]), (True, [public["id"], secret["id"]])):
+            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {
+                "name": "qmem_search",
+                "arguments": {"query": "deploy", "project_id": "*", "private": private}}})
+            results = reply["result"]["structuredContent"]["results"]
+            self.assertEqual(sorted(r["id"] for r in results), sorted(expected))
+            self.assertEqual([r["private"] for r in results if r["id"] == secret["id"]],
+                             [True] if private else [])
+
+    def test_search_falls_back_with_a_label_and_require_remote_exits_3(self):
+        rec = self.gw.add("circuit breaker half-open probe")
+        self.ok("search", "breaker")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        out = self.ok("search", "circuit breaker")
+        self.assertIn("fallback: local_sqlite — gateway unreachable (could not connect: ", out)
+        self.assertIn("); breaker open, retry in", out)
+        self.assertIn("lexical match, not semantic", out)
+        self.assertIn(rec["id"], out)
+        self.assertNotIn("0.71", out)
+        doc = self.ok_json("search", "circuit breaker")
+        self.assertEqual((doc["source"], doc["degraded"], doc["breaker_open"]),
+                         ("local_sqlite", True, True))
+        self.assertIn("breaker open", doc["reason"])
+        self.assertEqual(doc["results"][0]["id"], rec["id"])
+        self.assertNotIn("score", doc["results"][0])
+        err = self.expect_fail(3, "search", "circuit breaker", "--require-remote")
+        self.assertIn("--require-remote", err)
+
+    def test_fallback_reason_says_failing_or_unreachable_in_one_flat_line(self):
+        self.gw.add("circuit breaker half-open")
+        self.ok("search", "circuit")
+        self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
+        ops = self.ops_with_quiet_retries()
+        reasons = [ops.search("circuit")["reason"] for _ in range(3)]
+        self.assertEqual(reasons[0], "gateway failing (HTTP 503)")
+        self.assertEqual(reasons[1], "gateway failing (HTTP 503, 2 in a row)")
+        self.assertRegex(reasons[2], r"^gateway failing \(HTTP 503, 3 in a row\); "
+                                     r"breaker open, retry in \d+ s$")
+        refused = ops.search("circuit")  # fails fast now, and says why it is open
+        self.assertRegex(refused["reason"],
+                         r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in")
+        self.assertEqual(len(self.gw.requests), 1 + 3)
+        out = self.ok("search", "circuit")
+        self.assertRegex(out.splitlines()[0],
+                         r"^fallback: local_sqlite — gateway failing \(HTTP 503, 3 in a row\); "
+                         r"breaker open, retry in \d+ s — lexical match, not semantic "
+                         r"· 1 result")
+        self.assertNotIn("unreachable", out)
+        self.assertEqual(out.count("("), 1)
+        self.ok("breaker", "--reset")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        first = self.ok("search", "circuit").splitlines()[0]
+        self.assertRegex(first, r"^fallback: local_sqlite — gateway unreachable "
+                                r"\(could not connect: [^()]+\); "
+                                r"breaker open, retry in \d+ s — lexical match")
+
+    def test_a_retry_after_is_in_the_fallback_label(self):
+        self.gw.script = [(503, {"detail": "busy"}, {"Retry-After": "3600"})]
+        self.assertIn("the gateway asked to wait 60 min", self.ok("search", "x"))
+
+    def test_no_fallback_when_disabled_or_on_401(self):
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        err = self.expect_fail(1, "search", "x")
+        self.assertIn("API key rejected", err)
+        os.environ["QMEM_API_KEY"] = API_KEY
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"localFallback": False}, f)
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.expect_fail(1, "search", "x")
+
+    def test_the_same_payloads_from_the_gateway_are_survived(self):
+        bad = dict(record(UUIDS[2], "dal gateway \ud83d"), created_at="0001-01-01T00:00:00+01:00")
+        self.gw.script = [(200, {"results": [dict(bad, score=1e400)]})]
+        code, out, err = self.run_cli("search", "gateway", "--json")
+        self.assertNotRegex(out, "[\ud800-\udfff]")  # a real stdout could not write it
+        doc = json.loads(out)
+        self.assertNotIn("score", doc["results"][0])
+        self.assertEqual(doc["results"][0]["text"], "dal gateway \ufffd")
+        self.assertIn("dal gateway", self.ok("find", "gateway"))
+        self.gw.script = [(200, {"items": [bad], "next_cursor": None})]
+        self.assertEqual(self.ok_json("pull")["pages"], 1)
+        self.gw.script = [(200, {"scopes": ["not", "a", "dict"], "projects": {"p": "many"}})]
+        self.ok("meta")
+
+    def test_get_refreshes_the_local_copy_and_404_is_clear(self):
+        rec = self.gw.add("Le città del nord usano il nodo 7", project="geo")
+        doc = self.ok_json("get", rec["id"])
+        self.assertEqual((doc["source"], doc["record"]["text"]), ("gateway", rec["text"]))
+        self.assertEqual(self.local_record(rec["id"])["view"], qmem.VIEW_FULL)
+        self.assertIn("no such memory", self.expect_fail(1, "get", "does-not-exist"))
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        out = self.ok("get", rec["id"])
+        self.assertIn("fallback: local_sqlite", out)
+        self.assertIn(rec["text"], out)
+        self.assertIn("not in the local index", self.expect_fail(1, "get", "unknown-id"))
+
+    def test_ids_the_user_was_shown_keep_working(self):
+        self.gw.duplicate_texts["doppio"] = UUIDS[7]
+        self.assertEqual(self.ok_json("store", "doppio", "--project", "p")["id"], UUIDS[7])
+        local = self.ok_json("store", "nuovo", "--project", "p", "--queue-only")["local_id"]
+        self.ok("flush")
+        self.assertEqual(self.ok_json("get", local)["record"]["text"], "nuovo")
+
+    def test_meta_from_the_gateway_or_the_local_index(self):
+        self.gw.add("one", kind="fact")
+        self.gw.add("two", kind="decision")
+        doc = self.ok_json("meta")
+        self.assertEqual((doc["source"], doc["scopes"]["project"]["fact"]), ("gateway", 1))
+        self.ok("search", "one two")
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        doc = self.ok_json("meta")
+        self.assertEqual((doc["source"], doc["degraded"]), ("local_sqlite", True))
+        self.assertEqual(doc["scopes"]["project"], {"decision": 1, "fact": 1})
+        self.assertIn("fallback: local_sqlite", self.ok("meta"))
+
+    def test_the_gateways_meta_cannot_set_the_documents_own_keys(self):
+        self.gw.script = [(200, {"scopes": {}, "exit_code": 3, "error": {"message": "boom"}})]
+        doc = self.ok_json("meta")
+        self.assertNotIn("exit_code", doc)
+        self.assertNotIn("error", doc)
+
+
+class OperationsWriteTests(GatewayTestCase):
+    """store and correct: what a write is checked for before anything is queued, and where
+    the user's words go when it cannot be queued."""
+
+    def hold_the_database(self):
+        """A second real process holding the write lock until we let it go."""
+        qmem.Store(self.db).close()
+        holder = subprocess.Popen([sys.executable, "-c", (
+            "import sqlite3, sys\n"
+            "c = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "c.execute('BEGIN IMMEDIATE')\n"
+            "print('held', flush=True)\n"
+            "sys.stdin.read()\n"), self.db], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.assertEqual(holder.stdout.readline().strip(), b"held")
+
+        def release():
+            holder.stdin.close()
+            holder.wait(30)
+            holder.stdout.close()
+        return release
+
+    def full_database(self, real_init=qmem.Store.__init__):
+        """Stores whose file may not grow: SQLite answers SQLITE_FULL like a full disk."""
+        def init(store, *args, **kw):
+            real_init(store, *args, **kw)
+            pages = store.conn.execute("PRAGMA page_count").fetchone()[0]
+            store.conn.execute("PRAGMA max_page_count=%d" % pages)
+        return mock.patch.object(qmem.Store, "__init__", init)
+
+    def test_store_online_adopts_the_gateway_id(self):
+        doc = self.ok_json("store", "Il nodo 3 ospita il deploy", "--project", "infra", "--kind",
+                           "decision",
+                           "--scope", "project", "--expires", "2099-01-01")
+        self.assertEqual((doc["source"], doc["state"], doc["degraded"]),
+                         ("gateway", "synced", False))
+        self.assertIn(doc["id"], self.gw.records)
+        sent = self.gw.posts()[0]
+        self.assertEqual(sent[2]["idempotency-key"], doc["local_id"])
+        self.assertEqual(sent[3]["kind"], "decision")
+        self.assertEqual(sent[3]["expires_at"], "2099-01-01T00:00:00.000Z")
+        self.assertIn("(", sent[3]["source"])  # this machine: "host (OS)"
+        found = self.ok_json("find", "nodo")["results"]
+        self.assertEqual([(r["id"], r["pending"]) for r in found], [(doc["id"], False)])
+        out = self.ok("store", "altro", "--project", "p")
+        self.assertRegex(out, r"^stored as [0-9a-f-]{36} in the shared memory")
+        self.assertNotIn("queued", out)
+
+    def test_bad_input_is_refused_and_nothing_is_queued(self):
+        for argv in (("store", "", "--project", "p"), ("store", "x"),
+                     ("store", "x", "--project", " "),
+                     ("store", "x", "--project", "p", "--kind", "rumour"),
+                     ("store", "x", "--project", "p", "--expires", "next week"),
+                     ("store", "x", "--project", "p", "--expires", "2001-01-01"),
+                     ("store", "x" * 40000, "--project", "p"),
+                     ("store", "x", "--project", "p", "--text-file", "/no/such/file"),
+                     ("store", "x", "--project", "p", "--reason", "no target"),
+                     ("correct", "unknown-id", "x")):
+            self.expect_fail(2, *argv)
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.gw.posts(), [])
+
+    def test_every_field_of_a_write_is_bounded(self):
+        """Part 11: scope, agent, source and reason of 10 MiB each were queued."""
+        huge = "x" * (qmem.MAX_FIELD + 1)
+        for argv in (("--scope", huge), ("--agent", huge), ("--source", huge),
+                     ("--project", "p" * 101), ("--supersedes", UUIDS[0], "--reason", huge)):
+            err = self.expect_fail(2, "store", "testo", "--project", "p", *argv)
+            self.assertIn("it may have at most", err)
+        self.assertIn("holds a control character",
+                      self.expect_fail(2, "store", "t", "--project", "a\x1b[2Jb"))
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.gw.posts(), [])
+        with mock.patch.object(qmem, "machine_identity", return_value="h" * 1000):
+            doc = self.ok_json("store", "testo", "--project", "p", "--queue-only")
+        self.assertEqual(len(doc["provenance"]), qmem.MAX_FIELD)  # a default is cut, not refused
+
+    def test_ids_are_checked_when_written(self):
+        self.assertIn("--supersedes abc is not a memory id",
+                      self.expect_fail(2, "store", "x", "--project", "p", "--supersedes", "abc",
+                                       "--queue-only"))
+        self.assertIn("correct notauuid is not a memory id",
+                      self.expect_fail(2, "correct", "notauuid", "x", "--project", "p",
+                                       "--queue-only"))
+        self.assertEqual(self.ok_json("queue")["items"], [])
+
+    def test_a_credential_is_refused_kept_aside_and_stored_only_when_a_person_asks(self):
+        """Part 11: a store whose text held a private key, a cloud key or password=... was
+        shared with the whole team as it was."""
+        cases = (("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXk=\n", "a private key block"),
+                 ("usa la chiave AKIAIOSFODNN7EXAMPLE per S3", "an AWS access key id"),
+                 ("token ghp_" + "a1B2" * 9 + " del bot", "a GitHub token"),
+                 ("il db: DB_PASSWORD=s3cr3t-pass", "a password, secret or token assignment"),
+                 ("jwt eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0In0.c2lnbmF0dXJl", "a JSON Web Token"),
+                 ("db postgres://app:Sup3rS3cret!@10.0.0.5/app", "a password in a URL"),
+                 ("Authorization: Bearer abcdef0123456789abcdef", "a bearer or basic credential"),
+                 ('password: "correct horse battery"', "a password, secret or token assignment"))
+        for text, what in cases:
+            err = self.expect_fail(1, "store", text, "--project", "p")
+            self.assertIn("not stored: the text holds %s (at character" % what, err)
+            saved = re.search(r"your text is saved in (\S+):", err).group(1)
+            self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
+        self.assertEqual((self.ok_json("queue")["items"], self.gw.posts()), ([], []))
+        for innocent in ("commit 3f2a9c1e8b7d6f5a4e3d2c1b0a9f8e7d6c5b4a3f", "id " + UUIDS[3],
+                         "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+                         "tokenizer=unicode61, the password is read from $DB_PASSWORD",
+                         "password=<la tua password>", "token=${GITHUB_TOKEN}",
+                         "key_id 0xDEADBEEF", "Password: required; min length 12",
+                         "Token: refresh every 15 minutes", "token = jwt.encode(payload, key)",
+                         "password=os.environ['PW']", "pwd: /home/user/project",
+                         "token bucket of 100",
+                         "Bearer tokens expire", "https://example.com/a@b"):
+            self.ok("store", innocent, "--project", "p")
+        err = self.expect_fail(1, "store", "ok", "--project", "p", "--supersedes", UUIDS[0],
+                               "--reason", "era trapelato password=hunter22")
+        self.assertIn("not stored: the reason holds a password", err)
+        doc = self.ok_json("store", "password=hunter22 per il test", "--project", "p",
+                           "--allow-secret")
+        self.assertEqual(self.gw.posts()[-1][3]["text"], "password=hunter22 per il test")
+        self.assertEqual(self.local_record(doc["id"])["text"], "password=[masked] per il test")
+
+    def test_offline_queue_off_fails_and_leaves_nothing(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"offlineQueue": False}, f)
+        self.offline()
+        self.assertIn("nothing kept",
+                      self.expect_fail(1, "store", "non resta nulla", "--project", "p"))
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.find_ids("resta"), [])
+
+    def test_no_gateway_is_exit_2_with_the_offline_queue_off_too(self):
+        os.environ.pop("QMEM_URL")
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        self.assertIn("not stored (offlineQueue is off",
+                      self.expect_fail(2, "store", "x", "--project", "p"))
+
+    def test_401_is_an_error_and_the_write_stays_queued_and_says_so(self):
+        os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
+        code, out, err = self.run_cli("store", "chiave", "--project", "p")
+        self.assertEqual(code, 1)
+        self.assertIn("API key rejected", err)
+        self.assertTrue(out.startswith("not shared yet: queued on this machine"), out)
+        self.assertIn("config apikey", out)
+        code, out, err = self.run_cli("store", "chiave due", "--project", "p", "--json")
+        doc = json.loads(out)
+        self.assertEqual((code, doc["exit_code"], doc["error"]["kind"], doc["state"],
+                          doc["queued"]), (1, 1, "auth", "pending", True))
+        self.assertEqual([r["state"] for r in self.outbox().values()], ["pending", "pending"])
+        os.environ["QMEM_API_KEY"] = API_KEY
+        self.assertEqual(self.ok_json("flush")["synced"], 2)
+
+    def test_an_interrupted_store_says_it_is_queued_and_its_row_can_be_dropped(self):
+        with mock.patch.object(qmem.Gateway, "call", side_effect=KeyboardInterrupt):
+            code, out, err = self.run_cli("store", "interrotto", "--project", "p")
+        self.assertEqual(code, 130)
+        self.assertIn("the write is queued here as", err)
+        items = self.ok_json("queue")["items"]
+        self.assertEqual(items[0]["state"], "pending")  # given back, not left 'sending'
+        self.ok("queue", "--drop", items[0]["local_id"], "--yes", "--force")
+
+    def test_correct_marks_the_old_record_superseded_at_once(self):
+        old = self.gw.add("Il deploy usa il nodo 3")
+        self.ok("search", "deploy")
+        self.offline()
+        out = self.ok("correct", old["id"], "Il deploy usa il nodo 4", "--reason", "migrato")
+        self.assertIn("queued", out)
+        self.assertNotIn(old["id"], self.find_ids("deploy"))
+        self.assertIn(old["id"], self.find_ids("deploy", "--include-superseded"))
+        self.ok("breaker", "--reset")
+        self.go_online()
+        self.ok("flush")
+        new_id = self.outbox()[list(self.outbox())[0]]["gateway_id"]
+        self.assertEqual(self.gw.records[new_id]["supersedes_id"], old["id"])
+        self.assertEqual(self.gw.records[new_id]["supersede_reason"], "migrato")
+        self.assertEqual(self.gw.records[new_id]["project_id"], "infra")  # inherited
+        self.assertEqual(self.local_record(old["id"])["superseded_by"], new_id)
+
+    def test_a_busy_database_keeps_the_users_words_in_a_file_it_names(self):
+        release = self.hold_the_database()
+        try:
+            with mock.patch.object(qmem, "BUSY_TIMEOUT_S", 0.2):
+                code, out, err = self.run_cli("store", "parole da non perdere", "--project",
+                                              "demo", "--queue-only")
+        finally:
+            release()
+        self.assertEqual(code, 1)
+        self.assertIn("local database busy: %s is held by another process for more than 0.2 s"
+                      % self.db, err)
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        with open(saved, encoding="utf-8") as f:
+            self.assertEqual(f.read(), "parole da non perdere\n")
+        self.assertEqual(os.stat(saved).st_mode & 0o777, 0o600)
+        self.assertIn("qmem.py store --text-file %s --project demo" % saved, err)
+        # at once, nothing lost
+        self.ok("store", "--text-file", saved, "--project", "demo", "--queue-only")
+        self.assertEqual([r["text"] for r in self.ok_json("queue")["items"]],
+                         ["parole da non perdere"])
+
+    def test_a_percent_sign_in_a_field_of_a_write_kept_aside(self):
+        """Part 11: --project team-100%done while the database was busy: internal error,
+        and the message never said where the text was saved."""
+        self.no_gateway()
+        release = self.hold_the_database()
+        try:
+            with mock.patch.object(qmem, "BUSY_TIMEOUT_S", 0.2):
+                code, out, err = self.run_cli("store", "sconto del 50%", "--project",
+                                              "team-100%done")
+        finally:
+            release()
+        self.assertEqual(code, 1)
+        self.assertNotIn("internal error", err)
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        self.assertIn("qmem.py store --text-file %s --project team-100%%done" % saved, err)
+
+    def test_a_full_disk_at_commit_loses_nothing(self):
+        self.ok("store", "prima", "--project", "demo", "--queue-only")
+        with self.full_database():
+            code, out, err = self.run_cli("store", "x" * 20000, "--project", "demo",
+                                          "--queue-only", "--json")
+        self.assertEqual(code, 1)
+        self.assertIn("local database full", err)
+        self.assertEqual(json.loads(out)["error"]["kind"], "store_full")
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        with open(saved, encoding="utf-8") as f:
+            self.assertEqual(f.read().strip(), "x" * 20000)
+        self.assertEqual([r["text"] for r in self.ok_json("queue")["items"]], ["prima"])  # intact
+        with self.full_database(), mock.patch.object(qmem, "atomic_write",
+                                                     side_effect=OSError(28, "No space")):
+            code, out, err = self.run_cli("store", "ultima riga\n" + "y" * 20000, "--project",
+                                          "demo", "--queue-only")
+        self.assertEqual(code, 1)
+        self.assertIn("no file could hold your text either", err)
+        self.assertIn("--- your text, not saved anywhere else ---\nultima riga\n%s\n--- end ---"
+                      % ("y" * 20000), err)
+
+    def test_correct_keeps_the_words_when_the_database_is_not_ours(self):
+        other = os.path.join(self.home, "other.db")
+        conn = sqlite3.connect(other)
+        conn.execute("CREATE TABLE t(x)")
+        conn.commit()
+        conn.close()
+        err = self.expect_fail(1, "--db", other, "correct", UUIDS[0], "parole corrette",
+                               "--project", "p")
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        with open(saved, encoding="utf-8") as f:
+            self.assertEqual(f.read(), "parole corrette\n")
+        self.assertIn("--supersedes %s" % UUIDS[0], err)
+
+
+class OperationsQueueTests(GatewayTestCase):
+    """queue: what waits here, and dropping a write."""
+
+    def test_queue_lists_state_attempts_age_and_text(self):
+        self.offline()
+        self.ok("store", "una cosa da ricordare", "--project", "p")
+        out = self.ok("queue")
+        self.assertIn("outbox: pending 1", out)
+        self.assertIn("una cosa da ricordare", out)
+        doc = self.ok_json("queue", "--state", "synced")
+        self.assertEqual((doc["items"], doc["counts"]["pending"]), ([], 1))
+
+    def test_queue_drop_discards_failed_rows_and_refuses_waiting_ones(self):
+        failed = self.refused_store("da buttare")
+        self.ok("store", "in attesa", "--project", "p", "--queue-only")
+        waiting = [i for i, r in self.outbox().items() if r["state"] == "pending"][0]
+        err = self.expect_fail(2, "queue", "--drop", failed)  # no terminal here: it must not guess
+        self.assertIn("--yes", err)
+        self.assertIn("--force", self.expect_fail(2, "queue", "--drop", waiting, "--yes"))
+        self.assertIn("no write nope", self.expect_fail(2, "queue", "--drop", "nope", "--yes"))
+        self.assertEqual(len(self.outbox()), 2)  # nothing dropped by a refused request
+        doc = self.ok_json("queue", "--drop", failed, "--yes")
+        self.assertEqual([d["local_id"] for d in doc["dropped"]], [failed])
+        self.assertEqual((doc["counts"]["failed"], doc["counts"]["pending"]), (0, 1))
+        self.assertEqual(self.find_ids("buttare"), [])
+        self.assertIn("dropped " + waiting, self.ok("queue", "--drop", waiting, "--yes", "--force"))
+        self.assertEqual(self.outbox(), {})
+        self.assertEqual(self.find_ids("attesa"), [])
+
+    def test_a_dropped_correction_shows_its_target_again(self):
+        old = self.gw.add("Il deploy usa il nodo 3")
+        self.ok("get", old["id"])
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        self.ok("correct", old["id"], "Il deploy usa il nodo 4")
+        self.assertNotIn(old["id"], self.find_ids("deploy"))
+        self.ok("queue", "--drop", list(self.outbox())[0], "--yes", "--force")
+        self.assertIn(old["id"], self.find_ids("deploy"))
+
+    def test_a_dead_flushers_row_can_be_dropped_at_once(self):
+        local = self.ok_json("store", "x", "--project", "p", "--queue-only")["local_id"]
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              stdout=subprocess.PIPE)
+        token = "|".join(qmem.process_identity()[:3] + (dead.stdout.decode().strip(), "1", "00"))
+        store = qmem.Store(self.db)
+        store.conn.execute("UPDATE outbox SET state='sending', claim_token=?, lease_until=?",
+                           (token, time.time() + 99))
+        store.close()
+        self.ok("queue", "--drop", local, "--yes", "--force")
+
+
+# === Output ==================================================================
+
+
+class OutputTests(GatewayTestCase):
+    """What people and scripts read: with --json one document per command; as text,
+    escaped, bounded, aligned, with the right plurals and footers."""
+
+    def test_a_fresh_machine_prints_one_document_per_command(self):
+        one = self.assert_one_document
+        self.assertEqual(one(0, "find", "x")["index_exists"], False)
+        self.assertEqual(one(0, "status")["index_exists"], False)
+        self.assertEqual(one(0, "queue")["items"], [])
+        self.assertEqual(one(0, "flush")["pending"], 0)
+        self.assertEqual(one(0, "import")["sessions_found"], False)
+        self.offline()
+        self.assertEqual(one(0, "meta")["index_exists"], False)
+        self.assertEqual(one(0, "search", "x")["degraded"], True)
+        self.unconfigured()
+        self.assertEqual(one(0, "breaker")["configured"], False)
+        self.assertFalse(os.path.exists(self.db))
+
+    def test_online_commands_succeed_with_one_document(self):
+        one = self.assert_one_document
+        rec = self.gw.add("Il deploy usa blue/green")
+        self.assertEqual(one(0, "search", "deploy")["source"], "gateway")
+        self.assertEqual(one(0, "get", rec["id"])["record"]["id"], rec["id"])
+        self.assertEqual(one(0, "meta")["source"], "gateway")
+        stored = one(0, "store", "una cosa nuova", "--project", "p")
+        self.assertEqual(stored["state"], "synced")
+        self.assertEqual(one(0, "correct", rec["id"], "Il deploy usa canary")["state"], "synced")
+        self.assertEqual(one(0, "store", "in coda", "--project", "p", "--queue-only")["queued"],
+                         True)
+        self.assertEqual(one(0, "flush")["synced"], 1)
+        self.assertEqual(one(0, "enrich")["source"], "gateway")
+        self.assertEqual(one(0, "pull")["source"], "gateway")
+        self.assertEqual(one(0, "find", "deploy")["match"], "all")
+        self.assertEqual(one(0, "status")["index_exists"], True)
+        self.assertEqual(one(0, "queue")["counts"]["synced"], 3)
+        self.assertEqual(one(0, "breaker")["state"], "closed")
+        self.assertEqual(one(0, "breaker", "--reset")["reset"], True)
+
+    def test_config_actions_each_print_a_document(self):
+        one = self.assert_one_document
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        os.environ.pop("QMEM_API_KEY")
+        self.assertEqual(one(0, "config", "url", self.gw.url)["value"], self.gw.url)
+        self.assertEqual(one(0, "config", "set", "timeoutMs", "5000")["value"], 5000)
+        with mock.patch("sys.stdin", io.StringIO(API_KEY + "\n")):
+            self.assertEqual(one(0, "config", "apikey")["value"], qmem.mask_secret(API_KEY))
+        self.assertEqual(one(0, "config", "show")["values"]["timeoutMs"], 5000)
+        self.assertEqual(one(0, "config")["action"], "show")  # no terminal: show
+        self.assertEqual(one(0, "config", "test")["key_valid"], True)
+        one(0, "config", "apikey", "sk-wrong-000000000000")
+        self.assertEqual(one(1, "config", "test")["error"]["kind"], "auth")
+
+    def test_control_characters_of_memory_text_never_reach_the_terminal(self):
+        self.no_gateway()
+        hostile = "deploy \x1b[2J\x1b]0;pwned\x07 done\r\n\u202eevil"
+        self.put_record(UUIDS[0], hostile)
+        for argv in (("find", "deploy"), ("get", UUIDS[0])):
+            out = self.run_cli(*argv)[1]
+            self.assertNotRegex(out, "[\x00-\x08\x0b-\x1f\x7f-\x9f\u202e]", argv)
+            self.assertIn("\\x1b[2J\\x1b]0;pwned\\x07", out)
+        # one line: CR LF shown as \\n
+        self.assertIn("done\\n\\u202eevil", self.ok("find", "deploy"))
+        # exact in JSON
+        self.assertEqual(self.ok_json("find", "deploy")["results"][0]["text"], hostile)
+
+    def test_a_record_of_one_long_token_prints_a_bounded_line(self):
+        self.put_record(UUIDS[0], "token " + "a" * 2000000)
+        out = self.ok("find", "token")
+        self.assertLess(max(len(line) for line in out.splitlines()), 400)
+        self.assertTrue(out.splitlines()[1].endswith("…"))
+
+    def test_columns_are_aligned_and_cut_to_the_terminal(self):
+        self.put_record(UUIDS[0], "deploy " + "lungo " * 100, project="a")
+        self.put_record(UUIDS[1], "deploy breve", kind="decision", project="progetto-lungo")
+        with mock.patch.object(qmem, "_terminal_width", return_value=100):
+            lines = self.ok("find", "deploy").splitlines()[1:]
+        self.assertEqual(len(lines), 2)
+        self.assertTrue(all(len(line) <= 100 for line in lines), lines)
+        self.assertEqual(len({line.index("2026-11-30") for line in lines}), 1)  # the dates line up
+
+    def test_counts_and_plurals(self):
+        self.gw.add("uno")
+        self.assertIn("pull: 1 page;", self.ok("pull"))
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "empty.sqlite")
+        qmem.Store(os.environ["QMEM_SQLITE"]).close()
+        self.assertNotIn("- complete", self.ok("status"))
+
+    def test_queue_footer_follows_what_it_lists(self):
+        self.gw.duplicate_texts["doppio"] = UUIDS[5]
+        self.ok("store", "doppio", "--project", "p")
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        self.assertIn("duplicates were not stored", self.ok("queue"))
+        self.assertNotIn("duplicates were not stored", self.ok("queue", "--state", "pending"))
+
+    def test_a_duplicate_without_an_id_and_an_ascii_terminal(self):
+        self.gw.script = [(409, {"detail": "duplicate", "duplicate_of": {"no": "id"}})]
+        out = self.ok("store", "doppio", "--project", "p")
+        self.assertIn("which the gateway did not say", out)
+        self.assertNotIn("None", out)
+        raw = io.BytesIO()
+        ascii_out = io.TextIOWrapper(raw, encoding="ascii")
+        qmem.render("find", {"results": [], "match": "none", "query": "x", "index_exists": False,
+                             "db": "d"}, False, out=ascii_out)
+        ascii_out.flush()
+        self.assertIn(b"no local index yet", raw.getvalue())
+
+
+# === MCP server ==============================================================
+
+# --- qmem.py mcp as a client drives it: over pipes, or in this process --------
+
+class McpClient:
+    """What a client does, over either transport: requests, the handshake, and tool calls
+    checked as a client reads them."""
+
+    next_id = 100
+
+    def request(self, method, params=None, rid=None):
+        if rid is None:
+            rid, self.next_id = self.next_id, self.next_id + 1
+        message = {"jsonrpc": "2.0", "id": rid, "method": method}
+        if params is not None:
+            message["params"] = params
+        self.send(message)
+        reply = self.recv()
+        self.test.assertEqual(reply.get("id"), rid, reply)
+        return reply
+
+    def initialize(self, version="2025-11-25", client="test-client"):
+        reply = self.request("initialize", {"protocolVersion": version, "capabilities": {},
+                                            "clientInfo": {"name": client, "version": "1"}})
+        self.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        return reply["result"]
+
+    def call(self, tool, **arguments):
+        """A tools/call result; its text content must say what its structuredContent says."""
+        reply = self.request("tools/call", {"name": tool, "arguments": arguments})
+        self.test.assertIn("result", reply, reply)
+        result = reply["result"]
+        self.test.assertEqual(json.loads(result["content"][0]["text"]), result["structuredContent"])
+        for key in ("status", "note"):
+            self.test.assertIn(key, result["structuredContent"])
+        if not result["isError"]:  # one sentence (an error's adds one: what to do next)
+            self.test.assertNotRegex(result["structuredContent"]["note"], r"[.!?] [A-Z]")
+        return result
+
+    def assert_protocol_only(self):
+        for line in self.lines:
+            message = json.loads(line.decode("utf-8"))
+            for each in message if isinstance(message, list) else [message]:
+                self.test.assertEqual(each["jsonrpc"], "2.0")
+                self.test.assertIn("id", each)
+                self.test.assertTrue(("result" in each) != ("error" in each), each)
+
+
+class McpProcess(McpClient):
+    """`qmem.py mcp` as a subprocess over pipes. Every line it writes to stdout is kept
+    and must be one JSON-RPC message; stderr is kept apart."""
+
+    def __init__(self, test, env=None, cwd=None):
+        import queue
+        import threading
+        self.test = test
+        self.proc = subprocess.Popen(qmem_command() + ["mcp"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, env=env or dict(os.environ),
+                                     cwd=cwd or test.home)
+        test.addCleanup(self.kill)
+        self.lines, self.replies = [], queue.Queue()
+        self.err = []
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            self.replies.put(line)
+        self.replies.put(None)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                stream.close()
+            except OSError:
+                pass
+
+    def send(self, message):
+        if not isinstance(message, bytes):
+            message = (json.dumps(message) + "\n").encode("utf-8")
+        self.proc.stdin.write(message)
+        self.proc.stdin.flush()
+
+    def recv(self, timeout=20):
+        import queue
+        try:
+            line = self.replies.get(timeout=timeout)
+        except queue.Empty:
+            self.test.fail("no answer from qmem.py mcp within %s s" % timeout)
+        self.test.assertIsNotNone(line, "qmem.py mcp closed its output; stderr: %s" % self.stderr())
+        self.test.assertTrue(line.endswith(b"\n"))
+        return json.loads(line.decode("utf-8"))
+
+    def close(self, timeout=10):
+        """Close stdin (as clients do); the exit code, after checking stdout was protocol only."""
+        self.proc.stdin.close()
+        code = self.proc.wait(timeout)
+        self.assert_protocol_only()
+        return code
+
+    def stderr(self):
+        return b"".join(self.err).decode("utf-8", "replace")
+
+
+class McpInProcess(McpClient):
+    """qmem.McpServer in this process, driven as serve_mcp drives it: each line read by
+    read_message and answered by handle_line, each reply encoded as it goes on the wire,
+    then after_answer() (which may start the background flush). close() is the end of
+    the input: the background flush is waited for (finish), then the server closed. Its
+    environment is the one it was made with, as a process's is; its stderr is what this
+    process wrote to stderr while it was open (a background flush's words too)."""
+
+    def __init__(self, test, env=None, cwd=None):
+        self.test = test
+        environ = dict(os.environ if env is None else env)
+        self.server = qmem.McpServer(lambda: qmem.load_config(environ=environ), environ=environ,
+                                     cwd=cwd or test.home)
+        self.lines, self.replies, self.unread = [], [], b""
+        self.sink = test.captured_stderr()
+        self.err_from, self.err_to = len(self.sink.getvalue()), None
+        self.closed = False
+        test.addCleanup(self.kill)
+
+    def send(self, message):
+        """Bytes as a client writes them to the server's stdin: each whole line is answered."""
+        if not isinstance(message, bytes):
+            message = (json.dumps(message) + "\n").encode("utf-8")
+        lines, newline, self.unread = (self.unread + message).rpartition(b"\n")
+        if newline:
+            self._serve(io.BytesIO(lines + newline))
+
+    def _serve(self, stream):
+        while True:
+            line = qmem.read_message(stream)
+            if line is None:
+                return
+            reply = self.server.handle_line(line) if line else qmem.rpc_error(
+                None, qmem.RPC_INVALID,
+                "Invalid request: a message over %d MiB" % (qmem.MAX_MESSAGE >> 20))
+            if reply is not None:
+                data = qmem.encode_message(reply)
+                self.lines.append(data)
+                self.replies.append(data)
+            self.server.after_answer()
+
+    def recv(self, timeout=None):
+        self.test.assertTrue(self.replies, "no answer from the server")
+        return json.loads(self.replies.pop(0).decode("utf-8"))
+
+    def close(self, timeout=10):
+        """The end of the input: a last line without its newline is read as serve_mcp reads
+        it, the background flush is waited for, the server closed. 0 (serve_mcp's exit
+        code), after checking that the output was protocol only."""
+        if self.unread:
+            rest, self.unread = self.unread, b""
+            self._serve(io.BytesIO(rest))
+        self.finish(timeout)
+        self.server.close()
+        self.closed = True
+        self.err_to = len(self.sink.getvalue())
+        self.assert_protocol_only()
+        return qmem.EXIT_OK
+
+    def finish(self, timeout=10):
+        """Wait for the background flush, if one runs: it must end within timeout."""
+        self.server.finish(wait_s=timeout)
+        flusher = self.server.flusher
+        self.test.assertFalse(flusher is not None and flusher.is_alive(),
+                              "the background flush did not end within %s s" % timeout)
+
+    def kill(self):
+        if not self.closed:
+            self.closed = True
+            self.server.finish(wait_s=10)
+            self.server.close()
+
+    def stderr(self):
+        return self.sink.getvalue()[self.err_from:self.err_to]
+
+
+class McpTestCase(GatewayTestCase):
+    """A GatewayTestCase with MCP servers: server() in this process, process() over pipes."""
+
+    def setUp(self):
+        super().setUp()
+        self.workdir = os.path.join(self.home, "work")
+        os.makedirs(self.workdir)
+        self._stderr = None
+
+    def environment(self, env):
+        environ = dict(os.environ)
+        environ.update(env)
+        for name, value in env.items():
+            if value is None:
+                del environ[name]
+        return environ
+
+    def server(self, **env):
+        """An MCP server in this process, with os.environ changed by env (None: unset)."""
+        return McpInProcess(self, self.environment(env), cwd=self.workdir)
+
+    def process(self, **env):
+        """A `qmem.py mcp` process, with os.environ changed by env (None: unset)."""
+        return McpProcess(self, self.environment(env), cwd=self.workdir)
+
+    def captured_stderr(self):
+        """From the first in-process server on, this process's stderr: what a server would
+        write to its own stderr goes here, not to the console."""
+        if self._stderr is None:
+            self._stderr = io.StringIO()
+            patcher = mock.patch.object(sys, "stderr", self._stderr)
+            patcher.start()
+            self.addCleanup(patcher.stop)
+        return self._stderr
+
+    def outbox_rows(self):
+        conn = sqlite3.connect(self.db)
+        try:
+            return conn.execute("SELECT id, state FROM outbox").fetchall()
+        finally:
+            conn.close()
+
+    def wait_for_requests(self, n):
+        with self.gw.arrived:
+            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.requests) >= n, 10))
+
+    def config_file(self, **values):
+        path = os.path.join(self.home, "config-%d.json" % len(os.listdir(self.home)))
+        with open(path, "w") as f:
+            json.dump(values, f)
+        return path
+
+
+class McpProtocolTests(McpTestCase):
+    """JSON-RPC and the MCP handshake, in this process: McpServer.handle_line as serve_mcp
+    calls it."""
+
+    def test_ids_zero_and_strings_notifications_unanswered(self):
+        server = self.server()
+        self.assertEqual(server.request("ping", rid=0), {"jsonrpc": "2.0", "id": 0, "result": {}})
+        self.assertEqual(server.request("ping", rid="abc-1")["id"], "abc-1")
+        server.send({"jsonrpc": "2.0", "method": "notifications/initialized"})
+        server.send({"jsonrpc": "2.0", "method": "notifications/cancelled",
+                     "params": {"requestId": 0}})
+        server.send({"jsonrpc": "2.0", "method": "notifications/whatever"})
+        self.assertEqual(server.request("ping", rid=5)["id"], 5)  # the first answer after them
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(len(server.lines), 3)
+
+    def test_malformed_messages_get_json_rpc_errors_and_the_server_goes_on(self):
+        server = self.server()
+        cases = [(b"{not json\n", -32700), (b"\xff\xfe{}\n", -32700),
+                 (b"[" * 100000 + b"\n", -32700),
+                 (b"42\n", -32600), (b"[]\n", -32600),
+                 (b'{"jsonrpc":"2.0","id":null,"method":"ping"}\n', -32600),
+                 (b'{"jsonrpc":"2.0","id":true,"method":"ping"}\n', -32600),
+                 (b'{"id":1,"method":"ping"}\n', -32600), (b'{"jsonrpc":"2.0","id":2}\n', -32600),
+                 (b'{"jsonrpc":"2.0","id":3,"method":"tools/list","params":[1]}\n', -32602)]
+        for raw, code in cases:
+            server.send(raw)
+            reply = server.recv()
+            self.assertEqual(reply["error"]["code"], code, raw[:40])
+        server.send(b"\n   \n")  # blank lines are nothing
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(server.close(), 0)
+        self.assertNotIn("Traceback", server.stderr())
+
+    def test_a_line_with_a_byte_order_mark_is_answered(self):
+        server = self.server()
+        server.send(b'\xef\xbb\xbf{"jsonrpc":"2.0","id":7,"method":"ping"}\n')
+        self.assertEqual(server.recv(), {"jsonrpc": "2.0", "id": 7, "result": {}})
+        self.assertEqual(server.close(), 0)
+
+    def test_a_batch_gets_one_array_without_the_notifications(self):
+        server = self.server()
+        server.send([{"jsonrpc": "2.0", "id": 1, "method": "ping"},
+                     {"jsonrpc": "2.0", "method": "notifications/x"},
+                     {"jsonrpc": "2.0", "id": 2, "method": "nope"}])
+        replies = server.recv()
+        self.assertEqual([r["id"] for r in replies], [1, 2])
+        self.assertEqual(replies[1]["error"]["code"], -32601)
+        self.assertEqual(server.close(), 0)
+
+    def test_tools_list_is_portable_and_the_same_online_and_offline(self):
+        online = self.server()
+        tools = online.request("tools/list")["result"]["tools"]
+        self.assertEqual(online.close(), 0)
+        self.offline()
+        os.environ["QMEM_API_KEY"] = ""
+        offline = self.server()
+        self.assertEqual(offline.request("tools/list")["result"]["tools"], tools)
+        self.assertEqual(offline.request("tools/list", {"cursor": "x"})["error"]["code"], -32602)
+        self.assertEqual(offline.close(), 0)
+        self.assertEqual([t["name"] for t in tools],
+                         ["qmem_search", "qmem_find", "qmem_get", "qmem_store",
+                                                      "qmem_correct", "qmem_meta"])
+        for tool in tools:
+            self.assertRegex(tool["name"], r"\A[A-Za-z0-9_.-]{1,128}\Z")
+            self.assertLessEqual(len(tool["description"].encode("utf-8")), 2048)
+            schema = tool["inputSchema"]
+            self.assertEqual(schema["type"], "object")
+            self.assertLessEqual(set(schema["required"]), set(schema["properties"]))
+            for name, prop in schema["properties"].items():
+                self.assertIn(prop["type"], ("string", "integer", "number", "boolean"), name)
+                self.assertTrue(prop["description"])
+                self.assertFalse({"oneOf", "anyOf", "allOf"} & set(prop))
+            if "kind" in schema["properties"]:
+                self.assertEqual(schema["properties"]["kind"]["enum"], list(qmem.KINDS))
+            notes = tool["annotations"]
+            self.assertEqual(set(notes) - {"title"},
+                             {"readOnlyHint", "destructiveHint", "idempotentHint",
+                                                      "openWorldHint"})
+            self.assertIs(notes["destructiveHint"], False)
+            self.assertIs(notes["openWorldHint"], False)
+            self.assertIs(notes["readOnlyHint"], tool["name"] not in ("qmem_store", "qmem_correct"))
+        by_name = {t["name"]: t for t in tools}
+        self.assertEqual(by_name["qmem_store"]["inputSchema"]["required"], ["text"])
+        self.assertEqual(by_name["qmem_correct"]["inputSchema"]["required"], ["id", "text"])
+
+    def test_instructions_carry_the_rules_under_2_kb_and_rules_prints_them(self):
+        server = self.server()
+        instructions = server.initialize()["instructions"]
+        self.assertEqual(server.close(), 0)
+        self.assertLessEqual(len(instructions.encode("utf-8")), 2048)
+        for essential in ("project_id", "0.60", "0.45", "qmem_correct", "qmem_meta", "queued",
+                          "not yet" if "not yet" in instructions else "only once it is delivered",
+                          "hostname"):
+            self.assertIn(essential, instructions)
+        markdown = self.ok("rules")
+        self.assertTrue(markdown.startswith("## Shared memory (qmem)\n"))
+        for _, text in qmem.AGENT_RULES:
+            self.assertIn(text, markdown)
+            self.assertIn(text.replace("`", ""), instructions)
+        self.assertEqual(self.ok_json("rules")["markdown"], markdown)
+
+    def test_unknown_tool_and_malformed_calls_are_32602(self):
+        server = self.server()
+        code = lambda params: server.request("tools/call", params)["error"]["code"]  # noqa: E731
+        self.assertEqual(code({"name": "qmem_nope", "arguments": {}}), -32602)
+        self.assertEqual(server.request("tools/call", {"arguments": {}})["error"]["code"], -32602)
+        self.assertEqual(code({"name": "qmem_find", "arguments": "query=x"}), -32602)
+        self.assertEqual(server.request("tools/call")["error"]["code"], -32602)
+        self.assertEqual(server.close(), 0)
+
+    def test_a_broken_config_costs_tool_results_not_the_handshake(self):
+        config = os.path.join(self.home, "broken.json")
+        with open(config, "w") as f:
+            f.write("{broken")
+        server = self.server(QMEM_CONFIG=config)
+        self.assertEqual(server.initialize()["protocolVersion"], "2025-11-25")
+        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
+        result = server.call("qmem_find", query="x")
+        self.assertIs(result["isError"], True)
+        self.assertIn(config, result["structuredContent"]["note"])
+        with open(config, "w") as f:
+            f.write("{}")
+        # read again at the next call
+        self.assertIs(server.call("qmem_find", query="x")["isError"], False)
+        self.assertEqual(server.close(), 0)
+
+    def test_a_client_name_that_is_not_text_does_not_break_writes(self):
+        server = self.server()
+        server.send(b'{"jsonrpc":"2.0","id":1,"method":"initialize",'
+                    b'"params":{"protocolVersion":"2025-11-25",'
+                    b'"clientInfo":{"name":"evil\\ud800\\u001b[31m-client"}}}\n')
+        self.assertEqual(server.recv()["id"], 1)
+        stored = server.call("qmem_store", text="a plain memory",
+                             project_id="infra")["structuredContent"]
+        self.assertEqual((stored["status"], stored["agent_id"]), ("stored", "evil[31m-client"))
+        self.assertEqual(server.close(), 0)
+
+
+class McpToolTests(McpTestCase):
+    """Each tool as an agent calls it, in this process: arguments, projects, notes, online
+    and offline, and the background flush after an answer."""
+
+    def test_bad_arguments_are_results_that_say_what_to_do(self):
+        server = self.server()
+        for tool, arguments, words in (
+                ("qmem_find", {}, "needs query"),
+                ("qmem_search", {"query": "x", "top_k": "many"}, "whole number"),
+                ("qmem_search", {"query": "x", "top_k": 0}, "between 1 and 50"),
+                ("qmem_find", {"query": "x", "limit": 51}, "between 1 and 50"),
+                ("qmem_store", {"text": "x", "kind": "opinion", "project_id": "p"}, "one of fact"),
+                ("qmem_store", {"text": "x", "projet": "p"}, "takes no argument 'projet'"),
+                ("qmem_store", {"text": "   ", "project_id": "p"}, "empty"),
+                ("qmem_get", {"id": "not-an-id"}, "is not a memory id"),
+                ("qmem_find", {"query": "x", "include_superseded": "maybe"}, "true or false"),
+                ("qmem_search", {"query": "x", "min_score": 3}, "between 0 and 1")):
+            result = server.call(tool, **arguments)
+            self.assertIs(result["isError"], True, (tool, arguments))
+            self.assertEqual(result["structuredContent"]["status"], "error")
+            self.assertIn(words, result["structuredContent"]["note"])
+            self.assertIn("Next: ", result["structuredContent"]["note"])
+            self.assertIn("project_from", result["structuredContent"])
+        self.assertEqual(server.close(), 0)
+        self.assertFalse(os.path.exists(self.db))  # nothing was written for them
+
+    def test_models_strings_for_numbers_and_booleans_and_kind_case_are_taken(self):
+        server = self.server()
+        result = server.call("qmem_store", text="Backups run at 02:30", kind="Decision",
+                             project_id="infra",
+                             private="false")
+        self.assertEqual(result["structuredContent"]["status"], "stored")
+        self.assertEqual(self.gw.posts()[-1][3]["kind"], "decision")
+        found = server.call("qmem_search", q="backups", top_k="3", include_superseded="true")
+        self.assertEqual(self.gw.requests[-1][3]["top_k"], 2 * 3 + 8)  # 3 asked; private left out
+        self.assertIs(self.gw.requests[-1][3]["include_superseded"], True)
+        self.assertEqual(found["structuredContent"]["status"], "found")
+        self.assertEqual(server.close(), 0)
+
+    def test_every_tool_takes_project_id_and_the_same_aliases(self):
+        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
+        self.offline()
+        server = self.server()
+        found = server.call("qmem_find", q="release", project="infra")["structuredContent"]
+        self.assertEqual(len(found["results"]), 1)
+        got = server.call("qmem_get", id=UUIDS[0], project_id="infra")["structuredContent"]
+        self.assertEqual(got["project_id"], "infra")
+        meta = server.call("qmem_meta", project_id="infra")["structuredContent"]
+        self.assertEqual((meta["project_id"], meta["project_from"]), ("infra", "argument"))
+        both = server.call("qmem_find", q="release", query="train")
+        self.assertIs(both["isError"], True)
+        self.assertIn("got both query and q", both["structuredContent"]["note"])
+        self.assertEqual(server.call("qmem_find", query="release", limit="5.0",
+                                     project_id="*")["isError"], False)
+        self.assertEqual(server.call("qmem_search", query="release", min_score="1e-1",
+                                     project_id="*")["isError"],
+                         False)
+        self.assertEqual(server.close(), 0)
+
+    def test_an_agents_fields_are_bounded_and_results_cut_every_field(self):
+        """Part 11: an agent's 10 MiB agent_id was queued, and a later qmem_find answer was
+        21 MB, far past the result budget."""
+        server = qmem.McpServer(qmem.load_config, cwd=self.workdir)
+        self.addCleanup(server.close)
+
+        def call(name, **arguments):
+            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                   "params": {"name": name, "arguments": arguments}})
+            return reply["result"]
+        refused = call("qmem_store", text="x", project_id="p", agent_id="a" * 100000)
+        self.assertTrue(refused["isError"])
+        self.assertIn("the agent is 100000 characters; it may have at most",
+                      refused["structuredContent"]["note"])
+        self.assertEqual(self.gw.posts(), [])
+        secret = call("qmem_store", text="la chiave AKIAIOSFODNN7EXAMPLE", project_id="p")
+        self.assertTrue(secret["isError"])
+        self.assertIn("not stored: the text holds an AWS access key id",
+                      secret["structuredContent"]["note"])
+        self.assertEqual(self.gw.posts(), [])
+        self.put_record(UUIDS[0], "ricordo lungo", scope="s" * 100000, source="o" * 100000)
+        found = call("qmem_find", query="ricordo",
+                     project_id="*")["structuredContent"]["results"][0]
+        self.assertLessEqual(max(len(v) for v in found.values() if isinstance(v, str)),
+                             qmem.MAX_FIELD)
+
+    def test_each_tool_online(self):
+        old = self.gw.add("The staging database runs Postgres 15")
+        server = self.server()
+        server.initialize(client="claude-code")
+        stored = server.call("qmem_store", text="Backups run at 02:30, after VACUUM",
+                             kind="decision",
+                             project_id="infra")
+        s = stored["structuredContent"]
+        self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"],
+                          s["project_id"],
+                          s["project_from"]),
+                         (False, "stored", "gateway", False, "infra", "argument"))
+        self.assertIn(s["id"], self.gw.records)
+        self.assertIn("every agent can find it now", s["note"])
+        sent = self.gw.posts()[-1][3]
+        self.assertEqual(sent["agent_id"], "claude-code")
+        self.assertEqual(sent["source"], qmem.machine_identity())  # this machine: hostname and OS
+        self.assertEqual(s["machine"], qmem.machine_identity())
+        found = server.call("qmem_search", query="postgres",
+                            project_id="infra")["structuredContent"]
+        self.assertEqual((found["status"], found["source"], found["degraded"]),
+                         ("found", "gateway", False))
+        self.assertEqual(found["results"][0]["id"], old["id"])
+        self.assertEqual(found["results"][0]["score"], 0.71)
+        self.assertIn("0.60 or more is a strong match", found["note"])
+        got = server.call("qmem_get", id=old["id"])["structuredContent"]
+        self.assertEqual((got["source"], got["record"]["text"], got["project_id"]),
+                         ("gateway", old["text"], "infra"))
+        fixed = server.call("qmem_correct", id=old["id"],
+                            text="The staging database runs Postgres 16",
+                            reason="upgraded")["structuredContent"]
+        self.assertEqual((fixed["status"], fixed["corrects"], fixed["project_id"],
+                          fixed["project_from"]),
+                         ("stored", old["id"], "infra", "the corrected memory"))
+        self.assertEqual(self.gw.records[old["id"]]["superseded_by"], fixed["id"])
+        got = server.call("qmem_get", id=old["id"])["structuredContent"]
+        self.assertIn("%s supersedes it" % fixed["id"], got["note"])
+        meta = server.call("qmem_meta")["structuredContent"]
+        self.assertEqual((meta["source"], meta["projects"], meta["queued_here"]),
+                         ("gateway", {"infra": 3}, 0))
+        local = server.call("qmem_find", query="Backups VACUUM",
+                            project_id="infra")["structuredContent"]
+        self.assertEqual((local["source"], local["results"][0]["id"]), ("local_sqlite", s["id"]))
+        self.assertNotIn("score", local["results"][0])
+        self.assertIn("no scores", local["note"])
+        self.assertEqual(server.close(), 0)
+
+    def test_each_tool_offline_and_the_queued_write_is_delivered_once_later(self):
+        known = self.gw.add("Deploys use blue/green on node-3")
+        self.ok("search", "deploys")  # the local index knows it
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        server = self.server()
+        server.initialize()
+        stored = server.call("qmem_store", text="Città cluster hosts staging from Q3",
+                             project_id="infra")
+        s = stored["structuredContent"]
+        self.assertEqual((stored["isError"], s["status"], s["source"], s["degraded"]),
+                         (False, "queued", "outbox", True))
+        self.assertEqual(s["id"], s["local_id"])
+        for words in ("Not shared yet", "queued on this machine",
+                      "(gateway unreachable",
+                      "do not store it again"):
+            self.assertIn(words, s["note"])
+        found = server.call("qmem_find", query="citta staging",
+                            project_id="infra")["structuredContent"]
+        self.assertEqual(found["results"][0]["id"], s["id"])
+        self.assertIs(found["results"][0]["queued"], True)
+        fallback = server.call("qmem_search", query="deploys", project_id="infra")
+        f = fallback["structuredContent"]
+        self.assertEqual((fallback["isError"], f["source"], f["degraded"]),
+                         (False, "local_sqlite", True))
+        self.assertIn("fallback", f["note"])
+        self.assertIn("gateway unreachable", f["reason"])
+        self.assertEqual(f["results"][0]["id"], known["id"])
+        self.assertNotIn("score", f["results"][0])
+        got = server.call("qmem_get", id=known["id"])["structuredContent"]
+        self.assertEqual((got["source"], got["degraded"]), ("local_sqlite", True))
+        self.assertIn("a fallback", got["note"])
+        mine = server.call("qmem_get", id=s["id"])["structuredContent"]
+        self.assertEqual(mine["source"], "outbox")
+        self.assertIn("still queued", mine["note"])
+        meta = server.call("qmem_meta")["structuredContent"]
+        self.assertEqual((meta["source"], meta["degraded"], meta["queued_here"]),
+                         ("local_sqlite", True, 1))
+        unknown = server.call("qmem_get", id=UUIDS[5])
+        self.assertIs(unknown["isError"], True)
+        # it may exist: it cannot be checked
+        self.assertEqual(unknown["structuredContent"]["error"], "unavailable")
+        self.assertIn("once the gateway is back; qmem_find searches this machine",
+                      unknown["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(self.outbox_rows(), [(s["id"], "pending")])
+        # Later the gateway is back: the next online call of a server delivers it, once.
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        server = self.server()
+        server.call("qmem_meta")
+        server.request("ping")  # answered after the automatic flush
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(self.outbox_rows(), [(s["id"], "synced")])
+        self.assertEqual(self.ok_json("flush")["synced"], 0)
+        texts = [r["text"] for r in self.gw.records.values()]
+        self.assertEqual(texts.count("Città cluster hosts staging from Q3"), 1)
+        self.assertEqual(len(self.gw.posts()), 1)
+
+    def test_the_same_write_asked_twice_offline_is_queued_once(self):
+        self.offline()
+        server = self.server()
+        first = server.call("qmem_store", text="Releases are cut on Thursdays",
+                            project_id="web")["structuredContent"]
+        again = server.call("qmem_store", text="Releases are cut on Thursdays",
+                            project_id="web")["structuredContent"]
+        other = server.call("qmem_store", text="Releases are cut on Thursdays",
+                            project_id="api")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        self.assertEqual((again["status"], again["id"]), ("queued", first["id"]))
+        self.assertIn("not queued twice", again["note"])
+        self.assertNotIn("not queued twice", first["note"])
+        self.assertNotEqual(other["id"], first["id"])
+        self.assertEqual(len(self.outbox_rows()), 2)
+        self.assertNotIn("not queued twice",
+                         self.ok("store", "Releases are cut on Thursdays", "--project", "web"))
+        self.assertIn("not queued twice",
+                      self.ok("store", "Releases are cut on Thursdays", "--project", "web"))
+        # the command line's own agent_id: another write
+        self.assertEqual(len(self.outbox_rows()), 3)
+
+    def test_the_project_comes_from_the_argument_then_the_environment_then_git(self):
+        os.makedirs(os.path.join(self.workdir, ".git"))
+        server = self.server(QMEM_PROJECT="from-env", CLAUDE_PROJECT_DIR="/home/u/claude-proj")
+        s = server.call("qmem_store", text="one")["structuredContent"]
+        self.assertEqual((s["project_id"], s["project_from"]), ("from-env", "QMEM_PROJECT"))
+        two = server.call("qmem_store", text="two", project_id="mine")["structuredContent"]
+        self.assertEqual(two["project_id"], "mine")
+        self.assertEqual(server.close(), 0)
+        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR="/home/u/claude-proj/")
+        s = server.call("qmem_store", text="three")["structuredContent"]
+        self.assertEqual((s["project_id"], s["project_from"]),
+                         ("claude-proj", "CLAUDE_PROJECT_DIR"))
+        self.assertEqual(server.close(), 0)
+        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR=None)
+        s = server.call("qmem_store", text="four")["structuredContent"]
+        self.assertEqual((s["project_id"], s["project_from"]),
+                         ("work", "the git root of %s" % self.workdir))
+        found = server.call("qmem_find", query="four")["structuredContent"]
+        self.assertEqual(found["project_id"], "work")
+        everywhere = server.call("qmem_find", query="three", project_id="*")["structuredContent"]
+        self.assertEqual((everywhere["project_id"], len(everywhere["results"])), (None, 1))
+        self.assertEqual(server.close(), 0)
+        self.assertEqual([p[3]["project_id"] for p in self.gw.posts()],
+                         ["from-env", "mine", "claude-proj", "work"])
+        os.rmdir(os.path.join(self.workdir, ".git"))
+        server = self.server(QMEM_PROJECT=None, CLAUDE_PROJECT_DIR=None)
+        refused = server.call("qmem_store", text="five")
+        self.assertIs(refused["isError"], True)
+        self.assertIn("pass project_id", refused["structuredContent"]["note"])
+        missing = server.call("qmem_find", query="four")["structuredContent"]
+        self.assertEqual((missing["project_id"], missing["results"][0]["project_id"]),
+                         (None, "work"))
+        self.assertEqual(server.close(), 0)
+
+    def test_project_names_are_checked_and_star_means_every_project_only_for_reads(self):
+        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
+        server = self.server(QMEM_PROJECT="*")
+        found = server.call("qmem_find", query="release train")["structuredContent"]
+        self.assertEqual(len(found["results"]), 1)
+        for project in ("*", "a\x1b[31mb", "\u200binfra", "p" * 101):
+            refused = server.call("qmem_store", text="x", project_id=project)
+            self.assertIs(refused["isError"], True, project)
+        self.assertIn('"*" (from argument) means every project', server.call(
+            "qmem_store", text="x", project_id="*")["structuredContent"]["note"])
+        self.assertIn("from QMEM_PROJECT",
+                      server.call("qmem_store", text="x")["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(self.gw.posts(), [])
+
+    def test_a_filter_the_model_did_not_ask_for_says_how_to_widen_it(self):
+        self.put_record(UUIDS[0], "the release train leaves on Thursdays", project="infra")
+        server = self.server(QMEM_PROJECT="web")
+        empty = server.call("qmem_find", query="release train")["structuredContent"]
+        self.assertEqual(empty["status"], "empty")
+        self.assertIn('only project web (from QMEM_PROJECT) was searched: pass project_id "*"',
+                      empty["note"])
+        self.assertEqual(server.close(), 0)
+
+    def test_a_correction_of_a_memory_known_only_to_the_gateway_keeps_its_project_and_kind(self):
+        target = self.gw.add("Deploys use blue/green", kind="decision", project="infra")
+        server = self.server(CLAUDE_PROJECT_DIR="/home/u/webapp")
+        fixed = server.call("qmem_correct", id=target["id"],
+                            text="Deploys use canary releases")["structuredContent"]
+        self.assertEqual((fixed["status"], fixed["project_id"], fixed["kind"],
+                          fixed["project_from"]),
+                         ("stored", "infra", "decision", "the corrected memory"))
+        unknown = server.call("qmem_correct", id=UUIDS[9], text="whatever")
+        self.assertEqual((unknown["isError"], unknown["structuredContent"]["error"]),
+                         (True, "not_found"))
+        self.assertEqual(server.close(), 0)
+        other = self.gw.add("Staging runs on node-2", project="infra")
+        self.offline()
+        server = self.server(CLAUDE_PROJECT_DIR="/home/u/webapp")
+        refused = server.call("qmem_correct", id=other["id"], text="Staging runs on node-4")
+        self.assertIs(refused["isError"], True)
+        self.assertIn("say which project the correction belongs to",
+                      refused["structuredContent"]["note"])
+        queued = server.call("qmem_correct", id=other["id"], text="Staging runs on node-4",
+                             project_id="infra")
+        self.assertEqual(queued["structuredContent"]["status"], "queued")
+        self.assertEqual(server.close(), 0)
+        self.assertEqual([p[3]["project_id"] for p in self.gw.posts()], ["infra"])
+
+    def test_a_correction_of_a_queued_memory_sends_both_once_the_gateway_is_there(self):
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        server = self.server()
+        first = server.call("qmem_store", text="Staging runs Postgres 15",
+                            project_id="infra")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        server = self.server()
+        fixed = server.call("qmem_correct", id=first["id"],
+                            text="Staging runs Postgres 16")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        self.assertEqual((fixed["status"], fixed["project_id"]), ("stored", "infra"))
+        self.assertEqual([p[3]["text"] for p in self.gw.posts()], ["Staging runs Postgres 15",
+                                                                    "Staging runs Postgres 16"])
+        old_id = self.gw.posts()[1][3]["supersedes_id"]
+        self.assertEqual(self.gw.records[old_id]["superseded_by"], fixed["id"])
+
+    def test_a_refused_write_cannot_be_corrected_it_was_never_stored(self):
+        self.gw.script.append((422, {"detail": "too vague"}, None))
+        server = self.server()
+        refused = server.call("qmem_store", text="vague", project_id="infra")["structuredContent"]
+        again = server.call("qmem_correct", id=refused["id"], text="precise")
+        self.assertEqual(server.close(), 0)
+        self.assertIs(again["isError"], True)
+        self.assertIn("never stored", again["structuredContent"]["note"])
+        self.assertIn("qmem_store", again["structuredContent"]["note"])
+        self.assertEqual(len(self.gw.posts()), 1)
+
+    def test_failed_duplicate_and_rejected_key_writes_are_honest(self):
+        server = self.server()
+        self.gw.duplicate_texts["same again"] = UUIDS[7]
+        dup = server.call("qmem_store", text="same again", project_id="infra")
+        self.assertEqual((dup["isError"], dup["structuredContent"]["status"],
+                          dup["structuredContent"]["id"]),
+                         (False, "duplicate", UUIDS[7]))
+        self.assertIn("qmem_correct", dup["structuredContent"]["note"])
+        self.gw.script.append((422, {"detail": "text too vague"}, None))
+        failed = server.call("qmem_store", text="vague", project_id="infra")
+        self.assertEqual((failed["isError"], failed["structuredContent"]["status"]),
+                         (True, "failed"))
+        self.assertIn("text too vague", failed["structuredContent"]["note"])
+        self.gw.key = "another-key"
+        rejected = server.call("qmem_store", text="kept for later", project_id="infra")
+        r = rejected["structuredContent"]
+        self.assertEqual((rejected["isError"], r["status"], r["error"]), (True, "queued", "auth"))
+        self.assertIn("do not store it again", r["note"])
+        self.assertIn("config apikey", r["note"])
+        self.assertEqual(server.close(), 0)
+        self.assertNotIn(API_KEY, b"".join(server.lines).decode("utf-8") + server.stderr())
+
+    def test_second_review_notes(self):
+        target = self.gw.add("Deploys use blue/green", kind="decision")
+        server = self.server()
+        private = server.call("qmem_store", text="my own note", project_id="infra", private=True)
+        self.assertIn("private, so searches show it only", private["structuredContent"]["note"])
+        past = server.call("qmem_store", text="x", project_id="infra", expires_at="2020-01-01")
+        self.assertIn("already past", past["structuredContent"]["note"])
+        self.gw.script.append((503, {"detail": "busy"}, {"Retry-After": "7200"}))
+        later = server.call("qmem_store", text="wait two hours",
+                            project_id="infra")["structuredContent"]
+        self.assertEqual(later["status"], "queued")
+        self.assertIn("the next attempt is after", later["note"])
+        self.assertIn("next_attempt_at", later)
+        self.assertEqual(server.close(), 0)
+        self.gw.key = "another-key"
+        server = self.server()
+        rejected = server.call("qmem_correct", id=target["id"], text="Deploys use canary")
+        # not "usage": the key is what to fix
+        self.assertEqual(rejected["structuredContent"]["error"], "auth")
+        self.assertEqual(server.close(), 0)
+        self.offline()
+        server = self.server()
+        guessed = server.call("qmem_correct", id=target["id"], text="Deploys use canary",
+                              project_id="infra")
+        self.assertIn("kind could not be looked up, so this one is a fact",
+                      guessed["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        os.environ.pop("QMEM_URL")
+        server = self.server()
+        self.assertIn("no gateway is configured here", server.call(
+            "qmem_get", id=UUIDS[3])["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+
+    def test_notes_say_the_next_step_for_the_case_at_hand(self):
+        os.environ.pop("QMEM_URL")
+        server = self.server()
+        queued = server.call("qmem_store", text="no gateway yet",
+                             project_id="infra")["structuredContent"]
+        self.assertIn("once a gateway is configured (`qmem.py config url`)", queued["note"])
+        bad_date = server.call("qmem_store", text="x", project_id="infra", expires_at="tomorrow")
+        self.assertIn("expires_at \"tomorrow\" is not a date",
+                      bad_date["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+        config = os.path.join(self.home, "broken.json")
+        with open(config, "w") as f:
+            f.write("{broken")
+        server = self.server(QMEM_CONFIG=config)
+        self.assertIn("Next: fix the file it names or move it aside", server.call(
+            "qmem_find", query="x")["structuredContent"]["note"])
+        self.assertEqual(server.close(), 0)
+
+    def test_a_failing_gateway_is_tried_once_per_call(self):
+        self.gw.add("the gateway is busy today")
+        self.gw.script += [(503, {"detail": "busy"}, {"Retry-After": "0"})] * 2
+        server = self.server()
+        answer = server.call("qmem_search", query="busy", project_id="*")["structuredContent"]
+        self.assertEqual((answer["source"], answer["degraded"]), ("local_sqlite", True))
+        self.assertIn("HTTP 503", answer["reason"])
+        # the command line tries 3 times
+        self.assertEqual(len(self.gw.posts("/v1/memories:search")), 1)
+        source = lambda: server.call("qmem_search", query="busy",  # noqa: E731
+                                     project_id="*")["structuredContent"]["source"]
+        self.assertEqual(source(), "local_sqlite")
+        self.assertEqual(source(), "gateway")
+        self.assertEqual(server.close(), 0)
+
+    def test_a_broken_local_index_does_not_spoil_what_the_gateway_answered(self):
+        rec = self.gw.add("blue/green deploys on node-3")
+        os.makedirs(os.path.dirname(self.db))
+        with open(self.db, "wb") as f:
+            f.write(b"this is not a database" * 100)
+        server = self.server()
+        found = server.call("qmem_search", query="deploys", project_id="*")
+        got = server.call("qmem_get", id=rec["id"])
+        self.assertEqual(server.close(), 0)
+        self.assertEqual((found["isError"], found["structuredContent"]["source"]),
+                         (False, "gateway"))
+        self.assertTrue(found["structuredContent"]["warnings"])
+        self.assertEqual((got["isError"], got["structuredContent"]["record"]["text"]),
+                         (False, rec["text"]))
+
+    def test_long_memories_are_cut_in_lists_and_whole_from_get(self):
+        text = "retention policy " + "words " * 2000
+        self.put_record(UUIDS[0], text)
+        self.offline()
+        server = self.server()
+        hit = server.call("qmem_find", query="retention policy",
+                          project_id="*")["structuredContent"]["results"][0]
+        self.assertEqual((len(hit["text"]), hit["text_cut"]), (qmem.RESULT_TEXT_CHARS + 1, True))
+        whole = server.call("qmem_get", id=UUIDS[0])["structuredContent"]["record"]
+        self.assertEqual(whole["text"], text)
+        self.assertNotIn("text_cut", whole)
+        self.assertEqual(server.close(), 0)
+
+    def test_many_long_results_share_a_text_budget(self):
+        store = qmem.Store(self.db)
+        with store.transaction():
+            for n in range(50):
+                store.upsert(qmem.normalize_record(record(UUIDS[n],
+                                                          "budget item %d " % n + "word " * 400)),
+                             qmem.VIEW_FULL)
+        store.close()
+        server = self.server()
+        found = server.call("qmem_find", query="budget item", limit=50,
+                            project_id="*")["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(len(found["results"]), 50)
+        self.assertLessEqual(sum(len(r["text"]) for r in found["results"]),
+                             qmem.RESULTS_TEXT_BUDGET + 50)
+        self.assertTrue(all(r["text_cut"] for r in found["results"]))
+
+    def test_a_gateway_that_sends_too_much_or_not_memories_is_cut_down(self):
+        for n in range(20):
+            self.gw.add("flood %d" % n)
+        real = self.gw.app
+
+        def flood(method, target, headers, data):
+            status, body, extra = real(method, target, headers, data)
+            if target == "/v1/memories:search":
+                body = {"results": [dict(r) for r in self.gw.records.values()]
+                            + [{"text": "no id"}, 7]}
+            return status, body, extra
+        self.gw.app = flood
+        server = self.server()
+        found = server.call("qmem_search", query="flood", top_k=3,
+                            project_id="*")["structuredContent"]
+        self.assertEqual(len(found["results"]), 3)
+        self.assertEqual(server.close(), 0)
+
+    def test_a_config_change_reaches_a_running_server(self):
+        self.offline()
+        os.environ.pop("QMEM_URL")
+        config = os.path.join(self.home, "config.json")
+        with open(config, "w") as f:
+            json.dump({"url": "http://127.0.0.1:%d" % closed_port()}, f)
+        server = self.server(QMEM_CONFIG=config)
+        self.assertEqual(server.call("qmem_meta")["structuredContent"]["source"], "local_sqlite")
+        with open(config, "w") as f:
+            json.dump({"url": self.gw.url, "pad": "x"}, f)
+        self.assertEqual(server.call("qmem_meta")["structuredContent"]["source"], "gateway")
+        self.assertEqual(server.close(), 0)
+
+    def test_no_automatic_flush_after_the_key_was_rejected(self):
+        self.gw.key = "another-key"
+        server = self.server()
+        first = server.call("qmem_store", text="kept until the key is fixed", project_id="infra")
+        self.assertEqual(first["structuredContent"]["status"], "queued")
+        server.request("ping")
+        self.assertEqual(server.close(), 0)
+        # the write itself; no flush behind it with the same key
+        self.assertEqual(len(self.gw.posts()), 1)
+
+    def test_a_stalled_automatic_flush_delays_no_answer(self):
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        self.ok("store", "waits for the gateway", "--project", "infra")
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        self.gw.script += [None, "silent"]  # the search is answered, the flush behind it is not
+        config = os.path.join(self.home, "tight.json")
+        with open(config, "w") as f:
+            json.dump({"connectTimeoutMs": 2000}, f)
+        server = self.server(QMEM_CONFIG=config)
+        found = server.call("qmem_search", query="x", project_id="*")["structuredContent"]
+        self.assertEqual(found["source"], "gateway")
+        with self.gw.arrived:  # the flush's POST has reached the silent gateway
+            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.posts()) >= 1, 10))
+        started = time.monotonic()
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertLess(time.monotonic() - started, 1.0)  # not the 2 s the flush waits
+        self.gw.release()  # the flush's connection closes unanswered: the flush ends at once
+        self.assertEqual(server.close(), 0)
+        self.ok("breaker", "--reset")  # the silent gateway opened it
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+
+    def test_a_background_flush_that_fails_here_is_told_in_every_later_result(self):
+        """Part 10: 58 'automatic flush: disk I/O error' lines on the servers' stderr,
+        and the agents were never told. In-process: the flush made to fail on cue."""
+        self.addCleanup(qmem._FLUSH_ERRORS.clear)
+        self.ok("store", "in coda", "--project", "p", "--queue-only")
+        server = qmem.McpServer(qmem.load_config, cwd=self.workdir)
+        self.addCleanup(server.close)
+
+        def call(**arguments):
+            reply = server.handle({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                                   "params": {"name": "qmem_find", "arguments": arguments}})
+            result = reply["result"]
+            self.assertEqual(json.loads(result["content"][0]["text"]), result["structuredContent"])
+            return result["structuredContent"]
+        self.assertNotIn("writes_stuck", call(query="coda", project_id="p"))
+        failing = sqlite3.OperationalError("disk I/O error")
+        with mock.patch.object(qmem.Flusher, "claim", side_effect=failing):
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                server._flush(server.ops.config)
+        self.assertIn("automatic flush: local database", err.getvalue())
+        for _ in range(2):
+            self.assertIn("disk I/O error", call(query="coda", project_id="p")["writes_stuck"])
+        with contextlib.redirect_stderr(io.StringIO()):
+            server._flush(server.ops.config)
+        self.assertNotIn("writes_stuck", call(query="coda", project_id="p"))
+
+    def test_two_servers_share_one_outbox_and_each_write_is_delivered_once(self):
+        gateway_url = os.environ["QMEM_URL"]
+        self.offline()
+        servers = [self.server(), self.server()]
+        ids = []
+        for n in range(5):
+            for i, server in enumerate(servers):
+                ids.append(server.call("qmem_store", text="note %d from server %d" % (n, i),
+                                       project_id="infra")["structuredContent"]["id"])
+        self.assertEqual(len(set(ids)), 10)
+        for server in servers:
+            self.assertEqual(server.close(), 0)
+        os.environ["QMEM_URL"] = gateway_url
+        self.ok("breaker", "--reset")
+        servers = [self.server(), self.server()]
+        for server in servers:  # both deliver at once, racing for the same rows
+            server.send({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                         "params": {"name": "qmem_meta"}})
+        for server in servers:
+            server.recv()
+            server.request("ping")
+            self.assertEqual(server.close(), 0)
+        self.ok("flush")
+        self.assertEqual(sorted(state for _, state in self.outbox_rows()), ["synced"] * 10)
+        self.assertEqual(len(self.gw.records), 10)
+
+
+class McpProcessTests(McpTestCase):
+    """`qmem.py mcp` as clients run it, a real process over pipes: what depends on the
+    process (its start, its stdin and stdout, signals, its death, its encoding)."""
+
+    def test_handshake_echoes_each_known_version_and_answers_newest_otherwise(self):
+        server = self.process()
+        for version in qmem.MCP_VERSIONS:
+            result = server.initialize(version)
+            self.assertEqual(result["protocolVersion"], version)
+            self.assertEqual(result["capabilities"], {"tools": {"listChanged": False}})
+            self.assertEqual(result["serverInfo"]["name"], "qmem")
+        for asked in ("2099-01-01", "2026-07-28", None, 7):
+            reply = server.request("initialize", {"protocolVersion": asked, "capabilities": {}})
+            self.assertEqual(reply["result"]["protocolVersion"], "2025-11-25")
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(server.stderr(), "")
+        # nothing opened before a tool call
+        self.assertFalse(os.path.exists(os.path.dirname(self.db)))
+
+    def test_server_discover_and_unknown_methods_get_32601_at_once_before_initialize(self):
+        server = self.process()
+        started = time.monotonic()
+        reply = server.request("server/discover", {"_meta": {}}, rid="server-discover-probe-1")
+        self.assertLess(time.monotonic() - started, 3.0)  # the interpreter's start included
+        self.assertEqual(reply["error"]["code"], -32601)
+        for method in ("resources/list", "prompts/list", "logging/setLevel", "completion/complete"):
+            self.assertEqual(server.request(method)["error"]["code"], -32601)
+        started = time.monotonic()
+        self.assertEqual(server.request("no/such")["error"]["code"], -32601)
+        self.assertLess(time.monotonic() - started, 0.5)
+        self.assertEqual(server.initialize()["protocolVersion"], "2025-11-25")
+        self.assertEqual(server.close(), 0)
+
+    def test_nothing_but_json_rpc_on_stdout_diagnostics_go_to_stderr(self):
+        breaker = os.path.join(self.home, "breaker.json")
+        with open(breaker, "w") as f:
+            f.write("not json")  # warn(): a corrupt breaker file
+        server = self.process(QMEM_BREAKER_FILE=breaker)
+        server.initialize()
+        result = server.call("qmem_search", query="anything", project_id="*")
+        self.assertEqual(server.close(), 0)
+        self.assertIn("qmem: ", server.stderr())
+        self.assertTrue(result["structuredContent"]["warnings"])
+        self.assertEqual(len(server.lines), 2)
+
+    def test_200_pipelined_requests_are_answered_in_order(self):
+        self.put_record(UUIDS[0], "circuit breaker opens after three failures")
+        server = self.process()
+        methods = ["ping", "tools/list", "tools/call"]
+        burst = b"".join((json.dumps({"jsonrpc": "2.0", "id": n if n % 2 else "s%d" % n,
+                                      "method": methods[n % 3],
+                                      "params": {"name": "qmem_find",
+                                                 "arguments": {"query": "breaker %d" % n,
+                                                               "project_id": "*"}}})
+                          + "\n").encode() for n in range(200))
+        server.send(burst)
+        for n in range(200):
+            reply = server.recv()
+            self.assertEqual(reply["id"], n if n % 2 else "s%d" % n)
+            self.assertIn("result", reply)
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(len(server.lines), 200)
+
+    def test_a_message_over_the_limit_is_refused_and_the_next_one_answered(self):
+        server = self.process()
+        big = (b'{"jsonrpc":"2.0","id":1,"method":"ping","params":{"x":"' + b"a" * qmem.MAX_MESSAGE
+               + b'"}}\n')
+        server.send(big)
+        self.assertEqual(server.recv()["error"]["code"], -32600)
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(server.close(), 0)
+
+    def test_non_ascii_is_stored_byte_exact_under_a_legacy_code_page(self):
+        text = "héllo 世界 \u2028 ∑ 🎉 «città»"
+        self.offline()
+        server = self.process(PYTHONIOENCODING="cp1252")
+        result = server.call("qmem_store", text=text, project_id="infra")
+        found = server.call("qmem_find", query="héllo", project_id="infra")
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(found["structuredContent"]["results"][0]["text"], text)
+        conn = sqlite3.connect(self.db)
+        try:
+            stored = conn.execute("SELECT text FROM records WHERE id=?",
+                                  (result["structuredContent"]["id"],)).fetchone()
+        finally:
+            conn.close()
+        self.assertEqual(stored[0].encode("utf-8"), text.encode("utf-8"))
+        self.assertNotIn(b"\xe2\x80\xa8", b"".join(server.lines))  # U+2028 travels escaped
+
+    def test_eof_in_the_middle_of_a_request_exits_cleanly_unanswered(self):
+        server = self.process()
+        self.assertEqual(server.request("ping")["result"], {})
+        server.send(b'{"jsonrpc":"2.0","id":9,"method":"tools/call","params":{"name":"qmem_fi')
+        self.assertEqual(server.close(timeout=5), 0)
+        self.assertEqual(len(server.lines), 1)
+        self.assertIn("the input ended in the middle of a message", server.stderr())
+        self.assertNotIn("Traceback", server.stderr())
+
+    def test_sigterm_ends_it_cleanly(self):
+        import signal
+        server = self.process()
+        self.assertEqual(server.request("ping")["result"], {})
+        server.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(server.proc.wait(5), 0)
+        self.assertEqual(server.stderr(), "")
+
+    def test_sigterm_during_a_call_ends_it_at_once_and_the_write_waits_in_the_outbox(self):
+        import signal
+        self.gw.script.append("silent")
+        server = self.process(QMEM_CONFIG=self.config_file(connectTimeoutMs=20000))
+        server.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                     "params": {"name": "qmem_store",
+                                "arguments": {"text": "kept", "project_id": "p"}}})
+        self.wait_for_requests(1)  # the call now waits on the silent gateway
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(server.proc.wait(5), 0)
+        self.assertLess(time.monotonic() - started, 3)  # not the 20 s the gateway would take
+        self.assertNotIn("Traceback", server.stderr())
+        # given back on the way out
+        self.assertEqual([state for _, state in self.outbox_rows()], ["pending"])
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+
+    def test_the_writes_of_a_killed_server_are_taken_over_by_the_next_one(self):
+        self.gw.script.append("silent")
+        server = self.process(QMEM_CONFIG=self.config_file(connectTimeoutMs=20000))
+        server.send({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                     "params": {"name": "qmem_store",
+                                "arguments": {"text": "kept", "project_id": "p"}}})
+        self.wait_for_requests(1)
+        server.kill()  # SIGKILL, as clients do to a server that does not exit in time
+        # its lease runs for minutes
+        self.assertEqual([state for _, state in self.outbox_rows()], ["sending"])
+        server = self.server()  # the next one (in this process)
+        server.call("qmem_meta")
+        server.request("ping")  # answered after the automatic flush
+        self.assertEqual(server.close(), 0)
+        self.assertEqual([state for _, state in self.outbox_rows()], ["synced"])
+        self.assertEqual([r["text"] for r in self.gw.records.values()], ["kept"])
+
+
+# === Command line ============================================================
+
+
+class CliTests(GatewayTestCase):
+    """argparse, options, prompts, stdin, exit codes, and qmem.py run as a script."""
+
+    def run_process(self, argv, stdin=b""):
+        env = dict(os.environ, PYTHONIOENCODING="utf-8")
+        proc = subprocess.run(qmem_command() + argv, input=stdin, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, env=env, timeout=60)
+        self.assertNotIn(b"Traceback", proc.stderr)
+        return (proc.returncode, proc.stdout.decode("utf-8", "replace"),
+                proc.stderr.decode("utf-8", "replace"))
+
+    def test_usage_errors_exit_2_without_traceback(self):
+        self.expect_fail(2, "frobnicate")
+        self.expect_fail(2, "find", "--limit")
+        self.expect_fail(2, "find", "x", "--limit", "zero")
+
+    def test_json_flag_before_or_after_the_subcommand(self):
+        os.makedirs(self.sessions)
+        self.assertIn("stats", json.loads(self.ok("--json", "import")))
+        self.assertIn("stats", json.loads(self.ok("import", "--json")))
+
+    def test_options_where_a_user_puts_them(self):
+        self.ok("search", "x", "--limit", "3")
+        self.assertEqual(self.gw.requests[-1][3]["top_k"], 2 * 3 + 8)  # 3 asked; private left out
+        other = os.path.join(self.home, "other.sqlite")
+        self.assertEqual(self.ok_json("status", "--db", other)["db"]["path"], other)
+        code, out, err = self.run_cli("status", "--db", os.path.join(self.home, "x"), "--debug")
+        self.assertEqual(code, 0)
+
+    def test_global_options_anywhere_before_a_double_dash_and_never_abbreviated(self):
+        self.put_record(UUIDS[0], "alfa beta")
+        self.assertEqual(self.find_ids("alfa", "--json", "beta"), [UUIDS[0]])
+        code, out, err = self.run_cli("store", "--json", "--queue-only", "--project", "p", "--",
+                                      "--debug")
+        self.assertEqual((code, json.loads(out)["queued"]), (0, True))
+        self.assertEqual(self.ok_json("queue")["items"][0]["text"], "--debug")
+        self.assertEqual(self.run_cli("find", "x", "--js")[0], 2)
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.assertEqual(self.run_cli("config", "set", "timeoutMs", "--json", "5000")[0], 0)
+        self.assertEqual(json.loads(self.run_cli("--version", "--json")[1])["name"], "qmem.py")
+
+    def test_help_says_what_defaults_are(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            qmem.main(["correct", "--help"])
+        self.assertIn("the corrected memory's kind", " ".join(out.getvalue().split()))
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            qmem.main(["store", "--help"])
+        self.assertIn("with --supersedes: why the old memory is corrected",
+                      " ".join(out.getvalue().split()))
+
+    def test_text_from_a_file_or_stdin(self):
+        path = os.path.join(self.home, "note.txt")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("Perché la città usa il nodo 7\n")
+        self.ok("store", "--text-file", path, "--project", "geo")
+        with mock.patch("sys.stdin", io.StringIO("dallo stdin")):
+            self.ok("store", "-", "--project", "geo")
+        self.assertEqual(sorted(r["text"] for r in self.gw.records.values()),
+                         ["Perché la città usa il nodo 7", "dallo stdin"])
+
+    def test_bytes_that_are_not_utf8_are_refused_before_anything_is_queued(self):
+        code, out, err = self.run_process(["store", "-", "--project", "demo", "--queue-only"],
+                                          stdin=b"x\xffy")
+        self.assertEqual(code, 2)
+        self.assertIn("the text in stdin is not valid UTF-8 (byte 0xff at offset 1)", err)
+        code, out, err = self.run_process([b"store", b"x\xffy", b"--project", b"demo",
+                                           b"--queue-only"])
+        self.assertEqual(code, 2)
+        self.assertIn("the text is not valid UTF-8 (byte 0xff at character 2)", err)
+        code, out, err = self.run_process([b"store", b"fine", b"--project", b"de\xffmo",
+                                           b"--queue-only"])
+        self.assertEqual(code, 2)
+        self.assertIn("the project is not valid UTF-8", err)
+        code, out, err = self.run_process([b"find", b"x\xffy", b"--json"])
+        self.assertEqual((code, json.loads(out)["error"]["kind"]), (2, "usage"))
+        self.assertEqual(self.ok_json("queue")["items"], [])
+
+    def test_ctrl_d_at_a_prompt_is_a_clean_end(self):
+        self.no_gateway()
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("builtins.input", side_effect=EOFError):
+            code, out, err = self.run_cli("config")
+        self.assertEqual((code, err), (0, ""))
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("builtins.input", side_effect=["1", EOFError]):
+            self.assertEqual(self.run_cli("config")[0], 0)
+        with mock.patch("sys.stdin") as stdin, mock.patch("getpass.getpass", side_effect=EOFError):
+            stdin.isatty.return_value = True
+            err = self.expect_fail(2, "config", "apikey")
+        self.assertIn("an API key must be one word of printable ASCII characters, not empty", err)
+        self.assertFalse(os.path.exists(os.environ["QMEM_CONFIG"]))
+
+    def test_queue_drop_asks_on_a_terminal(self):
+        failed = self.refused_store("da buttare")
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("sys.stdin", io.StringIO("n\n")):
+            code, out, err = self.run_cli("queue", "--drop", failed)
+        self.assertEqual(code, 1)
+        self.assertIn("discard 1 write and its record? [y/N]", err)
+        self.assertEqual(len(self.outbox()), 1)
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("sys.stdin", io.StringIO("y\n")):
+            self.assertEqual(self.run_cli("queue", "--drop", failed)[0], 0)
+        self.assertEqual(self.outbox(), {})
+
+    def test_prompts_and_diagnostics_escape_what_they_show(self):
+        hostile = "da \x1b]0;pwned\x07 buttare"
+        self.gw.script = [(422, {"detail": "no"})]
+        self.run_cli("store", hostile, "--project", "p")
+        local = self.ok_json("queue")["items"][0]["local_id"]
+        with mock.patch.object(qmem, "_interactive", return_value=True), \
+                mock.patch("sys.stdin", io.StringIO("n\n")):
+            code, out, err = self.run_cli("queue", "--drop", local)
+        self.assertNotIn("\x1b", err)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            qmem.stderr_diagnostic("name \u202eevil\u2028x")
+        self.assertNotRegex(err.getvalue(), "[\u202e\u2028]")
+
+    def test_interrupt_exits_130(self):
+        with mock.patch.object(qmem.Operations, "status", side_effect=KeyboardInterrupt):
+            code, out, err = self.run_cli("status")
+            self.assertEqual((code, out, err), (130, "", "qmem: interrupted\n"))
+            code, out, err = self.run_cli("status", "--json")
+        self.assertEqual(code, 130)
+        self.assertEqual(json.loads(out),
+                         {"error": {"kind": "interrupted", "message": "interrupted", "hint": None},
+                                           "exit_code": 130})
+
+    def test_an_exception_nobody_expected_is_one_line_without_its_words(self):
+        with mock.patch.object(qmem.Operations, "status",
+                               side_effect=ValueError("Bearer " + API_KEY)):
+            code, out, err = self.run_cli("status", "--json")
+        self.assertEqual(code, 1)
+        self.assertNotIn(API_KEY, out + err)
+        self.assertEqual(json.loads(out)["error"]["kind"], "internal")
+        self.assertEqual(err.count("\n"), 1)
+
+    def test_the_api_key_appears_in_no_output(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        captured = []
+        for argv in (("config", "show"), ("config", "show", "--json"), ("config", "test"),
+                     ("search", "x"),
+                     ("get", "nope"), ("meta",), ("breaker",), ("status",)):
+            captured.append(self.run_cli(*argv))
+        os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
+        for argv in (("search", "x"), ("search", "x", "--json"), ("breaker", "--json"),
+                     ("get", "x")):
+            captured.append(self.run_cli(*argv))
+        for code, out, err in captured:
+            self.assertNotIn(API_KEY, out + err)
+            self.assertNotIn("0123456789", out + err)
+        with open(self.breaker_file) as f:
+            self.assertNotIn(API_KEY, f.read())
+
+    def test_runs_as_a_script_and_find_loads_no_network_module(self):
+        env = dict(os.environ)
+        probe = ("import runpy, sys; sys.argv = ['qmem.py', 'find', 'x'];\n"
+                 "try:\n    runpy.run_path(%r, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                 "bad = [m for m in ('ssl', 'http.client', 'socket', 'urllib.request')\n"
+                 "       if m in sys.modules]\n"
+                 "sys.stderr.write('NET:%%s' %% bad)\n" % QMEM)
+        p = subprocess.run([sys.executable, "-c", probe], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertIn("NET:[]", p.stderr)
+        p = subprocess.run([sys.executable, QMEM, "--help"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual(p.returncode, 0)
+        for name in ("import", "find", "status"):
+            self.assertIn(name, p.stdout)
+
+
+# === Across the layers =======================================================
+
+
+class SoakTests(McpTestCase):
+    """Part 10: several agents on one machine. Three `qmem.py mcp` servers, CLI writers
+    and flushes share one database, outbox and breaker, against a gateway that fails on
+    a fixed schedule (resets, cut bodies, replies lost after storing, 503s, stalls,
+    slow answers), with a server and a flush SIGKILLed mid-call. Every write its
+    writer was told is stored or queued reaches the gateway exactly once."""
+
+    SEED = 20261202
+
+    FAULTS = ["close", "cut_real", "drop_after_store", "silent", "slow",
+              (503, {"detail": "busy"}, {"Retry-After": "0"})]
+
+    def setUp(self):
+        super().setUp()
+        config = os.path.join(self.home, ".config", "pi-qmem", "config.json")
+        os.makedirs(os.path.dirname(config))
+        with open(config, "w") as f:
+            json.dump({"connectTimeoutMs": 300, "timeoutMs": 500, "breakerBaseMs": 20,
+                       "breakerMaxMs": 50, "breakerTripAfter": 2}, f)
+        os.chmod(config, 0o600)
+        gw = self.gw
+        real_app = gw.app
+
+        def app(*request):  # one request at a time, as a real store would serialise them
+            with gw.lock:
+                return real_app(*request)
+        gw.app = app
+        self.told, self.untold, self.outputs, self.errors = [], [], [], []
+
+    def schedule(self, n):
+        import random
+        rng = random.Random(self.SEED)
+        slow = lambda: time.sleep(0.2)  # noqa: E731
+        faults = [slow if a == "slow" else a for a in self.FAULTS]
+        return [rng.choice(faults) if rng.random() < 0.4 else None for _ in range(n)]
+
+    def cli(self, *argv):
+        proc = subprocess.run(qmem_command() + list(argv), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, universal_newlines=True,
+                              env=dict(os.environ), timeout=60)
+        self.outputs.append(proc.stdout + proc.stderr)
+        return proc
+
+    def cli_writer(self, name, count, queue_only=False):
+        for n in range(count):
+            text = "soak %s %d" % (name, n)
+            extra = ("--queue-only",) if n % 2 or queue_only else ()
+            proc = self.cli("store", text, "--project", "soak", "--json", *extra)
+            (self.told if proc.returncode == 0 else self.untold).append(text)
+
+    def cron(self):
+        for _ in range(4):
+            self.cli("flush")
+            self.cli("search", "soak")  # an online read: its automatic flush delivers too
+
+    def agent(self, server, name, count):
+        for n in range(count):
+            text = "soak %s %d" % (name, n)
+            result = server.call("qmem_store", text=text, project_id="soak", kind="fact")
+            status = result["structuredContent"]["status"]
+            (self.told if status in ("stored", "queued") else self.untold).append(text)
+            if n % 3 == 2:
+                server.call("qmem_find", query="soak %s" % name, project_id="soak")
+
+    def in_threads(self, *jobs):
+        import threading
+
+        def guarded(job):
+            try:
+                job()
+            except BaseException as e:  # an assertion in a thread: reported by the test
+                self.errors.append("%s: %s" % (type(e).__name__, e))
+        threads = [threading.Thread(target=guarded, args=(job,)) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+
+    def wait_for_request(self, before):
+        with self.gw.arrived:
+            self.assertTrue(self.gw.arrived.wait_for(lambda: len(self.gw.requests) > before, 20))
+
+    def test_agents_writers_and_flushes_on_one_database_deliver_each_write_once(self):
+        import signal
+        servers = [self.process() for _ in range(3)]
+        for s in servers:
+            s.initialize()
+        self.gw.script = self.schedule(90)
+        # Everyone at once, through the faults.
+        agents = [lambda s=s, i=i: self.agent(s, "agent%d" % i, 8) for i, s in enumerate(servers)]
+        self.in_threads(lambda: self.cli_writer("cli", 8), self.cron, *agents)
+        self.assertEqual(self.errors, [])
+        # A server killed mid-call: its write was queued before any network.
+        self.ok("breaker", "--reset")  # so that the call goes out, and is cut there
+        self.gw.script = ["silent"]
+        before = len(self.gw.requests)
+        servers[0].send({"jsonrpc": "2.0", "id": 7, "method": "tools/call", "params": {
+            "name": "qmem_store", "arguments": {"text": "soak killed", "project_id": "soak"}}})
+        self.wait_for_request(before)
+        servers[0].proc.send_signal(signal.SIGKILL)
+        servers[0].proc.wait()  # as its client does
+        self.untold.append("soak killed")
+        # A flush killed mid-request, holding its claims (and the probe, if it was one).
+        self.cli_writer("queued", 2)
+        self.ok("breaker", "--reset")
+        self.gw.script = ["silent"]
+        before = len(self.gw.requests)
+        flush = subprocess.Popen(qmem_command() + ["flush"], env=dict(os.environ),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.addCleanup(flush.wait)
+        self.wait_for_request(before)
+        flush.kill()
+        flush.wait()
+        self.gw.script = []
+        # The healthy gateway. Each survivor's call delivers ready writes in the background
+        # (its second connection), while other processes come and go.
+        self.cli("flush")
+        for n, s in enumerate(servers[1:]):
+            self.cli_writer("ready%d" % n, 1, queue_only=True)
+            self.agent(s, "late%d" % n, 1)
+            self.wait_until_delivered()
+        self.cli_writer("passing", 1)
+        self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under live servers")
+        for n, s in enumerate(servers[1:]):
+            self.agent(s, "last%d" % n, 1)
+        servers[1].proc.kill()  # told "stored" or "queued": on disk without a clean close
+        servers[1].proc.wait()
+        self.outputs.append(servers[2].stderr())
+        self.assertEqual(servers[2].close(), 0)
+        self.wait_until_delivered(flush=True)
+        self.assertEqual(self.errors, [])
+        self.assert_exactly_once()
+
+    def wait_until_delivered(self, flush=False):
+        """Until nothing waits in the outbox (a flush each round when asked), or 15 s."""
+        give_up = time.monotonic() + 15
+        while time.monotonic() < give_up:
+            if flush:
+                self.cli("flush")
+            conn = sqlite3.connect(self.db)
+            try:
+                waiting = conn.execute("SELECT count(*) FROM outbox "
+                                       "WHERE state IN ('pending', 'sending')").fetchone()[0]
+            finally:
+                conn.close()
+            if not waiting:
+                return
+            time.sleep(0.05)  # the breaker's open time (at most breakerMaxMs) runs out
+
+    def assert_exactly_once(self):
+        import collections
+        stored = collections.Counter(r["text"] for r in self.gw.records.values())
+        self.assertGreaterEqual(len(self.told), 20)
+        self.assertEqual([t for t in self.told if stored[t] != 1], [], "told: not exactly once")
+        self.assertEqual([t for t in self.untold if stored[t] > 1], [], "untold: delivered twice")
+        self.assertEqual(set(stored) - set(self.told) - set(self.untold), set())
+        conn = sqlite3.connect(self.db)
+        self.addCleanup(conn.close)
+        self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
+        left = conn.execute("SELECT state, count(*) FROM outbox WHERE state != 'synced' "
+                            "GROUP BY state").fetchall()
+        self.assertEqual(left, [])
+        for text in self.outputs:
+            for bad in ("Traceback", "database is locked", "internal", "malformed", "disk I/O"):
+                self.assertNotIn(bad, text)
+
+
+class SourceTests(unittest.TestCase):
+    """qmem.py and this file themselves."""
 
     def test_source_parses_as_python_3_6(self):
         import ast
@@ -5622,6 +6178,16 @@ class CompatibilityTests(unittest.TestCase):
                 ast.parse(source, path, feature_version=(3, 6))  # novermin (guarded)
             else:  # this interpreter's own parser is a 3.6 or 3.7 one
                 compile(source, path, "exec")
+
+    def test_no_line_is_longer_than_100_characters(self):
+        for path in (QMEM, os.path.join(HERE, "test_qmem.py")):
+            with self.subTest(file=os.path.basename(path)):
+                with open(path, encoding="utf-8") as f:
+                    long = [(n, len(line)) for n, line in enumerate(f.read().split("\n"), 1)
+                            if len(line) > 100]
+                self.assertEqual(len(long), 0, "%s: %d lines over 100 characters, the first: %s" % (
+                    os.path.basename(path), len(long),
+                    ", ".join("line %d (%d)" % each for each in long[:5])))
 
 
 if __name__ == "__main__":
