@@ -610,34 +610,7 @@ def load_config(environ=None, overrides=None):
     environ = os.environ if environ is None else environ
     home = environ.get("HOME") or os.path.expanduser("~")
     path = environ.get("QMEM_CONFIG") or os.path.join(home, ".config", "pi-qmem", "config.json")
-    raw = {}
-    try:
-        with open(path, "rb") as f:
-            unsafe = not_private(os.fstat(f.fileno()))
-            if unsafe:  # another user could point the URL elsewhere and collect the key
-                raise ConfigError("config file %s is %s: refusing to use it" % (path, unsafe),
-                                  hint="chown it to yourself and chmod 600 %s" % path)
-            data = f.read(MAX_CONFIG_BYTES + 1)
-            readable_by_others = os.name == "posix" and os.fstat(f.fileno()).st_mode & 0o044
-    except FileNotFoundError:
-        data = None
-    except OSError as e:
-        raise ConfigError("cannot read config file %s: %s" % (path, e.strerror or e))
-    if data is not None:
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError("config file %s is larger than %d KiB: not a config file"
-                              % (path, MAX_CONFIG_BYTES >> 10))
-        try:
-            raw = json.loads(data.decode("utf-8")) if data.strip() else {}
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise ConfigError("config file %s is not valid JSON: %s"
-                              % (path, e if not isinstance(e, RecursionError)
-                                                                        else "nested too deeply"))
-        if not isinstance(raw, dict):
-            raise ConfigError("config file %s must hold a JSON object" % path)
-        if readable_by_others and raw.get("apiKey"):
-            _warn_once("config file %s holds the API key and other users can read it: chmod 600 %s"
-                       % (path, path))
+    raw = _read_config_file(path)
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
     for key in DEFAULTS:
         if key in raw and raw[key] is not None:
@@ -666,6 +639,38 @@ def load_config(environ=None, overrides=None):
     config = Config(values, sources, path, raw, breaker, home)
     config.key_withheld = withheld
     return config
+
+
+def _read_config_file(path):
+    """The JSON object of the config file ({} when there is none). Refused unless it is
+    ours and not writable by others: another user could point the URL elsewhere and
+    collect the key."""
+    try:
+        with open(path, "rb") as f:
+            unsafe = not_private(os.fstat(f.fileno()))
+            if unsafe:
+                raise ConfigError("config file %s is %s: refusing to use it" % (path, unsafe),
+                                  hint="chown it to yourself and chmod 600 %s" % path)
+            data = f.read(MAX_CONFIG_BYTES + 1)
+            readable_by_others = os.name == "posix" and os.fstat(f.fileno()).st_mode & 0o044
+    except FileNotFoundError:
+        return {}
+    except OSError as e:
+        raise ConfigError("cannot read config file %s: %s" % (path, e.strerror or e))
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError("config file %s is larger than %d KiB: not a config file"
+                          % (path, MAX_CONFIG_BYTES >> 10))
+    try:
+        raw = json.loads(data.decode("utf-8")) if data.strip() else {}
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise ConfigError("config file %s is not valid JSON: %s" % (
+            path, "nested too deeply" if isinstance(e, RecursionError) else e))
+    if not isinstance(raw, dict):
+        raise ConfigError("config file %s must hold a JSON object" % path)
+    if readable_by_others and raw.get("apiKey"):
+        _warn_once("config file %s holds the API key and other users can read it: chmod 600 %s"
+                   % (path, path))
+    return raw
 
 
 def gateway_of(url):
@@ -5190,7 +5195,7 @@ module = type(sys)("qmem")
 module.__file__ = SOURCE
 sys.modules["qmem"] = module
 exec(code, module.__dict__)
-sys.exit(module.main())
+module.exit_now(module.main())
 '''
 
 
@@ -7461,7 +7466,7 @@ class McpServer:
     def tool_store(self, ops, a):
         project, where = self._write_project(a.get("project_id"))
         expires = parse_iso(a["expires_at"]) if a.get("expires_at") else None
-        if a.get("expires_at") and (expires is None or expires <= time.time()):
+        if a.get("expires_at") and (expires is None or expires <= self.clock()):
             raise UsageError("expires_at %s is %s" % (json.dumps(_fit(a["expires_at"], 40)),
                                                       "not a date" if expires is None
                                                       else "already past"),
@@ -8361,5 +8366,17 @@ def _run_writer(db_path):
         return EXIT_INTERRUPTED
 
 
+def exit_now(code):
+    """End the process with `code`, its output flushed, without the interpreter's teardown:
+    freeing every module and function object of a process about to end costs ~7 ms, a
+    sixth of a `find`. Every file and database connection is closed by then."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader gone, a stream closed
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

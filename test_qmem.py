@@ -1303,8 +1303,8 @@ class BreakerTests(GatewayTestCase):
                  "def no(*a, **k): raise AssertionError('a socket was opened')\n"
                  "socket.socket.__init__ = no\n"
                  "sys.argv = ['qmem.py', 'search', 'anything', '--json']\n"
-                 "try:\n    runpy.run_path(%r, run_name='__main__')\n"
-                 "except SystemExit as e:\n    code = e.code\n"
+                 # (as __main__ the script ends the process itself: see exit_now)
+                 "code = runpy.run_path(%r, run_name='qmem_probe')['main'](sys.argv[1:])\n"
                  "bad = [m for m in ('ssl', 'http.client') if m in sys.modules]\n"
                  "sys.stderr.write('NET:%%s EXIT:%%s' %% (bad, code))\n" % QMEM)
         p = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ),
@@ -5981,8 +5981,8 @@ class CliTests(GatewayTestCase):
 
     def test_runs_as_a_script_and_find_loads_no_network_module(self):
         env = dict(os.environ)
-        probe = ("import runpy, sys; sys.argv = ['qmem.py', 'find', 'x'];\n"
-                 "try:\n    runpy.run_path(%r, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        probe = ("import runpy, sys\n"
+                 "runpy.run_path(%r, run_name='qmem_probe')['main'](['find', 'x'])\n"
                  "bad = [m for m in ('ssl', 'http.client', 'socket', 'urllib.request')\n"
                  "       if m in sys.modules]\n"
                  "sys.stderr.write('NET:%%s' %% bad)\n" % QMEM)
@@ -5994,6 +5994,15 @@ class CliTests(GatewayTestCase):
         self.assertEqual(p.returncode, 0)
         for name in ("import", "find", "status"):
             self.assertIn(name, p.stdout)
+        # A script run ends without the interpreter's teardown: its output and exit code
+        # are still whole (a document on stdout, a usage error's line and 2).
+        p = subprocess.run([sys.executable, QMEM, "status", "--json"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual((p.returncode, json.loads(p.stdout)["index_exists"]), (0, False))
+        p = subprocess.run([sys.executable, QMEM, "queue", "--bogus"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
+        self.assertEqual(p.returncode, 2)
+        self.assertTrue(p.stderr.startswith("qmem: unrecognized arguments: --bogus"), p.stderr)
 
 
 # === Across the layers =======================================================
