@@ -3203,8 +3203,9 @@ class _WriterProcess:
         if not os.path.isfile(script):
             return None
         try:
-            proc = subprocess.Popen([sys.executable, script, _WRITER_COMMAND, db_path],
-                                    stdin=subprocess.PIPE,
+            isolated = ["-I"] if sys.flags.isolated else []  # as the launcher runs qmem.py
+            proc = subprocess.Popen([sys.executable] + isolated
+                                    + [script, _WRITER_COMMAND, db_path], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     env=_child_environment())
         except OSError:
@@ -5154,35 +5155,65 @@ def _judge_status(resp, took, config, clock):
 LAUNCHER_MARK = "# qmem launcher, written by `qmem.py install`"
 LAUNCHER = '''#!%(python)s -I
 %(mark)s (`qmem.py install --uninstall` removes it).
-# It runs %(source)s with its compiled code cached in %(cache)s.
+# It runs %(source)r with its compiled code cached in the user's cache folder.
 import marshal, os, sys
-SOURCE, CACHE = %(source)r, %(cache)r
+from importlib.util import MAGIC_NUMBER
+SOURCE = %(source)r
+
+
+def private_folder(me):
+    """$XDG_CACHE_HOME/qmem (else ~/.cache/qmem) of the user running this, made 0700, but
+    only under a folder of theirs (a sudo must leave no folder of root's there); or None."""
+    base = os.environ.get("XDG_CACHE_HOME") or ""
+    base = base if os.path.isabs(base) else os.path.join(os.path.expanduser("~"), ".cache")
+    folder = top = os.path.join(base, "qmem")
+    while not os.path.lexists(top) and os.path.dirname(top) != top:
+        top = os.path.dirname(top)
+    if not os.path.isabs(folder) or os.stat(top).st_uid != me:
+        return None
+    os.makedirs(folder, 0o700, exist_ok=True)
+    st = os.stat(folder)
+    return folder if st.st_uid == me and not st.st_mode & 0o077 else None
+
+
+def cached(path, key, me):
+    """The code cached at path for this key; None if missing, damaged or not ours (the
+    file itself is judged: the folder may have been swapped since it was)."""
+    try:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
+            st = os.fstat(f.fileno())
+            if (st.st_uid == me and st.st_nlink == 1 and not st.st_mode & 0o077
+                    and f.readline() == key):
+                code = marshal.loads(f.read())
+                return code if type(code) is type(cached.__code__) else None
+    except (OSError, ValueError, EOFError, TypeError):
+        return None
 
 
 def compiled():
-    st = os.stat(SOURCE)
-    key = ("%%d %%d\\n" %% (st.st_size, st.st_mtime_ns)).encode()
-    path = os.path.join(CACHE, "qmem.%%s.code" %% sys.implementation.cache_tag)
+    st, me = os.stat(SOURCE), os.geteuid()
+    key = ("%%d %%d %%s\\n" %% (st.st_size, st.st_mtime_ns, MAGIC_NUMBER.hex())).encode()
     try:
-        os.makedirs(CACHE, 0o700, exist_ok=True)
-        folder = os.stat(CACHE)
-        private = folder.st_uid == os.geteuid() and not folder.st_mode & 0o077
-        if private and os.path.exists(path):
-            with open(path, "rb") as f:
-                if f.readline() == key:
-                    return marshal.loads(f.read())
-    except (OSError, ValueError, EOFError, TypeError):
-        private = False
+        folder = private_folder(me)
+    except OSError:
+        folder = None
+    path = folder and os.path.join(folder, "qmem.%%s.code" %% sys.implementation.cache_tag)
+    code = path and cached(path, key, me)
+    if code:
+        return code
     with open(SOURCE, "rb") as f:
         code = compile(f.read(), SOURCE, "exec")
-    if private:
+    if path:
         tmp = "%%s.%%d" %% (path, os.getpid())
         try:
-            with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
                 f.write(key + marshal.dumps(code))
             os.replace(tmp, path)
-        except OSError:
-            pass
+        except OSError:  # a full disk: no cache this time, and no half file left
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return code
 
 
@@ -5191,10 +5222,15 @@ try:
 except OSError as e:
     sys.exit("qmem: cannot read %%s (%%s): run `python3 qmem.py install` where it is now"
              %% (SOURCE, e.strerror))
+except (SyntaxError, ValueError) as e:
+    sys.exit("qmem: %%s does not compile (%%s, line %%s)" %% (SOURCE, type(e).__name__,
+                                                        getattr(e, "lineno", "?")))
 module = type(sys)("qmem")
 module.__file__ = SOURCE
 sys.modules["qmem"] = module
 exec(code, module.__dict__)
+if not callable(getattr(module, "exit_now", None)):
+    sys.exit("qmem: %%s is not qmem.py: run `python3 qmem.py install` where it is" %% SOURCE)
 module.exit_now(module.main())
 '''
 
@@ -5207,8 +5243,9 @@ def _launcher_is_ours(path):
         if not stat.S_ISREG(st.st_mode):
             return False
         with open(path, "rb") as f:
-            return LAUNCHER_MARK.encode() in f.read(512)
-    except FileNotFoundError:
+            lines = f.read(512).split(b"\n")
+        return len(lines) > 2 and lines[1].startswith(LAUNCHER_MARK.encode())
+    except (FileNotFoundError, NotADirectoryError):  # (--bin FILE: said when it is written)
         return None
     except OSError:
         return False
@@ -5231,23 +5268,31 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
                 os.unlink(path)
         except OSError as e:
             raise QmemError("cannot remove %s: %s" % (path, e.strerror or e), kind="io")
-        return dict(doc, removed=bool(ours))
+        return dict(doc, removed=bool(ours), cache=_cache_folder(environ, home))
     python = sys.executable
     if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
         raise UsageError("a launcher needs a POSIX system and an interpreter path without "
                          "spaces (%s)" % (python or "unknown"),
                          hint="run `python3 qmem.py` instead")
-    cache = environ.get("XDG_CACHE_HOME") or ""
-    cache = os.path.join(cache if os.path.isabs(cache) else os.path.join(home, ".cache"), "qmem")
     source = os.path.abspath(__file__)
-    text = LAUNCHER % {"python": python, "mark": LAUNCHER_MARK, "source": source, "cache": cache}
+    if not source.isprintable():  # it is written into the launcher's code
+        raise UsageError("the path of qmem.py holds a control character: %r" % source,
+                         hint="move it to a folder with a plain name")
+    text = LAUNCHER % {"python": python, "mark": LAUNCHER_MARK, "source": source}
     try:
         atomic_write(path, text.encode("utf-8"), 0o755)
     except OSError as e:
         raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
     on_path = [p for p in environ.get("PATH", "").split(os.pathsep)
                if p and os.path.realpath(p) == os.path.realpath(folder)]
-    return dict(doc, source=source, python=python, cache=cache, on_path=bool(on_path))
+    return dict(doc, source=source, python=python, cache=_cache_folder(environ, home),
+                on_path=bool(on_path))
+
+
+def _cache_folder(environ, home):
+    """Where the launcher run by this user caches its code (it works it out itself)."""
+    base = environ.get("XDG_CACHE_HOME") or ""
+    return os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"), "qmem")
 
 
 # === Operations ==============================================================
@@ -6799,6 +6844,9 @@ def show_rules(doc, out):
 def show_install(doc, out):
     if doc["action"] == "uninstall":
         out.write("%s %s\n" % ("removed" if doc["removed"] else "no launcher at", doc["launcher"]))
+        if doc["removed"] and os.path.isdir(doc["cache"]):
+            out.write("  its compiled code stays in %s (shared by every launcher of yours): "
+                      "rm -r it to free the space\n" % doc["cache"])
         return
     out.write("launcher written: %s\n  it runs %s with %s, its compiled code cached in %s\n"
               % (doc["launcher"], doc["source"], doc["python"], doc["cache"]))

@@ -170,6 +170,11 @@ class QmemTestCase(unittest.TestCase):
         return uid
 
 
+def write_text(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def read_bytes(path):
     with open(path, "rb") as f:
         return f.read()
@@ -4051,8 +4056,24 @@ class LauncherTests(QmemTestCase):
         self.assertEqual(code, 0)
         self.assertIn("records", json.loads(out))
         with open(cached, "rb") as f:
-            self.assertEqual(f.readline(), ("%d %d\n" % (os.stat(QMEM).st_size,
-                                                          os.stat(QMEM).st_mtime_ns)).encode())
+            self.assertTrue(f.readline().startswith(("%d %d " % (
+                os.stat(QMEM).st_size, os.stat(QMEM).st_mtime_ns)).encode()))
+
+    def test_a_cache_file_that_is_not_the_users_own_is_never_run(self):
+        uid = self.need_other_uid()
+        self.ok("install", "--bin", self.bin)
+        self.assertEqual(self.run_launcher("--version")[0], 0)
+        cached = os.path.join(self.cache, "qmem.%s.code" % sys.implementation.cache_tag)
+        with open(cached, "rb") as f:
+            key = f.readline()
+        planted = compile("print('PLANTED')", "x", "exec")
+        import marshal
+        with open(cached, "wb") as f:
+            f.write(key + marshal.dumps(planted))
+        os.chown(cached, uid, -1)  # another user's file, planted with the right key
+        code, out, _ = self.run_launcher("--version")
+        self.assertEqual((code, out.strip()), (0, "qmem.py " + qmem.__version__))
+        self.assertEqual(os.stat(cached).st_uid, os.geteuid())  # compiled again, rewritten
 
     def test_the_launcher_says_where_it_is_not_on_path(self):
         out = self.ok("install", "--bin", self.bin)
@@ -4062,7 +4083,9 @@ class LauncherTests(QmemTestCase):
 
     def test_install_and_uninstall_never_touch_a_qmem_they_did_not_write(self):
         os.makedirs(self.bin)
-        for make in (lambda: open(self.launcher, "w").write("#!/bin/sh\necho mine\n"),
+        quoting = "#!/bin/sh\n# like %s\nexec real \"$@\"\n" % qmem.LAUNCHER_MARK
+        for make in (lambda: write_text(self.launcher, "#!/bin/sh\necho mine\n"),
+                     lambda: write_text(self.launcher, quoting),
                      lambda: os.symlink(os.path.join(self.home, "elsewhere"), self.launcher)):
             make()
             for argv in (("install",), ("install", "--uninstall")):
