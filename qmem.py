@@ -1368,6 +1368,11 @@ class Gateway:
         self.worst_call_s = worst_call_s(config, retries)
         self.conn = self.sock = None
         self.prefix = ""
+        # Where the key in use comes from: the advice of a rejected key fixes that place.
+        self.key_hint = ("the key in use is QMEM_API_KEY's, from the environment: set the right "
+                         "one there, or unset it to use the config file's (`qmem.py config "
+                         "apikey` saves one there)" if config.sources["apiKey"].startswith("env")
+                         else "set the right one with `qmem.py config apikey`")
         self.answered = False  # has any call of this command had an answer?
         self.key_rejected = False  # ... and was it a 401 or 403?
         warn_plain_http(self.url, self.key)
@@ -1414,8 +1419,7 @@ class Gateway:
                     self.key_rejected = True
                     raise GatewayError(AUTH,
                                        "API key rejected by the gateway (HTTP %d)" % resp.status,
-                                       resp.status,
-                                       hint="set the right one with `qmem.py config apikey`")
+                                       resp.status, hint=self.key_hint)
                 return resp
             # Every failed attempt counts, retries too (resilience4j's
             # Retry(CircuitBreaker(call))): a gateway that stalls every body costs
@@ -5466,9 +5470,12 @@ class Operations:
 
     def status(self):
         """What the local side knows (an empty account on a fresh machine)."""
+        gateway = mask_url(self.config["url"]) if self.config["url"] else None
         if not self.has_index():
-            return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None)
-        return dict(local_status(self.store()), index_exists=True, writes_stuck=self.writes_stuck())
+            return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None,
+                        gateway=gateway)
+        return dict(local_status(self.store()), index_exists=True, gateway=gateway,
+                    writes_stuck=self.writes_stuck())
 
     def install(self, bin_dir=None, uninstall=False):
         """The launcher (see the Launcher section), written or removed."""
@@ -5549,6 +5556,9 @@ class Operations:
         if on_command_line:
             warn("a key given on the command line stays in your shell history; prefer "
                  "`qmem.py config apikey` and type it at the prompt")
+        if self.config.sources["apiKey"].startswith("env"):
+            warn("QMEM_API_KEY is set in the environment and overrides the file: unset it for "
+                 "the key saved here to be used")
         write_config(self.config, {"apiKey": key})
         if self.config["url"]:
             warn_plain_http(self.config["url"], key)
@@ -5951,7 +5961,9 @@ class Operations:
         if store is not None and retry_failed:
             store.retry_failed()
         if store is None or not store.outbox_waiting():
-            return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[])
+            refused = store.outbox_counts()[FAILED] if store is not None else 0
+            return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[],
+                        refused_here=refused)
         gateway = self.gateway()
         if not respect_retry_after:
             store.make_due(self.clock())
@@ -6061,6 +6073,7 @@ class Operations:
         rid = (record_id or "").strip()
         if not rid:
             raise UsageError("get needs a memory id")
+        _check_id(rid, "get")  # anything else is no id here nor on the gateway
         local = None
         try:
             if self.has_index():  # a local id of a write delivered since: its gateway id
@@ -6710,6 +6723,11 @@ def show_stuck(doc, out):
 def show_flush(doc, out):
     if doc["source"] == "outbox":
         out.write("flush: nothing queued\n")
+        if doc.get("refused_here"):
+            out.write("  %s refused by the gateway wait%s in the outbox: `qmem.py queue --state "
+                      "failed` says why, `qmem.py flush --retry-failed` tries again\n"
+                      % (plural(doc["refused_here"], "write"),
+                         "s" if doc["refused_here"] == 1 else ""))
         return
     out.write("flush: %d delivered, %d duplicates (not stored), %d failed, %d to retry later; %d "
               "still queued%s\n" % (
@@ -6804,6 +6822,7 @@ def show_status(doc, out):
         out.write("no local index yet at %s: run `qmem.py import` or `qmem.py pull`\n"
                   % doc["db"]["path"])
         out.write("this machine: %s\n" % doc["machine"])
+        show_gateway(doc, out)
         return
     rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
     out.write("records: %d  (superseded %d, deleted %d, private %d; written here: %d waiting to be "
@@ -6835,6 +6854,12 @@ def show_status(doc, out):
         doc["fts"]["tokenizer"] if doc["fts"]["available"]
         else "LIKE scan (this SQLite has no FTS5)"))
     out.write("this machine: %s\n" % doc["machine"])
+    show_gateway(doc, out)
+
+
+def show_gateway(doc, out):
+    out.write("gateway: %s\n" % (doc["gateway"] or "none configured: this host works offline "
+                                 "(`qmem.py config url https://…` sets one)"))
 
 
 def show_rules(doc, out):
@@ -8259,6 +8284,7 @@ def build_parser(only=None):
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
     sp.add_argument("--new", action="store_true",
                     help="with bundle-key: make a new key (printed once)")
+    p.commands = built
     return p if only is None or only in built else build_parser()
 
 
@@ -8301,7 +8327,11 @@ def main(argv=None):
         if "--version" in argv and json_mode:
             render_json_version()
             return EXIT_OK
-        args = build_parser(_command_word(argv)).parse_args(argv)
+        parser = build_parser(_command_word(argv))
+        if _command_word(argv) is None and not {"-h", "--help", "--version"} & set(argv):
+            raise UsageError("a command is needed: %s" % ", ".join(parser.commands),
+                             hint="`qmem.py --help` says what each does")
+        args = parser.parse_args(argv)
         if args.command == "mcp":
             return run_mcp(args)
         if args.command == "export" and args.file == "-":

@@ -644,7 +644,7 @@ class ErrorTests(GatewayTestCase):
 
     def test_failures_exit_1_and_require_remote_exits_3(self):
         one = self.assert_one_document
-        self.assertEqual(one(1, "get", "does-not-exist")["error"]["kind"], "not_found")
+        self.assertEqual(one(1, "get", UUIDS[150])["error"]["kind"], "not_found")
         self.gw.script.append((422, {"detail": "text rejected"}))
         refused = one(1, "store", "rifiutata", "--project", "p")
         self.assertEqual((refused["state"], refused["error"]["kind"]), ("failed", "rejected"))
@@ -654,10 +654,10 @@ class ErrorTests(GatewayTestCase):
         self.offline()
         self.assertEqual(one(3, "search", "x", "--require-remote")["error"]["kind"],
                          "remote_required")
-        self.assertEqual(one(3, "get", "x", "--require-remote")["exit_code"], 3)
+        self.assertEqual(one(3, "get", UUIDS[151], "--require-remote")["exit_code"], 3)
         self.assertEqual(one(3, "meta", "--require-remote")["exit_code"], 3)
         # maybe a real id: it cannot be checked now
-        self.assertEqual(one(1, "get", "not-here-either")["error"]["kind"], "unavailable")
+        self.assertEqual(one(1, "get", UUIDS[152])["error"]["kind"], "unavailable")
         # opened by the first call
         self.assertEqual(one(1, "pull")["error"]["kind"], "breaker_open")
         self.assertEqual(one(1, "enrich", "some-id")["error"]["kind"], "stopped")
@@ -799,6 +799,18 @@ class ConfigTests(QmemTestCase):
 
 class ConfigCommandTests(GatewayTestCase):
     """`qmem.py config`: its actions, with nothing in the environment."""
+
+    def test_a_key_from_the_environment_is_named_where_it_is_rejected(self):
+        # Part 13: a wrong QMEM_API_KEY was answered "set the right one with `qmem.py config
+        # apikey`", which saves a key the environment then overrides.
+        os.environ.update(QMEM_URL=self.gw.url, QMEM_API_KEY="sk-wrong-000000000000")
+        err = self.expect_fail(1, "search", "x", "--require-remote")
+        self.assertIn("the key in use is QMEM_API_KEY's, from the environment", err)
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "url", self.gw.url)
+        code, _, err = self.run_cli("config", "set", "apiKey", API_KEY)
+        self.assertEqual(code, 0)
+        self.assertIn("QMEM_API_KEY is set in the environment and overrides the file", err)
 
     def setUp(self):
         super().setUp()
@@ -2795,6 +2807,16 @@ class FindRelevanceTests(QmemTestCase):
 class StatusTests(GatewayTestCase):
     """status: what the local index holds and what waits to be shared."""
 
+    def test_status_says_whether_a_gateway_is_configured(self):
+        # Part 13: a fresh machine's status never said that no gateway is configured.
+        for var in ("QMEM_URL", "QMEM_API_KEY"):
+            del os.environ[var]
+        self.assertIn("gateway: none configured: this host works offline", self.ok("status"))
+        self.assertIsNone(self.ok_json("status")["gateway"])
+        os.environ["QMEM_URL"] = self.gw.url
+        self.ok("import")
+        self.assertIn("gateway: %s" % self.gw.url, self.ok("status"))
+
     def test_counts_and_json_keys(self):
         s = Session(self.sessions, "st.jsonl")
         s.store(record(UUIDS[0], "uno", kind="fact", project="infra"))
@@ -2839,6 +2861,14 @@ class StatusTests(GatewayTestCase):
 class FlushTests(GatewayTestCase):
     """The outbox and its flush: each outcome of a queued write against the fake gateway,
     and what every later result says of it."""
+
+    def test_a_flush_with_only_refused_writes_names_retry_failed(self):
+        # Part 13: it said "nothing queued" and nothing of the refused writes.
+        self.refused_store("troppo vago")
+        out = self.ok("flush")
+        self.assertIn("flush: nothing queued\n  1 write refused by the gateway waits", out)
+        self.assertIn("`qmem.py flush --retry-failed` tries again", out)
+        self.assertEqual(self.ok_json("flush")["refused_here"], 1)
 
     def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
         self.offline()
@@ -4182,6 +4212,13 @@ class OperationsReadTests(GatewayTestCase):
     """search, get and meta: the gateway's answer, or the local index's with a label that
     says why."""
 
+    def test_get_of_what_is_no_id_is_refused_here_and_asks_no_gateway(self):
+        # Part 13: `get abc` asked the gateway; `correct abc` and qmem_get refused it.
+        before = len(self.gw.requests)
+        err = self.expect_fail(2, "get", "abc")
+        self.assertIn("get abc is not a memory id", err)
+        self.assertEqual(len(self.gw.requests), before)
+
     def test_search_shows_scores_and_merges_hits_as_partial_views(self):
         rec = self.gw.add("Il deploy usa blue/green sul nodo 3")
         out = self.ok("search", "deploy")
@@ -4302,12 +4339,12 @@ class OperationsReadTests(GatewayTestCase):
         doc = self.ok_json("get", rec["id"])
         self.assertEqual((doc["source"], doc["record"]["text"]), ("gateway", rec["text"]))
         self.assertEqual(self.local_record(rec["id"])["view"], qmem.VIEW_FULL)
-        self.assertIn("no such memory", self.expect_fail(1, "get", "does-not-exist"))
+        self.assertIn("no such memory", self.expect_fail(1, "get", UUIDS[150]))
         os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
         out = self.ok("get", rec["id"])
         self.assertIn("fallback: local_sqlite", out)
         self.assertIn(rec["text"], out)
-        self.assertIn("not in the local index", self.expect_fail(1, "get", "unknown-id"))
+        self.assertIn("not in the local index", self.expect_fail(1, "get", UUIDS[153]))
 
     def test_ids_the_user_was_shown_keep_working(self):
         self.gw.duplicate_texts["doppio"] = UUIDS[7]
@@ -5847,6 +5884,14 @@ class McpProcessTests(McpTestCase):
 class CliTests(GatewayTestCase):
     """argparse, options, prompts, stdin, exit codes, and qmem.py run as a script."""
 
+    def test_a_bare_call_names_every_command(self):
+        # Part 13: it printed "the following arguments are required: COMMAND" alone.
+        code, out, err = self.run_cli()
+        self.assertEqual((code, out), (2, ""))
+        self.assertTrue(err.startswith("qmem: a command is needed: import, find, status,"), err)
+        self.assertIn("install, breaker, config: `qmem.py --help` says what each does", err)
+        self.assertEqual(self.run_cli("--json")[0], 2)
+
     def run_process(self, argv, stdin=b""):
         env = dict(os.environ, PYTHONIOENCODING="utf-8")
         proc = subprocess.run(qmem_command() + argv, input=stdin, stdout=subprocess.PIPE,
@@ -5990,11 +6035,11 @@ class CliTests(GatewayTestCase):
         captured = []
         for argv in (("config", "show"), ("config", "show", "--json"), ("config", "test"),
                      ("search", "x"),
-                     ("get", "nope"), ("meta",), ("breaker",), ("status",)):
+                     ("get", UUIDS[154]), ("meta",), ("breaker",), ("status",)):
             captured.append(self.run_cli(*argv))
         os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
         for argv in (("search", "x"), ("search", "x", "--json"), ("breaker", "--json"),
-                     ("get", "x")):
+                     ("get", UUIDS[154])):
             captured.append(self.run_cli(*argv))
         for code, out, err in captured:
             self.assertNotIn(API_KEY, out + err)
