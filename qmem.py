@@ -2781,6 +2781,7 @@ class ImportStats:
         self.bytes_read = self.lines_examined = self.lines_skipped = self.lines_truncated = 0
         self.calls = {}
         self.calls_errored = self.calls_without_result = 0
+        self.errored = {}  # of calls_errored, by tool
         self.records_new = self.records_updated = 0
         self.newest_entry_at = None
 
@@ -3104,6 +3105,7 @@ class Importer:
             stats.calls[name] = stats.calls.get(name, 0) + 1
             if msg.get("isError"):
                 stats.calls_errored += 1
+                stats.errored[name] = stats.errored.get(name, 0) + 1
             # only looked up: the ids kept come from the calls, cleaned
             call_id = msg.get("toolCallId")
             if not isinstance(call_id, str) or call_id not in calls:
@@ -4809,9 +4811,12 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
         store.set_origin([local_id], ORIGIN_UNVERIFIED)
         stats.held.append(_held_summary(local_id, payload))
         return
-    error = text_of(row["last_error"])[:500] if isinstance(row.get("last_error"), str) else None
+    # Only a refusal's reason is the write's own; "breaker open, retry in 104 s" was the
+    # other host's state.
+    refused = row["state"] == FAILED and isinstance(row.get("last_error"), str)
     add_write(store, local_id, row["op"], payload, float(row["created_at"]),
-              FAILED if row["state"] == FAILED else PENDING, error)
+              FAILED if row["state"] == FAILED else PENDING,
+              text_of(row["last_error"])[:500] if refused else None)
     stats.outbox_added += 1
 
 
@@ -5137,11 +5142,12 @@ def _judge_status(resp, took, config, clock):
     server = _http_date(resp.headers.get("Date") or "")
     if server is not None:
         skew = clock() - server
-        found.append(check("clock", "warn" if abs(skew) > 60 else "ok",
-                           "this clock is %s %s the gateway's" % (
-            duration(abs(skew)), "ahead of" if skew > 0 else "behind"),
-            "set the clock right (NTP): leases and expiry dates depend on it" if abs(skew) > 60
-                           else None))
+        said = ("this clock agrees with the gateway's (within the 1 s a Date header shows)"
+                if abs(skew) < 2 else "this clock is %s %s the gateway's" % (
+                    duration(abs(skew)), "ahead of" if skew > 0 else "behind"))
+        found.append(check("clock", "warn" if abs(skew) > 60 else "ok", said,
+                           "set the clock right (NTP): leases and expiry dates depend on it"
+                           if abs(skew) > 60 else None))
     return found
 
 
@@ -5370,7 +5376,9 @@ AGENT_RULES = (
                 "`qmem_find` sees it at once, other agents only once it is delivered (later, "
      "exactly once). "
                 "Do not store it again."),
-    ("Machine", "Memories written here name this machine (hostname and OS) as their source."),
+    ("Machine", "Memories written here name this machine (hostname and OS) as their source; "
+                "`qmem_meta` says which machine that is (`machine`), to tell this host's "
+                "memories from others'."),
 )
 
 
@@ -6090,8 +6098,11 @@ class Operations:
         try:
             resp = self.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
             if resp.status == 404:
-                raise QmemError("no such memory: %s (the gateway does not know this id)" % rid,
-                                kind="not_found")
+                known = ("; this machine knows it (from pi's sessions, a bundle or an earlier "
+                         "answer), so it was deleted there or is another gateway's"
+                         if local is not None else "")
+                raise QmemError("no such memory: %s (the gateway does not know this id%s)"
+                                % (rid, known), kind="not_found")
             if resp.status != 200:
                 raise _refused(resp, "request")
             if normalize_record(resp.data) is None or resp.data.get("id") != rid:
@@ -6476,13 +6487,15 @@ def show_import(doc, out):
                   % ", ".join(doc["looked_in"]))
         return
     st = doc["stats"]
-    calls = ", ".join("%s %d" % kv for kv in sorted(st["calls"].items())) or "none"
+    errored = st.get("errored") or {}
+    calls = ", ".join("%s %d%s" % (name, n, " (%d errored)" % errored[name] if name in errored
+                                   else "") for name, n in sorted(st["calls"].items())) or "none"
     out.write("import: %d files scanned (%d unchanged, %d read, %.1f MB); %d lines mentioning "
               "qmem_ examined\n" % (
         st["files_scanned"], st["files_unchanged"], st["files_read"], st["bytes_read"] / 1e6,
         st["lines_examined"]))
-    out.write("memory calls with a result: %s (%d errored, %d still without a result)\n" % (
-        calls, st["calls_errored"], st["calls_without_result"]))
+    out.write("memory calls with a result: %s; %d still without a result\n"
+              % (calls, st["calls_without_result"]))
     out.write("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next "
               "time)%s\n" % (
         st["records_new"], st["records_updated"], st["lines_skipped"], st["lines_truncated"],
@@ -6954,6 +6967,12 @@ class RpcError(Exception):
         self.code, self.message = code, message
 
 
+def _json_kind(value):
+    """'a string', 'an array', ...: what a JSON value is, for a message."""
+    return {str: "a string", list: "an array", bool: "a boolean", int: "a number",
+            float: "a number", dict: "an object"}.get(type(value), "null")
+
+
 def rpc_error(rid, code, message):
     return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}}
 
@@ -7173,7 +7192,8 @@ MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
 
 def mcp_instructions():
     """The server's instructions (clients cap them at 2 KB): the rules, plain."""
-    return RULES_INTRO + "\n" + "\n".join("- %s" % text.replace("`", "") for _, text in AGENT_RULES)
+    rules = "\n".join("- %s" % text.replace("`", "") for _, text in AGENT_RULES)
+    return "%s\n%s\nThis machine: %s." % (RULES_INTRO, rules, machine_identity())
 
 
 # -- results: what the model reads (structuredContent, and the same as JSON text)
@@ -7212,8 +7232,10 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
         out["queued"] = True  # written here, not yet shared
     if rec.get("unverified"):
         out["unverified"] = True  # from a bundle nobody vouched for
-    if rec.get("failed"):
+    if rec.get("failed"):  # said in the text itself: a model may quote only that
         out["refused"] = rec.get("failed_reason") or "refused by the gateway"
+        out["text"] = "[REFUSED by the gateway, never stored: %s] %s" % (
+            _fit(out["refused"], 200), out.get("text") or "")
     score = rec.get("score")
     if isinstance(score, (int, float)) and not isinstance(score, bool):
         out["score"] = round(score, 3)
@@ -7291,7 +7313,8 @@ class McpServer:
         if handler is None:
             return rpc_error(rid, RPC_NO_METHOD, "Method not found: %s" % _fit(method, 100))
         if not isinstance(params, dict):
-            return rpc_error(rid, RPC_PARAMS, "Invalid params: params is an object")
+            return rpc_error(rid, RPC_PARAMS, "Invalid params: params must be an object, not %s"
+                             % _json_kind(params))
         try:
             return {"jsonrpc": "2.0", "id": rid, "result": handler(self, params)}
         except RpcError as e:
@@ -7533,7 +7556,7 @@ class McpServer:
             out["reason"] = doc["reason"]
         out.update({k: doc.get(k) for k
                     in ("projects", "scopes", "agents", "superseded", "deleted")})
-        out["queued_here"] = queued
+        out.update(queued_here=queued, machine=machine_identity())
         return out
 
     def tool_store(self, ops, a):

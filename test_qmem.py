@@ -1896,6 +1896,18 @@ class ImportTests(QmemTestCase):
     """pi's session files into the local index: every format and result shape, incremental,
     and untrusted lines or files that cost one skipped item."""
 
+    def test_the_summary_counts_errored_calls_per_tool(self):
+        # Part 13: "qmem_store 14 (7 errored …)" gave the total of every tool to one of them.
+        s = Session(self.sessions, "errors.jsonl")
+        cid = s.call("qmem_store", {"text": "never stored", "kind": "fact", "project_id": "p"})
+        s.result(cid, "qmem_store", "qmem gateway unreachable", {}, is_error=True)
+        cid = s.call("qmem_get", {"id": UUIDS[5]})
+        s.result(cid, "qmem_get", "qmem gateway unreachable", {}, is_error=True)
+        s.store(record(UUIDS[1], "stored"))
+        s.write()
+        out = self.ok("import")
+        self.assertIn("qmem_get 1 (1 errored), qmem_store 2 (1 errored);", out)
+
     def import_json(self, *extra):
         return self.ok_json("import", *extra)["stats"]
 
@@ -3453,6 +3465,16 @@ class BundleTestCase(GatewayTestCase):
 class BundleTests(BundleTestCase):
     """Part 7: knowledge in and writes out of an air-gapped host, as one file, exactly once."""
 
+    def test_a_loaded_write_does_not_carry_the_other_hosts_stale_error(self):
+        # Part 13: every row loaded showed the other host's "breaker open, retry in 104 s".
+        row = {"type": "outbox", "id": UUIDS[10], "op": "store", "state": "pending",
+               "created_at": time.time(), "last_error": "gateway not tried: breaker open, "
+               "retry in 104 s", "payload": json.dumps({"text": "da portare", "kind": "fact",
+                                                        "project_id": "p"})}
+        self.ok("load", self.crafted([row]))
+        item = self.ok_json("queue")["items"][0]
+        self.assertEqual((item["local_id"], item["last_error"]), (UUIDS[10], None))
+
     def test_the_round_trip_delivers_every_write_once_and_both_hosts_agree(self):
         old = self.gw.add("memoria condivisa vecchia")
         self.host("connected", True)
@@ -3920,6 +3942,14 @@ class BundleTrustTests(BundleTestCase):
 class DoctorTests(GatewayTestCase):
     """Part 7: doctor names what is wrong, staged one condition at a time."""
 
+    def test_a_gateway_on_this_machine_has_a_clock_that_agrees(self):
+        # Part 13: "this clock is 1 s ahead" against a gateway on the same machine (a Date
+        # header has a resolution of one second).
+        self.gw.send_date = True
+        clock = [c for c in self.ok_json("doctor")["checks"] if c["name"] == "clock"][0]
+        self.assertEqual(clock["status"], "ok")
+        self.assertIn("this clock agrees with the gateway's", clock["detail"])
+
     def checks(self, *extra, code=0):
         out = self.run_cli("doctor", "--json", *extra)
         self.assertEqual(out[0], code, out[1] + out[2])
@@ -4211,6 +4241,13 @@ class OperationsTests(GatewayTestCase):
 class OperationsReadTests(GatewayTestCase):
     """search, get and meta: the gateway's answer, or the local index's with a label that
     says why."""
+
+    def test_get_of_a_record_known_here_that_the_gateway_does_not_know_says_why(self):
+        # Part 13: `get` of what `find` lists said only "no such memory".
+        self.put_record(UUIDS[160], "nota dalle sessioni")
+        err = self.expect_fail(1, "get", UUIDS[160])
+        self.assertIn("no such memory", err)
+        self.assertIn("this machine knows it (from pi's sessions", err)
 
     def test_get_of_what_is_no_id_is_refused_here_and_asks_no_gateway(self):
         # Part 13: `get abc` asked the gateway; `correct abc` and qmem_get refused it.
@@ -5024,6 +5061,14 @@ class McpProtocolTests(McpTestCase):
     """JSON-RPC and the MCP handshake, in this process: McpServer.handle_line as serve_mcp
     calls it."""
 
+    def test_params_of_the_wrong_type_are_named(self):
+        # Part 13: "params": "bad" was answered "Invalid params: params is an object".
+        server = self.server()
+        server.initialize()
+        reply = server.request("tools/list", "bad")
+        self.assertEqual(reply["error"]["message"],
+                         "Invalid params: params must be an object, not a string")
+
     def test_ids_zero_and_strings_notifications_unanswered(self):
         server = self.server()
         self.assertEqual(server.request("ping", rid=0), {"jsonrpc": "2.0", "id": 0, "result": {}})
@@ -5162,6 +5207,24 @@ class McpProtocolTests(McpTestCase):
 class McpToolTests(McpTestCase):
     """Each tool as an agent calls it, in this process: arguments, projects, notes, online
     and offline, and the background flush after an answer."""
+
+    def test_the_machine_is_named_and_a_refused_write_says_so_in_its_text(self):
+        # Part 13: the instructions said memories "name this machine" without naming it, and
+        # qmem_find gave a write the gateway refused as a plain result.
+        server = self.server()
+        instructions = server.initialize()["instructions"]
+        self.assertIn("This machine: %s." % qmem.machine_identity(), instructions)
+        self.assertNotIn(qmem.hostname(), qmem.rules_markdown())
+        self.assertIn("`qmem_meta` says which machine", qmem.rules_markdown())
+        meta = server.call("qmem_meta", project_id="infra")["structuredContent"]
+        self.assertEqual(meta["machine"], qmem.machine_identity())
+        self.gw.script.append((422, {"detail": "text too vague"}))
+        server.call("qmem_store", text="vague idea", project_id="infra")
+        found = server.call("qmem_find", query="vague", project_id="infra")["structuredContent"]
+        self.assertTrue(found["results"][0]["text"].startswith(
+            "[REFUSED by the gateway, never stored: text too vague] vague idea"),
+            found["results"][0])
+        self.assertEqual(server.close(), 0)
 
     def test_bad_arguments_are_results_that_say_what_to_do(self):
         server = self.server()
