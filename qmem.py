@@ -4889,8 +4889,8 @@ def _doctor_config(config, config_error):
                                "chmod 600 %s" % config.path))
     url, key = config["url"], config["apiKey"]
     if not url:
-        found.append(check("gateway", "warn", "no gateway configured",
-                           "set one with `qmem.py config url https://…`"))
+        found.append(check("gateway", "ok", "no gateway configured: offline use (`qmem.py "
+                           "config url https://…` sets one)"))
         return found
     from urllib.parse import urlsplit
     p = urlsplit(url)
@@ -4926,6 +4926,10 @@ def _doctor_database(config):
         return [check("database", "fail", e.message, e.hint)]
     try:
         return _doctor_open_store(store)
+    except (StoreError, sqlite3.Error) as e:  # past what integrity_check could list
+        why = e.message if isinstance(e, StoreError) else str(e)
+        return [check("database", "fail", "%s is damaged (%s)" % (path, why),
+                      "run `qmem.py doctor --repair`; if that does not mend it, " + REBUILD_ADVICE)]
     finally:
         store.close()
 

@@ -3942,6 +3942,40 @@ class BundleTrustTests(BundleTestCase):
 class DoctorTests(GatewayTestCase):
     """Part 7: doctor names what is wrong, staged one condition at a time."""
 
+    def test_a_database_with_pages_overwritten_is_a_failed_check_among_the_others(self):
+        # Part 13: doctor stopped with one store error and no other check.
+        store = qmem.Store(self.db)
+        with store.transaction():
+            for n in range(120):
+                store.upsert(qmem.normalize_record(record(UUIDS[n % 199][:-4] + "%04d" % n,
+                                                          "testo %d " % n * 40)), 2)
+        store.close()
+        conn = sqlite3.connect(self.db)
+        page = conn.execute("PRAGMA page_size").fetchone()[0]
+        root = conn.execute("SELECT rootpage FROM sqlite_master "
+                            "WHERE name='outbox_ready'").fetchone()[0]
+        conn.close()
+        with open(self.db, "r+b") as f:  # the outbox index: the outbox check cannot read it
+            f.seek((root - 1) * page)
+            f.write(b"\xa5" * page)
+        code, out, err = self.run_cli("doctor", "--offline", "--json")
+        doc = json.loads(out)
+        self.assertEqual(code, 1, err)
+        status = {c["name"]: c["status"] for c in doc["checks"]}
+        self.assertEqual(status["database"], "fail")
+        for name in ("python", "sqlite", "config", "breaker"):
+            self.assertIn(name, status)
+        self.assertIn("doctor --repair", doc["error"]["hint"])
+
+    def test_no_gateway_is_offline_use_not_a_warning(self):
+        # Part 13: an air-gapped host's doctor warned "no gateway configured".
+        for var in ("QMEM_URL", "QMEM_API_KEY"):
+            del os.environ[var]
+        checks = {c["name"]: c for c in self.ok_json("doctor")["checks"]}
+        self.assertEqual(checks["gateway"]["status"], "ok")
+        self.assertTrue(checks["gateway"]["detail"].startswith(
+            "no gateway configured: offline use"))
+
     def test_a_gateway_on_this_machine_has_a_clock_that_agrees(self):
         # Part 13: "this clock is 1 s ahead" against a gateway on the same machine (a Date
         # header has a resolution of one second).
