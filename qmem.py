@@ -6180,7 +6180,9 @@ class Operations:
         reason = cause + (" (%s)" % ", ".join(details) if details else "")
         retry_ms = breaker.retry_in(state, now) if refused_now else err.retry_in_ms
         if err.kind == AMBIGUOUS and err.retry_in_ms is not None:
-            reason += "; the gateway asked to wait %s" % duration(err.retry_in_ms / 1000.0)
+            wait_s = err.retry_in_ms / 1000.0
+            reason += "; the gateway asked to wait %s (until %s)" % (
+                duration(wait_s), when_utc(self.clock() + wait_s))
         if refused_now and state["state"] == "half_open":
             reason += "; another process is probing it, retry in %d s" % ceil_s(retry_ms)
         elif refused_now:

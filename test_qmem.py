@@ -4378,7 +4378,11 @@ class OperationsReadTests(GatewayTestCase):
 
     def test_a_retry_after_is_in_the_fallback_label(self):
         self.gw.script = [(503, {"detail": "busy"}, {"Retry-After": "3600"})]
-        self.assertIn("the gateway asked to wait 60 min", self.ok("search", "x"))
+        out = self.ok("search", "x")
+        self.assertIn("the gateway asked to wait 60 min", out)
+        # Part 13: and when that is (it said only how long)
+        until = qmem.when_utc(time.time() + 3600)[:13]
+        self.assertIn("the gateway asked to wait 60 min (until %s" % until, out)
 
     def test_no_fallback_when_disabled_or_on_401(self):
         os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
