@@ -1176,7 +1176,9 @@ class Breaker:
 
 class Response:
     """One answer: its status, parsed JSON and headers. `scrub` makes any text of the
-    answer safe to store and print (the key masked, controls escaped, bounded)."""
+    answer safe to store and print (the key masked, controls escaped, bounded).
+    `not_json`: (what the body holds, whether it is an HTML page) when it is no JSON."""
+    not_json = None
 
     def __init__(self, status, data, headers, scrub=None):
         self.status, self.data, self.headers = status, data, headers
@@ -1191,6 +1193,8 @@ class Response:
             detail = "; ".join(_validation_error(d) for d in detail[:20])
         elif detail is not None and not isinstance(detail, str):
             detail = json.dumps(detail, ensure_ascii=False)
+        if not detail and self.not_json:
+            return "not JSON: " + self.not_json[0]  # scrubbed when it was made
         return self.scrub(detail) if detail else "HTTP %d" % self.status
 
 
@@ -1204,6 +1208,7 @@ def _validation_error(item):
 
 
 MAX_BODY = 32 << 20       # bytes; an endless stream is a failure, not a memory leak
+HTML_PAGE = "an HTML page: a captive portal or a proxy login?"
 NOT_JSON_SHOWN = 200      # bytes of an answer that is not JSON quoted in the error
 MAX_JSON_VALUES = 1000000  # an export page of 500 long records has a few hundred thousand
 
@@ -1444,9 +1449,12 @@ class Gateway:
                 status, self.scrub(resp.headers.get("Location") or "?")), status,
                 hint="put the final address in `qmem.py config url`")
         delay = retry_after_seconds(resp.headers)
+        html = bool(resp.not_json and resp.not_json[1])  # a proxy's page, not the gateway's
         return GatewayError(AMBIGUOUS, "gateway answered HTTP %d%s" % (
-            status, " (%s)" % resp.detail() if resp.data else ""), status,
-            retry_in_ms=None if delay is None else int(delay * 1000))
+            status, " (%s)" % resp.detail() if resp.data or resp.not_json else ""), status,
+            retry_in_ms=None if delay is None else int(delay * 1000),
+            detail="HTTP %d%s" % (status, ", " + HTML_PAGE if html else ""),
+            hint=HTML_PAGE if html else None)
 
     def _headers(self, body, idempotency_key):
         h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key,
@@ -1470,7 +1478,9 @@ class Gateway:
             self.close()
         else:
             self.sock.qm_deadline = None
-        return Response(resp.status, self._parse(raw, resp), resp.headers, self.scrub)
+        answer = Response(resp.status, self._parse(raw, resp), resp.headers, self.scrub)
+        answer.not_json = getattr(resp, "qm_not_json", None)
+        return answer
 
     def _request(self, method, path, data, headers):
         """Send the request and read the status line and headers (the connect budget);
@@ -1554,23 +1564,28 @@ class Gateway:
                                resp.status,
                                detail="answer nested too deeply")
         except (UnicodeDecodeError, ValueError):
-            parsed = None
+            parsed, resp.qm_not_json = None, self._not_json(raw, resp)
             if 200 <= resp.status < 300:
-                kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
-                start = " ".join(self.mask(raw[:NOT_JSON_SHOWN + len(self.key)].decode("utf-8",
-                                                                                       "replace"))
-                                 .split())[:NOT_JSON_SHOWN]  # masked before it is cut: no half key
-                raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s, %d bytes: %s)" % (
-                    self.url, self.scrub(kind), len(raw),
-                    self.scrub(json.dumps(start, ensure_ascii=False))), resp.status,
-                    detail="answer not JSON",
-                                   hint="an HTML page: a captive portal or a proxy login?"
-                    if kind.lower() == "text/html" else "is the URL the gateway's?")
+                shown, html = resp.qm_not_json
+                raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s)" % (self.url, shown),
+                                   resp.status, detail="answer not JSON" + (": " + HTML_PAGE
+                                                                            if html else ""),
+                                   hint=HTML_PAGE if html else "is the URL the gateway's?")
         if 200 <= resp.status < 300 and not isinstance(parsed, dict):
             raise GatewayError(AMBIGUOUS, "answer from %s is not a JSON object" % self.url,
                                resp.status,
                                detail="answer not a JSON object")
         return parsed
+
+    def _not_json(self, raw, resp):
+        """(what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
+        whether it is an HTML page, as a proxy or a captive portal sends)."""
+        kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
+        start = " ".join(self.mask(raw[:NOT_JSON_SHOWN + len(self.key)].decode("utf-8", "replace"))
+                         .split())[:NOT_JSON_SHOWN]  # masked before it is cut: no half key
+        html = kind.lower() == "text/html" or start.lower().startswith(("<!doctype html", "<html"))
+        return "%s, %d bytes: %s" % (self.scrub(kind), len(raw),
+                                     self.scrub(json.dumps(start, ensure_ascii=False))), html
 
     def _connect(self, deadline):
         import http.client
@@ -6636,8 +6651,10 @@ def show_config(doc, out):
         out.write("%s %s in %s\n" % (doc["key"], "reset to its default" if doc["value"] is None else
                                       "set to %s" % json.dumps(doc["value"]), doc["file"]))
     elif action == "test":
-        out.write("gateway %s: %s\n"
-                  % (doc["url"], "reachable" if doc["reachable"] else "NOT reachable"))
+        answered = "reachable" if doc["reachable"] else "NOT reachable"
+        if doc["reachable"] and doc["key_valid"] is None and doc.get("error"):
+            answered = "something answered, but not as the gateway does"
+        out.write("gateway %s: %s\n" % (doc["url"], answered))
         if doc["reachable"]:
             out.write("  API key: %s (%s)\n" % ({True: "accepted", False: "REJECTED"}.get(
                 doc["key_valid"], "not checked: the gateway gave no answer to judge by"),

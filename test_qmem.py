@@ -389,6 +389,10 @@ class FakeGateway:
             self._send(conn, 200, None, raw=b"<html><body>Proxy login</body></html>",
                        ctype="text/html")
             return True
+        if action == "html502":             # a proxy's error page
+            self._send(conn, 502, None, raw=b"<html><body>Bad gateway</body></html>",
+                       ctype="text/html")
+            return True
         if action == "drop_after_store":    # does the work, loses the reply
             self.app(method, target, headers, data)
             return False
@@ -1446,6 +1450,25 @@ class GatewayClientTests(GatewayTestCase):
         err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None, None, 0)
         self.assertIn("not JSON", str(err))
         self.assertIn("text/html", str(err))
+
+    def test_an_html_page_is_named_in_a_fallback_and_by_config_test(self):
+        # Part 13: the fallback label said "answer not JSON" only, a proxy's HTML 502 gave
+        # no snippet, and `config test` opened with "reachable".
+        self.put_record(UUIDS[1], "x marks the spot")
+        retries = mock.patch.object(qmem, "RETRIES", 0)  # one answer each, no sleep
+        retries.start()
+        self.addCleanup(retries.stop)
+        self.gw.script = ["html"]
+        first = self.ok("search", "x").splitlines()[0]
+        self.assertIn("answer not JSON: an HTML page: a captive portal or a proxy login?", first)
+        self.gw.script = ["html502"]
+        first = self.ok("search", "x").splitlines()[0]
+        self.assertIn("HTTP 502, an HTML page: a captive portal or a proxy login?", first)
+        self.gw.script = ["html502"]
+        code, out, err = self.run_cli("config", "test")
+        self.assertEqual(code, 1)
+        self.assertIn("something answered, but not as the gateway does", out)
+        self.assertIn('"<html><body>Bad gateway</body></html>"', out + err)
 
     def test_a_captive_portal_is_named_with_what_came_back(self):
         self.gw.script = ["html"]
