@@ -30,7 +30,8 @@ Exit codes:
   0    done, or done in a labelled degraded way: a local fallback, a queued
        write, "nothing imported yet", "no index yet", no gateway to break
   1    what was asked was not done: a refused write, a failed flush, a
-       rejected API key (a write kept in the outbox then still says "queued")
+       rejected API key (a write kept in the outbox then still says "queued");
+       a near-duplicate is done (0): the shared memory holds it, as duplicate_of
   2    usage or configuration error: a bad flag or value, a bad config file,
        no gateway configured for a command that needs one
   3    --require-remote was given and the gateway could not be used

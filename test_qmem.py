@@ -4474,6 +4474,19 @@ class OperationsWriteTests(GatewayTestCase):
     """store and correct: what a write is checked for before anything is queued, and where
     the user's words go when it cannot be queued."""
 
+    def test_a_near_duplicate_is_done_by_one_rule_everywhere(self):
+        # Part 13 decided: its knowledge is in the shared memory (duplicate_of): exit 0, no
+        # error, in store, in flush and (McpToolTests) in qmem_store.
+        original = self.gw.add("the same thing")
+        self.gw.duplicate_texts["the same thing again"] = original["id"]
+        doc = self.ok_json("store", "the same thing again", "--project", "p")
+        self.assertEqual((doc["state"], doc["duplicate_of"]), ("duplicate", original["id"]))
+        self.assertNotIn("error", doc)
+        self.gw.duplicate_texts["said once more"] = original["id"]
+        self.ok("store", "said once more", "--project", "p", "--queue-only")
+        flushed = self.ok_json("flush")
+        self.assertEqual((flushed["duplicate"], flushed.get("exit_code", 0)), (1, 0))
+
     def hold_the_database(self):
         """A second real process holding the write lock until we let it go."""
         qmem.Store(self.db).close()
