@@ -6090,6 +6090,7 @@ class Operations:
         results = [_hit(r) for r in results if isinstance(r, dict)]
         results = [r for r in results if private or r.get("private") is not True][:top_k]
         self._remember(results, VIEW_HIT)
+        results += self._queued_matches(query, filters, {r.get("id") for r in results})
         return self._after_online({"source": "gateway", "degraded": False, "reason": None,
                                    "breaker_open": False,
                                    "retry_in_ms": None, "query": query, "results": results})
@@ -6139,6 +6140,21 @@ class Operations:
             return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
         self._remember([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
+
+    def _queued_matches(self, query, filters, seen, most=10):
+        """This host's writes still in the outbox that match a search's words (lexically):
+        the gateway cannot know them yet. After its hits, not counted in top_k, marked
+        pending; held ones (nobody vouched for them) and private ones stay out."""
+        try:
+            found = find_local(self.store(), query, filters, most) if self.has_index() else {}
+        except (StoreError, sqlite3.Error):
+            return []
+        if found.get("match") in (None, "none", "any"):
+            return []
+        keep = ("id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "private",
+                "pending")
+        return [{k: r[k] for k in keep} for r in found["results"]
+                if r["pending"] and not r["unverified"] and r["id"] not in seen]
 
     def _remember(self, records, view):
         """Keep what the gateway said in the local index: an index that cannot take it
@@ -6550,7 +6566,8 @@ def show_search(doc, out):
             r.get("kind") or "-",
             r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
             "".join("  [%s]" % f for f, on in (("superseded", r.get("superseded_by")),
-                                               ("private", r.get("private") is True)) if on),
+                                               ("private", r.get("private") is True),
+                                               ("queued here", r.get("pending") is True)) if on),
             _one_line(str(r.get("text") or ""))))
 
 

@@ -4299,6 +4299,22 @@ class OperationsReadTests(GatewayTestCase):
     """search, get and meta: the gateway's answer, or the local index's with a label that
     says why."""
 
+    def test_search_finds_this_hosts_queued_writes_after_the_gateways_hits(self):
+        # Part 13: `search` right after `store --queue-only` missed the fresh write.
+        self.gw.add("the deploy window is friday")
+        mine = self.ok_json("store", "the deploy window moved to monday", "--project", "p",
+                            "--queue-only")["local_id"]
+        self.ok_json("store", "a private deploy note", "--project", "p", "--queue-only",
+                     "--private")
+        doc = self.ok_json("search", "deploy window", "--top-k", "1")
+        self.assertEqual(doc["source"], "gateway")
+        queued = [r for r in doc["results"] if r.get("pending")]
+        self.assertEqual([r["id"] for r in queued], [mine])
+        self.assertEqual(doc["results"][-1]["id"], mine)  # after the gateway's hits
+        # (that search's automatic flush delivered it; a new one is queued here again)
+        self.ok("store", "the deploy window is weekly", "--project", "p", "--queue-only")
+        self.assertIn("[queued here]", self.ok("search", "deploy window"))
+
     def test_get_of_a_record_known_here_that_the_gateway_does_not_know_says_why(self):
         # Part 13: `get` of what `find` lists said only "no such memory".
         self.put_record(UUIDS[160], "nota dalle sessioni")
