@@ -5811,11 +5811,19 @@ class Operations:
             if row["next_attempt_at"] > self.clock() + 60:
                 doc["next_attempt_at"] = iso_from_epoch(row["next_attempt_at"])
         if state == FAILED:
+            # A correction of what the gateway does not know cannot be fixed in the row.
+            doc["target_unknown"] = op == "correct" and row["last_status"] == 404
+            if doc["target_unknown"]:
+                hint = ("the memory it corrects is not known to the gateway: store the text as "
+                        "a new memory (`qmem.py store`) and discard this one (`qmem.py queue "
+                        "--drop %s`)" % local_id)
+            else:
+                hint = ("kept in the outbox as failed (%s); fix it and run `qmem.py flush "
+                        "--retry-failed`, or discard it with `qmem.py queue --drop %s`"
+                        % (local_id, local_id))
             doc.update(error_document(QmemError(
                 "not stored: the gateway refused it: %s" % row["last_error"], kind="rejected",
-                hint="kept in the outbox as failed (%s); fix it and run `qmem.py flush "
-                "--retry-failed`, or "
-                     "discard it with `qmem.py queue --drop %s`" % (local_id, local_id))))
+                hint=hint)))
         elif error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
             # The gateway is there and will not take it as configured: still queued, but an error.
             doc.update(error_document(error))
@@ -6712,8 +6720,7 @@ def show_write(doc, out):
     if state == DUPLICATE and doc["duplicate_of"]:
         out.write("  to change what it says: qmem.py correct %s \"…\"\n" % doc["duplicate_of"])
     elif state == FAILED:
-        out.write("  kept in the outbox as failed (%s): fix it and `qmem.py flush --retry-failed`, "
-                  "or `qmem.py queue --drop %s`\n" % (doc["local_id"], doc["local_id"]))
+        out.write("  %s\n" % doc["error"]["hint"])
     elif state not in (SYNCED, DUPLICATE):
         out.write("  other agents see it once it is delivered (`qmem.py flush`)\n")
         for what in ("repeated", "wait"):
@@ -7741,6 +7748,9 @@ def _written(doc, where, corrects=None):
     elif status == "duplicate":
         note = ("%s; if this %s changes what that one says, correct it with qmem_correct and "
                 "that id" % (said, what))
+    elif status == "failed" and doc.get("target_unknown"):
+        note = ("%s; the memory it corrects is not known to the gateway, so store the text as "
+                "a new memory with qmem_store instead" % said)
     elif status == "failed":
         note = ("%s; change what it refused and call the tool again (the refused copy stays in "
                 "`qmem.py queue` until it is dropped)" % said)

@@ -4490,6 +4490,17 @@ class OperationsWriteTests(GatewayTestCase):
     """store and correct: what a write is checked for before anything is queued, and where
     the user's words go when it cannot be queued."""
 
+    def test_a_correction_of_what_the_gateway_does_not_know_gets_advice_that_can_work(self):
+        # Part 13: a correction refused with 404 said "fix it and run flush --retry-failed",
+        # though nothing in the row can be fixed.
+        unknown = UUIDS[170]
+        self.put_record(unknown, "known here only")
+        code, out, err = self.run_cli("correct", unknown, "the right words", "--project", "p")
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("the memory it corrects is not known to the gateway: store the text as "
+                      "a new memory (`qmem.py store`)", out + err)
+        self.assertNotIn("--retry-failed", out + err)
+
     def test_a_near_duplicate_is_done_by_one_rule_everywhere(self):
         # Part 13 decided: its knowledge is in the shared memory (duplicate_of): exit 0, no
         # error, in store, in flush and (McpToolTests) in qmem_store.
