@@ -4567,13 +4567,15 @@ class LoadStats:
         self.records_new = self.records_updated = self.records_unchanged = 0
         self.outbox_added = self.outbox_settled = self.outbox_unchanged = self.skipped = 0
         self.outbox_full = 0  # writes not loaded: past outboxMaxMB
+        self.outbox_not_needed = 0  # delivered where they were made, unknown here
         self.held = []  # what each write held from an unverified bundle is, for the user to judge
 
     def as_dict(self):
         return {"records": {"new": self.records_new, "updated": self.records_updated,
                             "unchanged": self.records_unchanged},
                 "outbox": {"added": self.outbox_added, "settled": self.outbox_settled,
-                           "unchanged": self.outbox_unchanged},
+                           "unchanged": self.outbox_unchanged,
+                           "not_needed": self.outbox_not_needed},
                 "not_loaded_outbox_full": self.outbox_full, "held": self.held,
                 "skipped": self.skipped}
 
@@ -4648,7 +4650,9 @@ def dry_run_on_nothing(path, trust):
             stats.skipped += 1
         elif item["type"] == "record" and not item.get("pending"):
             stats.records_new += 1
-        elif item["type"] == "outbox" and item.get("state") not in (SYNCED, DUPLICATE):
+        elif item["type"] == "outbox" and item.get("state") in (SYNCED, DUPLICATE):
+            stats.outbox_not_needed += 1
+        elif item["type"] == "outbox":
             try:
                 rebuilt = rebuilt_write(item)
             except ValueError:
@@ -4771,7 +4775,9 @@ def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
     delivered = state in (SYNCED, DUPLICATE)
     if here is None and not delivered:
         _add_loaded_write(store, row, stats, max_mb, trust)
-    elif here is None or trust == UNVERIFIED:
+    elif here is None:  # delivered by the other host: this one has nothing to do with it
+        stats.outbox_not_needed += 1
+    elif trust == UNVERIFIED:
         stats.outbox_unchanged += 1
     elif not (here[0] == row.get("op") and _same_payload(here[1], row["payload"])):
         stats.skipped += 1  # not the write it claims to settle
@@ -6830,8 +6836,11 @@ def show_load(doc, out):
     out.write("  records: %d new, %d updated, %d unchanged\n"
               % (r["new"], r["updated"], r["unchanged"]))
     out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered "
-              "elsewhere), %d unchanged%s\n" % (o["added"], o["settled"], o["unchanged"],
-                                   "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
+              "elsewhere), %d unchanged%s%s\n" % (
+                  o["added"], o["settled"], o["unchanged"],
+                  "; %d delivered by the other host, not needed here" % o["not_needed"]
+                  if o["not_needed"] else "",
+                  "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
     if doc.get("not_loaded_outbox_full"):
         out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load "
                   "it again\n" % plural(doc["not_loaded_outbox_full"], "write"))

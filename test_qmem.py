@@ -3513,9 +3513,10 @@ class BundleTests(BundleTestCase):
                          {"records": 0, "outbox": 3})
         self.host("connected", True)
         doc = self.ok_json("load", out_bundle)
-        self.assertEqual(doc["outbox"], {"added": 3, "settled": 0, "unchanged": 0})
+        self.assertEqual(doc["outbox"], {"added": 3, "settled": 0, "unchanged": 0,
+                                         "not_needed": 0})
         self.assertEqual(self.ok_json("load", out_bundle)["outbox"],
-                         {"added": 0, "settled": 0, "unchanged": 3})
+                         {"added": 0, "settled": 0, "unchanged": 3, "not_needed": 0})
         self.assertEqual(self.ok_json("flush")["synced"], 3)
         self.ok("pull")
         in_bundle = os.path.join(self.home, "in.bundle")
@@ -3532,6 +3533,12 @@ class BundleTests(BundleTestCase):
         self.assertEqual(self.records_of("airgapped"), self.records_of("connected"))
         self.host("connected", True)
         self.assertEqual(self.ok_json("flush")["pending"], 0)  # nothing left to send twice
+        # Part 13: a fresh host was told of "3 unchanged" outbox rows that `queue` lacked.
+        self.host("fresh", False)
+        self.assertEqual(self.ok_json("load", in_bundle)["outbox"],
+                         {"added": 0, "settled": 0, "unchanged": 0, "not_needed": 3})
+        self.assertIn("3 delivered by the other host, not needed here", self.ok("load", in_bundle))
+        self.assertEqual(self.ok_json("queue")["items"], [])
 
     def test_loading_twice_changes_nothing(self):
         for n in range(3):
