@@ -1402,11 +1402,13 @@ class Gateway:
     def call(self, method, path, body=None, idempotency_key=None, retries=None):
         """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
         the caller interprets. Everything else raises GatewayError (see its kinds)."""
+        self.tries = 0  # requests this call sent (an outbox row counts them)
         clean = True if self.bypass_breaker else self.breaker.admit()
         retries = self.retries if retries is None else retries
         attempt = 0
         while True:
             try:
+                self.tries += 1
                 resp = self._exchange(method, path, body, idempotency_key)
                 failure = self._judge(resp)
             except GatewayError as e:
@@ -1699,16 +1701,17 @@ ORIGIN_HERE, ORIGIN_SIGNED, ORIGIN_UNVERIFIED = 0, 1, 2  # here or the gateway; 
 WAITING = (PENDING, SENDING)  # written here, will still be sent
 # Every change of an outbox row, all made by Store.move (the one UPDATE of the outbox):
 # name -> (the states it moves a row from, the state it moves it to, what else it sets).
+# `attempts` counts the requests a row's sending made (:tries of each), retries included.
 _UNCLAIM = "claim_token=NULL, lease_until=NULL, "
-_SETTLE = _UNCLAIM + "done_at=:now, last_status=:status, "
+_SETTLE = _UNCLAIM + "done_at=:now, last_status=:status, attempts=attempts+:tries, "
 OUTBOX_MOVES = {
     "claim": ((PENDING, SENDING), SENDING, "claim_token=:token, lease_until=:now + :lease, "
-              "attempts=attempts+1, first_sent_at=coalesce(first_sent_at, :now)"),
+              "first_sent_at=coalesce(first_sent_at, :now)"),
     "unlease": ((SENDING,), SENDING, "lease_until=0"),  # its claimant is proven dead
     "release": ((SENDING,), PENDING,  # given back untried (another flush may take it)
-                _UNCLAIM + "attempts=attempts-1, last_error=coalesce(:error, last_error)"),
+                _UNCLAIM + "attempts=attempts+:tries, last_error=coalesce(:error, last_error)"),
     "retry": ((SENDING,), PENDING, _UNCLAIM + "next_attempt_at=:now + :delay, "
-              "last_status=:status, last_error=:error"),
+              "attempts=attempts+:tries, last_status=:status, last_error=:error"),
     "due": ((PENDING,), PENDING, "next_attempt_at=:now"),  # no backoff waited out
     "unhold": ((HELD,), PENDING, "next_attempt_at=0"),  # the user vouches for it
     "unfail": ((FAILED,), PENDING, "next_attempt_at=0"),  # flush --retry-failed
@@ -2232,9 +2235,10 @@ class Store:
         """Move the outbox rows that `where` selects (and that are in a state the move
         starts from) as OUTBOX_MOVES[name] says; the number moved. Inside a transaction."""
         froms, to, sets = OUTBOX_MOVES[name]
-        params = dict(dict.fromkeys(("now", "error", "status", "other")), **params)
+        bound = dict(dict.fromkeys(("now", "error", "status", "other")), tries=0)
+        bound.update(params)
         return self.conn.execute("UPDATE outbox SET state='%s', %s WHERE state IN ('%s') AND %s"
-                                 % (to, sets, "', '".join(froms), where), params).rowcount
+                                 % (to, sets, "', '".join(froms), where), bound).rowcount
 
     def release_held(self, local_ids):
         """Held writes -> pending (queue --release): the user vouches for them now."""
@@ -3876,7 +3880,9 @@ RELEASE, RETRY = "release", "retry"  # give the row back untouched / try again a
 
 
 class Outcome:
-    """What became of one claimed outbox row: Flusher._send decides, _finish records."""
+    """What became of one claimed outbox row: Flusher._send decides, _finish records;
+    `tries`: the requests its call sent."""
+    tries = 0
 
     def __init__(self, action, row, error=None, status=None, delay=None, record=None, sent=None,
                  duplicate_of=None, held=False):
@@ -4075,17 +4081,25 @@ class Flusher:
             resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"),
                                      idempotency_key=local_id)
         except GatewayError as e:
-            if e.kind == AMBIGUOUS:
-                told, delay = "", min(3600, 30 * 2 ** min(10, self._attempts(rid)))
-                if e.retry_in_ms:
-                    delay = e.retry_in_ms / 1000.0
-                    told = "; the gateway asked to wait %s" % duration(delay)
-                delay = min(delay, MAX_STORED_WAIT_S)
-                return Outcome(RETRY, row, error=str(e) + told, status=e.status, delay=delay)
-            stats.stopped = str(e)
-            stats.stop_error = e
+            outcome = self._failed_call(row, e, stats)
+        else:
+            outcome = self._judge(row, resp)
+        outcome.tries = getattr(self.gateway, "tries", 1)
+        return outcome
+
+    def _failed_call(self, row, e, stats):
+        """The Outcome of a send the gateway gave no answer to: an ambiguous one is tried
+        again after a backoff that grows with the requests sent; any other stops the flush."""
+        if e.kind != AMBIGUOUS:
+            stats.stopped, stats.stop_error = str(e), e
             return Outcome(RELEASE, row, error=str(e))
-        return self._judge(row, resp)
+        tries = self._attempts(row[0]) + getattr(self.gateway, "tries", 1)
+        told, delay = "", min(3600, 30 * 2 ** min(10, tries))
+        if e.retry_in_ms:
+            delay = e.retry_in_ms / 1000.0
+            told = "; the gateway asked to wait %s" % duration(delay)
+        return Outcome(RETRY, row, error=str(e) + told, status=e.status,
+                       delay=min(delay, MAX_STORED_WAIT_S))
 
     def _judge(self, row, resp):
         """The Outcome an answer means; an answer of the wrong shape fails the row with
@@ -4148,7 +4162,7 @@ class Flusher:
         """One outcome, fenced; returns whether it took (the row was still ours)."""
         now, rid, local_id = self.clock(), o.row[0], o.row[1]
         fence = dict(where="rid=:rid AND claim_token=:token AND state='sending'", rid=rid,
-                     token=token, now=now, status=o.status, error=o.error)
+                     token=token, now=now, status=o.status, error=o.error, tries=o.tries)
         if o.action in (RELEASE, RETRY):
             return self.store.move(o.action, delay=o.delay, **fence)
         if o.action == SYNCED:

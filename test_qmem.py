@@ -3056,7 +3056,16 @@ class FlushTests(GatewayTestCase):
         self.assertEqual(code, 1)
         self.assertIn("3 still queued", out)
         self.assertEqual({r["state"] for r in self.outbox().values()}, {"pending"})
-        self.assertEqual({r["attempts"] for r in self.outbox().values()}, {0})
+        # Part 13: a refused connection is a try (it said "0 tries"); the rest were not tried.
+        self.assertEqual(sorted(r["attempts"] for r in self.outbox().values()), [0, 0, 1])
+
+    def test_attempts_count_every_request_retries_included(self):
+        # Part 13: a store that made 3 POSTs showed "1 try".
+        self.gw.script = [(503, {"detail": "busy"})] * 3
+        with mock.patch.object(qmem.time, "sleep"):
+            self.ok("store", "tre tentativi", "--project", "p")
+        self.assertEqual(len(self.gw.posts()), 3)
+        self.assertIn("3 tries", self.ok("queue"))
 
     def test_flush_with_the_breaker_open_says_how_to_try_now(self):
         os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
