@@ -5091,6 +5091,11 @@ def doctor_link(config, clock=time.time):
     except GatewayError as e:
         advice = e.hint or ("check the URL, the VPN and the firewall" if e.kind == UNREACHABLE
                             else None)
+        if e.kind == UNREACHABLE and "within" in (e.detail or ""):  # out of time, not refused
+            budget = config["connectTimeoutMs"]
+            advice = ("it did not answer within connectTimeoutMs (%d ms): on a slow link raise "
+                      "it, `qmem.py config set connectTimeoutMs %d`; else %s"
+                      % (budget, max(3000, 3 * budget), advice))
         return found + [check("status", "fail", e.message, advice)]
     finally:
         gateway.close()

@@ -4060,6 +4060,17 @@ class DoctorTests(GatewayTestCase):
         self.assertIn("connectTimeoutMs is 400: too tight for this link, use >= 1000",
                       found["status"]["advice"])
 
+    def test_headers_slower_than_the_budget_get_advice_about_it(self):
+        # Part 13: headers after 0.3 s against connectTimeoutMs 200 got no word of the budget.
+        self.config_file({"connectTimeoutMs": 200})
+        self.gw.script = [lambda: time.sleep(0.3)]
+        code, out, _ = self.run_cli("doctor", "--json")
+        self.assertEqual(code, 1)
+        found = {c["name"]: c for c in json.loads(out)["checks"]}
+        self.assertEqual(found["status"]["status"], "fail")
+        self.assertIn("it did not answer within connectTimeoutMs (200 ms): on a slow link raise "
+                      "it, `qmem.py config set connectTimeoutMs 3000`", found["status"]["advice"])
+
     def test_a_config_others_can_read_and_a_key_over_plain_http(self):
         self.config_file({"apiKey": API_KEY, "url": "http://gateway.example.test:8080"}, mode=0o644)
         os.environ.pop("QMEM_API_KEY")
