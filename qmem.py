@@ -1584,8 +1584,9 @@ class Gateway:
         """(what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
         whether it is an HTML page, as a proxy or a captive portal sends)."""
         kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
-        start = " ".join(self.mask(raw[:NOT_JSON_SHOWN + len(self.key)].decode("utf-8", "replace"))
-                         .split())[:NOT_JSON_SHOWN]  # masked before it is cut: no half key
+        # Spaces collapsed, then the key masked, then cut: no part of a key is shown.
+        start = " ".join(raw[:1 << 16].decode("utf-8", "replace").split())
+        start = self.mask(start[:NOT_JSON_SHOWN + len(self.key)])[:NOT_JSON_SHOWN]
         html = kind.lower() == "text/html" or start.lower().startswith(("<!doctype html", "<html"))
         return "%s, %d bytes: %s" % (self.scrub(kind), len(raw),
                                      self.scrub(json.dumps(start, ensure_ascii=False))), html
@@ -1725,7 +1726,7 @@ OUTBOX_MOVES = {
 # in the outbox, or that the gateway refused (its outbox row is failed).
 LOCAL_WAITING, LOCAL_FAILED = 1, 2
 _FTS_COLUMNS = "text, project_id, kind"
-SECRETS_MASKED = "2"  # the version of _SECRET_KINDS the stored records are masked with
+SECRETS_MASKED = "3"  # the version of the masking the stored records have (3: reasons too)
 
 
 def _m001_initial(conn, fts_tokenizer):
@@ -2039,12 +2040,16 @@ class Store:
         records stored before qmem.py masked them (see mask_secrets)."""
         try:
             with self.transaction():
-                for rid, text, project, kind in self.conn.execute(
-                        "SELECT rid, text, project_id, kind FROM records").fetchall():
+                for rid, text, project, kind, reason in self.conn.execute(
+                        "SELECT rid, text, project_id, kind, supersede_reason FROM records"
+                        ).fetchall():
                     masked = mask_secrets(text)
                     if masked != text:
                         self.conn.execute("UPDATE records SET text=? WHERE rid=?", (masked, rid))
                         self._reindex(rid, (text, project, kind), (masked, project, kind))
+                    if mask_secrets(reason) != reason:
+                        self.conn.execute("UPDATE records SET supersede_reason=? WHERE rid=?",
+                                          (mask_secrets(reason), rid))
                 self.set_meta("secrets_masked", SECRETS_MASKED)
         except StoreError:  # busy or read-only: the next command that can write does it
             pass
@@ -2486,8 +2491,7 @@ class Store:
         gateway's view of every field), and local references follow it. Only local
         corrections refer to a local id: referenced=False (the caller knows there is
         none) saves two scans of the table."""
-        rec = normalize_record(data)
-        rec["text"] = mask_secrets(rec["text"])
+        rec = _masked(normalize_record(data))
         gid, conn = rec["id"], self.conn
         if gid != local_id:
             self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
@@ -3402,10 +3406,11 @@ def query_was_cut(query):
 
 
 # What a search shows: of a project, kind, scope (None: any), and what it hides unless
-# asked (deleted: True for only tombstones, None for both).
+# asked (deleted: True for only tombstones, None for both); queued: only this host's
+# writes still waiting (not held ones).
 Filters = collections.namedtuple("Filters", "project kind scope include_superseded deleted "
-                                 "private include_expired")
-Filters.__new__.__defaults__ = (None, None, None, False, False, False, False)
+                                 "private include_expired queued")
+Filters.__new__.__defaults__ = (None, None, None, False, False, False, False, False)
 # Why a matching record is not shown by default, and the flag that shows it.
 HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded",
                 "private": "--private", "expired": "--include-expired"}
@@ -3601,6 +3606,8 @@ def _visibility(f):
         where.append("r.deleted_at IS NOT NULL" if f.deleted else "r.deleted_at IS NULL")
     if not f.private:
         where.append("r.private = 0")
+    if f.queued:
+        where.append("r.pending = %d AND r.origin != %d" % (LOCAL_WAITING, ORIGIN_UNVERIFIED))
     if not f.include_expired:
         where.append("(r.expires_at IS NULL OR r.expires_at > ?)")
         params.append(iso_now())
@@ -4093,8 +4100,10 @@ class Flusher:
         if e.kind != AMBIGUOUS:
             stats.stopped, stats.stop_error = str(e), e
             return Outcome(RELEASE, row, error=str(e))
-        tries = self._attempts(row[0]) + getattr(self.gateway, "tries", 1)
-        told, delay = "", min(3600, 30 * 2 ** min(10, tries))
+        # 30 s doubled for each failed call so far (a call's retries are one call)
+        per_call = getattr(self.gateway, "retries", 0) + 1
+        calls = -(-(self._attempts(row[0]) + getattr(self.gateway, "tries", 1)) // per_call)
+        told, delay = "", min(3600, 30 * 2 ** min(10, calls))
         if e.retry_in_ms:
             delay = e.retry_in_ms / 1000.0
             told = "; the gateway asked to wait %s" % duration(delay)
@@ -6179,10 +6188,11 @@ class Operations:
         the gateway cannot know them yet. After its hits, not counted in top_k, marked
         pending; held ones (nobody vouched for them) and private ones stay out."""
         try:
-            found = find_local(self.store(), query, filters, most) if self.has_index() else {}
+            found = (find_local(self.store(), query, filters._replace(queued=True), most)
+                     if self.has_index() else {})
         except (StoreError, sqlite3.Error):
             return []
-        if found.get("match") in (None, "none", "any"):
+        if found.get("match") in (None, "none", "any"):  # 'any': a word in common is no match
             return []
         keep = ("id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "private",
                 "pending")
@@ -6725,7 +6735,7 @@ WRITE_SAID = {
     FAILED: "not stored: the gateway refused it ({last_error})",
     PENDING: "not shared yet: queued on this machine as {local_id} ({reason})",
     "repeated": "the very same write was already waiting here and is not queued twice",
-    "wait": "the gateway asked to wait: the next attempt is after {when}",
+    "wait": "the next attempt is after {when}",
 }
 
 
@@ -8553,7 +8563,7 @@ def exit_now(code):
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except (OSError, ValueError):  # a reader gone, a stream closed
+        except (OSError, ValueError, AttributeError):  # a reader gone, a stream closed, none
             pass
     os._exit(code)
 

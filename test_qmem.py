@@ -1346,6 +1346,17 @@ class GatewayClientTests(GatewayTestCase):
     """Each row of design.md's classification table, against a real loopback server;
     retries, proxies, TLS, and what a gateway's answers may not do."""
 
+    def test_no_part_of_the_key_reaches_a_not_json_message(self):
+        # A proxy page echoing the request: spaces collapsed after masking let a key's
+        # start through (review of part 13's snippets).
+        body = b"<html>" + b" " * 150 + b"x" * 40 + b" Bearer " + API_KEY.encode() + b"</html>"
+        for status in (200, 502):
+            self.gw.script = [(status, None)]
+            with mock.patch.object(qmem.Gateway, "_read_body", return_value=body):
+                err = self.assert_fails("ambiguous", self.client(), "GET", "/v1/status", None,
+                                        None, 0)
+            self.assertNotIn(API_KEY[:8], str(err))
+
     def test_2xx_answer_and_both_auth_headers(self):
         resp = self.client().call("GET", "/v1/status")
         self.assertEqual((resp.status, resp.data["version"]), (200, "2.12.0"))
@@ -4326,6 +4337,15 @@ class OperationsReadTests(GatewayTestCase):
     """search, get and meta: the gateway's answer, or the local index's with a label that
     says why."""
 
+    def test_queued_writes_are_found_however_many_records_match_better(self):
+        # Review: the queued write was looked for among the best 10 local matches only.
+        for n in range(15):
+            self.put_record(UUIDS[100 + n], "deploy ansible deploy ansible %d" % n)
+        mine = self.ok_json("store", "the ansible playbook to deploy changed, see the runbook",
+                            "--project", "p", "--queue-only")["local_id"]
+        doc = self.ok_json("search", "deploy ansible")
+        self.assertEqual([r["id"] for r in doc["results"] if r.get("pending")], [mine])
+
     def test_search_finds_this_hosts_queued_writes_after_the_gateways_hits(self):
         # Part 13: `search` right after `store --queue-only` missed the fresh write.
         self.gw.add("the deploy window is friday")
@@ -4516,6 +4536,31 @@ class OperationsReadTests(GatewayTestCase):
 class OperationsWriteTests(GatewayTestCase):
     """store and correct: what a write is checked for before anything is queued, and where
     the user's words go when it cannot be queued."""
+
+    def test_a_failed_call_without_retry_after_says_no_wait_was_asked(self):
+        # Review: after three 503s (no Retry-After) the line said "the gateway asked to wait",
+        # and the backoff counted requests, not calls (60 s after one failed call, as before).
+        self.gw.script = [(503, {"detail": "overloaded"})] * 3
+        with mock.patch.object(qmem.time, "sleep"):
+            code, out, err = self.run_cli("store", "uno due tre", "--project", "p")
+        self.assertNotIn("asked to wait", out + err)
+        row = list(self.outbox().values())[0]
+        self.assertEqual(row["attempts"], 3)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        wait = store.conn.execute("SELECT next_attempt_at - created_at FROM outbox").fetchone()[0]
+        self.assertLess(wait, 70)
+
+    def test_a_delivered_corrections_reason_is_masked_here(self):
+        # Review: adopt masked the text only; the gateway's reason was stored in clear.
+        old = self.gw.add("la vecchia memoria")
+        token = "ghp_" + "a1B2" * 9
+        self.ok("correct", old["id"], "la nuova memoria", "--reason", "token %s" % token,
+                "--allow-secret")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        reasons = [r for (r,) in store.conn.execute("SELECT supersede_reason FROM records")]
+        self.assertFalse([r for r in reasons if r and token in r], reasons)
 
     def test_a_correction_of_what_the_gateway_does_not_know_gets_advice_that_can_work(self):
         # Part 13: a correction refused with 404 said "fix it and run flush --retry-failed",
@@ -6074,6 +6119,12 @@ class McpProcessTests(McpTestCase):
 
 class CliTests(GatewayTestCase):
     """argparse, options, prompts, stdin, exit codes, and qmem.py run as a script."""
+
+    def test_a_closed_stdout_is_one_line_never_a_traceback(self):
+        # Review: exit_now flushed a sys.stdout that Python had set to None.
+        p = subprocess.run([sys.executable, QMEM, "status"], stderr=subprocess.PIPE,
+                           universal_newlines=True, preexec_fn=lambda: os.close(1))
+        self.assertNotIn("Traceback", p.stderr)
 
     def test_a_bare_call_names_every_command(self):
         # Part 13: it printed "the following arguments are required: COMMAND" alone.
