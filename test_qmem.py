@@ -26,6 +26,7 @@ import io
 import json
 import os
 import re
+import shlex
 import sqlite3
 import stat
 import subprocess
@@ -6483,6 +6484,37 @@ class SoakTests(McpTestCase):
         for text in self.outputs:
             for bad in ("Traceback", "database is locked", "internal", "malformed", "disk I/O"):
                 self.assertNotIn(bad, text)
+
+
+class ReadmeTests(QmemTestCase):
+    """The README's own commands, as a newcomer types them."""
+
+    def test_the_quick_start_runs_on_a_fresh_home(self):
+        # Part 13: the README's commands were never run by the tests.
+        s = Session(self.sessions, "quick.jsonl")
+        s.store(record(UUIDS[1], "the circuit breaker opens after three failures"))
+        s.write()
+        with open(os.path.join(HERE, "README.md"), encoding="utf-8") as f:
+            blocks = re.findall(r"```sh\n(.*?)```", f.read(), re.S)[:2]  # the first screen's
+        ran = []
+        for line in "\n".join(blocks).splitlines():
+            for command in line.split("#")[0].split("&&"):
+                words = shlex.split(command)
+                if words[:2] == ["python3", "qmem.py"]:
+                    code, out, err = self.run_cli(*words[2:])
+                elif words[:1] == ["qmem"]:
+                    done = subprocess.run([os.path.join(self.home, ".local", "bin", "qmem")]
+                                          + words[1:], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, universal_newlines=True)
+                    code, out, err = done.returncode, done.stdout, done.stderr
+                else:
+                    continue
+                self.assertEqual(code, 0, "%s: %s" % (command, err))
+                ran.append((words[-2:], out))
+        found = [out for words, out in ran if words == ["find", "circuit breaker"]]
+        self.assertEqual(len(found), 2)  # the script's, then the launcher's
+        for out in found:
+            self.assertIn("the circuit breaker opens after three failures", out)
 
 
 class SourceTests(unittest.TestCase):
