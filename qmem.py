@@ -1379,6 +1379,7 @@ class Gateway:
                          "one there, or unset it to use the config file's (`qmem.py config "
                          "apikey` saves one there)" if config.sources["apiKey"].startswith("env")
                          else "set the right one with `qmem.py config apikey`")
+        self.tries = 0  # requests the last call sent
         self.answered = False  # has any call of this command had an answer?
         self.key_rejected = False  # ... and was it a 401 or 403?
         warn_plain_http(self.url, self.key)
@@ -1402,7 +1403,7 @@ class Gateway:
     def call(self, method, path, body=None, idempotency_key=None, retries=None):
         """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
         the caller interprets. Everything else raises GatewayError (see its kinds)."""
-        self.tries = 0  # requests this call sent (an outbox row counts them)
+        self.tries = 0
         clean = True if self.bypass_breaker else self.breaker.admit()
         retries = self.retries if retries is None else retries
         attempt = 0
@@ -1709,7 +1710,7 @@ OUTBOX_MOVES = {
     "claim": ((PENDING, SENDING), SENDING, "claim_token=:token, lease_until=:now + :lease, "
               "first_sent_at=coalesce(first_sent_at, :now)"),
     "unlease": ((SENDING,), SENDING, "lease_until=0"),  # its claimant is proven dead
-    "release": ((SENDING,), PENDING,  # given back untried (another flush may take it)
+    "release": ((SENDING,), PENDING,  # given back: untried, or the gateway away
                 _UNCLAIM + "attempts=attempts+:tries, last_error=coalesce(:error, last_error)"),
     "retry": ((SENDING,), PENDING, _UNCLAIM + "next_attempt_at=:now + :delay, "
               "attempts=attempts+:tries, last_status=:status, last_error=:error"),
@@ -1725,7 +1726,8 @@ OUTBOX_MOVES = {
 # records.pending: 0 in shared memory (or seen there), else a write made here that waits
 # in the outbox, or that the gateway refused (its outbox row is failed).
 LOCAL_WAITING, LOCAL_FAILED = 1, 2
-_FTS_COLUMNS = "text, project_id, kind"
+_INDEXED = ("text", "project_id", "kind")  # the columns of the FTS index
+_FTS_COLUMNS = ", ".join(_INDEXED)
 SECRETS_MASKED = "3"  # the version of the masking the stored records have (3: reasons too)
 
 
@@ -1853,7 +1855,6 @@ def _fold(text):
 
 
 _MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # a row of Store.merge_many, in order
-_INDEXED = ("text", "project_id", "kind")  # the columns of the FTS index
 
 
 def _merge_sql():
@@ -2047,9 +2048,10 @@ class Store:
                     if masked != text:
                         self.conn.execute("UPDATE records SET text=? WHERE rid=?", (masked, rid))
                         self._reindex(rid, (text, project, kind), (masked, project, kind))
-                    if mask_secrets(reason) != reason:
+                    masked = mask_secrets(reason)
+                    if masked != reason:
                         self.conn.execute("UPDATE records SET supersede_reason=? WHERE rid=?",
-                                          (mask_secrets(reason), rid))
+                                          (masked, rid))
                 self.set_meta("secrets_masked", SECRETS_MASKED)
         except StoreError:  # busy or read-only: the next command that can write does it
             pass
@@ -4091,7 +4093,7 @@ class Flusher:
             outcome = self._failed_call(row, e, stats)
         else:
             outcome = self._judge(row, resp)
-        outcome.tries = getattr(self.gateway, "tries", 1)
+        outcome.tries = self.gateway.tries
         return outcome
 
     def _failed_call(self, row, e, stats):
@@ -4101,8 +4103,8 @@ class Flusher:
             stats.stopped, stats.stop_error = str(e), e
             return Outcome(RELEASE, row, error=str(e))
         # 30 s doubled for each failed call so far (a call's retries are one call)
-        per_call = getattr(self.gateway, "retries", 0) + 1
-        calls = -(-(self._attempts(row[0]) + getattr(self.gateway, "tries", 1)) // per_call)
+        per_call = self.gateway.retries + 1
+        calls = -(-(self._attempts(row[0]) + self.gateway.tries) // per_call)
         told, delay = "", min(3600, 30 * 2 ** min(10, calls))
         if e.retry_in_ms:
             delay = e.retry_in_ms / 1000.0
@@ -4127,9 +4129,8 @@ class Flusher:
                            sent=json.loads(row[3]))
         if resp.status == 409 and data.get("detail") == "duplicate":
             original = data.get("duplicate_of")
-            if not (isinstance(original, str) and UUID_RE.fullmatch(original.strip())):
-                original = None
-            original = original and original.strip()
+            original = original.strip() if isinstance(original, str) else ""
+            original = original if UUID_RE.fullmatch(original) else None
             self.delivered[local_id] = original
             similarity = data.get("similarity")
             return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
@@ -5210,8 +5211,9 @@ def _judge_status(resp, took, config, clock):
 # Python caches the compiled code of imported modules only, never of the script it
 # runs: `python3 qmem.py` compiles the whole file on every command. `qmem.py install`
 # writes a small launcher, `qmem`, that runs this file with its compiled code cached
-# in a folder of the user's (0700), keyed by the file's size and mtime, on every
-# Python from 3.6 (3.6 and 3.7 have no sys.pycache_prefix; one way for all is less).
+# in a folder of the user's (0700), keyed by the file's size and mtime and the bytecode
+# version, on every Python from 3.6 (3.6 and 3.7 have no sys.pycache_prefix; one way
+# for all is less). install_launcher names that folder as the launcher works it out.
 # The launcher names the interpreter that installed it, runs it isolated (-I: no
 # folder of the launcher's, no PYTHON* variable on sys.path) and loads qmem.py by
 # its path.
@@ -6196,8 +6198,7 @@ class Operations:
             return []
         keep = ("id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "private",
                 "pending")
-        return [{k: r[k] for k in keep} for r in found["results"]
-                if r["pending"] and not r["unverified"] and r["id"] not in seen]
+        return [{k: r[k] for k in keep} for r in found["results"] if r["id"] not in seen]
 
     def _remember(self, records, view):
         """Keep what the gateway said in the local index: an index that cannot take it
@@ -6737,6 +6738,8 @@ WRITE_SAID = {
     "repeated": "the very same write was already waiting here and is not queued twice",
     "wait": "the next attempt is after {when}",
 }
+# The further notes of a queued write: WRITE_SAID's key, and the document's key that asks.
+QUEUED_NOTES = (("repeated", "already_queued"), ("wait", "next_attempt_at"))
 
 
 def write_said(doc, what=None):
@@ -6758,8 +6761,8 @@ def show_write(doc, out):
         out.write("  %s\n" % doc["error"]["hint"])
     elif state not in (SYNCED, DUPLICATE):
         out.write("  other agents see it once it is delivered (`qmem.py flush`)\n")
-        for what in ("repeated", "wait"):
-            if doc.get({"repeated": "already_queued", "wait": "next_attempt_at"}[what]):
+        for what, key in QUEUED_NOTES:
+            if doc.get(key):
                 out.write("  %s\n" % write_said(doc, what))
         if doc.get("error"):
             out.write("  it waits in the outbox: %s, then `qmem.py flush`\n"
@@ -7798,7 +7801,7 @@ def _written(doc, where, corrects=None):
                 "after a later call that reaches the gateway, or `qmem.py flush`")
         note = ("%s, project %s; qmem_find finds it here now, other agents once it is delivered "
                 "(%s), so do not store it again" % (said, project, when))
-        for what, key in (("wait", "next_attempt_at"), ("repeated", "already_queued")):
+        for what, key in QUEUED_NOTES:
             if doc.get(key):
                 note += "; " + write_said(doc, what)
         if doc.get("error"):
