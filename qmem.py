@@ -2488,6 +2488,14 @@ class Store:
                                 (record_id,)).fetchone()
         return row[0] if row and row[0] else record_id
 
+    def ids_starting(self, prefix, tables=("records", "outbox"), limit=11):
+        """The ids here (of records, of outbox rows or both) that start with prefix, in
+        order: a range on each table's unique index, never a scan."""
+        ends = (prefix, prefix + "\U0010ffff")
+        sql = " UNION ".join("SELECT id FROM %s WHERE id >= ? AND id < ?" % t for t in tables)
+        return [row[0] for row in self.conn.execute(
+            sql + " ORDER BY id LIMIT ?", ends * len(tables) + (limit,))]
+
     def adopt(self, local_id, data, referenced=True, sent=None):
         """A record written here got its gateway id: the local row takes it (and the
         gateway's view of every field), and local references follow it. Only local
@@ -5483,6 +5491,48 @@ class Operations:
         if self._store is not None:
             self._store.refresh()
 
+    # -- short ids: what a narrow terminal shows, and what a person types back
+    def full_ids(self, values, where, tables=("records", "outbox")):
+        """The ids a person typed, each short one (the start of an id, SHORT_ID characters
+        at least) made whole from the ids known here. An unknown or ambiguous start is
+        refused, with the candidates: never sent to the gateway, never guessed."""
+        return [self._full_id(v.strip(), where, tables) for v in values]
+
+    def _full_id(self, value, where, tables):
+        if len(value) >= 36 or not UUID_RE.fullmatch(value + _UUID_SHAPE[len(value):]):
+            return value  # a whole id, or no id at all: the operation says which
+        if len(value) < SHORT_ID:
+            raise UsageError("%s %s is not a memory id (a short one has %d characters at least)"
+                             % (where, value, SHORT_ID), hint="see `qmem.py find`")
+        outbox = tables == ("outbox",)
+        found = self.store().ids_starting(value.lower(), tables) if self.has_index() else []
+        if len(found) == 1:
+            return found[0]
+        if not found:
+            raise UsageError("no %s starts with %s" % (
+                "write in the outbox" if outbox else "memory known here", value),
+                hint="see `qmem.py queue`" if outbox else "a short id is looked up here "
+                "only, the whole id asks the gateway (see `qmem.py find`, `qmem.py queue`)")
+        raise UsageError("%s starts more than one id here: %s" % (value, ", ".join(
+            found[:10]) + (", …" if len(found) > 10 else "")), hint="type more of it")
+
+    def short_id(self, record_id):
+        """The shortest start (SHORT_ID characters at least) that names this id alone
+        among those known here; the whole id when this host does not know it."""
+        if not (isinstance(record_id, str) and UUID_RE.fullmatch(record_id)
+                and self.has_index()):
+            return record_id
+        try:
+            for n in range(SHORT_ID, 36):
+                found = self.store().ids_starting(record_id[:n], limit=2)
+                if found == [record_id] and record_id[n - 1] != "-":
+                    return record_id[:n]
+                if record_id not in found and len(found) < 2:
+                    break
+        except (StoreError, sqlite3.Error):  # a busy or broken index: the whole id will do
+            pass
+        return record_id
+
     def close_gateway(self):
         """Forget the gateway connection (a server does after every call: a kept-alive
         connection the gateway has since dropped must not count as a failure)."""
@@ -6404,6 +6454,10 @@ def _shell_word(text):
     return shlex.quote(text)
 
 
+SHORT_ID = 8  # the fewest characters of an id a narrow terminal shows, and a person types
+_UUID_SHAPE = "00000000-0000-0000-0000-000000000000"
+
+
 def _check_id(value, where):
     """A memory id, gateway or local, is a UUID: anything else would be queued only to
     fail at flush."""
@@ -6489,16 +6543,78 @@ def emit_json(doc, out=None):
 
 
 SNIPPET_CHARS = 200  # the longest snippet or text line of human output
+_MAYBE_NOT_ONE = re.compile("[\u0300-\U0010ffff]")  # below: one cell each
+
+
+def _char_cells(c):
+    if c < "\u0300":
+        return 1
+    if c in HIGHLIGHT:
+        return 0
+    import unicodedata
+    if unicodedata.combining(c) or unicodedata.category(c) in ("Me", "Cf"):
+        return 0
+    return 2 if unicodedata.east_asian_width(c) in "WF" else 1
+
+
+def cells(text):
+    """How many terminal cells text takes: a wide character (CJK, emoji) two, a
+    combining mark and the highlight marks none."""
+    return sum(map(_char_cells, text)) if _MAYBE_NOT_ONE.search(text) else len(text)
+
+
+def _fits(text, width):
+    """How many of text's first characters fit in `width` cells (one at least)."""
+    used = 0
+    for n, c in enumerate(text):
+        used += _char_cells(c)
+        if used > width:
+            return max(n, 1)
+    return len(text)
+
+
+def _cut(text, width):
+    return text if cells(text) <= width else text[:_fits(text, width - 1)] + "…"
+
+
+_WORDS = re.compile(r"( *)((?:`[^`]*`|[^ `]|`)+)")  # the spaces before a word; a `command` is one
+
+
+def _wrap(line, width, indent=None):
+    """A line too wide for the terminal, broken at spaces (a `command` kept whole where
+    it fits), each further line indented (by default two more than the first)."""
+    indent = " " * min(len(line) - len(line.lstrip(" ")) + 2 if indent is None else indent,
+                       width // 3)
+    lines, cur = [], ""
+    for space, word in _WORDS.findall(line):
+        if (cur.strip() and cells(cur) + len(space) + cells(word) > width
+                and cells(word) <= width - len(indent)):  # a longer word starts here
+            lines.append(cur)
+            cur = indent + word
+        else:
+            cur += space + word
+        while cells(cur) > width:  # a word longer than a line: cut where the line ends
+            n = _fits(cur, width)
+            lines.append(cur[:n])
+            cur = indent + cur[n:]
+    return lines + [cur]
+
+
 class TerminalText:
     """The stream human output goes through: everything written is escaped (see
     visible()), then the highlight marks become bold, or nothing. `width` is the
-    terminal's, or None when the output is not one (then nothing is cut to fit)."""
+    terminal's (or COLUMNS), or None for a pipe: then nothing is cut or wrapped, and
+    ids are shown whole. `short` gives the id a narrow terminal shows."""
 
-    def __init__(self, out, bold=False, width=None):
+    def __init__(self, out, bold=False, width=None, short=None):
         self.out, self.bold, self.width = out, bold, width
+        self.short = short if short and width else (lambda record_id: record_id)
 
-    def write(self, text):
+    def write(self, text, indent=None):
         text = visible(text)
+        if self.width:  # what the layout did not fit is wrapped, never lost
+            text = "\n".join(part for line in text.split("\n") for part in (
+                _wrap(line, self.width, indent) if cells(line) > self.width else (line,)))
         on, off = ("\x1b[1m", "\x1b[0m") if self.bold else ("", "")
         # a snippet cut short must not leave the terminal bold
         if self.bold and HIGHLIGHT[0] in text:
@@ -6511,18 +6627,31 @@ class TerminalText:
             self.out.write(text.encode(encoding, "replace").decode(encoding))
 
 
-def _table(rows, width=None, caps=()):
-    """Rows of cells as aligned lines: each column as wide as its widest cell (at most
-    its cap), the last one cut to what the terminal has left (when there is one)."""
+def _column(text, width):
+    text = _cut(text, width)
+    return text + " " * (width - cells(text))
+
+
+def _listing(rows, width, caps, lead="", room=50):
+    """Rows of cells as aligned lines (one or two per row, as one string), the last cell
+    (the text) at the end: a column as wide as its widest cell, at most its cap. For a
+    pipe (no width) the text is whole; on a terminal it gets what is left, or, when that
+    is less than `room` cells, a line of its own, indented, below its row."""
     if not rows:
         return []
-    widths = [min(max(len(r[i]) for r in rows), caps[i] if i < len(caps) else 1 << 30)
-              for i in range(len(rows[0]) - 1)]
+    rows = [[visible(cell) for cell in r] for r in rows]
+    widths = [min(max(cells(r[i]) for r in rows), caps[i]) for i in range(len(rows[0]) - 1)]
+    rows = [[cell for cell, w in zip(r, widths) if w] + r[-1:] for r in rows]  # no empty column
+    widths = [w for w in widths if w]
+    left = width - len(lead) - sum(widths) - 2 * len(widths) if width else None
+    indent = " " * (len(lead) - len(lead.lstrip()) + 4)
     lines = []
     for r in rows:
-        head = "  ".join(_fit(cell, w).ljust(w) for cell, w in zip(r, widths)) + "  "
-        lines.append((head
-                      + (_fit(r[-1], max(12, width - len(head))) if width else r[-1])).rstrip())
+        head = lead + "  ".join(_column(cell, w) for cell, w in zip(r, widths))
+        if left is None or left >= room:
+            lines.append((head + "  " + (_cut(r[-1], left) if left else r[-1])).rstrip())
+        else:
+            lines.append(_cut(head.rstrip(), width) + "\n" + _cut(indent + r[-1], width))
     return lines
 
 
@@ -6550,10 +6679,10 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
                                  ("UNVERIFIED", r.get("unverified")),
                                  ("superseded", r["superseded_by"]),
                                  ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
-        rows.append((r["id"], r["kind"] or "-", _one_line(r["project_id"] or "-"),
+        rows.append((out.short(r["id"]), r["kind"] or "-", _one_line(r["project_id"] or "-"),
                      (r["created_at"] or "-")[:10],
                      "[%s]" % ", ".join(flags) if flags else "", _one_line(r["snippet"])))
-    for line in _table(rows, out.width, caps=(36, 10, 20, 10, 40)):
+    for line in _listing(rows, out.width, caps=(36, 10, 20, 10, 40)):
         out.write(line + "\n")
     hidden = doc.get("hidden") or {}
     if not results and any(hidden.values()):
@@ -6600,19 +6729,23 @@ def show_search(doc, out):
     results = doc["results"]
     out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a "
               "guess\n" % (plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
+    rows = []
     for r in results:
         score = r.get("score")
         score = score if isinstance(score, (int, float)) and not isinstance(score, bool) else None
-        band = ("-" if score is None else "strong" if score >= STRONG_SCORE
-                else "weak" if score >= WEAK_SCORE else "guess")
-        out.write("%s %-6s  %s  %s  %s  %s%s  %s\n" % (
-            "%.2f" % score if score is not None else "  - ", band, r.get("id"),
-            r.get("kind") or "-",
-            r.get("project_id") or "-", str(r.get("created_at") or "-")[:10],
-            "".join("  [%s]" % f for f, on in (("superseded", r.get("superseded_by")),
-                                               ("private", r.get("private") is True),
-                                               ("queued here", r.get("pending") is True)) if on),
-            _one_line(str(r.get("text") or ""))))
+        flags = [f for f, on in (("superseded", r.get("superseded_by")),
+                                 ("private", r.get("private") is True),
+                                 ("queued here", r.get("pending") is True)) if on]
+        rows.append(("  - -" if score is None else "%.2f %s" % (
+                         score, "strong" if score >= STRONG_SCORE
+                         else "weak" if score >= WEAK_SCORE else "guess"),
+                     out.short(str(r.get("id"))), _one_line(str(r.get("kind") or "-")),
+                     _one_line(str(r.get("project_id") or "-")),
+                     str(r.get("created_at") or "-")[:10],
+                     "[%s]" % ", ".join(flags) if flags else "",
+                     _one_line(str(r.get("text") or ""))))
+    for line in _listing(rows, out.width, caps=(11, 36, 10, 20, 10, 30)):
+        out.write(line + "\n")
 
 
 def show_get(doc, out):
@@ -6632,8 +6765,9 @@ def show_get(doc, out):
         value = rec.get(key)
         if key != "text" and value is not None and value != "":
             out.write("%-17s %s\n"
-                      % (key + ":", str(value).lower() if isinstance(value, bool) else value))
-    out.write("\n%s\n" % (rec.get("text") or "(text not known locally)"))
+                      % (key + ":", str(value).lower() if isinstance(value, bool) else value),
+                      indent=18)
+    out.write("\n%s\n" % (rec.get("text") or "(text not known locally)"), indent=0)
 
 
 def show_meta(doc, out):
@@ -6779,25 +6913,26 @@ def _one_line(text, width=SNIPPET_CHARS):
 
 def show_queue(doc, out):
     if "dropped" in doc:
-        for it in doc["dropped"]:
-            out.write("%s %s  %-9s %s\n"
-                      % ("would drop" if doc["dry_run"] else "dropped", it["local_id"],
-                                            it["state"], _one_line(it["text"], 60)))
+        verb = "would drop " if doc["dry_run"] else "dropped "
+        for line in _listing([(it["local_id"], it["state"], _one_line(it["text"], 60))
+                              for it in doc["dropped"]], out.width, caps=(36, 9), lead=verb):
+            out.write(line + "\n")
     for it in doc.get("released", ()):
         out.write("released %s: it will be sent by the next flush\n" % it["local_id"])
     out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
     show_stuck(doc, out)
     items = doc.get("items", ())
-    rows = [(it["local_id"], it["state"],
+    rows = [(out.short(it["local_id"]), it["state"],
              ("1 try" if it["attempts"] == 1 else "%d tries" % it["attempts"]),
-             duration(it["age_s"]) + " old",
-             it["gateway_id"] or (it["duplicate_of"] and "duplicate of " + it["duplicate_of"])
-             or "-",
-             _one_line(it["text"], 60)) for it in items]
-    for it, line in zip(items, _table(rows, out.width, caps=(36, 9, 9, 12, 49))):
+             duration(it["age_s"]) + " old", out.short(it["gateway_id"] or "-"),
+             _one_line(it["text"], SNIPPET_CHARS if out.width else 60)) for it in items]
+    for it, line in zip(items, _listing(rows, out.width, caps=(36, 9, 9, 12, 36))):
         out.write(line + "\n")
+        if it["duplicate_of"]:
+            out.write("    duplicate of %s\n" % out.short(it["duplicate_of"]))
         if it["last_error"] and it["state"] in (PENDING, FAILED, DUPLICATE):
-            out.write("    last error: %s\n" % _one_line(it["last_error"]))
+            out.write("    last error: %s\n" % _cut(_one_line(it["last_error"]),
+                                                    (out.width or 1 << 30) - 16))
         if it["next_attempt_at"]:
             out.write("    the next attempt is after %s\n"
                       % when_utc(parse_iso(it["next_attempt_at"])))
@@ -6881,11 +7016,13 @@ def show_load(doc, out):
         return
     out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing "
               "settled%s\n" % (doc["verification"], ", its writes held" if doc["held"] else ""))
-    for h in doc["held"][:50]:
-        out.write("  held %s  %s  %s  by %s from %s: %s\n" % (
-            h["local_id"], _one_line(h["project_id"], 40), h["kind"], _one_line(h["agent_id"], 40),
-            _one_line(h["source"], 60), _one_line(h["text"], 80) + (
-                " (%d characters in all)" % h["text_chars"] if h["text_chars"] > 80 else "")))
+    rows = [(out.short(h["local_id"]), _one_line(h["project_id"], 40), _one_line(h["kind"]),
+             "by %s from %s: " % (_one_line(h["agent_id"], 40), _one_line(h["source"], 60))
+             + _one_line(h["text"], 80)
+             + (" (%d characters in all)" % h["text_chars"] if h["text_chars"] > 80 else ""))
+            for h in doc["held"][:50]]
+    for line in _listing(rows, out.width, caps=(36, 20, 10), lead="  held "):
+        out.write(line + "\n")
     if len(doc["held"]) > 50:
         out.write("  … and %d more held (`qmem.py queue --state held`)\n"
                   % (len(doc["held"]) - 50))
@@ -6992,14 +7129,14 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "doctor": show_doctor, "rules": show_rules, "install": show_install}
 
 
-def render(command, doc, json_mode, out=None, bold=False, width=None):
+def render(command, doc, json_mode, out=None, bold=False, width=None, short=None):
     """Print a command's document: as JSON (the exact text), or with the command's
     renderer, through TerminalText (escaped)."""
     out = out or sys.stdout
     if json_mode:
         emit_json(doc, out)
     else:
-        shown = TerminalText(out, bold, width)
+        shown = TerminalText(out, bold, width, short)
         RENDERERS[command](doc, shown)
         show_auto_flush(doc, shown)
     if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
@@ -7937,11 +8074,21 @@ def cli_import(ops, a):
     return ops.import_sessions(a.sessions)
 
 
+MIN_COLUMNS = 40  # the narrowest layout; a smaller COLUMNS gets this one
+
+
 def _terminal_width():
+    """The width output fits: COLUMNS where it is set, else the terminal's; None for a
+    pipe (nothing is cut then)."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if re.fullmatch("[0-9]{1,5}", columns) and int(columns):
+        return max(int(columns), MIN_COLUMNS)
     if not sys.stdout.isatty():
         return None
-    import shutil
-    return shutil.get_terminal_size().columns
+    try:
+        return max(os.get_terminal_size(sys.stdout.fileno()).columns or 80, MIN_COLUMNS)
+    except OSError:
+        return 80
 
 
 def _color_ok():
@@ -7990,7 +8137,7 @@ def cli_search(ops, a):
 
 
 def cli_get(ops, a):
-    return ops.get(a.id, require_remote=a.require_remote)
+    return ops.get(ops.full_ids([a.id], "get")[0], require_remote=a.require_remote)
 
 
 def cli_meta(ops, a):
@@ -8113,14 +8260,18 @@ def _write_options(a):
 
 
 def cli_store(ops, a):
-    return ops.store_memory(_read_text(a), a.project, supersedes=a.supersedes, **_write_options(a))
+    supersedes = a.supersedes and ops.full_ids([a.supersedes], "--supersedes")[0]
+    return ops.store_memory(_read_text(a), a.project, supersedes=supersedes, **_write_options(a))
 
 
 def cli_correct(ops, a):
-    return ops.correct(a.id, _read_text(a), project=a.project, **_write_options(a))
+    target = ops.full_ids([a.id], "correct")[0]
+    return ops.correct(target, _read_text(a), project=a.project, **_write_options(a))
 
 
 def cli_queue(ops, a):
+    a.drop, a.release = (a.drop and ops.full_ids(a.drop, "queue --drop", ("outbox",)),
+                         a.release and ops.full_ids(a.release, "queue --release", ("outbox",)))
     if a.release:
         if a.drop or a.state or a.force:
             raise UsageError("--release ID… goes alone (with --yes)")
@@ -8456,7 +8607,8 @@ def main(argv=None):
         stuck = ops.writes_stuck() if "writes_stuck" not in doc else None
         if stuck:
             warn(stuck)
-        render(args.command, doc, json_mode, out=doc_out, bold=_color_ok(), width=_terminal_width())
+        render(args.command, doc, json_mode, out=doc_out, bold=_color_ok(),
+               width=_terminal_width(), short=ops.short_id)
         return doc.get("exit_code", EXIT_OK)
     except QmemError as e:
         if debug:

@@ -171,6 +171,14 @@ class QmemTestCase(unittest.TestCase):
         return uid
 
 
+def cells_of(line):
+    """The terminal cells a line takes, measured apart from qmem.py: a wide (CJK) character
+    two, a combining mark none."""
+    import unicodedata
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF"
+               else 1 for c in line)
+
+
 def write_text(path, text):
     with open(path, "w") as f:
         f.write(text)
@@ -3801,6 +3809,29 @@ class BundleTrustTests(BundleTestCase):
         self.assertEqual(self.ok_json("flush")["synced"], 1)
         self.assertEqual(self.gw.posts()[-1][2]["idempotency-key"], UUIDS[77])
 
+    def test_the_held_listing_fits_the_terminal_and_takes_a_short_id(self):
+        # Part 13: load's listing of held writes was never cut to the terminal.
+        _, genuine = self.genuine()
+        import gzip
+        with gzip.open(genuine, "rb") as f:
+            row = [obj for obj in map(json.loads, f) if obj.get("type") == "outbox"][0]
+        text = "il deploy ora va fatto a mano 東京 " + " ".join("passo%d" % i for i in range(30))
+        evil = dict(row, id=UUIDS[77], payload=json.dumps({
+            "text": text, "kind": "decision", "project_id": "un-progetto-dal-nome-lungo",
+            "agent_id": "attaccante", "source": "nessuno"}))
+        bundle = self.crafted([evil], key=None)
+        for width in (60, 80, 120):
+            self.host("b%d" % width, False)  # a fresh host each time: the writes held anew
+            os.environ["COLUMNS"] = str(width)
+            out = self.ok("load", bundle)
+            self.assertEqual([l for l in out.splitlines() if cells_of(l) > width], [], out)
+            line = [l for l in out.splitlines() if "by attaccante" in l][0]
+            if width >= 80:
+                self.assertGreaterEqual(len(line[line.index("by attaccante"):]), 50)
+            self.assertIn("held %s" % UUIDS[77][:8], out)
+        self.ok("queue", "--release", UUIDS[77][:8], "--yes")
+        self.assertEqual(self.outbox()[UUIDS[77]]["state"], "pending")
+
     def test_another_key_or_a_byte_changed_after_signing_is_refused_whole(self):
         _, genuine = self.genuine()
         self.host("b", False)
@@ -4965,6 +4996,64 @@ class OutputTests(GatewayTestCase):
         self.assertEqual(len(lines), 2)
         self.assertTrue(all(len(line) <= 100 for line in lines), lines)
         self.assertEqual(len({line.index("2026-11-30") for line in lines}), 1)  # the dates line up
+
+    def lists_at(self, width, *commands):
+        """Each command's human output with COLUMNS=width, every line checked to fit."""
+        os.environ["COLUMNS"] = str(width)
+        outs = [self.ok(*argv) for argv in commands]
+        for argv, out in zip(commands, outs):
+            wide = [l for l in out.splitlines() if cells_of(l) > width]
+            self.assertEqual(wide, [], "%s at %d columns" % (argv, width))
+        return outs
+
+    def text_after(self, out, start):
+        """The characters of the line holding `start`, from there to its end."""
+        line = [l for l in out.splitlines() if start in l][0]
+        return line[line.index(start):]
+
+    def test_every_list_fits_60_80_and_120_columns(self):
+        # Part 13: at 80 columns find left 11-14 characters for the text; at 60 every
+        # line of find and queue overflowed; search was never cut.
+        long_text = " ".join("parola%d" % i for i in range(60))
+        self.put_record(UUIDS[0], "deploy numero uno " + long_text, kind="preference",
+                        project="progetto-dal-nome-molto-lungo")
+        self.put_record(UUIDS[1], "deploy numero due 東京の設定は\x1b[2J " + long_text)
+        gw_id = self.gw.add("deploy numero tre " + long_text, project="un-progetto-lungo")["id"]
+        self.ok("store", "deploy numero quattro 東京 " + long_text, "--project", "p",
+                "--queue-only")
+        lists = (("find", "deploy"), ("search", "deploy"), ("queue",), ("get", gw_id))
+        for width in (60, 80, 120):
+            find, search, queue, get = self.lists_at(width, *lists)
+            if width == 80:  # at least 50 characters of text per result
+                for out, starts in ((find, ("numero uno", "numero due")),
+                                    (search, ("numero tre",)), (queue, ("numero quattro",))):
+                    for start in starts:
+                        self.assertGreaterEqual(len(self.text_after(out, start)), 50, out)
+            self.assertIn(UUIDS[1][:8], find)
+            self.assertNotIn(UUIDS[1], find)  # a short id on a terminal
+            self.assertIn("\\x1b[2J", find)  # the escape as shown
+            self.assertIn("numero tre", get)
+
+    def test_a_pipe_keeps_whole_ids_and_long_snippets_and_json_is_unchanged(self):
+        self.no_gateway()
+        text = "deploy " + " ".join("parola%d" % i for i in range(60))
+        self.put_record(UUIDS[0], text)
+        out = self.ok("find", "deploy")  # no COLUMNS, not a terminal
+        self.assertIn(UUIDS[0], out)
+        self.assertGreater(max(len(line) for line in out.splitlines()), 150)
+        os.environ["COLUMNS"] = "60"
+        self.assertEqual(self.ok_json("find", "deploy")["results"][0]["id"], UUIDS[0])
+        self.assertEqual(self.ok_json("get", UUIDS[0])["record"]["text"], text)
+
+    def test_prose_is_wrapped_at_spaces_and_indented(self):
+        os.environ["COLUMNS"] = "60"
+        self.no_gateway()
+        out = self.ok("store", "una nota", "--project", "p")
+        lines = out.splitlines()
+        self.assertTrue(all(cells_of(l) <= 60 for l in lines), lines)
+        self.assertIn("`qmem.py flush`", out)  # a command is never broken
+        self.assertGreater(len(lines), 2)
+        self.assertTrue(all(l.startswith("  ") for l in lines[1:]), lines)
 
     def test_counts_and_plurals(self):
         self.gw.add("uno")
@@ -6183,6 +6272,35 @@ class CliTests(GatewayTestCase):
             qmem.main(["store", "--help"])
         self.assertIn("with --supersedes: why the old memory is corrected",
                       " ".join(out.getvalue().split()))
+
+    def test_a_short_id_works_wherever_an_id_does(self):
+        # Part 13: a terminal shows short ids; get, correct and queue take them back.
+        rec = self.gw.add("il deploy è automatico")
+        self.ok("pull")
+        short = rec["id"][:8]
+        self.assertEqual(self.ok_json("get", short)["record"]["id"], rec["id"])
+        self.ok("correct", short, "il deploy è manuale")
+        self.assertEqual(self.gw.posts()[-1][3]["supersedes_id"], rec["id"])
+        local = self.ok_json("store", "in coda", "--project", "p", "--queue-only")["local_id"]
+        self.ok("queue", "--drop", local[:8], "--force", "--yes")
+        self.assertNotIn(local, self.outbox())
+
+    def test_an_ambiguous_or_unknown_short_id_is_refused_here(self):
+        twins = ["abcdef01-0000-4000-8000-000000000001", "abcdef01-1111-4000-8000-000000000002"]
+        self.put_records([(rid, "gemello") for rid in twins])
+        asked = len(self.gw.requests)
+        err = self.expect_fail(2, "get", "abcdef01")
+        self.assertIn("abcdef01 starts more than one id here: %s, %s" % tuple(twins), err)
+        self.assertIn("type more of it", err)
+        self.assertIn("no memory known here starts with 99999999",
+                      self.expect_fail(2, "correct", "99999999", "testo"))
+        self.assertIn("no write in the outbox starts with abcdef01",
+                      self.expect_fail(2, "queue", "--drop", "abcdef01", "--yes"))
+        self.assertIn("is not a memory id", self.expect_fail(2, "get", "abcd"))
+        self.assertEqual(len(self.gw.requests), asked)  # never sent to the gateway
+        self.assertEqual(self.ok_json("queue")["items"], [])  # nothing queued
+        self.gw.records[twins[1]] = record(twins[1], "gemello")
+        self.assertEqual(self.ok_json("get", "abcdef01-1")["record"]["id"], twins[1])
 
     def test_text_from_a_file_or_stdin(self):
         path = os.path.join(self.home, "note.txt")
