@@ -1991,7 +1991,7 @@ class Store:
         except sqlite3.Error as e:
             raise store_error(e, path)
         self.conn.create_function("qmem_fold", 1, _fold)
-        self._terms = None  # index_terms(), once read
+        self.near = {}  # near_spellings() of each word, until the index changes
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
         self.known = None         # bulk load: hashes of every id in the table
         try:
@@ -2592,17 +2592,20 @@ class Store:
         another connection: for a long-lived process, such as the MCP server."""
         mark = (self.conn.execute("PRAGMA data_version").fetchone()[0], self.conn.total_changes)
         if mark != getattr(self, "_mark", None):
-            self._terms, self._mark = None, mark
+            self.near, self._mark = {}, mark
 
-    def index_terms(self):
-        """Every term of the full-text index (read once per Store, through an fts5vocab
-        table in this connection's temp schema: nothing is written to the database). One
-        scan reads the whole index, so the list is kept for the next word."""
-        if self._terms is None:
-            self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.qmem_terms USING "
-                              "fts5vocab(main, records_fts, row)")
-            self._terms = [t for (t,) in self.conn.execute("SELECT term FROM temp.qmem_terms")]
-        return self._terms
+    def terms_among(self, candidates):
+        """Those of the candidates the full-text index holds, the most widely used first:
+        each looked up in the index's own b-tree (through an fts5vocab table in this
+        connection's temp schema, nothing written to the database), never a scan."""
+        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.qmem_terms USING "
+                          "fts5vocab(main, records_fts, row)")
+        found = []
+        for at in range(0, len(candidates), 900):  # an older SQLite binds 999 at most
+            chunk = candidates[at:at + 900]
+            found += self.conn.execute("SELECT term, doc FROM temp.qmem_terms WHERE term IN (%s)"
+                                       % ",".join("?" * len(chunk)), chunk).fetchall()
+        return [term for term, _ in sorted(found, key=lambda row: -row[1])]
 
     def unsent_targets(self, local_id, most=100):
         """The writes still waiting here that this one corrects, directly or through
@@ -3455,6 +3458,8 @@ quale quali quando se si sono su sul sulla tra fra un una uno
 """.split())
 MIN_STEM = 3       # a shorter stem would match half the vocabulary as a prefix
 MIN_TYPO_WORD = 5  # shorter words have too many neighbours at one edit
+MAX_TYPO_WORD = 30  # a longer one is no word mistyped
+MAX_NEAR_WORDS = 8  # words of a query looked up for near spellings: past them, a paste
 MIN_PREFIX_WORD = 4  # a word form may be the word with an ending: deploy -> deploys
 
 _EN_SUFFIXES = ("ations", "ation", "ions", "ion", "ments", "ment", "ingly", "edly", "ings", "ing",
@@ -3490,22 +3495,20 @@ def word_stems(word):
     return sorted(s for s in found if not any(o != s and s.startswith(o) for o in found))
 
 
-def one_edit_apart(a, b):
-    """Are a and b at most one insertion, deletion, substitution or transposition of
-    two neighbours apart (optimal string alignment distance <= 1)?"""
-    if a == b:
-        return True
-    if abs(len(a) - len(b)) > 1:
-        return False
-    i = 0
-    while i < min(len(a), len(b)) and a[i] == b[i]:
-        i += 1
-    if len(a) == len(b):
-        return a[i + 1:] == b[i + 1:] or (a[i + 1:i + 2] == b[i:i + 1] and a[i:i + 1]
-                                          == b[i + 1:i + 2]
-                                           and a[i + 2:] == b[i + 2:])
-    longer, shorter = (a, b) if len(a) > len(b) else (b, a)
-    return longer[i + 1:] == shorter[i:]
+def one_edit_away(word):
+    """Every string one edit from word: a letter left out, two neighbours swapped, a
+    letter changed or put in (a Latin one, or one of the word's own)."""
+    letters = set("abcdefghijklmnopqrstuvwxyz" + word)
+    found = set()
+    for n in range(len(word) + 1):
+        head, tail = word[:n], word[n:]
+        found.update(head + c + tail for c in letters)
+        if tail:
+            found.update(head + c + tail[1:] for c in letters)
+            found.add(head + tail[1:])
+            found.add(head + tail[1:2] + tail[:1] + tail[2:])
+    found.discard(word)
+    return sorted(found)
 
 
 def search_levels(tokens, near=None):
@@ -3528,7 +3531,8 @@ def search_levels(tokens, near=None):
 
     def spellings(n, w):
         # 50051 is no typo
-        nearby = near(w) if near is not None and len(w) >= MIN_TYPO_WORD and w.isalpha() else []
+        nearby = (near(w) if near is not None and n < MAX_NEAR_WORDS and w.isalpha()
+                  and MIN_TYPO_WORD <= len(w) <= MAX_TYPO_WORD else [])
         return forms(n, w) + [(t, False) for t in nearby if t != w]
     seen = set()
     for match, alternatives, every in (("all", exact, True), ("stemmed", forms, True),
@@ -3560,18 +3564,16 @@ def fts_expression(level, every):
 
 def near_spellings(store, word):
     """The index's terms one edit away from word (a typo's likely intent), for a word
-    that the index holds in no form at all: one it holds is no typo, and asking costs a
-    read of the whole vocabulary. A term one edit away shares either word's first half
-    or its second, and only those are compared in full."""
-    forms = [(word, True)] + [(s, True) for s in word_stems(word)]
-    if store.conn.execute("SELECT 1 FROM records_fts WHERE records_fts MATCH ? LIMIT 1",
-                          (fts_expression([forms], True),)).fetchone():
-        return []
-    half = (len(word) - 1) // 2
-    head, tail = word[:half], word[-max(1, len(word) - half - 2):]
-    return [t for t in store.index_terms() if abs(len(t) - len(word)) <= 1
-            and (t.startswith(head) or
-            t.endswith(tail)) and t != word and one_edit_apart(word, t)][:MAX_NEAR_SPELLINGS]
+    that the index holds in no form at all (one it holds is no typo): each string one
+    edit away looked up in the index, never a pass over its terms. Kept for the next
+    query of this Store (until the index changes)."""
+    if word not in store.near:
+        forms = [(word, True)] + [(s, True) for s in word_stems(word)]
+        known = store.conn.execute("SELECT 1 FROM records_fts WHERE records_fts MATCH ? LIMIT 1",
+                                   (fts_expression([forms], True),)).fetchone()
+        store.near[word] = ([] if known
+                            else store.terms_among(one_edit_away(word))[:MAX_NEAR_SPELLINGS])
+    return store.near[word]
 
 
 MAX_NEAR_SPELLINGS = 8

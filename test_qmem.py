@@ -2576,6 +2576,17 @@ class FindLevelTests(QmemTestCase):
             # the form that matched, in bold
             self.assertIn("\x1b[1mbreaker\x1b[0m", self.ok("find", "breakers"))
 
+    def test_a_long_lived_reader_finds_near_spellings_of_words_written_since(self):
+        # Part 14: near spellings are looked up in the index, and what a Store kept of
+        # them is forgotten once the index changes (an MCP server lives for hours).
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertEqual(qmem.find_local(store, "kubernetis")["match"], "none")
+        self.put_record(UUIDS[30], "Kubernetes runs the staging cluster")  # another connection
+        store.refresh()
+        doc = qmem.find_local(store, "kubernetis")
+        self.assertEqual((doc["match"], [r["id"] for r in doc["results"]]), ("fuzzy", [UUIDS[30]]))
+
     def test_without_fts5_word_forms_still_match_and_typos_are_said_unavailable(self):
         os.environ["QMEM_SQLITE"] = os.path.join(self.home, "like.sqlite")
         with mock.patch.object(qmem, "FORCE_NO_FTS5", True):
