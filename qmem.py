@@ -3400,22 +3400,26 @@ def _parse_line(line):
 
 # === Local search and status =================================================
 
-_WORD_RE = re.compile(r"\w+")
+# A token of a query: a word, or one with punctuation inside — a path, a version, a flag,
+# an identifier (config/settings.toml, 2.0.0, --no-cache-dir, get_event_loop) — kept whole.
+_TOKEN_RE = re.compile(r"\w+(?:[^\w\s]+\w+)*")
+_PARTS = re.compile(r"[^\W_]+")  # what the index holds of a text: its runs of letters and digits
 
 
 def query_tokens(query):
-    """The words of a user query, as FTS5 would tokenize them (letters and digits)."""
-    return _words(query[:MAX_QUERY_CHARS])[:MAX_QUERY_TOKENS]
+    """The tokens of a user query: its words, and its punctuated tokens whole (each one
+    matched as a phrase: its parts adjacent, in order)."""
+    return _tokens(query[:MAX_QUERY_CHARS])[:MAX_QUERY_TOKENS]
 
 
-def _words(text):
-    return [t for t in _WORD_RE.findall(text) if t.strip("_")]
+def _tokens(text):
+    return [t for t in _TOKEN_RE.findall(text) if _PARTS.search(t)]
 
 
 def query_was_cut(query):
     """Did query_tokens() leave anything out (past MAX_QUERY_CHARS, also in mid-word, or
     MAX_QUERY_TOKENS)?"""
-    return len(query) > MAX_QUERY_CHARS or len(_words(query)) > len(query_tokens(query))
+    return len(query) > MAX_QUERY_CHARS or len(_tokens(query)) > len(query_tokens(query))
 
 
 # What a search shows: of a project, kind, scope (None: any), and what it hides unless
@@ -3456,10 +3460,11 @@ al alla alle allo agli ai anche che chi ci come con cosa da dal dalla dei del de
 di dove e gli ha hanno ho i il in la le lo ma mi ne nei nel nella nelle non o per perche piu
 quale quali quando se si sono su sul sulla tra fra un una uno
 """.split())
-MIN_STEM = 3       # a shorter stem would match half the vocabulary as a prefix
-MIN_TYPO_WORD = 5  # shorter words have too many neighbours at one edit
-MAX_TYPO_WORD = 30  # a longer one is no word mistyped
-MAX_NEAR_WORDS = 8  # words of a query looked up for near spellings: past them, a paste
+MIN_STEM = 3         # the shortest stem: run (running), cach (caching)
+MIN_STEM_PREFIX = 5  # a shorter stem stands for its own endings, never as a prefix (see below)
+MIN_TYPO_WORD = 5    # shorter words have too many neighbours at one edit
+MAX_TYPO_WORD = 30   # a longer one is no word mistyped
+MAX_NEAR_WORDS = 8   # words of a query looked up for near spellings: past them, a paste
 MIN_PREFIX_WORD = 4  # a word form may be the word with an ending: deploy -> deploys
 
 _EN_SUFFIXES = ("ations", "ation", "ions", "ion", "ments", "ment", "ingly", "edly", "ings", "ing",
@@ -3472,12 +3477,14 @@ _IT_SUFFIXES = ("amente", "imente", "mente", "azioni", "azione", "zioni", "zione
                 "uti", "uto", "are", "ere", "ire", "ano", "ono", "a", "e", "i", "o")
 
 
-def word_stems(word):
-    """Light English and Italian stems of an (accent-folded, lower-case) word, each to be
-    matched as a prefix: deployed -> deploy, caches -> cach, upgrading -> upgrad,
-    supportata -> support, migrazione -> migr (as migrato). The first suffix of each
-    list that leaves at least MIN_STEM letters is taken off; a doubled final consonant
-    of an English stem is undone (running -> run)."""
+def word_forms(word):
+    """Other forms of an (accent-folded, lower-case) English or Italian word, each as
+    (term, prefix?): the word less the first suffix of each list that leaves MIN_STEM
+    letters, a doubled final consonant of an English stem undone too. A stem of
+    MIN_STEM_PREFIX letters is a prefix (deployed: deploy*, supportata: support*); a
+    shorter one stands for itself with each ending of its list, and nothing else (caching:
+    cache, caches, cached; running: run, runs; migrations: migration, not migrazione; file:
+    files, not filter) — measured on the relevance set, where migr* and fil* over-reached."""
     found = set()
     for suffixes, english in ((_EN_SUFFIXES, True), (_IT_SUFFIXES, False)):
         for suffix in suffixes:
@@ -3485,14 +3492,18 @@ def word_stems(word):
                 stem = word[:-len(suffix)]
                 if suffix == "y" and stem[-1] in "aeiou":  # deploy stays deploy; library -> librar
                     continue
+                stems = {stem}
                 if (english and len(stem) > MIN_STEM and stem[-1] == stem[-2]
                         and stem[-1] not in "aeiousl"):
-                    stem = stem[:-1]
-                if stem != word:
-                    found.add(stem)
+                    stems.add(stem[:-1])
+                for s in stems:
+                    found.update([(s, True)] if len(s) >= MIN_STEM_PREFIX
+                                 else ((s + end, False) for end in ("",) + suffixes))
                 break
+    prefixes = [t for t, prefix in found if prefix]
     # support* has supportat*
-    return sorted(s for s in found if not any(o != s and s.startswith(o) for o in found))
+    return sorted((t, prefix) for t, prefix in found if t != word and not any(
+        o != t and t.startswith(o) for o in prefixes))
 
 
 def one_edit_away(word):
@@ -3512,13 +3523,13 @@ def one_edit_away(word):
 
 
 def search_levels(tokens, near=None):
-    """The levels find tries, in order (a generator: a level is made only when the one
-    before found nothing), each as (match, alternatives per word, every word or any):
-    'all' (every word exact, the last a prefix), 'stemmed' (every word in some form),
-    'fuzzy' (in some form or a near spelling: near(word) gives the index's terms one edit
-    away; None where there is no vocabulary), 'any' (any word in some form). Stop words
-    are left out when other words remain. A level that would ask what the one before
-    asked is left out."""
+    """The levels find asks, in order (a generator: a level is made when it is asked
+    for), each as (match, alternatives per word, every word or any): 'all' (every word
+    exact, the last a prefix), 'stemmed' (every word in some form), 'fuzzy' (in some form
+    or a near spelling: near(word) gives the index's terms one edit away; None where
+    there is no vocabulary), 'any' (any word in some form, a punctuated token also by its
+    parts anywhere). A punctuated token is a phrase of its parts: no forms, near spellings
+    of its parts. Stop words are left out of the plain words when others remain."""
     folded = [_fold(t) for t in tokens]
     words = [w for w in folded if w not in STOP_WORDS] or folded
     last = len(words) - 1
@@ -3527,27 +3538,45 @@ def search_levels(tokens, near=None):
         return [(w, n == last)]
 
     def forms(n, w):  # the word as a prefix too (deploy: deploys, deployed), and its stems
-        return [(w, n == last or len(w) >= MIN_PREFIX_WORD)] + [(s, True) for s in word_stems(w)]
+        if _is_phrase(w):
+            return exact(n, w)
+        return [(w, n == last or len(w) >= MIN_PREFIX_WORD)] + word_forms(w)
 
     def spellings(n, w):
-        # 50051 is no typo
-        nearby = (near(w) if near is not None and n < MAX_NEAR_WORDS and w.isalpha()
-                  and MIN_TYPO_WORD <= len(w) <= MAX_TYPO_WORD else [])
-        return forms(n, w) + [(t, False) for t in nearby if t != w]
-    seen = set()
+        return forms(n, w) + [(t, False) for t in _near_variants(w, n, near)]
+
+    def loose(n, w):  # config/settings.toml: also config, settings and toml anywhere
+        return forms(n, w) + [(p, False) for p in _PARTS.findall(w) if _is_phrase(w)
+                              and p.isalpha() and len(p) >= MIN_STEM and p not in STOP_WORDS]
     for match, alternatives, every in (("all", exact, True), ("stemmed", forms, True),
-                                       ("fuzzy", spellings, True),
-                                       ("any", forms, False)):
+                                       ("fuzzy", spellings, True), ("any", loose, False)):
         if match == "fuzzy" and near is None:
             continue
-        if not every and len(words) == 1:
+        if not every and len(words) == 1 and not _is_phrase(words[0]):
             return
-        # lazily: near() reads the vocabulary
-        level = [alternatives(n, w) for n, w in enumerate(words)]
-        key = (repr(level), every)
-        if key not in seen:
-            seen.add(key)
-            yield match, level, every
+        yield match, [alternatives(n, w) for n, w in enumerate(words)], every
+
+
+def _is_phrase(word):
+    return len(_PARTS.findall(word)) > 1
+
+
+_HEX_WORD = re.compile("[a-f]{8,}")  # deadbeef: part of a hash, not a word
+
+
+def _near_variants(word, n, near):
+    """Near spellings of the n-th query word (of a punctuated one: the token with one of
+    its parts near-spelt: get_event_loop_polcy), for the first MAX_NEAR_WORDS words
+    only; never of digits, hex, versions or ids (one edit away is another thing there)."""
+    if near is None or n >= MAX_NEAR_WORDS:
+        return []
+    found = []
+    for part in list(_PARTS.finditer(word))[:4]:
+        p = part.group()
+        if (p.isalpha() and MIN_TYPO_WORD <= len(p) <= MAX_TYPO_WORD
+                and not _HEX_WORD.fullmatch(p)):
+            found += [word[:part.start()] + t + word[part.end():] for t in near(p) if t != p]
+    return found[:MAX_NEAR_SPELLINGS]
 
 
 def fts_expression(level, every):
@@ -3568,7 +3597,7 @@ def near_spellings(store, word):
     edit away looked up in the index, never a pass over its terms. Kept for the next
     query of this Store (until the index changes)."""
     if word not in store.near:
-        forms = [(word, True)] + [(s, True) for s in word_stems(word)]
+        forms = [(word, True)] + word_forms(word)
         known = store.conn.execute("SELECT 1 FROM records_fts WHERE records_fts MATCH ? LIMIT 1",
                                    (fts_expression([forms], True),)).fetchone()
         store.near[word] = ([] if known
@@ -3588,10 +3617,12 @@ _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.c
 
 
 def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
-    """Lexical search of the local index, level by level (search_levels): every word,
-    then word forms, then near spellings, then any word; the first level that finds
-    something answers. Returns {'match': 'all'|'stemmed'|'fuzzy'|'any'|'none',
-    'results': [...]}."""
+    """Lexical search of the local index, level by level (search_levels), until `limit`
+    records are found (an exact query that fills it stops at once); then, unless all
+    are exact, each record ranked by how each query word matched it (_ranked), then by
+    BM25 (on the LIKE path, newest first). Every result carries its own level ('match');
+    the document's is the best one present. Returns {'match': 'all'|'stemmed'|'fuzzy'|
+    'any'|'none', 'results': [...]}."""
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
@@ -3599,14 +3630,78 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     # While a bulk import builds the index, the LIKE scan gives complete answers.
     use_fts = store.fts and not store.meta("fts_pending")
     near = (lambda word: near_spellings(store, word)) if use_fts else None
+    found, levels, asked, cur = {}, [], set(), None
     for match, level, every in search_levels(tokens, near):
-        sql, args = (_fts_query if use_fts else _like_query)(level, every, where, params, limit,
-                                                             highlight)
-        cur = store.conn.execute(sql, args)
-        rows = cur.fetchall()
-        if rows:
-            return {"match": match, "results": _results(store, cur, rows, tokens)}
-    return {"match": "none", "results": []}
+        levels.append((match, level))
+        if (repr(level), every) in asked:
+            continue
+        asked.add((repr(level), every))
+        want = len(found) + (limit if every else max(3 * limit, 30))
+        cur = store.conn.execute(*(_fts_query if use_fts else _like_query)(
+            level, every, where, params, want, highlight))
+        for row in cur.fetchall():
+            found.setdefault(row[0], (row, match if every else "any"))
+        if len(found) >= limit:
+            break
+    if not found:
+        return {"match": "none", "results": []}
+    ranked = _ranked(list(found.values()), levels)[:limit]
+    results = _results(store, cur, [row for row, _ in ranked], tokens)
+    for rec, (_, match) in zip(results, ranked):
+        rec["match"] = match
+    return {"match": results[0]["match"], "results": results}
+
+
+# How a query word matched a record, by the level that asks it: exact; a word form (the
+# word itself as a prefix); from its stem (a stem as a prefix, or with an ending); a near
+# spelling; one part of a punctuated token, anywhere. A record's level is its words' worst.
+_WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}
+_STEM_CLASS = 2
+LEVELS = ("all", "stemmed", "fuzzy", "any")  # best first
+
+
+def _ranked(found, levels):
+    """found ((row, level it was found at), in the order found) ranked: by how many
+    query words match it, then by how well (each word's best class, plus less than the
+    gap to the next class for how much of the word the matched token shares from its
+    start: lines before linear for line), then as found (BM25)."""
+    words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
+    classes = _term_classes(levels)
+    scored = []
+    for n, (row, match) in enumerate(found):
+        joined = " %s " % " ".join(_PARTS.findall(_fold(row[1])))
+        best = [_best_match(joined, w, terms) for w, terms in zip(words, classes)]
+        floor = _WORD_CLASS[match] if match != "any" else 0  # every word matched at least so
+        worst = max(floor, min(c for c, _ in best))
+        level = next(m for m in LEVELS if _WORD_CLASS[m] <= worst or m == "any")
+        matched = len(best) if floor else sum(1 for c, _ in best if c)
+        scored.append(((-matched, -sum(c + 0.49 * share for c, share in best), n),
+                       (row, level)))
+    return [item for _, item in sorted(scored, key=lambda pair: pair[0])]
+
+
+def _term_classes(levels):
+    """For each query word, its terms from best class to worst: [(class, term, prefix)]."""
+    classes = [[] for _ in levels[0][1]]
+    for match, level in levels:
+        for terms, alternatives in zip(classes, level):
+            known = {(t, p) for _, t, p in terms}
+            terms += [(_STEM_CLASS if match == "stemmed" and n else _WORD_CLASS[match], t, p)
+                      for n, (t, p) in enumerate(alternatives) if (t, p) not in known]
+    return [sorted(terms, key=lambda c: -c[0]) for terms in classes]
+
+
+def _best_match(joined, word, terms):
+    """(class, share) of a query word's best term in a record's parts (' a b c '): share
+    is how much of the word the matched token shares from its start (0 to 1)."""
+    word = " ".join(_PARTS.findall(word))
+    for klass, term, prefix in terms:
+        parts = " ".join(_PARTS.findall(term))
+        at = joined.find(" %s%s" % (parts, "" if prefix else " "))
+        if at >= 0:
+            token = joined[at + 1:joined.index(" ", at + 1 + len(parts))]
+            return klass, len(os.path.commonprefix([word, token])) / max(len(word), len(token))
+    return 0, 0
 
 
 def _visibility(f):
@@ -6246,11 +6341,11 @@ class Operations:
                      if self.has_index() else {})
         except (StoreError, sqlite3.Error):
             return []
-        if found.get("match") in (None, "none", "any"):  # 'any': a word in common is no match
-            return []
         keep = ("id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "private",
                 "pending")
-        return [{k: r[k] for k in keep} for r in found["results"] if r["id"] not in seen]
+        # 'any': a word in common is no match
+        return [{k: r[k] for k in keep} for r in found.get("results", ())
+                if r["id"] not in seen and r["match"] != "any"]
 
     def _remember(self, records, view):
         """Keep what the gateway said in the local index: an index that cannot take it
@@ -6662,6 +6757,10 @@ MATCH_LABELS = {"all": "all words", "stemmed": "word forms", "fuzzy": "near spel
                 "any": "partial match (any word)", "none": "no match"}
 
 
+# A result of a looser level than the best one present, marked so.
+_LOOSER = {"stemmed": "word forms", "fuzzy": "near spelling", "any": "some words"}
+
+
 def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     results = doc["results"]
     if not doc.get("index_exists", True):
@@ -6680,7 +6779,9 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
                  in (("PENDING", r["pending"]), ("FAILED: %s" % r["failed_reason"], r["failed"]),
                                  ("UNVERIFIED", r.get("unverified")),
                                  ("superseded", r["superseded_by"]),
-                                 ("deleted", r["deleted_at"]), ("private", r["private"])) if on]
+                                 ("deleted", r["deleted_at"]), ("private", r["private"]),
+                                 (_LOOSER.get(r.get("match")), r.get("match") != doc["match"]))
+                 if on]
         rows.append((out.short(r["id"]), r["kind"] or "-", _one_line(r["project_id"] or "-"),
                      (r["created_at"] or "-")[:10],
                      "[%s]" % ", ".join(flags) if flags else "", _one_line(r["snippet"])))
@@ -7467,6 +7568,8 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
     score = rec.get("score")
     if isinstance(score, (int, float)) and not isinstance(score, bool):
         out["score"] = round(score, 3)
+    if rec.get("match") in MATCH_LABELS:  # a local result: how its words matched
+        out["match"] = MATCH_LABELS[rec["match"]]
     return out
 
 

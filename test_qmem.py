@@ -2412,7 +2412,9 @@ class FindTests(QmemTestCase):
         self.put(1, "A circuit of the city")
         out = self.ok_json("find", "circuit", "break")
         self.assertEqual(out["match"], "all")
-        self.assertEqual([r["id"] for r in out["results"]], [UUIDS[0]])
+        # Part 14: a looser level fills the rest, below, each result saying its level
+        self.assertEqual([(r["id"], r["match"]) for r in out["results"]],
+                         [(UUIDS[0], "all"), (UUIDS[1], "any")])
         self.assertEqual(sorted(self.find_ids("circ")), sorted(UUIDS[:2]))
 
     def test_no_full_match_falls_back_to_any_word_and_says_so(self):
@@ -2491,8 +2493,7 @@ class FindTests(QmemTestCase):
         self.assertEqual(set(out["results"][0]), {
             "id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "superseded_by",
             "deleted_at", "private", "pending", "failed", "failed_reason", "rank", "snippet",
-            "expires_at",
-            "unverified"})
+            "expires_at", "unverified", "match"})
         self.assertEqual(out["results"][0]["rank"], 1)
 
     def test_human_output_header_and_pending_marker(self):
@@ -2535,8 +2536,9 @@ class FindLevelTests(QmemTestCase):
             self.put_record(UUIDS[n], text)
 
     def level(self, *query):
+        """The level that answered, and the results of that level (looser ones follow)."""
         doc = self.ok_json("find", *query)
-        return doc["match"], [r["id"] for r in doc["results"]]
+        return doc["match"], [r["id"] for r in doc["results"] if r["match"] == doc["match"]]
 
     def test_each_level_in_english_and_italian(self):
         self.assertEqual(self.level("capistrano"), ("all", [UUIDS[0]]))
@@ -2836,6 +2838,63 @@ RELEVANCE_QUERIES = [
     ("questions", "qual è l'orario dell'assistenza clienti?", 91),
     ("questions", "quando si tengono le riunioni?", 108),
 ]
+
+
+class FindTokenTests(QmemTestCase):
+    """Part 14: identifiers, paths, versions and flags as people type them; no short
+    stem that reaches unrelated words; no looser level that hides a better record."""
+
+    def ids(self, query):
+        return [r["id"] for r in json.loads(self.ok("find", "--json", "--", query))["results"]]
+
+    def first(self, query):
+        return (self.ids(query) or [None])[0]
+
+    def test_identifiers_paths_versions_and_flags(self):
+        self.put_records(list(zip(UUIDS, [
+            "asyncio.get_event_loop_policy() returns the current event loop policy",
+            "The loop policy of the event system is documented elsewhere",
+            "Settings live in config/settings.toml since the refactor",
+            "The config loader reads settings from toml files and the config dir",
+            "Released version 2.0.0 of the SDK",
+            "The subnet 192.0.2.0/28 is reserved for tests",
+            "Versions 2.0 and 0.0.2 were yanked from the index",
+            "pip install --no-cache-dir keeps the image small",
+            "The cache dir of pip is not used on the runners, no",
+        ])))
+        # a typo inside a snake_case name: it kept its _ while the index splits on it
+        self.assertEqual(self.first("get_event_loop_polcy"), UUIDS[0])
+        self.assertEqual(self.first("asyncio.get_event_loop_policy"), UUIDS[0])
+        self.assertEqual(self.first("event_loop"), UUIDS[0])  # adjacent, above scattered
+        self.assertEqual(self.first("config/settings.toml"), UUIDS[2])
+        self.assertEqual(self.ids("config/settings.toml")[1], UUIDS[3])  # scattered, after
+        self.assertEqual(self.first("2.0.0"), UUIDS[4])
+        self.assertNotIn(UUIDS[5], self.ids("2.0.0"))
+        self.assertEqual(self.first("--no-cache-dir"), UUIDS[7])  # its no is no stop word
+
+    def test_a_short_stem_reaches_no_unrelated_word(self):
+        self.put_records(list(zip(UUIDS, [
+            "The file is missing from the bundle", "Filter the rows before the join",
+            "Two lines were added to the config", "A linear scan of the table",
+            "Redis caches session tokens"])))
+        self.assertEqual(self.ids("file"), [UUIDS[0]])
+        self.assertEqual(self.ids("line"), [UUIDS[2], UUIDS[3]])  # lines, then linear (line…)
+        self.assertEqual(self.ids("caching"), [UUIDS[4]])
+
+    def test_a_looser_level_does_not_hide_a_better_record(self):
+        # Part 14: the word-forms level answered with records sharing only run*, migr*
+        # and staging; the record that says it, found by the any-word level, was never
+        # shown.
+        self.put_records(list(zip(UUIDS, [
+            "Run 5d1e0c2a: migrazione dello staging completata",
+            "Run b77e41f0 on staging, migrazione ok", "Run 9: migrazione in staging",
+            "Run 12 of staging: migrazione rinviata", "We ran the migration twice on staging",
+            "The staging cluster is small"])))
+        doc = self.ok_json("find", "running", "migrations", "staging")
+        ids = [r["id"] for r in doc["results"]]
+        self.assertEqual(ids[0], UUIDS[4])
+        self.assertEqual(doc["results"][0]["match"], "any")
+        self.assertEqual(doc["match"], "any")
 
 
 class FindRelevanceTests(QmemTestCase):
