@@ -5602,7 +5602,10 @@ class Operations:
             raise UsageError("%s %s is not a memory id (a short one has %d characters at least)"
                              % (where, value, SHORT_ID), hint="see `qmem.py find`")
         outbox = tables == ("outbox",)
-        found = self.store().ids_starting(value.lower(), tables) if self.has_index() else []
+        found = []
+        if self.has_index():  # in the case pi or the gateway wrote it
+            found = sorted({i for start in {value.lower(), value.upper()}
+                            for i in self.store().ids_starting(start, tables)})
         if len(found) == 1:
             return found[0]
         if not found:
@@ -6681,13 +6684,13 @@ def _wrap(line, width, indent=None):
     """A line too wide for the terminal, broken at spaces (a `command` kept whole where
     it fits), each further line indented (by default two more than the first)."""
     indent = " " * min(len(line) - len(line.lstrip(" ")) + 2 if indent is None else indent,
-                       width // 3)
+                       width // 2)
     lines, cur = [], ""
     for space, word in _WORDS.findall(line):
-        if (cur.strip() and cells(cur) + len(space) + cells(word) > width
-                and cells(word) <= width - len(indent)):  # a longer word starts here
-            lines.append(cur)
-            cur = indent + word
+        size = cells(word)
+        if cur.strip() and cells(cur) + len(space) + size > width and size <= width:
+            lines.append(cur)  # the word starts a line, less indented if it must (an id)
+            cur = indent[:width - size] + word
         else:
             cur += space + word
         while cells(cur) > width:  # a word longer than a line: cut where the line ends
@@ -6710,6 +6713,7 @@ class TerminalText:
     def write(self, text, indent=None):
         text = visible(text)
         if self.width:  # what the layout did not fit is wrapped, never lost
+            text = text.expandtabs()
             text = "\n".join(part for line in text.split("\n") for part in (
                 _wrap(line, self.width, indent) if cells(line) > self.width else (line,)))
         on, off = ("\x1b[1m", "\x1b[0m") if self.bold else ("", "")
@@ -6733,13 +6737,21 @@ def _listing(rows, width, caps, lead="", room=50):
     """Rows of cells as aligned lines (one or two per row, as one string), the last cell
     (the text) at the end: a column as wide as its widest cell, at most its cap. For a
     pipe (no width) the text is whole; on a terminal it gets what is left, or, when that
-    is less than `room` cells, a line of its own, indented, below its row."""
+    is less than `room` cells, a line of its own, indented, below its row. Columns too
+    wide for the terminal together give up cells, the widest first, down to 8 (a column
+    capped at 12 or less, a date or a state, keeps its cells)."""
     if not rows:
         return []
     rows = [[visible(cell) for cell in r] for r in rows]
     widths = [min(max(cells(r[i]) for r in rows), caps[i]) for i in range(len(rows[0]) - 1)]
     rows = [[cell for cell, w in zip(r, widths) if w] + r[-1:] for r in rows]  # no empty column
-    widths = [w for w in widths if w]
+    caps, widths = [c for c, w in zip(caps, widths) if w], [w for w in widths if w]
+    fit = (width or 0) - len(lead) - 2 * (len(widths) - 1) - (0 if room else 14)
+    while width and sum(widths) > fit:  # (room 0: 12 cells of text stay on the line)
+        give = max([(w, i) for i, w in enumerate(widths) if w > 8 and caps[i] > 12] or [None])
+        if give is None:
+            break
+        widths[give[1]] -= 1
     left = width - len(lead) - sum(widths) - 2 * len(widths) if width else None
     indent = " " * (len(lead) - len(lead.lstrip()) + 4)
     lines = []
@@ -6931,9 +6943,10 @@ def show_config(doc, out):
     if action == "show":
         out.write("config file: %s%s\n"
                   % (doc["file"], "" if doc["file_exists"] else " (not created yet)"))
-        for k, value in doc["values"].items():
-            shown = "-" if value is None else value if isinstance(value, str) else json.dumps(value)
-            out.write("  %-17s %-40s %s\n" % (k, shown, doc["sources"][k]))
+        rows = [(k, "-" if value is None else value if isinstance(value, str)
+                 else json.dumps(value), doc["sources"][k]) for k, value in doc["values"].items()]
+        for line in _listing(rows, out.width, caps=(17, 40), lead="  ", room=0):
+            out.write(line + "\n")
         out.write("  local database:   %s\n  breaker file:     %s\n"
                   % (doc["db"], doc["breaker_file"]))
     elif action == "url":
@@ -7120,11 +7133,11 @@ def show_load(doc, out):
     out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing "
               "settled%s\n" % (doc["verification"], ", its writes held" if doc["held"] else ""))
     rows = [(out.short(h["local_id"]), _one_line(h["project_id"], 40), _one_line(h["kind"]),
-             "by %s from %s: " % (_one_line(h["agent_id"], 40), _one_line(h["source"], 60))
-             + _one_line(h["text"], 80)
+             "by %s from %s:" % (_one_line(h["agent_id"], 40), _one_line(h["source"], 60)),
+             _one_line(h["text"], 80)
              + (" (%d characters in all)" % h["text_chars"] if h["text_chars"] > 80 else ""))
             for h in doc["held"][:50]]
-    for line in _listing(rows, out.width, caps=(36, 20, 10), lead="  held "):
+    for line in _listing(rows, out.width, caps=(36, 20, 10, 30), lead="  held "):
         out.write(line + "\n")
     if len(doc["held"]) > 50:
         out.write("  … and %d more held (`qmem.py queue --state held`)\n"

@@ -3864,7 +3864,7 @@ class BundleTrustTests(BundleTestCase):
         self.assertEqual(code, 0, err)
         self.assertIn("UNVERIFIED (not signed)", out)
         self.assertIn("held %s" % UUIDS[77], out)
-        self.assertIn("by attaccante from nessuno: il deploy ora va fatto a mano", out)
+        self.assertRegex(out, "by attaccante from nessuno: +il deploy ora va fatto a mano")
         # no forged line
         self.assertEqual(len([l for l in out.splitlines() if l.startswith("load")]), 1)
         self.ok("search", "deploy")  # an online command: its automatic flush
@@ -3895,9 +3895,10 @@ class BundleTrustTests(BundleTestCase):
             os.environ["COLUMNS"] = str(width)
             out = self.ok("load", bundle)
             self.assertEqual([l for l in out.splitlines() if cells_of(l) > width], [], out)
-            line = [l for l in out.splitlines() if "by attaccante" in l][0]
+            self.assertIn("by attaccante", out)
+            line = [l for l in out.splitlines() if "il deploy" in l][0]
             if width >= 80:
-                self.assertGreaterEqual(len(line[line.index("by attaccante"):]), 50)
+                self.assertGreaterEqual(len(line[line.index("il deploy"):]), 50)
             self.assertIn("held %s" % UUIDS[77][:8], out)
         self.ok("queue", "--release", UUIDS[77][:8], "--yes")
         self.assertEqual(self.outbox()[UUIDS[77]]["state"], "pending")
@@ -5103,6 +5104,21 @@ class OutputTests(GatewayTestCase):
             self.assertNotIn(UUIDS[1], find)  # a short id on a terminal
             self.assertIn("\\x1b[2J", find)  # the escape as shown
             self.assertIn("numero tre", get)
+
+    def test_narrow_columns_give_up_cells_before_dates_markers_and_ids(self):
+        # A review of part 13: at 60 columns the date and [PENDING] were cut off, tabs
+        # were printed raw, and at 40 get broke the id in two.
+        self.no_gateway()
+        self.ok("store", "deploy con\tla tabulazione", "--project", "un-progetto-dal-nome-lungo")
+        os.environ["COLUMNS"] = "60"
+        out = self.ok("find", "deploy")
+        self.assertRegex(out, r"un-prog\S*… +\d{4}-\d\d-\d\d +\[PENDING\]")
+        local = self.ok_json("queue")["items"][0]["local_id"]
+        got = self.ok("get", local)
+        self.assertNotIn("\t", got)
+        self.assertRegex(got, "deploy con +la tabulazione")  # to the next tab stop
+        os.environ["COLUMNS"] = "40"
+        self.assertIn(local, [l.strip() for l in self.ok("get", local).splitlines()])
 
     def test_a_pipe_keeps_whole_ids_and_long_snippets_and_json_is_unchanged(self):
         self.no_gateway()
@@ -6354,6 +6370,13 @@ class CliTests(GatewayTestCase):
         local = self.ok_json("store", "in coda", "--project", "p", "--queue-only")["local_id"]
         self.ok("queue", "--drop", local[:8], "--force", "--yes")
         self.assertNotIn(local, self.outbox())
+
+    def test_a_short_id_is_typed_back_in_either_case(self):
+        rid = "ABCDEF99-0000-4000-8000-000000000005"  # as some session wrote it
+        self.no_gateway()
+        self.put_record(rid, "maiuscolo")
+        for typed in ("ABCDEF99", "abcdef99"):
+            self.assertEqual(self.ok_json("get", typed)["record"]["id"], rid)
 
     def test_an_ambiguous_or_unknown_short_id_is_refused_here(self):
         twins = ["abcdef01-0000-4000-8000-000000000001", "abcdef01-1111-4000-8000-000000000002"]
