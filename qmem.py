@@ -1847,9 +1847,9 @@ def fts5_tokenizer():
 
 def _fold(text):
     """Accent-folded lower case, for the LIKE search of a SQLite without FTS5."""
+    if not text or max(text) < "\x80":  # ASCII: nothing to fold (most text, and 20x faster)
+        return text.lower() if text else text
     import unicodedata
-    if text is None:
-        return None
     decomposed = unicodedata.normalize("NFKD", text)
     return "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
 
@@ -6643,7 +6643,6 @@ def emit_json(doc, out=None):
 
 
 SNIPPET_CHARS = 200  # the longest snippet or text line of human output
-_MAYBE_NOT_ONE = re.compile("[\u0300-\U0010ffff]")  # below: one cell each
 
 
 def _char_cells(c):
@@ -6660,7 +6659,8 @@ def _char_cells(c):
 def cells(text):
     """How many terminal cells text takes: a wide character (CJK, emoji) two, a
     combining mark and the highlight marks none."""
-    return sum(map(_char_cells, text)) if _MAYBE_NOT_ONE.search(text) else len(text)
+    # (below U+0300 one cell each; a regular expression of that class costs 6 ms to compile)
+    return len(text) if not text or max(text) < "\u0300" else sum(map(_char_cells, text))
 
 
 def _fits(text, width):
