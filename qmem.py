@@ -1693,7 +1693,8 @@ def _reason(e):
 # that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
 # Each thread opens its own connection (the MCP server's background flush too).
 
-SCHEMA_VERSION = 3  # 2: claim tokens carry the claimant's identity; 3: held writes, origins
+SCHEMA_VERSION = 4  # 2: claim tokens carry the claimant's identity; 3: held writes, origins;
+#                    4: identifiers' parts indexed, accent-folded text kept without FTS5
 # Outbox states (the CHECK of the outbox table). Held: from an unverified bundle, never
 # sent until the user releases it.
 PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
@@ -1794,6 +1795,74 @@ def _create_fts(conn, tokenizer):
     conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', ?)", ("fts5 " + tokenizer,))
 
 
+_PARTS = re.compile(r"[^\W_]+")  # what the index holds of a text: its runs of letters and digits
+
+# The words a text's CamelCase identifiers are made of, for the index to find them by
+# their parts (Python's sqlite3 cannot register an FTS5 tokenizer): ThreadPoolExecutor
+# is also "thread pool executor", HTTPServer "http server". snake_case and dotted names
+# need nothing: the tokenizer splits them already.
+# A capital that starts a hump of a CamelCase name: after a lower-case letter, or the
+# last of a run of capitals before a lower-case one (HTTPServer). Searched for first: a
+# pattern that starts with a capital scans text several times faster than any other.
+_HUMP = re.compile(r"[A-Z](?:(?<=[a-z][A-Z])|(?=[a-z])(?<=[A-Z][A-Z]))")
+_NAME_REST = re.compile(r"[A-Za-z0-9]*")
+_CAMEL_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+
+
+def identifier_words(text):
+    """The parts of text's CamelCase names, lower case, as one string ('' for none):
+    0.5 s for 100,000 memories of real text, most of it the scan for humps."""
+    names, end = [], 0
+    for hump in _HUMP.finditer(text or ""):
+        at = hump.start()
+        if at < end:  # another hump of the same name
+            continue
+        start = at
+        while start and text[start - 1].isalnum():
+            start -= 1
+        end = _NAME_REST.match(text, at).end()
+        names.append(" ".join(_CAMEL_PART.findall(text[start:end])))
+    return " ".join(names).lower()
+
+
+def _m004_words(conn):
+    """Schema 4. With FTS5, the index holds a fourth column, the words of each text's
+    CamelCase identifiers (identifier_words, through the view records_words); an index
+    made before is rebuilt so once, by the next import or pull (meta words_pending),
+    and used as it is meanwhile. Without FTS5, each text is kept accent-folded
+    (records.folded, kept by triggers), so that the LIKE scan is plain SQL."""
+    conn.execute("CREATE VIEW IF NOT EXISTS records_words AS SELECT rid, text, project_id, kind, "
+                 "qmem_words(text) AS words FROM records")
+    if conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0] != "none":
+        if conn.execute("SELECT 1 FROM records LIMIT 1").fetchone():
+            conn.execute("INSERT OR REPLACE INTO meta VALUES('words_pending', '1')")
+        else:
+            _index_words(conn)
+        return
+    _script(conn, """
+    ALTER TABLE records ADD COLUMN folded TEXT;
+    UPDATE records SET folded = qmem_fold(text);
+    CREATE TRIGGER records_folded_new AFTER INSERT ON records BEGIN
+      UPDATE records SET folded = qmem_fold(NEW.text) WHERE rid = NEW.rid; END;
+    CREATE TRIGGER records_folded AFTER UPDATE OF text ON records BEGIN
+      UPDATE records SET folded = qmem_fold(NEW.text) WHERE rid = NEW.rid; END;
+    INSERT OR REPLACE INTO meta VALUES('folded', '1');
+    """)
+
+
+def _index_words(conn):
+    """Inside a transaction: the FTS index made anew with the identifiers' words."""
+    tokenizer = conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0][len("fts5 "):]
+    _script(conn, """
+    DROP TABLE records_fts;
+    CREATE VIRTUAL TABLE records_fts USING fts5(%s, words, content='records_words',
+      content_rowid='rid', tokenize='%s');
+    INSERT INTO records_fts(records_fts) VALUES('rebuild');
+    INSERT OR REPLACE INTO meta VALUES('fts_words', '1');
+    DELETE FROM meta WHERE key='words_pending';
+    """ % (_FTS_COLUMNS, tokenizer))
+
+
 def _m002_claims(conn):
     """Schema 2 changes the rules of the outbox, not its tables: a claim is taken over
     only when its claimant is proven dead or its lease has run out (a qmem.py of schema
@@ -1822,7 +1891,7 @@ def _m003_held(conn):
 
 
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
-MIGRATIONS = [_m001_initial, _m002_claims, _m003_held]
+MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words]
 
 # Tests set this to exercise the LIKE path of a SQLite built without FTS5.
 FORCE_NO_FTS5 = False
@@ -1991,7 +2060,9 @@ class Store:
         except sqlite3.Error as e:
             raise store_error(e, path)
         self.conn.create_function("qmem_fold", 1, _fold)
+        self.conn.create_function("qmem_words", 1, identifier_words)
         self.near = {}  # near_spellings() of each word, until the index changes
+        self._terms = None  # (no FTS5) folded_terms()
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
         self.known = None         # bulk load: hashes of every id in the table
         try:
@@ -2001,6 +2072,8 @@ class Store:
                 self._migrate(version)
             self.conn.execute("PRAGMA synchronous=FULL")
             self.fts = self.meta("fts") != "none"
+            self.fts_words = self.meta("fts_words") == "1"  # the index holds identifier_words
+            self.folded = self.meta("folded") == "1"  # (no FTS5) records.folded is kept
             if self.meta("secrets_masked") != SECRETS_MASKED:
                 self._mask_stored_secrets()
         except sqlite3.Error as e:
@@ -2079,8 +2152,8 @@ class Store:
             warn("%s: WAL journal not available here; concurrent use will be slower" % self.path)
         tokenizer = fts5_tokenizer() if version == 0 else None
         if version == 0 and tokenizer is None:
-            warn("this Python's SQLite has no FTS5: local search falls back to a slower LIKE scan, "
-                 "which finds words and their forms but not near spellings (typos)")
+            warn("this Python's SQLite has no FTS5: local search falls back to a slower LIKE scan "
+                 "(words, their forms and near spellings, newest first rather than ranked)")
         with self.transaction():
             # Re-read under the write lock: another process may have migrated meanwhile.
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
@@ -2543,12 +2616,28 @@ class Store:
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
     def _index(self, rid, values, command=""):
-        """Index a row's (text, project_id, kind); command='delete' removes them (FTS5's
-        external-content index needs the values it indexed)."""
+        """Index a row's (text, project_id, kind) and its identifiers' words; command=
+        'delete' removes them (FTS5's external-content index needs the values it indexed)."""
         if self.fts and not self.defer_index:
-            self.conn.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
-                              "VALUES(?, ?, ?, ?, ?)",
-                              (command or None, rid, values[0] or "", values[1], values[2]))
+            row = (command or None, rid, values[0] or "", values[1], values[2])
+            if self.fts_words:
+                self.conn.execute("INSERT INTO records_fts(records_fts, rowid, %s, words) "
+                                  "VALUES(?, ?, ?, ?, ?, ?)" % _FTS_COLUMNS,
+                                  row + (identifier_words(values[0]),))
+            else:
+                self.conn.execute("INSERT INTO records_fts(records_fts, rowid, %s) "
+                                  "VALUES(?, ?, ?, ?, ?)" % _FTS_COLUMNS, row)
+
+    def index_identifiers(self):
+        """An index made before schema 4 made anew with its identifiers' words (once: see
+        _m004_words); True if it was."""
+        if not (self.fts and self.meta("words_pending")):
+            return False
+        with self.transaction():
+            if self.meta("words_pending"):  # (another process may have done it meanwhile)
+                _index_words(self.conn)
+        self.fts_words = True
+        return True
 
     def _unindex(self, rid, values):
         self._index(rid, values, "delete")
@@ -2592,7 +2681,17 @@ class Store:
         another connection: for a long-lived process, such as the MCP server."""
         mark = (self.conn.execute("PRAGMA data_version").fetchone()[0], self.conn.total_changes)
         if mark != getattr(self, "_mark", None):
-            self.near, self._mark = {}, mark
+            self.near, self._terms, self._mark = {}, None, mark
+            self.fts_words = self.meta("fts_words") == "1"  # made anew by another process?
+
+    def folded_terms(self):
+        """(No FTS5) every word of the folded texts, read once (until refresh() sees a
+        change): a scan, as every search there is."""
+        if self._terms is None:
+            self._terms = set()
+            for (text,) in self.conn.execute("SELECT folded FROM records"):
+                self._terms.update(_PARTS.findall(text or ""))
+        return self._terms
 
     def terms_among(self, candidates):
         """Those of the candidates the full-text index holds, the most widely used first:
@@ -3403,7 +3502,6 @@ def _parse_line(line):
 # A token of a query: a word, or one with punctuation inside — a path, a version, a flag,
 # an identifier (config/settings.toml, 2.0.0, --no-cache-dir, get_event_loop) — kept whole.
 _TOKEN_RE = re.compile(r"\w+(?:[^\w\s]+\w+)*")
-_PARTS = re.compile(r"[^\W_]+")  # what the index holds of a text: its runs of letters and digits
 
 
 def query_tokens(query):
@@ -3533,14 +3631,16 @@ def search_levels(tokens, near=None):
     folded = [_fold(t) for t in tokens]
     words = [w for w in folded if w not in STOP_WORDS] or folded
     last = len(words) - 1
+    # a CamelCase name is also a phrase of its parts (PoolExecutor: pool executor)
+    camel = {w: identifier_words(t) for t, w in zip(tokens, folded) if not _is_phrase(w)}
 
     def exact(n, w):
-        return [(w, n == last)]
+        return [(w, n == last)] + [(camel[w], n == last) for _ in camel.get(w, "")[:1]]
 
     def forms(n, w):  # the word as a prefix too (deploy: deploys, deployed), and its stems
         if _is_phrase(w):
             return exact(n, w)
-        return [(w, n == last or len(w) >= MIN_PREFIX_WORD)] + word_forms(w)
+        return [(w, n == last or len(w) >= MIN_PREFIX_WORD)] + exact(n, w)[1:] + word_forms(w)
 
     def spellings(n, w):
         return forms(n, w) + [(t, False) for t in _near_variants(w, n, near)]
@@ -3579,14 +3679,14 @@ def _near_variants(word, n, near):
     return found[:MAX_NEAR_SPELLINGS]
 
 
-def fts_expression(level, every):
+def fts_expression(level, every, columns="text"):
     """A MATCH expression that can only ever mean 'these words in the text': every term
     is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
-    our own filter on the text column, a prefix where asked; a word's forms joined by
-    OR, the words by AND (every word) or OR (any word). Project and kind are filters
-    (--project, --kind), not words."""
+    our own filter on the text column (and its identifiers' words), a prefix where
+    asked; a word's forms joined by OR, the words by AND (every word) or OR (any word).
+    Project and kind are filters (--project, --kind), not words."""
     def term(text, prefix):
-        return 'text : "%s"%s' % (text.replace('"', '""'), "*" if prefix else "")
+        return '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
     words = ["(%s)" % " OR ".join(term(t, p) for t, p in alternatives) for alternatives in level]
     return (" AND " if every else " OR ").join(words)
 
@@ -3599,13 +3699,24 @@ def near_spellings(store, word):
     if word not in store.near:
         forms = [(word, True)] + word_forms(word)
         known = store.conn.execute("SELECT 1 FROM records_fts WHERE records_fts MATCH ? LIMIT 1",
-                                   (fts_expression([forms], True),)).fetchone()
+                                   (fts_expression([forms], True, _columns(store)),)).fetchone()
         store.near[word] = ([] if known
                             else store.terms_among(one_edit_away(word))[:MAX_NEAR_SPELLINGS])
     return store.near[word]
 
 
 MAX_NEAR_SPELLINGS = 8
+
+
+def like_near_spellings(store, word):
+    """near_spellings() for a database without FTS5: the strings one edit away that are
+    words of its folded texts (read once per Store, until the index changes)."""
+    if word not in store.near:
+        terms = store.folded_terms()
+        known = word in terms or any(t in terms for t, _ in word_forms(word))
+        store.near[word] = [] if known else [t for t in one_edit_away(word)
+                                             if t in terms][:MAX_NEAR_SPELLINGS]
+    return store.near[word]
 
 
 # Where a snippet's matched words start and end (private-use characters): the output
@@ -3629,7 +3740,8 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     where, params = _visibility(filters)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
     use_fts = store.fts and not store.meta("fts_pending")
-    near = (lambda word: near_spellings(store, word)) if use_fts else None
+    near = ((lambda word: near_spellings(store, word)) if use_fts
+            else (lambda word: like_near_spellings(store, word)) if store.folded else None)
     found, levels, asked, cur = {}, [], set(), None
     for match, level, every in search_levels(tokens, near):
         levels.append((match, level))
@@ -3638,7 +3750,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
         asked.add((repr(level), every))
         want = len(found) + (limit if every else max(3 * limit, 30))
         cur = store.conn.execute(*(_fts_query if use_fts else _like_query)(
-            level, every, where, params, want, highlight))
+            store, level, every, where, params, want, highlight))
         for row in cur.fetchall():
             found.setdefault(row[0], (row, match if every else "any"))
         if len(found) >= limit:
@@ -3669,7 +3781,7 @@ def _ranked(found, levels):
     classes = _term_classes(levels)
     scored = []
     for n, (row, match) in enumerate(found):
-        joined = " %s " % " ".join(_PARTS.findall(_fold(row[1])))
+        joined = " %s %s " % (" ".join(_PARTS.findall(_fold(row[1]))), identifier_words(row[1]))
         best = [_best_match(joined, w, terms) for w, terms in zip(words, classes)]
         floor = _WORD_CLASS[match] if match != "any" else 0  # every word matched at least so
         worst = max(floor, min(c for c, _ in best))
@@ -3725,19 +3837,25 @@ def _visibility(f):
     return where or ["1"], params
 
 
-def _fts_query(level, every, where, params, limit, highlight):
+def _columns(store):
+    return "{text words}" if store.fts_words else "text"
+
+
+def _fts_query(store, level, every, where, params, limit, highlight):
     sql = ("SELECT %s, snippet(records_fts, 0, ?, ?, '…', 24) FROM records_fts "
            "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
-           "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5) LIMIT ?"
+           "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
            % (_RESULT_COLUMNS, " AND ".join(where)))
-    return sql, [highlight[0], highlight[1], fts_expression(level, every)] + params + [limit]
+    return sql, [highlight[0], highlight[1], fts_expression(level, every, _columns(store))
+                 ] + params + [limit]
 
 
-def _like_query(level, every, where, params, limit, highlight):
+def _like_query(store, level, every, where, params, limit, highlight):
     """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
-    in the text, so every term acts as a prefix), newest first."""
-    words = ["(%s)" % " OR ".join(["qmem_fold(r.text) LIKE ? ESCAPE '\\'"] * len(alternatives))
-             for alternatives in level]
+    in the text, so every term acts as a prefix) on the folded text kept at write time
+    (while a bulk import builds an FTS index, folded here), newest first."""
+    like = "%s LIKE ? ESCAPE '\\'" % ("r.folded" if store.folded else "qmem_fold(r.text)")
+    words = ["(%s)" % " OR ".join([like] * len(alternatives)) for alternatives in level]
     sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
         _RESULT_COLUMNS, (" AND " if every else " OR ").join(words), " AND ".join(where))
     patterns = ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for alternatives in level for term,
@@ -5678,9 +5796,24 @@ class Operations:
                 return {"source": "local_sqlite", "looked_in": session_dirs(),
                         "sessions_found": False,
                         "stats": ImportStats().as_dict()}
+        rebuilt = self._index_identifiers()
         stats = Importer(self.store()).run(roots)
         return {"source": "local_sqlite", "looked_in": roots, "sessions_found": True,
-                "stats": stats.as_dict()}
+                "stats": stats.as_dict(), "index_rebuilt": rebuilt}
+
+    def _index_identifiers(self):
+        """Once, for an index made before schema 4 (see _m004_words): made anew, so that
+        identifiers are found by their parts. The number of records it holds, or None."""
+        store = self.store()
+        if not (store.fts and store.meta("words_pending")):
+            return None
+        count = store.conn.execute("SELECT count(*) FROM records").fetchone()[0]
+        shown = Progress("search index")
+        shown.update("made anew, once, so that identifiers are found by their parts (%d "
+                     "records)…" % count)
+        store.index_identifiers()
+        shown.done()
+        return count
 
     def status(self):
         """What the local side knows (an empty account on a fresh machine)."""
@@ -6240,6 +6373,7 @@ class Operations:
         """Copy the shared memory into the local index, page by page; an interrupted pull
         keeps its pages and resumes after them."""
         gateway, stats = self.gateway(), PullStats()
+        rebuilt = self._index_identifiers()
         try:
             pull(self.store(), gateway, full=full, progress=progress, stats=stats)
         except GatewayError as e:
@@ -6248,7 +6382,7 @@ class Operations:
             raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s"
                                % (stats.pages, e.message),
                                hint="`qmem.py pull` resumes there")
-        return self._after_online(dict(stats.as_dict(), source="gateway"))
+        return self._after_online(dict(stats.as_dict(), source="gateway", index_rebuilt=rebuilt))
 
     # -- the gateway, with the local index as fallback
     @utf8_arguments
@@ -6807,6 +6941,12 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
             n in sorted(hidden.items()) if n)))
 
 
+def show_index_rebuilt(doc, out):
+    if doc.get("index_rebuilt") is not None:
+        out.write("search index made anew (once, for this version): %s, identifiers now found "
+                  "by their parts\n" % plural(doc["index_rebuilt"], "record"))
+
+
 def show_import(doc, out):
     if not doc["sessions_found"]:
         out.write("no pi sessions found (looked in %s): nothing to import\n"
@@ -6827,6 +6967,7 @@ def show_import(doc, out):
         st["records_new"], st["records_updated"], st["lines_skipped"], st["lines_truncated"],
         "; %d files are not pi sessions" % st["files_not_sessions"] if st["files_not_sessions"]
         else ""))
+    show_index_rebuilt(doc, out)
 
 
 # Cosine score bands of the gateway's BGE-M3 search (gateway-api.md).
@@ -7098,6 +7239,7 @@ def show_enrich(doc, out):
 def show_pull(doc, out):
     out.write("pull: %s; %d new, %d updated, %d newly deleted, %d unchanged\n" % (
         plural(doc["pages"], "page"), doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
+    show_index_rebuilt(doc, out)
 
 
 def show_export(doc, out):

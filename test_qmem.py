@@ -2589,7 +2589,7 @@ class FindLevelTests(QmemTestCase):
         doc = qmem.find_local(store, "kubernetis")
         self.assertEqual((doc["match"], [r["id"] for r in doc["results"]]), ("fuzzy", [UUIDS[30]]))
 
-    def test_without_fts5_word_forms_still_match_and_typos_are_said_unavailable(self):
+    def test_without_fts5_word_forms_and_near_spellings_still_match(self):
         os.environ["QMEM_SQLITE"] = os.path.join(self.home, "like.sqlite")
         with mock.patch.object(qmem, "FORCE_NO_FTS5", True):
             code, out, err = self.run_cli("status")
@@ -2600,8 +2600,10 @@ class FindLevelTests(QmemTestCase):
         self.put_record_at(os.environ["QMEM_SQLITE"], UUIDS[0],
                            "The circuit breaker opens after three failures")
         self.assertEqual(self.level("breakers"), ("stemmed", [UUIDS[0]]))
-        # no vocabulary: no near spellings
-        self.assertEqual(self.level("circiut", "breaker")[0], "any")
+        # Part 14: near spellings there too, from the folded text kept at write time
+        self.assertEqual(self.level("circiut", "breaker"), ("fuzzy", [UUIDS[0]]))
+        self.put_record_at(os.environ["QMEM_SQLITE"], UUIDS[1], "Il deploy è manuale")
+        self.assertEqual(self.level("deplyo", "manuale"), ("fuzzy", [UUIDS[1]]))  # written since
 
     def put_record_at(self, path, rid, text):
         store = qmem.Store(path)
@@ -2636,7 +2638,7 @@ class FindWithoutFts5Tests(QmemTestCase):
         code, out, err = self.run_cli("import")
         self.assertEqual(code, 0)
         self.assertIn("no FTS5", err)
-        self.assertIn("not near spellings", err)
+        self.assertIn("near spellings, newest first", err)
         self.assertEqual(self.find_ids("perche", "citta"), [UUIDS[0]])
         self.assertEqual(self.find_ids("città"), [UUIDS[0]])
         self.assertEqual(self.find_ids("100%"), [UUIDS[0]])
@@ -2871,6 +2873,37 @@ class FindTokenTests(QmemTestCase):
         self.assertEqual(self.first("2.0.0"), UUIDS[4])
         self.assertNotIn(UUIDS[5], self.ids("2.0.0"))
         self.assertEqual(self.first("--no-cache-dir"), UUIDS[7])  # its no is no stop word
+
+    def test_camel_case_names_are_found_by_their_parts(self):
+        self.put_records(list(zip(UUIDS, [
+            "We use ThreadPoolExecutor for the uploads", "urllib raised RemoteDisconnected",
+            "A pool of worker threads runs the executor jobs", "The HTTPServer logs to stderr"])))
+        self.assertEqual(self.first("PoolExecutor"), UUIDS[0])
+        self.assertEqual(self.first("thread pool executor"), UUIDS[0])
+        self.assertEqual(self.first("Disconnected"), UUIDS[1])
+        self.assertEqual(self.first("http server"), UUIDS[3])
+        doc = self.ok_json("find", "ThreadPoolExecutor")  # whole, exact first
+        self.assertEqual((doc["match"], doc["results"][0]["id"]), ("all", UUIDS[0]))
+
+    def test_an_index_made_before_is_made_anew_by_the_next_import(self):
+        self.put_records([(UUIDS[0], "We use ThreadPoolExecutor for the uploads")])
+        conn = sqlite3.connect(self.db)  # as qmem.py of schema 3 left it
+        with conn:
+            conn.executescript("""
+            DROP VIEW records_words; DROP TABLE records_fts;
+            CREATE VIRTUAL TABLE records_fts USING fts5(text, project_id, kind, content='records',
+              content_rowid='rid', tokenize='unicode61 remove_diacritics 2');
+            INSERT INTO records_fts(records_fts) VALUES('rebuild');
+            DELETE FROM meta WHERE key='fts_words'; PRAGMA user_version=3;""")
+        conn.close()
+        self.assertEqual(self.first("ThreadPoolExecutor"), UUIDS[0])  # meanwhile, as before
+        self.assertIsNone(self.first("PoolExecutor"))
+        os.makedirs(self.sessions)
+        self.assertIn("search index made anew (once, for this version): 1 record",
+                      self.ok("import"))
+        self.assertEqual(self.first("PoolExecutor"), UUIDS[0])
+        self.assertIsNone(self.ok_json("import")["index_rebuilt"])  # once
+        self.assertEqual(self.ok_json("status")["db"]["schema_version"], 4)
 
     def test_a_short_stem_reaches_no_unrelated_word(self):
         self.put_records(list(zip(UUIDS, [
@@ -3553,6 +3586,7 @@ class BundleTestCase(GatewayTestCase):
 
     def dump(self, name):
         conn = sqlite3.connect(os.path.join(self.home, name + ".sqlite"))
+        conn.create_function("qmem_words", 1, qmem.identifier_words)  # (iterdump reads the FTS)
         try:
             return [line for line in conn.iterdump() if "qmem_terms" not in line]
         finally:
