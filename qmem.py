@@ -2745,7 +2745,11 @@ class _Transaction:
     def __enter__(self):
         try:
             self.conn.execute("BEGIN IMMEDIATE")
+            if getattr(self.store, "fts_words", True) is False:  # made anew since we looked?
+                self.store.fts_words = self.store.meta("fts_words") == "1"
         except sqlite3.OperationalError as e:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
             raise store_error(e, self.store.path)
         return self.conn
 

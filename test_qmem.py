@@ -1648,6 +1648,39 @@ class GatewayClientTests(GatewayTestCase):
 class StoreTests(GatewayTestCase):
     """The database file: its schema, its merge rule, its locks, and files it must not touch."""
 
+
+    def old_index(self):
+        """The database as qmem.py of schema 3 left it: an FTS index of three columns."""
+        self.put_record(UUIDS[9], "an older memory")
+        conn = sqlite3.connect(self.db)
+        with conn:
+            conn.executescript("""
+            DROP VIEW records_words; DROP TABLE records_fts;
+            CREATE VIRTUAL TABLE records_fts USING fts5(text, project_id, kind, content='records',
+              content_rowid='rid', tokenize='unicode61 remove_diacritics 2');
+            DELETE FROM meta WHERE key='fts_words'; PRAGMA user_version=3;""")
+        conn.close()
+
+    def test_a_writer_that_opened_the_old_index_writes_the_new_one(self):
+        # Part 14: a long-lived process (an MCP server) that opened the index before another
+        # one made it anew must index its writes with the new column, or deleting them
+        # later would damage the index.
+        self.old_index()
+        server, importer = qmem.Store(self.db), qmem.Store(self.db)
+        self.addCleanup(server.close)
+        self.addCleanup(importer.close)
+        self.assertTrue(importer.index_identifiers())
+        with server.transaction():
+            server.upsert(qmem.normalize_record(record(UUIDS[0], "ThreadPoolExecutor hangs")), 2)
+        self.assertEqual([r["id"] for r in qmem.find_local(importer, "PoolExecutor")["results"]],
+                         [UUIDS[0]])
+        with server.transaction():
+            server.upsert(qmem.normalize_record(record(UUIDS[0], "ProcessPool it is", updated_at=
+                                                       "2027-01-01T00:00:00.000Z")), 2)
+        self.assertEqual(importer.conn.execute(
+            "INSERT INTO records_fts(records_fts, rank) VALUES('integrity-check', 1)").fetchall(),
+            [])
+
     def test_created_with_parents_wal_and_schema_version(self):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
