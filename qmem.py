@@ -3712,14 +3712,28 @@ def near_spellings(store, word):
 MAX_NEAR_SPELLINGS = 8
 
 
+def _like_patterns(terms):
+    return ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for term in terms]
+
+
+def _substrings_apart(terms):
+    """The terms that contain none of the others: a LIKE pattern finds a term anywhere,
+    so cache finds caches and caching (a short stem's endings are one scan, not 18)."""
+    kept = []
+    for term in sorted(set(terms), key=len):
+        if not any(k in term for k in kept):
+            kept.append(term)
+    return kept
+
 def like_near_spellings(store, word):
     """near_spellings() for a database without FTS5: the strings one edit away that are
     words of its folded texts (read once per Store, until the index changes)."""
     if word not in store.near:
-        terms = store.folded_terms()
-        known = word in terms or any(t in terms for t, _ in word_forms(word))
+        forms = _substrings_apart([word] + [t for t, _ in word_forms(word)])
+        known = store.conn.execute("SELECT 1 FROM records WHERE %s LIMIT 1" % " OR ".join(
+            ["folded LIKE ? ESCAPE '\\'"] * len(forms)), _like_patterns(forms)).fetchone()
         store.near[word] = [] if known else [t for t in one_edit_away(word)
-                                             if t in terms][:MAX_NEAR_SPELLINGS]
+                                             if t in store.folded_terms()][:MAX_NEAR_SPELLINGS]
     return store.near[word]
 
 
@@ -3749,12 +3763,15 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     found, levels, asked, cur = {}, [], set(), None
     for match, level, every in search_levels(tokens, near):
         levels.append((match, level))
-        if (repr(level), every) in asked:
+        if use_fts:
+            level = _held_only(store, level, every)
+        if not level or (repr(level), every) in asked:
             continue
-        asked.add((repr(level), every))
-        want = len(found) + (limit if every else max(3 * limit, 30))
+        want = len(found) + (limit if every else max(2 * limit, 20))
         cur = store.conn.execute(*(_fts_query if use_fts else _like_query)(
-            store, level, every, where, params, want, highlight))
+            store, level, every, where, params, want, highlight, snippets=not asked))
+        asked.add((repr(level), every))
+        last = level
         for row in cur.fetchall():
             found.setdefault(row[0], (row, match if every else "any"))
         if len(found) >= limit:
@@ -3762,10 +3779,30 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     if not found:
         return {"match": "none", "results": []}
     ranked = _ranked(list(found.values()), levels)[:limit]
-    results = _results(store, cur, [row for row, _ in ranked], tokens)
+    rows = [row for row, _ in ranked]
+    if use_fts:
+        rows = _snippets(store, rows, last, highlight)
+    results = _results(store, cur, [row[:-1] for row in rows], tokens)  # (the rid left out)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
     return {"match": results[0]["match"], "results": results}
+
+
+def _held_only(store, level, every):
+    """The level without the words as written that the index does not hold (a stem's
+    endings: cittá gives 34), each of which would cost a lookup and match nothing; []
+    when a word every record must match has none left. What the index holds is asked
+    once per term, and kept with the near spellings (until the index changes)."""
+    asked = [t for alternatives in level for t, prefix in alternatives
+             if not prefix and not _is_phrase(t) and ("held", t) not in store.near]
+    if asked:
+        found = set(store.terms_among(asked))
+        store.near.update((("held", t), t in found) for t in asked)
+    level = [[(t, p) for t, p in alternatives if p or _is_phrase(t) or store.near[("held", t)]]
+             for alternatives in level]
+    if every:
+        return level if all(level) else []
+    return [alternatives for alternatives in level if alternatives]
 
 
 # How a query word matched a record, by the level that asks it: exact; a word form (the
@@ -3845,32 +3882,51 @@ def _columns(store):
     return "{text words}" if store.fts_words else "text"
 
 
-def _fts_query(store, level, every, where, params, limit, highlight):
-    sql = ("SELECT %s, snippet(records_fts, 0, ?, ?, '…', 24) FROM records_fts "
+def _fts_query(store, level, every, where, params, limit, highlight, snippets=True):
+    """The rows (each with its snippet, or None when not asked for, and its rid)."""
+    sql = ("SELECT %s, %s, r.rid FROM records_fts "
            "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
            "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
-           % (_RESULT_COLUMNS, " AND ".join(where)))
-    return sql, [highlight[0], highlight[1], fts_expression(level, every, _columns(store))
-                 ] + params + [limit]
+           % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where)))
+    return sql, (list(highlight) if snippets else []) + [
+        fts_expression(level, every, _columns(store))] + params + [limit]
 
 
-def _like_query(store, level, every, where, params, limit, highlight):
+_SNIPPET = "snippet(records_fts, 0, ?, ?, '…', 24)"
+
+
+def _snippets(store, rows, level, highlight):
+    """The rows, a snippet given to those without one (found by a query that asked for
+    none: a looser level fetches more rows than are shown), matched against `level`."""
+    rids = [row[-1] for row in rows if row[-2] is None]
+    if rids:
+        found = dict(store.conn.execute(
+            "SELECT rowid, %s FROM records_fts WHERE records_fts MATCH ? AND rowid IN (%s)"
+            % (_SNIPPET, ",".join("?" * len(rids))), list(highlight) + [
+                fts_expression(level, False, _columns(store))] + rids))
+        rows = [row if row[-2] is not None else row[:-2] + (found.get(row[-1]), row[-1])
+                for row in rows]
+    return rows
+
+
+def _like_query(store, level, every, where, params, limit, highlight, snippets=None):
     """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
     in the text, so every term acts as a prefix) on the folded text kept at write time
     (while a bulk import builds an FTS index, folded here), newest first."""
     like = "%s LIKE ? ESCAPE '\\'" % ("r.folded" if store.folded else "qmem_fold(r.text)")
-    words = ["(%s)" % " OR ".join([like] * len(alternatives)) for alternatives in level]
-    sql = "SELECT %s, NULL FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC LIMIT ?" % (
+    terms = [_substrings_apart(t for t, _ in alternatives) for alternatives in level]
+    words = ["(%s)" % " OR ".join([like] * len(alternatives)) for alternatives in terms]
+    sql = ("SELECT %s, NULL, r.rid FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC "
+           "LIMIT ?") % (
         _RESULT_COLUMNS, (" AND " if every else " OR ").join(words), " AND ".join(where))
-    patterns = ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for alternatives in level for term,
-                _ in alternatives]
-    return sql, patterns + params + [limit]
+    return sql, _like_patterns(t for alternatives in terms for t in alternatives) + params + [limit]
+
 
 
 def _results(store, cur, rows, tokens):
     """Rows of a find query as result documents, ranked, with a snippet, and the reason
     for each write of this machine that the gateway refused."""
-    names = [d[0] for d in cur.description[:-1]]
+    names = [d[0] for d in cur.description[:-2]]  # (then the snippet, and the rid)
     results = []
     for n, row in enumerate(rows, 1):
         rec = dict(zip(names, row))
