@@ -2680,7 +2680,7 @@ class Store:
         """Forget what was cached from the index (its terms) once it has changed, here or in
         another connection: for a long-lived process, such as the MCP server."""
         mark = (self.conn.execute("PRAGMA data_version").fetchone()[0], self.conn.total_changes)
-        if mark != getattr(self, "_mark", None):
+        if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
             self.near, self._terms, self._mark = {}, None, mark
             self.fts_words = self.meta("fts_words") == "1"  # made anew by another process?
 
