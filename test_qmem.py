@@ -2919,6 +2919,26 @@ class FindTokenTests(QmemTestCase):
         doc = self.ok_json("find", "ThreadPoolExecutor")  # whole, exact first
         self.assertEqual((doc["match"], doc["results"][0]["id"]), ("all", UUIDS[0]))
 
+    def test_camel_case_words_cost_what_the_text_costs(self):
+        # A review of part 14: a run of humps glued to other letters made every name
+        # repeat the ones before it (40 s and 1 GB for one 32 KB text).
+        glued = "我们使用ThreadPoolExecutor来处理HttpServer的请求" * 600
+        for text in ("aAé" * 10666, glued):
+            self.assertLessEqual(len(qmem.identifier_words(text)), 2 * len(text))
+        self.assertEqual(qmem.identifier_words(glued), "thread pool executor http server")
+        self.put_record(UUIDS[0], glued)
+        self.assertEqual(self.first("PoolExecutor"), UUIDS[0])
+
+    def test_a_near_spelling_shows_where_it_matched(self):
+        # A review of part 14: a record found by a near spelling got the text's opening
+        # as its snippet, not the place of the word.
+        self.put_record(UUIDS[0], "Lorem ipsum " * 40 + "then the quarantine procedure ran")
+        self.put_record(UUIDS[1], "procedure")  # an any-word result after it
+        doc = self.ok_json("find", "quarantne", "procedure")
+        self.assertEqual(doc["results"][0]["match"], "fuzzy")
+        self.assertIn("quarantine procedure", doc["results"][0]["snippet"])
+        self.assertEqual(self.ids("cache\x00deploy"), [])  # a NUL is a space, not an FTS error
+
     def test_an_index_made_before_is_made_anew_by_the_next_import(self):
         self.put_records([(UUIDS[0], "We use ThreadPoolExecutor for the uploads")])
         conn = sqlite3.connect(self.db)  # as qmem.py of schema 3 left it
