@@ -1855,13 +1855,15 @@ def _m004_words(conn):
 
 
 def _index_words(conn):
-    """Inside a transaction: the FTS index made anew with the identifiers' words."""
+    """Inside a transaction: the FTS index made anew with the identifiers' words, under a
+    new name (records_index): a qmem.py of schema 3 still running (an MCP server) then
+    fails to write to the index it knew, where it would have damaged this one."""
     tokenizer = conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0][len("fts5 "):]
     _script(conn, """
-    DROP TABLE records_fts;
-    CREATE VIRTUAL TABLE records_fts USING fts5(%s, words, content='records_words',
+    DROP TABLE IF EXISTS records_fts;
+    CREATE VIRTUAL TABLE records_index USING fts5(%s, words, content='records_words',
       content_rowid='rid', tokenize='%s');
-    INSERT INTO records_fts(records_fts) VALUES('rebuild');
+    INSERT INTO records_index(records_index) VALUES('rebuild');
     INSERT OR REPLACE INTO meta VALUES('fts_words', '1');
     DELETE FROM meta WHERE key='words_pending';
     """ % (_FTS_COLUMNS, tokenizer))
@@ -2148,8 +2150,13 @@ class Store:
         """Inside a transaction: rebuild the FTS index if a bulk load left it pending."""
         self.known, self.defer_index = None, False
         if self.fts and self.meta("fts_pending"):
-            self.conn.execute("INSERT INTO records_fts(records_fts) VALUES('rebuild')")
+            self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
             self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
+
+    @property
+    def fts_table(self):
+        """The FTS index: records_index (schema 4), or records_fts until it is made anew."""
+        return "records_index" if self.fts_words else "records_fts"
 
     def _migrate(self, version):
         if self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
@@ -2496,7 +2503,7 @@ class Store:
         try:
             pending = self.meta("fts_pending")
             found = [m for (m,) in self.conn.execute("PRAGMA integrity_check(20)")
-                     if m != "ok" and not (pending and "records_fts" in m)]  # 3.44+ checks FTS5 too
+                     if m != "ok" and not (pending and self.fts_table in m)]  # 3.44+ checks FTS5
             if self.fts and not pending and not found:
                 self._verify_text_index(found)
         except sqlite3.DatabaseError as e:
@@ -2509,8 +2516,8 @@ class Store:
 
     def _verify_text_index(self, found):
         try:  # rank 1: against the records it indexes (external content), not only itself
-            self.conn.execute("INSERT INTO records_fts(records_fts, rank) "
-                              "VALUES('integrity-check', 1)")
+            self.conn.execute("INSERT INTO {0}({0}, rank) VALUES('integrity-check', 1)"
+                              .format(self.fts_table))
         except sqlite3.DatabaseError as e:
             if "malformed" not in str(e) and "corrupt" not in str(e):
                 raise
@@ -2522,7 +2529,7 @@ class Store:
         with self.transaction():
             self.conn.execute("REINDEX")
             if self.fts:
-                self.conn.execute("INSERT INTO records_fts(records_fts) VALUES('rebuild')")
+                self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
                 self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
 
     def unsettled_before(self, when):
@@ -2625,7 +2632,7 @@ class Store:
         if self.fts and not self.defer_index:
             row = (command or None, rid, values[0] or "", values[1], values[2])
             if self.fts_words:
-                self.conn.execute("INSERT INTO records_fts(records_fts, rowid, %s, words) "
+                self.conn.execute("INSERT INTO records_index(records_index, rowid, %s, words) "
                                   "VALUES(?, ?, ?, ?, ?, ?)" % _FTS_COLUMNS,
                                   row + (identifier_words(values[0]),))
             else:
@@ -2635,6 +2642,7 @@ class Store:
     def index_identifiers(self):
         """An index made before schema 4 made anew with its identifiers' words (once: see
         _m004_words); True if it was."""
+        self.fts_words = self.meta("fts_words") == "1"  # (made anew by another process?)
         if not (self.fts and self.meta("words_pending")):
             return False
         with self.transaction():
@@ -2701,13 +2709,14 @@ class Store:
         """Those of the candidates the full-text index holds, the most widely used first:
         each looked up in the index's own b-tree (through an fts5vocab table in this
         connection's temp schema, nothing written to the database), never a scan."""
-        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.qmem_terms USING "
-                          "fts5vocab(main, records_fts, row)")
+        vocabulary = "temp.qmem_terms" if self.fts_words else "temp.qmem_terms_3"
+        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS %s USING fts5vocab(main, %s, row)"
+                          % (vocabulary, self.fts_table))
         found = []
         for at in range(0, len(candidates), 900):  # an older SQLite binds 999 at most
             chunk = candidates[at:at + 900]
-            found += self.conn.execute("SELECT term, doc FROM temp.qmem_terms WHERE term IN (%s)"
-                                       % ",".join("?" * len(chunk)), chunk).fetchall()
+            found += self.conn.execute("SELECT term, doc FROM %s WHERE term IN (%s)" % (
+                vocabulary, ",".join("?" * len(chunk))), chunk).fetchall()
         return [term for term, _ in sorted(found, key=lambda row: -row[1])]
 
     def unsent_targets(self, local_id, most=100):
@@ -3706,7 +3715,8 @@ def near_spellings(store, word):
     query of this Store (until the index changes)."""
     if word not in store.near:
         forms = [(word, True)] + word_forms(word)
-        known = store.conn.execute("SELECT 1 FROM records_fts WHERE records_fts MATCH ? LIMIT 1",
+        known = store.conn.execute("SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(
+            store.fts_table),
                                    (fts_expression([forms], True, _columns(store)),)).fetchone()
         store.near[word] = ([] if known
                             else store.terms_among(one_edit_away(word))[:MAX_NEAR_SPELLINGS])
@@ -3888,15 +3898,15 @@ def _columns(store):
 
 def _fts_query(store, level, every, where, params, limit, highlight, snippets=True):
     """The rows (each with its snippet, or None when not asked for, and its rid)."""
-    sql = ("SELECT %s, %s, r.rid FROM records_fts "
-           "JOIN records r ON r.rid = records_fts.rowid WHERE records_fts MATCH ? AND %s "
-           "ORDER BY bm25(records_fts, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
-           % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where)))
+    sql = ("SELECT %s, %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid "
+           "WHERE {0} MATCH ? AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
+           % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where))
+           ).format(store.fts_table)
     return sql, (list(highlight) if snippets else []) + [
         fts_expression(level, every, _columns(store))] + params + [limit]
 
 
-_SNIPPET = "snippet(records_fts, 0, ?, ?, '…', 24)"
+_SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Store.fts_table)
 
 
 def _snippets(store, rows, level, highlight):
@@ -3905,8 +3915,8 @@ def _snippets(store, rows, level, highlight):
     rids = [row[-1] for row in rows if row[-2] is None]
     if rids:
         found = dict(store.conn.execute(
-            "SELECT rowid, %s FROM records_fts WHERE records_fts MATCH ? AND rowid IN (%s)"
-            % (_SNIPPET, ",".join("?" * len(rids))), list(highlight) + [
+            ("SELECT rowid, %s FROM {0} WHERE {0} MATCH ? AND rowid IN (%s)"
+             % (_SNIPPET, ",".join("?" * len(rids)))).format(store.fts_table), list(highlight) + [
                 fts_expression(level, False, _columns(store))] + rids))
         rows = [row if row[-2] is not None else row[:-2] + (found.get(row[-1]), row[-1])
                 for row in rows]
@@ -5313,6 +5323,10 @@ def _doctor_open_store(store):
             store.path, SCHEMA_VERSION, mode),
                            None if mode == "wal" else "WAL is not available here: several "
             "processes at once will wait on each other"))
+    if store.fts and store.meta("words_pending"):
+        found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
+                           "not found by their parts yet", "`qmem.py import` (or `pull`, `load`) "
+                           "makes it anew, once"))
     found.append(_doctor_outbox(store))
     found.append(_doctor_import_lag(store))
     return found
@@ -5849,6 +5863,7 @@ class Operations:
     @utf8_arguments
     def import_sessions(self, roots=None):
         """Index pi session files: the given folders, or pi's own."""
+        rebuilt = self._index_identifiers() if self.has_index() else None
         for root in roots or ():
             if not os.path.isdir(root):
                 raise UsageError("--sessions %s: %s"
@@ -5858,9 +5873,8 @@ class Operations:
             roots = [d for d in session_dirs() if os.path.isdir(d)]
             if not roots:
                 return {"source": "local_sqlite", "looked_in": session_dirs(),
-                        "sessions_found": False,
+                        "sessions_found": False, "index_rebuilt": rebuilt,
                         "stats": ImportStats().as_dict()}
-        rebuilt = self._index_identifiers()
         stats = Importer(self.store()).run(roots)
         return {"source": "local_sqlite", "looked_in": roots, "sessions_found": True,
                 "stats": stats.as_dict(), "index_rebuilt": rebuilt}
@@ -5870,6 +5884,7 @@ class Operations:
         identifiers are found by their parts. The number of records it holds, or None."""
         store = self.store()
         if not (store.fts and store.meta("words_pending")):
+            store.index_identifiers()  # (what another process did, seen)
             return None
         count = store.conn.execute("SELECT count(*) FROM records").fetchone()[0]
         shown = Progress("search index")
@@ -6266,6 +6281,7 @@ class Operations:
         was checked."""
         import tempfile
         fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
+        rebuilt = None
         try:
             with os.fdopen(fd, "wb") as spool:
                 source = stream if path == "-" else _open_bundle(path)
@@ -6279,6 +6295,7 @@ class Operations:
             if dry_run and not self.has_index():  # nothing here yet: everything would be new
                 stats = dry_run_on_nothing(copy, trust)
             else:
+                rebuilt = None if dry_run else self._index_identifiers()
                 try:
                     stats = load_bundle(self.store(), copy, header, dry_run=dry_run,
                                         max_mb=self.config["outboxMaxMB"], trust=trust)
@@ -6287,7 +6304,7 @@ class Operations:
         finally:
             os.unlink(copy)
         return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run),
-                    verified=trust == SIGNED,
+                    verified=trust == SIGNED, index_rebuilt=rebuilt,
                     verification=why, machine=header_text(header.get("machine")),
                     created_at=header_text(header.get("created_at")))
 
@@ -7015,6 +7032,7 @@ def show_import(doc, out):
     if not doc["sessions_found"]:
         out.write("no pi sessions found (looked in %s): nothing to import\n"
                   % ", ".join(doc["looked_in"]))
+        show_index_rebuilt(doc, out)
         return
     st = doc["stats"]
     errored = st.get("errored") or {}
@@ -7322,6 +7340,7 @@ def show_load(doc, out):
     out.write("load%s: bundle of %s, written %s\n"
               % (" (dry run, nothing changed)" if doc["dry_run"] else "",
                  doc["machine"] or "?", doc["created_at"] or "?"))
+    show_index_rebuilt(doc, out)
     out.write("  records: %d new, %d updated, %d unchanged\n"
               % (r["new"], r["updated"], r["unchanged"]))
     out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered "

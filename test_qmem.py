@@ -1655,11 +1655,25 @@ class StoreTests(GatewayTestCase):
         conn = sqlite3.connect(self.db)
         with conn:
             conn.executescript("""
-            DROP VIEW records_words; DROP TABLE records_fts;
+            DROP VIEW records_words; DROP TABLE records_index;
             CREATE VIRTUAL TABLE records_fts USING fts5(text, project_id, kind, content='records',
               content_rowid='rid', tokenize='unicode61 remove_diacritics 2');
             DELETE FROM meta WHERE key='fts_words'; PRAGMA user_version=3;""")
         conn.close()
+
+    def test_a_running_older_qmem_cannot_write_to_the_index_made_anew(self):
+        # A review of part 14: an MCP server of schema 3 still running wrote 3-column rows
+        # into the 4-column index: "database disk image is malformed" later.
+        self.old_index()
+        older = sqlite3.connect(self.db)  # what it would write, as it would write it
+        self.addCleanup(older.close)
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertTrue(store.index_identifiers())
+        with self.assertRaisesRegex(sqlite3.OperationalError, "no such table: records_fts"):
+            older.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
+                          "VALUES(NULL, 99, 'x', 'p', 'fact')")
+        self.assertEqual(store.integrity(10), ("ok", []))
 
     def test_a_writer_that_opened_the_old_index_writes_the_new_one(self):
         # Part 14: a long-lived process (an MCP server) that opened the index before another
@@ -1677,9 +1691,8 @@ class StoreTests(GatewayTestCase):
         with server.transaction():
             server.upsert(qmem.normalize_record(record(UUIDS[0], "ProcessPool it is", updated_at=
                                                        "2027-01-01T00:00:00.000Z")), 2)
-        self.assertEqual(importer.conn.execute(
-            "INSERT INTO records_fts(records_fts, rank) VALUES('integrity-check', 1)").fetchall(),
-            [])
+        self.assertEqual(importer.conn.execute("INSERT INTO records_index(records_index, rank) "
+                                               "VALUES('integrity-check', 1)").fetchall(), [])
 
     def test_created_with_parents_wal_and_schema_version(self):
         store = qmem.Store(self.db)
@@ -1922,7 +1935,7 @@ class StoreTests(GatewayTestCase):
         self.ok("import")  # the next import rebuilds the index
         self.assertIsNone(store.meta("fts_pending"))
         self.assertEqual(store.conn.execute(
-            "SELECT rowid FROM records_fts WHERE records_fts MATCH 'bulk'").fetchall(), [(1,)])
+            "SELECT rowid FROM records_index WHERE records_index MATCH 'bulk'").fetchall(), [(1,)])
 
     def test_the_local_index_masks_credentials_on_every_path_and_in_rows_already_there(self):
         s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
@@ -1939,11 +1952,11 @@ class StoreTests(GatewayTestCase):
         conn = sqlite3.connect(self.db)  # a row an older qmem.py stored unmasked
         rid = conn.execute("SELECT rid FROM records WHERE id=?", (UUIDS[0],)).fetchone()[0]
         old, new = "secret: [masked] nel vecchio indice", "secret: topsecret1 nel vecchio indice"
-        conn.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
-                     "VALUES('delete', ?, ?, 'infra', 'fact')", (rid, old))
+        conn.execute("INSERT INTO records_index(records_index, rowid, text, project_id, kind, "
+                     "words) VALUES('delete', ?, ?, 'infra', 'fact', '')", (rid, old))
         conn.execute("UPDATE records SET text=? WHERE rid=?", (new, rid))
-        conn.execute("INSERT INTO records_fts(rowid, text, project_id, kind) "
-                     "VALUES(?, ?, 'infra', 'fact')", (rid, new))
+        conn.execute("INSERT INTO records_index(rowid, text, project_id, kind, words) "
+                     "VALUES(?, ?, 'infra', 'fact', '')", (rid, new))
         conn.execute("DELETE FROM meta WHERE key='secrets_masked'")
         conn.commit()
         conn.close()
@@ -2944,7 +2957,7 @@ class FindTokenTests(QmemTestCase):
         conn = sqlite3.connect(self.db)  # as qmem.py of schema 3 left it
         with conn:
             conn.executescript("""
-            DROP VIEW records_words; DROP TABLE records_fts;
+            DROP VIEW records_words; DROP TABLE records_index;
             CREATE VIRTUAL TABLE records_fts USING fts5(text, project_id, kind, content='records',
               content_rowid='rid', tokenize='unicode61 remove_diacritics 2');
             INSERT INTO records_fts(records_fts) VALUES('rebuild');
@@ -2952,11 +2965,14 @@ class FindTokenTests(QmemTestCase):
         conn.close()
         self.assertEqual(self.first("ThreadPoolExecutor"), UUIDS[0])  # meanwhile, as before
         self.assertIsNone(self.first("PoolExecutor"))
-        os.makedirs(self.sessions)
+        self.assertIn("identifiers are not found by their parts yet",
+                      self.ok("doctor", "--offline"))
+        # A review: a host with no pi sessions (an air-gapped one, MCP only) never got it
         self.assertIn("search index made anew (once, for this version): 1 record",
                       self.ok("import"))
         self.assertEqual(self.first("PoolExecutor"), UUIDS[0])
         self.assertIsNone(self.ok_json("import")["index_rebuilt"])  # once
+        self.assertNotIn("not found by their parts", self.ok("doctor", "--offline"))
         self.assertEqual(self.ok_json("status")["db"]["schema_version"], 4)
 
     def test_a_short_stem_reaches_no_unrelated_word(self):
@@ -4441,7 +4457,7 @@ class DoctorTests(GatewayTestCase):
         self.assertIn("the text index does not match the records", found["database"]["detail"])
         self.assertEqual(self.checks("--offline", "--repair")["database"]["status"], "ok")
         self.assertEqual(self.find_ids("cambiato"), [UUIDS[0]])
-        conn.execute("INSERT INTO records_fts(records_fts) VALUES('delete-all')")
+        conn.execute("INSERT INTO records_index(records_index) VALUES('delete-all')")
         conn.execute("INSERT INTO meta VALUES('fts_pending', '1')")  # an import cut short
         conn.commit()
         conn.close()
