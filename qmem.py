@@ -2507,8 +2507,8 @@ class Store:
             if self.fts and not pending and not found:
                 self._verify_text_index(found)
         except sqlite3.DatabaseError as e:
-            if "interrupt" in str(e):
-                return "unfinished", []
+            if "interrupt" in str(e) or "locked" in str(e) or "busy" in str(e):
+                return "unfinished", []  # out of time, or another process writing for longer
             found = [str(e)]  # the check itself could not read: damaged beyond a list
         finally:
             self.conn.set_progress_handler(None, 0)
@@ -5310,7 +5310,8 @@ def _doctor_open_store(store):
             "and a rebuild of the text index, inside SQLite); if that does not mend it, "
             + REBUILD_ADVICE))
     elif verdict == "unfinished":
-        found.append(check("database", "warn", "%s: the integrity check did not finish within %d s"
+        found.append(check("database", "warn", "%s: the integrity check did not finish within %d s "
+                           "(a busy machine, or another process writing)"
                            % (store.path, INTEGRITY_BUDGET_S),
                            "run `qmem.py doctor --offline` again when the machine is idle"))
     else:

@@ -1661,6 +1661,28 @@ class StoreTests(GatewayTestCase):
             DELETE FROM meta WHERE key='fts_words'; PRAGMA user_version=3;""")
         conn.close()
 
+    def test_a_database_held_by_a_writer_is_busy_not_damaged(self):
+        # A review of part 14 (older than it): doctor said "damaged ... database is locked"
+        # while an import held the database, and advised a repair.
+        self.put_record(UUIDS[0], "uno")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+
+        class Locked:  # the connection as a long write elsewhere leaves it
+            def __init__(self, conn):
+                self.conn = conn
+
+            def execute(self, sql, *args):
+                if sql.startswith("PRAGMA integrity_check"):
+                    raise sqlite3.OperationalError("database is locked")
+                return self.conn.execute(sql, *args)
+
+            def __getattr__(self, name):
+                return getattr(self.conn, name)
+        store.conn = Locked(store.conn)
+        self.assertEqual(store.integrity(10), ("unfinished", []))
+        store.conn = store.conn.conn
+
     def test_a_running_older_qmem_cannot_write_to_the_index_made_anew(self):
         # A review of part 14: an MCP server of schema 3 still running wrote 3-column rows
         # into the 4-column index: "database disk image is malformed" later.
