@@ -1832,7 +1832,7 @@ _ASCII_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01
 def _m004_words(conn):
     """Schema 4. With FTS5, the index holds a fourth column, the words of each text's
     CamelCase identifiers (identifier_words, through the view records_words); an index
-    made before is rebuilt so once, by the next import or pull (meta words_pending),
+    made before is rebuilt so once, by the next import, pull or load (words_pending),
     and used as it is meanwhile. Without FTS5, each text is kept accent-folded
     (records.folded, kept by triggers), so that the LIKE scan is plain SQL, and the words
     of those texts are kept for near spellings (folded_words, made anew by the first
@@ -2084,7 +2084,7 @@ class Store:
                 self._migrate(version)
             self.conn.execute("PRAGMA synchronous=FULL")
             self.fts = self.meta("fts") != "none"
-            self.fts_words = self.meta("fts_words") == "1"  # the index holds identifier_words
+            self.see_index()
             self.folded = self.meta("folded") == "1"  # (no FTS5) records.folded is kept
             if self.meta("secrets_masked") != SECRETS_MASKED:
                 self._mask_stored_secrets()
@@ -2158,6 +2158,11 @@ class Store:
         if self.fts and self.meta("fts_pending"):
             self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
             self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
+
+    def see_index(self):
+        """Read which FTS index the database has (another process may have made it anew
+        since this Store looked): fts_words, the index holds identifier_words."""
+        self.fts_words = self.meta("fts_words") == "1"
 
     @property
     def fts_table(self):
@@ -2637,18 +2642,15 @@ class Store:
         'delete' removes them (FTS5's external-content index needs the values it indexed)."""
         if self.fts and not self.defer_index:
             row = (command or None, rid, values[0] or "", values[1], values[2])
-            if self.fts_words:
-                self.conn.execute("INSERT INTO records_index(records_index, rowid, %s, words) "
-                                  "VALUES(?, ?, ?, ?, ?, ?)" % _FTS_COLUMNS,
-                                  row + (identifier_words(values[0]),))
-            else:
-                self.conn.execute("INSERT INTO records_fts(records_fts, rowid, %s) "
-                                  "VALUES(?, ?, ?, ?, ?)" % _FTS_COLUMNS, row)
+            row += (identifier_words(values[0]),) if self.fts_words else ()
+            self.conn.execute("INSERT INTO {0}({0}, rowid, {1}{2}) VALUES({3})".format(
+                self.fts_table, _FTS_COLUMNS, ", words" if self.fts_words else "",
+                ", ".join("?" * len(row))), row)
 
     def index_identifiers(self):
         """An index made before schema 4 made anew with its identifiers' words (once: see
         _m004_words); True if it was."""
-        self.fts_words = self.meta("fts_words") == "1"  # (made anew by another process?)
+        self.see_index()
         if not (self.fts and self.meta("words_pending")):
             return False
         with self.transaction():
@@ -2700,7 +2702,7 @@ class Store:
         mark = (self.conn.execute("PRAGMA data_version").fetchone()[0], self.conn.total_changes)
         if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
             self.near, self._terms, self._mark = {}, None, mark
-            self.fts_words = self.meta("fts_words") == "1"  # made anew by another process?
+            self.see_index()
 
     def folded_words_among(self, candidates):
         """(No FTS5) those of the candidates that are words of the folded texts: looked up
@@ -2712,12 +2714,16 @@ class Store:
             self._make_folded_words(changes)
         if self._terms is not None:
             return [t for t in candidates if t in self._terms]
+        return [t for (t,) in self._among("SELECT term FROM folded_words", candidates)]
+
+    def _among(self, select, candidates):
+        """The rows of `select ... WHERE term IN (candidates)`, asked in chunks (an older
+        SQLite binds 999 values at most): one lookup of the table's key each."""
         found = []
-        for at in range(0, len(candidates), 900):  # an older SQLite binds 999 at most
+        for at in range(0, len(candidates), 900):
             chunk = candidates[at:at + 900]
-            found += [t for (t,) in self.conn.execute(
-                "SELECT term FROM folded_words WHERE term IN (%s)" % ",".join("?" * len(chunk)),
-                chunk)]
+            found += self.conn.execute("%s WHERE term IN (%s)" % (
+                select, ",".join("?" * len(chunk))), chunk).fetchall()
         return found
 
     def _make_folded_words(self, changes):
@@ -2736,14 +2742,9 @@ class Store:
         """Those of the candidates the full-text index holds, the most widely used first:
         each looked up in the index's own b-tree (through an fts5vocab table in this
         connection's temp schema, nothing written to the database), never a scan."""
-        vocabulary = "temp.qmem_terms" if self.fts_words else "temp.qmem_terms_3"
-        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS %s USING fts5vocab(main, %s, row)"
-                          % (vocabulary, self.fts_table))
-        found = []
-        for at in range(0, len(candidates), 900):  # an older SQLite binds 999 at most
-            chunk = candidates[at:at + 900]
-            found += self.conn.execute("SELECT term, doc FROM %s WHERE term IN (%s)" % (
-                vocabulary, ",".join("?" * len(chunk))), chunk).fetchall()
+        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_terms USING "
+                          "fts5vocab(main, {0}, row)".format(self.fts_table))
+        found = self._among("SELECT term, doc FROM temp.%s_terms" % self.fts_table, candidates)
         return [term for term, _ in sorted(found, key=lambda row: -row[1])]
 
     def unsent_targets(self, local_id, most=100):
@@ -2786,7 +2787,7 @@ class _Transaction:
         try:
             self.conn.execute("BEGIN IMMEDIATE")
             if getattr(self.store, "fts_words", True) is False:  # made anew since we looked?
-                self.store.fts_words = self.store.meta("fts_words") == "1"
+                self.store.see_index()
         except sqlite3.OperationalError as e:
             if self.conn.in_transaction:
                 self.conn.execute("ROLLBACK")
@@ -3742,9 +3743,9 @@ def near_spellings(store, word):
     query of this Store (until the index changes)."""
     if word not in store.near:
         forms = [(word, True)] + word_forms(word)
-        known = store.conn.execute("SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(
-            store.fts_table),
-                                   (fts_expression([forms], True, _columns(store)),)).fetchone()
+        known = store.conn.execute(
+            "SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(store.fts_table),
+            (fts_expression([forms], True, _columns(store)),)).fetchone()
         store.near[word] = ([] if known
                             else store.terms_among(one_edit_away(word))[:MAX_NEAR_SPELLINGS])
     return store.near[word]
@@ -3753,8 +3754,10 @@ def near_spellings(store, word):
 MAX_NEAR_SPELLINGS = 8
 
 
-def _like_patterns(terms):
-    return ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for term in terms]
+def _like_any(column, terms):
+    """(SQL, parameters): column holds any of the terms, anywhere (LIKE, escaped)."""
+    return ("(%s)" % " OR ".join(["%s LIKE ? ESCAPE '\\'" % column] * len(terms)),
+            ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for term in terms])
 
 
 def _substrings_apart(terms):
@@ -3766,13 +3769,15 @@ def _substrings_apart(terms):
             kept.append(term)
     return kept
 
+
 def like_near_spellings(store, word):
     """near_spellings() for a database without FTS5: the strings one edit away that are
     words of its folded texts (folded_words), for a word no text holds in any form."""
     if word not in store.near:
-        forms = _substrings_apart([word] + [t for t, _ in word_forms(word)])
-        known = store.conn.execute("SELECT 1 FROM records WHERE %s LIMIT 1" % " OR ".join(
-            ["folded LIKE ? ESCAPE '\\'"] * len(forms)), _like_patterns(forms)).fetchone()
+        sql, patterns = _like_any("folded", _substrings_apart(
+            [word] + [t for t, _ in word_forms(word)]))
+        known = store.conn.execute("SELECT 1 FROM records WHERE %s LIMIT 1" % sql,
+                                   patterns).fetchone()
         store.near[word] = [] if known else store.folded_words_among(
             one_edit_away(word))[:MAX_NEAR_SPELLINGS]
     return store.near[word]
@@ -3788,9 +3793,9 @@ _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.c
 
 def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     """Lexical search of the local index, level by level (search_levels), until `limit`
-    records are found (an exact query that fills it stops at once); then, unless all
-    are exact, each record ranked by how each query word matched it (_ranked), then by
-    BM25 (on the LIKE path, newest first). Every result carries its own level ('match');
+    records are found (an exact query that fills it stops at once); then each record
+    ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
+    newest first). Every result carries its own level ('match');
     the document's is the best one present. Returns {'match': 'all'|'stemmed'|'fuzzy'|
     'any'|'none', 'results': [...]}."""
     tokens = query_tokens(query)
@@ -3954,14 +3959,13 @@ def _like_query(store, level, every, where, params, limit, highlight, snippets=N
     """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
     in the text, so every term acts as a prefix) on the folded text kept at write time
     (while a bulk import builds an FTS index, folded here), newest first."""
-    like = "%s LIKE ? ESCAPE '\\'" % ("r.folded" if store.folded else "qmem_fold(r.text)")
-    terms = [_substrings_apart(t for t, _ in alternatives) for alternatives in level]
-    words = ["(%s)" % " OR ".join([like] * len(alternatives)) for alternatives in terms]
+    column = "r.folded" if store.folded else "qmem_fold(r.text)"
+    words = [_like_any(column, _substrings_apart(t for t, _ in alternatives))
+             for alternatives in level]
     sql = ("SELECT %s, NULL, r.rid FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC "
-           "LIMIT ?") % (
-        _RESULT_COLUMNS, (" AND " if every else " OR ").join(words), " AND ".join(where))
-    return sql, _like_patterns(t for alternatives in terms for t in alternatives) + params + [limit]
-
+           "LIMIT ?") % (_RESULT_COLUMNS, (" AND " if every else " OR ").join(
+               clause for clause, _ in words), " AND ".join(where))
+    return sql, [p for _, patterns in words for p in patterns] + params + [limit]
 
 
 def _results(store, cur, rows, tokens):
@@ -5910,17 +5914,14 @@ class Operations:
     def _index_identifiers(self):
         """Once, for an index made before schema 4 (see _m004_words): made anew, so that
         identifiers are found by their parts. The number of records it holds, or None."""
-        store = self.store()
-        if not (store.fts and store.meta("words_pending")):
-            store.index_identifiers()  # (what another process did, seen)
-            return None
-        count = store.conn.execute("SELECT count(*) FROM records").fetchone()[0]
-        shown = Progress("search index")
-        shown.update("made anew, once, so that identifiers are found by their parts (%d "
-                     "records)…" % count)
-        store.index_identifiers()
+        store, shown, count = self.store(), Progress("search index"), None
+        if store.fts and store.meta("words_pending"):
+            count = store.conn.execute("SELECT count(*) FROM records").fetchone()[0]
+            shown.update("made anew, once, so that identifiers are found by their parts (%d "
+                         "records)…" % count)
+        rebuilt = store.index_identifiers()  # (or sees what another process did)
         shown.done()
-        return count
+        return count if rebuilt else None
 
     def status(self):
         """What the local side knows (an empty account on a fresh machine)."""
