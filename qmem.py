@@ -1693,8 +1693,9 @@ def _reason(e):
 # that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
 # Each thread opens its own connection (the MCP server's background flush too).
 
-SCHEMA_VERSION = 4  # 2: claim tokens carry the claimant's identity; 3: held writes, origins;
-#                    4: identifiers' parts indexed, accent-folded text kept without FTS5
+SCHEMA_VERSION = 5  # 2: claim tokens carry the claimant's identity; 3: held writes, origins;
+#                    4: identifiers' parts indexed, accent-folded text kept without FTS5;
+#                    5: identifiers' parts kept with each record (records.words)
 # Outbox states (the CHECK of the outbox table). Held: from an unverified bundle, never
 # sent until the user releases it.
 PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
@@ -1806,27 +1807,23 @@ _PARTS = re.compile(r"[^\W_]+")  # what the index holds of a text: its runs of l
 # pattern that starts with a capital scans text several times faster than any other.
 _HUMP = re.compile(r"[A-Z](?:(?<=[a-z][A-Z])|(?=[a-z])(?<=[A-Z][A-Z]))")
 _NAME_REST = re.compile(r"[A-Za-z0-9]*")
+_NAME_START = re.compile(r"(?s).*[^A-Za-z0-9]")  # greedy: what comes before a name
 _CAMEL_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 def identifier_words(text):
     """The parts of text's CamelCase names (ASCII letters and digits), each name once,
     lower case, as one string ('' for none): linear in the text, never longer than
-    twice it; 0.35 s for 100,000 memories of real text, most of it the scan for humps."""
+    twice it; 0.2 s for 100,000 memories of real text, most of it the scan for humps."""
+    hump = _HUMP.search(text or "")
     names, end = {}, 0
-    for hump in _HUMP.finditer(text or ""):
+    while hump:
         at = hump.start()
-        if at < end:  # another hump of the same name
-            continue
-        start = at
-        while start > end and text[start - 1] in _ASCII_ALNUM:
-            start -= 1
-        end = _NAME_REST.match(text, at).end()
+        before = _NAME_START.match(text, end, at)  # back to the start of the name
+        start, end = before.end() if before else end, _NAME_REST.match(text, at).end()
         names[text[start:end]] = None
-    return " ".join(" ".join(_CAMEL_PART.findall(name)) for name in names).lower()
-
-
-_ASCII_ALNUM = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+        hump = _HUMP.search(text, end)
+    return " ".join(_CAMEL_PART.findall(" ".join(names))).lower() if names else ""
 
 
 def _m004_words(conn):
@@ -1902,8 +1899,25 @@ def _m003_held(conn):
         conn.execute("ALTER TABLE records ADD COLUMN origin INTEGER NOT NULL DEFAULT 0")
 
 
+def _m005_kept_words(conn):
+    """Schema 5: each record keeps its identifiers' words (records.words, set as it is
+    written), so that making the index anew reads them instead of computing them; a row
+    without them (written before, or its text changed since: the trigger) gets them
+    computed there, so the index is the same either way and needs no rebuild."""
+    if "words" not in {row[1] for row in conn.execute("PRAGMA table_info(records)")}:
+        conn.execute("ALTER TABLE records ADD COLUMN words TEXT")
+    _script(conn, """
+    DROP VIEW IF EXISTS records_words;
+    CREATE VIEW records_words AS SELECT rid, text, project_id, kind,
+      coalesce(words, qmem_words(text)) AS words FROM records;
+    CREATE TRIGGER IF NOT EXISTS records_words_stale AFTER UPDATE OF text ON records
+      WHEN NEW.text IS NOT OLD.text AND NEW.words IS OLD.words BEGIN
+      UPDATE records SET words = NULL WHERE rid = NEW.rid; END;
+    """)
+
+
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
-MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words]
+MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words, _m005_kept_words]
 
 # Tests set this to exercise the LIKE path of a SQLite built without FTS5.
 FORCE_NO_FTS5 = False
@@ -1960,7 +1974,7 @@ def _merge_sql():
             p=n[f], f=f, newer=newer))
         sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, conds[-1], n[f], f))
     sets += ["view = max(view, :view)", "seen_at = coalesce(:seen_at, seen_at)"]
-    insert = "INSERT INTO records(id, view, seen_at, %s) VALUES(%s)" % (
+    insert = "INSERT INTO records(id, view, seen_at, %s, words) VALUES(%s, :words)" % (
         ", ".join(FIELDS), ", ".join(values))
     update = "SET %s WHERE (%s)" % (", ".join(sets), " OR ".join(conds))
     return insert, "UPDATE records %s AND id = :id" % update, "%s ON CONFLICT(id) DO UPDATE %s" % (
@@ -2234,7 +2248,7 @@ class Store:
         may have inserted the same records since (a rowcount counts those as nothing)."""
         self.known.update(hash(row[0]) for row in rows)
         before = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
-        bound = (_masked(dict(zip(_MERGE_KEYS, row))) for row in rows)
+        bound = (_masked(dict(zip(_MERGE_KEYS, row)), self.fts) for row in rows)
         changed = self.conn.executemany(_MERGE_SQL, bound).rowcount
         new = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0] - before
         return new, changed - new
@@ -2243,7 +2257,7 @@ class Store:
         """Merge one view of a record into the index under the merge rule (_merge_sql),
         its credentials masked (every path into the index comes here, to merge_many or to
         adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record()."""
-        bound = _masked(dict(rec, view=view, seen_at=seen_at))
+        bound = _masked(dict(rec, view=view, seen_at=seen_at), self.fts)
         old = None
         if self.known is None or hash(rec["id"]) in self.known:
             old = self._indexed("id", rec["id"])
@@ -2596,7 +2610,7 @@ class Store:
         gateway's view of every field), and local references follow it. Only local
         corrections refer to a local id: referenced=False (the caller knows there is
         none) saves two scans of the table."""
-        rec = _masked(normalize_record(data))
+        rec = _masked(normalize_record(data), False)
         gid, conn = rec["id"], self.conn
         if gid != local_id:
             self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
@@ -2915,11 +2929,13 @@ def mask_secrets(text):
     return text
 
 
-def _masked(bound):
-    """A record to merge, its text and reason masked (mask_secrets); in the import's
-    writer child, this is off the reader's path."""
+def _masked(bound, words):
+    """A record to merge, its text and reason masked (mask_secrets), and with words=True
+    its identifiers' words (records.words); in the import's writer child, this is off the
+    reader's path."""
     bound["text"] = mask_secrets(bound["text"])
     bound["supersede_reason"] = mask_secrets(bound["supersede_reason"])
+    bound["words"] = identifier_words(bound["text"]) if words else None
     return bound
 
 
@@ -4741,11 +4757,12 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
     return counts
 
 
-def check_bundle(stream, name, key=None):
+def check_bundle(stream, name, key=None, copy=None):
     """Read a bundle whole from a binary stream and return (its header, SIGNED or
     UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
     changed, is signed with another key or altered after signing, or is of a newer
-    format. Nothing past the first line is read before that line is a bundle's header."""
+    format. Nothing past the first line is read before that line is a bundle's header.
+    Every line checked is put in `copy` (a _Copy)."""
     import gzip
     import hashlib
     import hmac
@@ -4764,6 +4781,8 @@ def check_bundle(stream, name, key=None):
                     count += 1
                 if header is None:
                     header = _bundle_header(line, name)
+                if copy is not None:
+                    copy.put(line)
                 previous = line
     except (OSError, EOFError, zlib.error) as e:
         raise BundleError("%s is not a complete qmem bundle (%s): nothing was loaded" % (
@@ -4815,12 +4834,11 @@ class _Prepend:
         return head + self.stream.read(-1 if size is None or size < 0 else size - len(head))
 
 
-class _Spool:
-    """Read from a stream, keeping every byte read in a private file: what is merged is
-    exactly what was checked. At most MAX_BUNDLE_BYTES."""
+class _Capped:
+    """A stream read to at most MAX_BUNDLE_BYTES."""
 
-    def __init__(self, stream, copy, name):
-        self.stream, self.copy, self.name, self.size = stream, copy, name, 0
+    def __init__(self, stream, name):
+        self.stream, self.name, self.size = stream, name, 0
 
     def read(self, size=-1):
         data = self.stream.read(size if size is not None and size >= 0 else 1 << 20)
@@ -4828,8 +4846,34 @@ class _Spool:
         if self.size > MAX_BUNDLE_BYTES:
             raise BundleError("%s is larger than %d MiB: not a qmem bundle, nothing was loaded" % (
                 self.name, MAX_BUNDLE_BYTES >> 20))
-        self.copy.write(data)
         return data
+
+
+class _Copy:
+    """A load's private copy of the lines it checked, as read, uncompressed: what is merged
+    is what was checked, and is not decompressed twice. At most 4 times MAX_BUNDLE_BYTES;
+    a full disk is said to be one."""
+
+    def __init__(self, file, name):
+        self.file, self.name, self.size = file, name, 0
+
+    def put(self, line):
+        self.size += len(line)
+        if self.size > 4 * MAX_BUNDLE_BYTES:
+            raise BundleError("%s holds more than %d MiB uncompressed: not a qmem bundle, "
+                              "nothing was loaded" % (self.name, 4 * MAX_BUNDLE_BYTES >> 20))
+        self._io(self.file.write, line)
+
+    def flush(self):
+        self._io(self.file.flush)
+
+    def _io(self, call, *args):
+        try:
+            call(*args)
+        except OSError as e:  # (not the bundle's fault)
+            raise QmemError("cannot keep a private copy of %s to load: %s; nothing was loaded"
+                            % (self.name, e.strerror or e), kind="io",
+                            hint="free some space in the temporary folder")
 
 
 MAX_BUNDLE_BYTES = 4 << 30  # compressed; a bundle of a million memories is a few hundred MiB
@@ -4864,15 +4908,15 @@ def _bundle_line(line, what):
 
 
 def bundle_items(path):
-    """The records and outbox rows of a checked bundle (this process's private copy), in
-    order; None for a line that is not one (bounded in parsed size as gateway answers
-    are), to be counted as skipped."""
-    import gzip
-    with gzip.open(path, "rb") as f:
+    """The records and outbox rows of a checked bundle (this process's private copy of its
+    lines), in order; None for a line that is not one (bounded in parsed size as gateway
+    answers are), to be counted as skipped."""
+    with open(path, "rb") as f:
         lines = _bundle_lines(f, path)
         next(lines)  # the header
         for line in lines:
-            if line.count(b",") + line.count(b"[") + line.count(b"{") > MAX_BUNDLE_VALUES:
+            if len(line) > MAX_BUNDLE_VALUES and (  # (a value takes a byte at least)
+                    line.count(b",") + line.count(b"[") + line.count(b"{") > MAX_BUNDLE_VALUES):
                 yield None
                 continue
             try:
@@ -4958,8 +5002,7 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
 
 def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
     with store.transaction():
-        settle = []
-        batch = []
+        settle, batch, now = [], [], iso_now()  # every record seen at the time of the load
         for item in bundle_items(path):
             if item is None or item["type"] == "outbox":
                 stats.skipped += item is None
@@ -4976,11 +5019,11 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
             if store.bulk_sql and bulk:
                 if trust == UNVERIFIED:  # never hides anything: see _merge_record
                     rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)
-                batch.append((rec["id"], view, iso_now()) + _FIELD_VALUES(rec))
+                batch.append((rec["id"], view, now) + _FIELD_VALUES(rec))
                 if len(batch) >= 5000:
                     _merge_batch(store, batch, stats, trust)
             else:
-                _merge_record(store, rec, view, trust, stats)
+                _merge_record(store, rec, view, trust, stats, now)
         _merge_batch(store, batch, stats, trust)
         for row in settle:
             _load_outbox_row(store, row, stats, max_mb, trust)
@@ -5030,12 +5073,16 @@ def _bounded(rec):
     if (len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT
             or len(rec["project_id"] or "") > MAX_PROJECT):
         return False
-    return all(len(rec[f] or "") <= MAX_FIELD for f in ("kind", "scope", "agent_id", "source",
-                                                        "supersede_reason", "supersedes_id",
-                                                        "superseded_by"))
+    fields = _BOUNDED_FIELDS(rec)  # (all of them together, as a rule, are within one bound)
+    return (len("".join(filter(None, fields))) <= MAX_FIELD
+            or all(len(v) <= MAX_FIELD for v in fields if v))
 
 
-def _merge_record(store, rec, view, trust, stats):
+_BOUNDED_FIELDS = operator.itemgetter("kind", "scope", "agent_id", "source", "supersede_reason",
+                                      "supersedes_id", "superseded_by")
+
+
+def _merge_record(store, rec, view, trust, stats, now):
     """One record of a bundle (not of a bulk load), by the bundle's trust."""
     origin = store.origin_of(rec["id"])
     if trust == UNVERIFIED:
@@ -5045,11 +5092,11 @@ def _merge_record(store, rec, view, trust, stats):
         # never hides anything
         rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)
     elif origin == ORIGIN_UNVERIFIED and store.drop_unverified(rec["id"]):  # replaced whole
-        store.upsert(rec, view, iso_now())
+        store.upsert(rec, view, now)
         store.set_origin([rec["id"]], ORIGIN_SIGNED)
         stats.records_updated += 1
         return
-    outcome = store.upsert(rec, view, iso_now())
+    outcome = store.upsert(rec, view, now)
     if outcome == "new":
         store.set_origin([rec["id"]], ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED)
     stats.records_new += outcome == "new"
@@ -6310,17 +6357,23 @@ class Operations:
         was checked."""
         import tempfile
         fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
-        rebuilt = None
+        rebuilt, spool = None, os.fdopen(fd, "wb")
         try:
-            with os.fdopen(fd, "wb") as spool:
+            try:
                 source = stream if path == "-" else _open_bundle(path)
                 try:
-                    checked = check_bundle(_Spool(source, spool, path), path,
-                                           self.config["bundleKey"])
+                    kept = _Copy(spool, path)
+                    header, trust, why = check_bundle(_Capped(source, path), path,
+                                                      self.config["bundleKey"], copy=kept)
+                    kept.flush()
                 finally:
                     if source is not stream:
                         source.close()
-            header, trust, why = checked
+            finally:
+                try:
+                    spool.close()
+                except OSError:  # (only after a failed write: the error said so)
+                    pass
             if dry_run and not self.has_index():  # nothing here yet: everything would be new
                 stats = dry_run_on_nothing(copy, trust)
             else:

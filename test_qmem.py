@@ -1716,6 +1716,52 @@ class StoreTests(GatewayTestCase):
         self.assertEqual(importer.conn.execute("INSERT INTO records_index(records_index, rank) "
                                                "VALUES('integrity-check', 1)").fetchall(), [])
 
+    def index_check(self, store):
+        return store.conn.execute("INSERT INTO records_index(records_index, rank) "
+                                  "VALUES('integrity-check', 1)").fetchall()
+
+    def parts_found(self, store, query):
+        return [r["id"] for r in qmem.find_local(store, query)["results"]]
+
+    def test_records_of_schema_4_are_found_by_their_parts_after_the_upgrade(self):
+        # Schema 5 keeps each record's identifiers' words; rows written before have none,
+        # and making the index anew must still give them theirs.
+        self.put_record(UUIDS[0], "ThreadPoolExecutor hangs")
+        conn = sqlite3.connect(self.db)  # as qmem.py of schema 4 left it
+        with conn:
+            conn.executescript("""
+            DROP TRIGGER records_words_stale; DROP VIEW records_words;
+            CREATE VIEW records_words AS SELECT rid, text, project_id, kind,
+              qmem_words(text) AS words FROM records;
+            UPDATE records SET words = NULL; PRAGMA user_version=4;""")
+        conn.close()
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        store.repair()  # the index made anew from the records
+        self.assertEqual(self.parts_found(store, "PoolExecutor"), [UUIDS[0]])
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[0], "HttpServer hangs", updated_at=
+                                                      "2027-01-01T00:00:00.000Z")), 2)
+        self.assertEqual(self.index_check(store), [])
+
+    def test_kept_identifier_words_follow_a_text_changed_anywhere(self):
+        # A text changed by a statement that does not set the words (adopt takes the
+        # gateway's text; a qmem.py of schema 4) must not leave the old ones behind for
+        # the next rebuild: the index would find the old name and be damaged by the
+        # next change of that record.
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[0], "ThreadPoolExecutor hangs")), 2)
+            store.adopt(UUIDS[0], record(UUIDS[1], "ProcessPoolExecutor hangs"))
+        store.repair()
+        self.assertEqual(self.parts_found(store, "ProcessPool"), [UUIDS[1]])
+        self.assertEqual(self.parts_found(store, "ThreadPool"), [])
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[1], "HttpServer hangs", updated_at=
+                                                      "2027-01-01T00:00:00.000Z")), 2)
+        self.assertEqual(self.index_check(store), [])
+
     def test_created_with_parents_wal_and_schema_version(self):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
@@ -2995,7 +3041,7 @@ class FindTokenTests(QmemTestCase):
         self.assertEqual(self.first("PoolExecutor"), UUIDS[0])
         self.assertIsNone(self.ok_json("import")["index_rebuilt"])  # once
         self.assertNotIn("not found by their parts", self.ok("doctor", "--offline"))
-        self.assertEqual(self.ok_json("status")["db"]["schema_version"], 4)
+        self.assertEqual(self.ok_json("status")["db"]["schema_version"], qmem.SCHEMA_VERSION)
 
     def test_a_short_stem_reaches_no_unrelated_word(self):
         self.put_records(list(zip(UUIDS, [
@@ -3980,6 +4026,34 @@ class BundleTests(BundleTestCase):
             err = self.expect_fail(1, "load",
                                    self.crafted([good, {"type": "record", "text": "x" * 5000}]))
         self.assertIn("longer than", err)
+
+    def test_a_copy_too_large_or_a_full_disk_loads_nothing_and_leaves_no_copy(self):
+        # The private copy of a load holds the lines it checked, uncompressed: a gzip bomb
+        # is refused by its uncompressed size, a full disk is said to be one.
+        import errno
+        import tempfile
+        rec = {"type": "record", "view": 2}
+        bundle = self.crafted([dict(record(UUIDS[i], "a" * 30000), **rec) for i in range(2)])
+        def copies():
+            return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("qmem-bundle-")}
+        before = copies()
+        with mock.patch.object(qmem, "MAX_BUNDLE_BYTES", 10000):
+            self.assertIn("more than 0 MiB uncompressed", self.expect_fail(1, "load", bundle))
+        real_fdopen = os.fdopen
+
+        def full_disk(fd, mode="r", *args):
+            f = real_fdopen(fd, mode, *args)
+            if "w" not in mode:
+                return f
+            f.write = mock.Mock(side_effect=OSError(errno.ENOSPC, "No space left on device"))
+            return f
+        with mock.patch.object(qmem.os, "fdopen", full_disk):
+            err = self.expect_fail(1, "load", bundle)
+        self.assertIn("cannot keep a private copy of %s to load: No space left on device" % bundle,
+                      err)
+        self.assertIsNone(self.local_record(UUIDS[0]))
+        self.assertEqual(copies(), before)
+        self.assertEqual(self.ok_json("load", bundle)["records"]["new"], 2)
 
     def test_through_a_pipe(self):
         self.gw.add("memoria nel tubo")
