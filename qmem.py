@@ -4851,17 +4851,19 @@ class _Capped:
 
 class _Copy:
     """A load's private copy of the lines it checked, as read, uncompressed: what is merged
-    is what was checked, and is not decompressed twice. At most 4 times MAX_BUNDLE_BYTES;
-    a full disk is said to be one."""
+    is what was checked, and is not decompressed twice. At most MAX_EXPANSION times the
+    bytes read from `source` (a _Capped), past the first COPY_FREE bytes: a gzip bomb is
+    refused before it fills the temporary folder. A full disk is said to be one."""
 
-    def __init__(self, file, name):
-        self.file, self.name, self.size = file, name, 0
+    def __init__(self, file, name, source):
+        self.file, self.name, self.source, self.size = file, name, source, 0
 
     def put(self, line):
         self.size += len(line)
-        if self.size > 4 * MAX_BUNDLE_BYTES:
-            raise BundleError("%s holds more than %d MiB uncompressed: not a qmem bundle, "
-                              "nothing was loaded" % (self.name, 4 * MAX_BUNDLE_BYTES >> 20))
+        if self.size > COPY_FREE + MAX_EXPANSION * self.source.size:
+            raise BundleError("%s expands more than %d times: not a qmem bundle (a bundle "
+                              "expands 3 to 5 times), nothing was loaded" % (
+                self.name, MAX_EXPANSION))
         self._io(self.file.write, line)
 
     def flush(self):
@@ -4877,6 +4879,7 @@ class _Copy:
 
 
 MAX_BUNDLE_BYTES = 4 << 30  # compressed; a bundle of a million memories is a few hundred MiB
+COPY_FREE, MAX_EXPANSION = 64 << 20, 32  # a load's uncompressed copy: see _Copy
 
 
 MAX_BUNDLE_LINE = 1 << 20  # bytes; a record is at most a few hundred KiB
@@ -6362,9 +6365,10 @@ class Operations:
             try:
                 source = stream if path == "-" else _open_bundle(path)
                 try:
-                    kept = _Copy(spool, path)
-                    header, trust, why = check_bundle(_Capped(source, path), path,
-                                                      self.config["bundleKey"], copy=kept)
+                    capped = _Capped(source, path)
+                    kept = _Copy(spool, path, capped)
+                    header, trust, why = check_bundle(capped, path, self.config["bundleKey"],
+                                                      copy=kept)
                     kept.flush()
                 finally:
                     if source is not stream:

@@ -4027,7 +4027,7 @@ class BundleTests(BundleTestCase):
 
     def test_a_copy_too_large_or_a_full_disk_loads_nothing_and_leaves_no_copy(self):
         # The private copy of a load holds the lines it checked, uncompressed: a gzip bomb
-        # is refused by its uncompressed size, a full disk is said to be one.
+        # is refused by how much it expands, a full disk is said to be one.
         import errno
         import tempfile
         rec = {"type": "record", "view": 2}
@@ -4035,8 +4035,8 @@ class BundleTests(BundleTestCase):
         def copies():
             return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("qmem-bundle-")}
         before = copies()
-        with mock.patch.object(qmem, "MAX_BUNDLE_BYTES", 10000):
-            self.assertIn("more than 0 MiB uncompressed", self.expect_fail(1, "load", bundle))
+        with mock.patch.object(qmem, "COPY_FREE", 1000):  # a gzip bomb, past what is free
+            self.assertIn("expands more than 32 times", self.expect_fail(1, "load", bundle))
         real_fdopen = os.fdopen
 
         def full_disk(fd, mode="r", *args):
