@@ -2267,7 +2267,7 @@ class Store:
             except sqlite3.IntegrityError:  # another process inserted it since begin_bulk()
                 old = self._indexed("id", rec["id"])
             else:
-                self._index(rid, [bound[f] for f in _INDEXED])
+                self._index(rid, [bound[f] for f in _INDEXED], words=bound["words"])
                 if self.known is not None:
                     self.known.add(hash(rec["id"]))
                 return "new"
@@ -2651,12 +2651,14 @@ class Store:
             self._unindex(row[0], row[1:])
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
-    def _index(self, rid, values, command=""):
-        """Index a row's (text, project_id, kind) and its identifiers' words; command=
-        'delete' removes them (FTS5's external-content index needs the values it indexed)."""
+    def _index(self, rid, values, command="", words=None):
+        """Index a row's (text, project_id, kind) and its identifiers' words (`words`, when
+        they were computed already); command='delete' removes them (FTS5's external-content
+        index needs the values it indexed)."""
         if self.fts and not self.defer_index:
             row = (command or None, rid, values[0] or "", values[1], values[2])
-            row += (identifier_words(values[0]),) if self.fts_words else ()
+            if self.fts_words:
+                row += (identifier_words(values[0]) if words is None else words,)
             self.conn.execute("INSERT INTO {0}({0}, rowid, {1}{2}) VALUES({3})".format(
                 self.fts_table, _FTS_COLUMNS, ", words" if self.fts_words else "",
                 ", ".join("?" * len(row))), row)
