@@ -54,9 +54,13 @@ import json
 import operator
 import os
 import re
-import sqlite3
 import stat
 import time
+
+try:  # the extension itself: the sqlite3 package around it imports datetime to register date
+    import _sqlite3 as sqlite3  # adapters qmem never uses, one percent of a `find`
+except ImportError:  # pragma: no cover - a Python whose sqlite3 is built another way
+    import sqlite3
 
 __version__ = "0.1.0"
 
@@ -239,15 +243,12 @@ def mask_secret(key):
     return key[:3] + "…" + key[-4:]
 
 
-_USERINFO_RE = re.compile(r"(\A|//)[^/?#@]*@")
-
-
 def mask_url(url):
     """A URL as it may be shown anywhere: no user name or password, no query or fragment
     (they may hold a token), escaped and short; a value that is no string is named."""
     if not isinstance(url, str):
         return "(a %s, not a URL)" % type(url).__name__
-    shown = _USERINFO_RE.sub("\\1…@", url.strip(), count=1)
+    shown = re.sub(r"(\A|//)[^/?#@]*@", "\\1…@", url.strip(), count=1)
     cut = re.split(r"[?#]", shown, maxsplit=1)
     return visible(cut[0] + ("?…" if len(cut) > 1 else ""))[:200]
 
@@ -300,26 +301,28 @@ def atomic_write(path, data, mode=0o600, sync=True):
     return result
 
 
-# Control characters that must not reach a terminal raw: C0 but tab and newline, DEL,
-# C1, the line and paragraph separators, and the bidirectional overrides.
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# Control characters that must not reach a terminal raw, each with its escape: C0 but tab
+# and newline, DEL, C1, the line and paragraph separators, the bidirectional overrides.
+# (A table, not a regular expression: compiling a class this wide costs every run 1 ms.)
+_ESCAPES = {c: "\\x%02x" % c for c in [*range(0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)]}
+_ESCAPES.update((c, "\\u%04x" % c) for c in [*range(0x2028, 0x202f), *range(0x2066, 0x206a)])
 
 
 def visible(text):
     """Escape every control character (as \\x1b, \\u202e): memory text, ids and
     gateway messages come from elsewhere, and an ESC could clear the screen or set the
     window title."""
-    return _CONTROLS.sub(lambda m: "\\x%02x" % ord(m.group()) if ord(m.group()) < 256
-                         else "\\u%04x" % ord(m.group()), text)
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
+    return text if text.isprintable() else text.translate(_ESCAPES)  # (each of them is not)
 
 
 def text_of(value):
     """A str that SQLite, JSON and a terminal can take: lone surrogates (JavaScript cut
     an emoji in half; JSON escapes allow them) become U+FFFD."""
-    return _SURROGATE.sub("\ufffd", value) if _SURROGATE.search(value) else value
+    try:
+        value.encode("utf-8")  # fails on a lone surrogate only
+    except UnicodeEncodeError:
+        return re.sub("[\ud800-\udfff]", "\ufffd", value)
+    return value
 
 
 def without_surrogates(value):
@@ -767,8 +770,9 @@ def normalize_url(url):
     return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
 
 
-_HOST_RE = re.compile(r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z"
-                      r"|\A[0-9A-Fa-f:.]+\Z")
+# A host name or an IP address (patterns used once are compiled at their use, by re's cache,
+# not by every run at the start).
+_HOST = r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z|\A[0-9A-Fa-f:.]+\Z"
 
 
 def check_url(url):
@@ -785,7 +789,7 @@ def check_url(url):
     if p.username is not None or p.password is not None:  # never echoed: it may hold a password
         raise UsageError("a gateway URL must not carry a user name or password",
                          hint="give the URL without them, and the key with `qmem.py config apikey`")
-    if (p.scheme not in ("http", "https") or not p.hostname or not _HOST_RE.match(p.hostname)
+    if (p.scheme not in ("http", "https") or not p.hostname or not re.match(_HOST, p.hostname)
             or any(c.isspace() or ord(c) < 32 or ord(c) > 126 for c in url)):  # requests are ASCII
         raise UsageError("invalid gateway URL %s" % mask_url(url),
                          hint="it must look like https://host[:port][/path]")
@@ -1693,6 +1697,8 @@ def _reason(e):
 # that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
 # Each thread opens its own connection (the MCP server's background flush too).
 
+# UPSERT (INSERT ... ON CONFLICT DO UPDATE) came with SQLite 3.24.
+HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
 SCHEMA_VERSION = 5  # 2: claim tokens carry the claimant's identity; 3: held writes, origins;
 #                    4: identifiers' parts indexed, accent-folded text kept without FTS5;
 #                    5: identifiers' parts kept with each record (records.words)
@@ -2239,7 +2245,7 @@ class Store:
         """May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
         step row by row, and on a SQLite that has UPSERT."""
         return (self.known is not None and (self.defer_index or not self.fts)
-                and sqlite3.sqlite_version_info >= (3, 24))
+                and HAS_UPSERT)
 
     def merge_many(self, rows):
         """Bulk-merge rows (values in _MERGE_KEYS order), in order, inside the caller's
@@ -5295,7 +5301,7 @@ def _doctor_sqlite():
         return check("sqlite", "warn", detail,
                      "find uses a slower LIKE scan, newest first rather than ranked: a Python "
                      "with a newer SQLite searches better")
-    if sqlite3.sqlite_version_info < (3, 24):
+    if not HAS_UPSERT:
         return check("sqlite", "warn", detail,
                      "SQLite older than 3.24: imports merge row by row (slower)")
     return check("sqlite", "ok", detail)
@@ -6980,7 +6986,7 @@ def _cut(text, width):
     return text if cells(text) <= width else text[:_fits(text, width - 1)] + "…"
 
 
-_WORDS = re.compile(r"( *)((?:`[^`]*`|[^ `]|`)+)")  # the spaces before a word; a `command` is one
+_WORDS = r"( *)((?:`[^`]*`|[^ `]|`)+)"  # the spaces before a word; a `command` is one
 
 
 def _wrap(line, width, indent=None):
@@ -6989,7 +6995,7 @@ def _wrap(line, width, indent=None):
     indent = " " * min(len(line) - len(line.lstrip(" ")) + 2 if indent is None else indent,
                        width // 2)
     lines, cur = [], ""
-    for space, word in _WORDS.findall(line):
+    for space, word in re.findall(_WORDS, line):
         size = cells(word)
         if cur.strip() and cells(cur) + len(space) + size > width and size <= width:
             lines.append(cur)  # the word starts a line, less indented if it must (an id)
@@ -7333,8 +7339,8 @@ def show_write(doc, out):
 def _one_line(text, width=SNIPPET_CHARS):
     """Text for one line of output: newlines and tabs shown as \\n and \\t, runs of
     spaces kept short, and at most `width` characters (a single long token too)."""
-    text = re.sub(r" {2,}", " ", (text or "").strip().replace("\t", "\\t").replace("\r\n", "\\n")
-                  .replace("\n", "\\n"))
+    text = (text or "").strip().replace("\t", "\\t").replace("\r\n", "\\n").replace("\n", "\\n")
+    text = " ".join(filter(None, text.split(" ")))  # no spaces at the ends: stripped
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
@@ -8799,6 +8805,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message, hint="see `%s --help`" % self.prog)
 
+    def _get_formatter(self):
+        # argparse makes one for every add_argument, and its own asks shutil for the width:
+        # importing shutil (with bz2 and lzma) cost a `find` more than the parsing.
+        return self.formatter_class(prog=self.prog, width=(_terminal_width() or 80) - 2)
+
 
 class _Unused:
     """A subparser not built: the command line names another command."""
@@ -8810,7 +8821,10 @@ class _Unused:
 def build_parser(only=None):
     """The parser; with only=COMMAND, of that command alone (a quarter of the cost of
     all of them, paid by every run)."""
-    common = argparse.ArgumentParser(add_help=False)
+    # argparse translates its every word through gettext, which looks for catalogues at
+    # each call; CPython ships none for it, and qmem's own words are English.
+    argparse._ = str
+    common = _Parser(add_help=False)
     # SUPPRESS: a --json given before the subcommand must survive the subparser's default.
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print exactly one JSON document on stdout")
