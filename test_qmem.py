@@ -3925,6 +3925,62 @@ class BundleTests(BundleTestCase):
         after = [line for line in self.dump("b") if "last_load_at" not in line]
         self.assertEqual(after, [line for line in before if "last_load_at" not in line])
 
+    def load_items(self):
+        """A signed bundle of records (two refused), a held-back write and a settled one."""
+        rec = {"type": "record", "view": 2}
+        items = [dict(record(UUIDS[i], "memoria %d" % i, project="p%d" % (i % 3)), **rec)
+                 for i in range(12)]
+        items += [dict(record(UUIDS[12], "x" * 40000), **rec), {"type": "record", "id": ["x"]},
+                  {"type": "outbox", "id": UUIDS[13], "op": "store", "state": "pending",
+                   "created_at": time.time(), "payload": json.dumps(
+                       {"text": "da portare", "kind": "fact", "project_id": "p"})}]
+        return self.crafted(items)
+
+    def test_a_large_load_parses_in_a_child_process_with_the_same_result(self):
+        bundle = self.load_items()
+        self.host("here", False)
+        in_process = self.ok_json("load", bundle)
+        self.host("child", False)
+        started, real_start = [], qmem.start_child
+        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
+                mock.patch.object(qmem, "_cores", lambda: 2), \
+                mock.patch.object(qmem, "start_child",
+                                  lambda command, **kw: started.append(command[0])
+                                  or real_start(command, **kw)):
+            in_child = self.ok_json("load", bundle)
+        self.assertEqual(started, ["_load-reader"])
+        self.assertEqual(in_child, in_process)
+        self.assertEqual((in_child["records"]["new"], in_child["skipped"]), (12, 2))
+
+        def rows(name):  # all but when each was seen
+            conn = sqlite3.connect(os.path.join(self.home, name + ".sqlite"))
+            self.addCleanup(conn.close)
+            return conn.execute("SELECT id, view, origin, words, pending, %s FROM records ORDER "
+                                "BY id" % ", ".join(qmem.FIELDS)).fetchall()
+        self.assertEqual(rows("child"), rows("here"))
+        self.assertEqual(len(self.find_ids("memoria", "--limit", "100")), 12)
+        self.assertEqual(self.ok_json("queue")["counts"]["pending"], 1)
+
+    def test_a_failing_reader_process_is_a_clear_error_and_nothing_is_loaded(self):
+        import subprocess as sp
+        bundle = self.load_items()
+        self.host("child", False)
+
+        for code, said in (("sys.stderr.write('qmem: cannot read the copy\\n'); sys.exit(1)",
+                            "load reader process failed: cannot read the copy"),
+                           ("sys.exit(0)", "load reader process ended early")):  # a part cut
+            def broken(command, **kw):
+                return sp.Popen([sys.executable, "-c", "import sys; sys.stdout.buffer.write("
+                                 "b'\\x10\\0\\0\\0\\xa9'); sys.stdout.flush(); " + code],
+                                stdout=sp.PIPE, stderr=sp.PIPE)
+            with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
+                    mock.patch.object(qmem, "_cores", lambda: 2), \
+                    mock.patch.object(qmem, "start_child", broken):
+                self.assertIn(said, self.expect_fail(1, "load", bundle))
+        self.assertEqual(self.ok_json("status")["records"]["total"], 0)
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.ok_json("load", bundle)["records"]["new"], 12)
+
     def test_a_correction_travels_with_its_target_and_since_keeps_settlements(self):
         self.host("a", False)
         target = self.ok_json("store", "memoria di p1", "--project", "p1")["local_id"]
