@@ -5115,8 +5115,9 @@ def _parts_of_child(proc):
                 raise StoreError("the load reader process ended early")
             yield part
     except BaseException:  # an error here, or an interrupt: the child is no longer needed
-        proc.kill()
-        proc.communicate()
+        if proc.returncode is None:  # (not ended and waited for already)
+            proc.kill()
+            proc.communicate()
         raise
     child_ended(proc, proc.communicate()[1], "load reader")
 

@@ -5587,7 +5587,9 @@ class McpProcess(McpClient):
         self.lines, self.replies = [], queue.Queue()
         self.err = []
         threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+        self.err_reader = threading.Thread(target=lambda: self.err.extend(self.proc.stderr),
+                                           daemon=True)
+        self.err_reader.start()
 
     def _read(self):
         for line in self.proc.stdout:
@@ -5625,6 +5627,7 @@ class McpProcess(McpClient):
         """Close stdin (as clients do); the exit code, after checking stdout was protocol only."""
         self.proc.stdin.close()
         code = self.proc.wait(timeout)
+        self.err_reader.join(timeout)  # all it wrote to stderr, read
         self.assert_protocol_only()
         return code
 
