@@ -3471,6 +3471,7 @@ def child_ended(proc, err, what):
         lines = err.decode("utf-8", "replace").strip().splitlines()
         raise StoreError("the %s process failed: %s" % (what, (
             lines[-1][len("qmem: "):] if lines and lines[-1].startswith("qmem: ") else
+            "killed by signal %d" % -proc.returncode if proc.returncode < 0 else
             "exit status %s" % proc.returncode)))
 
 
@@ -8889,11 +8890,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message, hint="see `%s --help`" % self.prog)
 
-    def _get_formatter(self):
-        # argparse makes one for every add_argument, and its own asks shutil for the width:
-        # importing shutil (with bz2 and lzma) cost a `find` more than the parsing.
-        return self.formatter_class(prog=self.prog, width=(_terminal_width() or 80) - 2)
-
 
 class _Unused:
     """A subparser not built: the command line names another command."""
@@ -8908,7 +8904,12 @@ def build_parser(only=None):
     # argparse translates its every word through gettext, which looks for catalogues at
     # each call; CPython ships none for it, and qmem's own words are English.
     argparse._ = str
-    common = _Parser(add_help=False)
+    # argparse makes a formatter for every argument, and without a width it asks shutil:
+    # importing shutil (with bz2 and lzma) cost a `find` more than all of its parsing.
+    import functools
+    width = (_terminal_width() or 80) - 2
+    plain = functools.partial(argparse.HelpFormatter, width=width)
+    common = argparse.ArgumentParser(add_help=False, formatter_class=plain)
     # SUPPRESS: a --json given before the subcommand must survive the subparser's default.
     common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                         help="print exactly one JSON document on stdout")
@@ -8918,7 +8919,8 @@ def build_parser(only=None):
                         help=argparse.SUPPRESS)
     about = __doc__.split("\nSections")[0]  # the rest of the docstring is for developers
     p = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+                formatter_class=functools.partial(argparse.RawDescriptionHelpFormatter,
+                                                  width=width))
     p.add_argument("--json", action="store_true", default=False, help=argparse.SUPPRESS)
     p.add_argument("--db", metavar="PATH",
                    help="local database (overrides localDbPath and QMEM_SQLITE)")
@@ -8934,7 +8936,7 @@ def build_parser(only=None):
         if only not in (None, name):
             return _Unused()
         sp = sub.add_parser(name, parents=[common], help=about, description=about,
-                            allow_abbrev=False, **kw)
+                            allow_abbrev=False, formatter_class=plain, **kw)
         sp.set_defaults(func=func)
         return sp
 
