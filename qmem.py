@@ -312,7 +312,7 @@ def visible(text):
     """Escape every control character (as \\x1b, \\u202e): memory text, ids and
     gateway messages come from elsewhere, and an ESC could clear the screen or set the
     window title."""
-    return text if text.isprintable() else text.translate(_ESCAPES)  # (each of them is not)
+    return text if text.isprintable() else text.translate(_ESCAPES)  # (none is printable)
 
 
 def text_of(value):
@@ -3403,9 +3403,27 @@ PARALLEL_MIN_ROWS = 10000
 _WRITER_COMMAND = "_import-writer"  # the child's hidden command line: qmem.py _import-writer DB
 
 
+def frame(value):
+    """A value as a parent and its qmem.py child pass it: length-prefixed marshal data
+    (tuples, lists and dicts of str/int/None; nothing is executed)."""
+    import marshal
+    data = marshal.dumps(value)
+    return len(data).to_bytes(4, "little") + data
+
+
+def frames(stream):
+    """The values of frame()s read from a stream, to its end; one cut short raises
+    EOFError or ValueError."""
+    import marshal
+    while True:
+        head = stream.read(4)
+        if len(head) < 4:
+            return
+        yield marshal.loads(stream.read(int.from_bytes(head, "little")))
+
+
 class _WriterProcess:
-    """The parent's end of the import writer: jobs go down the child's stdin as
-    length-prefixed marshal data (tuples of str/int/None; nothing is executed)."""
+    """The parent's end of the import writer: jobs go down the child's stdin as frame()s."""
 
     @classmethod
     def start(cls, db_path):
@@ -3420,10 +3438,8 @@ class _WriterProcess:
         return writer
 
     def put(self, job):
-        import marshal
-        data = marshal.dumps(job)
         try:
-            self.proc.stdin.write(len(data).to_bytes(4, "little") + data)
+            self.proc.stdin.write(frame(job))
         except (BrokenPipeError, OSError):
             self.finish(None)  # raises the child's own error
             raise StoreError("the import writer process ended early")
@@ -3495,19 +3511,14 @@ def _child_environment():
 def _writer_main(db_path):
     """The child's side of _WriterProcess: apply jobs from stdin, commit every BATCH_S
     seconds (each file's progress row with its records), print the counts."""
-    import marshal
     store = Store(db_path, create=False)
     conn = store.conn
     conn.execute("PRAGMA synchronous=NORMAL")
     conn.execute("PRAGMA cache_size=-4096")
     store.known = {hash(i) for (i,) in conn.execute("SELECT id FROM records")}
-    stats, started, feed = ImportStats(), 0.0, sys.stdin.buffer
+    stats, started = ImportStats(), 0.0
     try:
-        while True:
-            head = feed.read(4)
-            if len(head) < 4:
-                break
-            job = marshal.loads(feed.read(int.from_bytes(head, "little")))
+        for job in frames(sys.stdin.buffer):
             if not conn.in_transaction:
                 conn.execute("BEGIN IMMEDIATE")
                 started = time.monotonic()
@@ -5103,18 +5114,13 @@ def _parts(path, trust, now, batched, words):
 def _parts_of_child(proc):
     """The parts the load reader sends, to its end; its failure, or a part cut short, is a
     StoreError (the load's transaction is then rolled back)."""
-    import marshal
     try:
-        while True:
-            head = proc.stdout.read(4)
-            if not head:
-                break
-            try:
-                part = marshal.loads(proc.stdout.read(int.from_bytes(head, "little")))
-            except (EOFError, ValueError, TypeError):  # cut short: the child's end says why
-                child_ended(proc, proc.communicate()[1], "load reader")
-                raise StoreError("the load reader process ended early")
-            yield part
+        try:
+            for part in frames(proc.stdout):
+                yield part
+        except (EOFError, ValueError, TypeError):  # cut short: the child's end says why
+            child_ended(proc, proc.communicate()[1], "load reader")
+            raise StoreError("the load reader process ended early")
     except BaseException:  # an error here, or an interrupt: the child is no longer needed
         if proc.returncode is None:  # (not ended and waited for already)
             proc.kill()
@@ -5124,13 +5130,10 @@ def _parts_of_child(proc):
 
 
 def _reader_main(path, trust, now, words):
-    """The child's side of _parts: bundle_parts as length-prefixed marshal data on stdout
-    (tuples, lists and dicts of JSON values; nothing is executed)."""
-    import marshal
+    """The child's side of _parts: bundle_parts as frames on stdout (JSON values)."""
     out = sys.stdout.buffer
     for part in bundle_parts(path, trust, now, True, bool(words)):
-        data = marshal.dumps(part)
-        out.write(len(data).to_bytes(4, "little") + data)
+        out.write(frame(part))
     out.flush()
     return EXIT_OK
 
