@@ -77,7 +77,6 @@ IMMUTABLE = tuple(f for f in FIELDS if f not in MUTABLE and f != "updated_at")
 # How complete a view of a record is; a more complete view wins (design.md).
 VIEW_HIT, VIEW_ARGS, VIEW_FULL = 0, 1, 2
 
-UUID_RE = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 MAX_QUERY_CHARS = 500
 MAX_QUERY_TOKENS = 32
 
@@ -185,8 +184,24 @@ class GatewayError(QmemError):
 
 # === Utilities ===============================================================
 
-_ISO_FAST = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
-_ISO_FAST_MATCH = _ISO_FAST.match
+class LazyPattern:
+    """A regular expression compiled at its first use, not by every command as it starts:
+    compiling one costs 0.2 to 1 M instructions, and a command uses few of them. Once
+    compiled, its methods are attributes of its own (no cost per call)."""
+
+    def __init__(self, pattern):
+        self.pattern = pattern
+
+    def __getattr__(self, name):  # (only until the first use)
+        compiled = re.compile(self.pattern)
+        for method in ("match", "fullmatch", "search", "findall", "finditer", "sub"):
+            setattr(self, method, getattr(compiled, method))
+        return getattr(compiled, name)
+
+
+UUID_RE = LazyPattern(
+    r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_ISO_FAST = LazyPattern(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
 
 
 def iso_from_epoch(t):
@@ -1802,7 +1817,8 @@ def _create_fts(conn, tokenizer):
     conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', ?)", ("fts5 " + tokenizer,))
 
 
-_PARTS = re.compile(r"[^\W_]+")  # what the index holds of a text: its runs of letters and digits
+# What the index holds of a text: its runs of letters and digits.
+_PARTS = LazyPattern(r"[^\W_]+")
 
 # The words a text's CamelCase identifiers are made of, for the index to find them by
 # their parts (Python's sqlite3 cannot register an FTS5 tokenizer): ThreadPoolExecutor
@@ -1811,10 +1827,10 @@ _PARTS = re.compile(r"[^\W_]+")  # what the index holds of a text: its runs of l
 # A capital that starts a hump of a CamelCase name: after a lower-case letter, or the
 # last of a run of capitals before a lower-case one (HTTPServer). Searched for first: a
 # pattern that starts with a capital scans text several times faster than any other.
-_HUMP = re.compile(r"[A-Z](?:(?<=[a-z][A-Z])|(?=[a-z])(?<=[A-Z][A-Z]))")
-_NAME_REST = re.compile(r"[A-Za-z0-9]*")
-_NAME_START = re.compile(r"(?s).*[^A-Za-z0-9]")  # greedy: what comes before a name
-_CAMEL_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+_HUMP = LazyPattern(r"[A-Z](?:(?<=[a-z][A-Z])|(?=[a-z])(?<=[A-Z][A-Z]))")
+_NAME_REST = LazyPattern(r"[A-Za-z0-9]*")
+_NAME_START = LazyPattern(r"(?s).*[^A-Za-z0-9]")  # greedy: what comes before a name
+_CAMEL_PART = LazyPattern(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 def identifier_words(text):
@@ -2966,7 +2982,7 @@ def normalize_record(data):
         value = get(f)
         if not value:
             rec[f] = None
-        elif value.__class__ is str and _ISO_FAST_MATCH(value):  # the common case, inline
+        elif value.__class__ is str and _ISO_FAST.match(value):  # the common case, inline
             rec[f] = value if len(value) == 24 else value[:19] + ".000Z"
         else:
             rec[f] = iso_norm(value)
@@ -3081,7 +3097,7 @@ def records_from_call(name, call_args, result):
 # toolCall ids in a raw assistant line, found without parsing it: the line is parsed
 # only when a result needs its call's arguments. pi writes a block's keys in this
 # order; a line where the pattern finds nothing is parsed at once instead.
-_CALL_ID_IN_LINE = re.compile(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
+_CALL_ID_IN_LINE = LazyPattern(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
 # Records whose full view this run already merged, by id -> what could still change.
 # Bounded, so memory stays flat however large the tree is.
 _SETTLED_MAX = 100000
@@ -3570,7 +3586,7 @@ def _take_call(calls, call_id):
 
 
 _scan_json = []  # json's own scanner, called directly: json.loads() adds ~2 us a line
-_ESCAPED_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
+_ESCAPED_SURROGATE = LazyPattern(rb"\\u[dD][89a-fA-F]")
 
 
 def _parse_line(line):
@@ -3597,7 +3613,7 @@ def _parse_line(line):
 
 # A token of a query: a word, or one with punctuation inside — a path, a version, a flag,
 # an identifier (config/settings.toml, 2.0.0, --no-cache-dir, get_event_loop) — kept whole.
-_TOKEN_RE = re.compile(r"\w+(?:[^\w\s]+\w+)*")
+_TOKEN_RE = LazyPattern(r"\w+(?:[^\w\s]+\w+)*")
 
 
 def query_tokens(query):
@@ -3757,7 +3773,7 @@ def _is_phrase(word):
     return len(_PARTS.findall(word)) > 1
 
 
-_HEX_WORD = re.compile("[a-f]{8,}")  # deadbeef: part of a hash, not a word
+_HEX_WORD = LazyPattern("[a-f]{8,}")  # deadbeef: part of a hash, not a word
 
 
 def _near_variants(word, n, near):
@@ -8606,7 +8622,7 @@ def _terminal_width():
     """The width output fits: COLUMNS where it is set, else the terminal's; None for a
     pipe (nothing is cut then)."""
     columns = os.environ.get("COLUMNS", "").strip()
-    if re.fullmatch("[0-9]{1,5}", columns) and int(columns):
+    if columns.isdecimal() and len(columns) <= 5 and int(columns):
         return max(int(columns), MIN_COLUMNS)
     if not sys.stdout.isatty():
         return None
