@@ -48,7 +48,6 @@ import sys
 if sys.version_info < (3, 6):  # pragma: no cover - the guard itself
     sys.exit("qmem: Python 3.6 or newer is required")
 
-import argparse
 import collections
 import json
 import operator
@@ -61,6 +60,18 @@ try:  # the extension itself: the sqlite3 package around it imports datetime to 
     import _sqlite3 as sqlite3  # adapters qmem never uses, one percent of a `find`
 except ImportError:  # pragma: no cover - a Python whose sqlite3 is built another way
     import sqlite3
+
+# argparse imports gettext only to translate its own words (CPython ships no catalogue for
+# them), and gettext compiles a regular expression as it is imported: 3 M instructions, on
+# every command. Unless something has imported gettext already, argparse gets these two,
+# which answer as gettext does without a catalogue.
+if "gettext" in sys.modules:
+    import argparse
+else:
+    sys.modules["gettext"] = _gettext = type(sys)("gettext")
+    _gettext.gettext, _gettext.ngettext = str, lambda one, many, n: one if n == 1 else many
+    import argparse
+    del sys.modules["gettext"], _gettext
 
 __version__ = "0.1.0"
 
@@ -8920,9 +8931,6 @@ class _Unused:
 def build_parser(only=None):
     """The parser; with only=COMMAND, of that command alone (a quarter of the cost of
     all of them, paid by every run)."""
-    # argparse translates its every word through gettext, which looks for catalogues at
-    # each call; CPython ships none for it, and qmem's own words are English.
-    argparse._ = str
     # argparse makes a formatter for every argument, and without a width it asks shutil:
     # importing shutil (with bz2 and lzma) cost a `find` more than all of its parsing.
     import functools
