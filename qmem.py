@@ -3887,7 +3887,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     found, levels, asked, cur, terms = {}, [], set(), None, []
     for match, level, every in search_levels(tokens, near):
         levels.append((match, level))
-        if use_fts:
+        if use_fts and match != "all":  # (an exact word the index lacks just matches nothing)
             level = _held_only(store, level, every)
         if not level or (repr(level), every) in asked:
             continue
@@ -3913,7 +3913,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
 
 
 def _held_only(store, level, every):
-    """The level without the words as written that the index does not hold (a stem's
+    """A looser level without the words as written that the index does not hold (a stem's
     endings: cittá gives 34), each of which would cost a lookup and match nothing; []
     when a word every record must match has none left. What the index holds is asked
     once per term, and kept with the near spellings (until the index changes)."""
