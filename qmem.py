@@ -334,11 +334,19 @@ _ESCAPES = {c: "\\x%02x" % c for c in [*range(0x09), *range(0x0b, 0x20), *range(
 _ESCAPES.update((c, "\\u%04x" % c) for c in [*range(0x2028, 0x202f), *range(0x2066, 0x206a)])
 
 
+# Where a snippet's matched words start and end (private-use characters): the output
+# layer makes them bold on a terminal, and nothing elsewhere.
+HIGHLIGHT = ("\ue000", "\ue001")
+
+
 def visible(text):
     """Escape every control character (as \\x1b, \\u202e): memory text, ids and
     gateway messages come from elsewhere, and an ESC could clear the screen or set the
-    window title."""
-    return text if text.isprintable() else text.translate(_ESCAPES)  # (none is printable)
+    window title. (None is printable; nor are the highlight marks, which stay: a text
+    with only those is returned as it is, without translate()'s 50 ns a character.)"""
+    if text.replace(HIGHLIGHT[0], "").replace(HIGHLIGHT[1], "").isprintable():
+        return text
+    return text.translate(_ESCAPES)
 
 
 def text_of(value):
@@ -3860,10 +3868,6 @@ def like_near_spellings(store, word):
             one_edit_away(word))[:MAX_NEAR_SPELLINGS]
     return store.near[word]
 
-
-# Where a snippet's matched words start and end (private-use characters): the output
-# layer makes them bold on a terminal, and nothing elsewhere.
-HIGHLIGHT = ("\ue000", "\ue001")
 
 _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
                    "r.expires_at, r.superseded_by, r.deleted_at, r.private, r.pending, r.origin")
