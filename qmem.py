@@ -99,7 +99,7 @@ MAX_QUERY_TOKENS = 32
 # `kind` a stable name for scripts, its `hint` the command that helps.
 
 class QmemError(Exception):
-    """An expected failure: reported as one line, never a traceback."""
+    # An expected failure: reported as one line, never a traceback.
     exit_code = EXIT_FAIL
     kind = "failed"
 
@@ -114,43 +114,43 @@ class QmemError(Exception):
 
 
 def error_document(err):
-    """An error as the document --json prints (and as the part of a document that
-    reports something not done)."""
+    # An error as the document --json prints (and as the part of a document that
+    # reports something not done).
     return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint},
             "exit_code": err.exit_code}
 
 
 class UsageError(QmemError):
-    """The command line asks for something that cannot be done."""
+    # The command line asks for something that cannot be done.
     exit_code = EXIT_USAGE
     kind = "usage"
 
 
 class ConfigError(QmemError):
-    """The configuration file or environment is unusable."""
+    # The configuration file or environment is unusable.
     exit_code = EXIT_USAGE
     kind = "config"
 
 
 class RemoteRequired(QmemError):
-    """--require-remote was given and the gateway could not be used."""
+    # --require-remote was given and the gateway could not be used.
     exit_code = EXIT_REMOTE
     kind = "remote_required"
 
 
 class Interrupted(QmemError):
-    """Ctrl-C."""
+    # Ctrl-C.
     exit_code = EXIT_INTERRUPTED
     kind = "interrupted"
 
 
 class StoreError(QmemError):
-    """The local database cannot be used."""
+    # The local database cannot be used.
     kind = "store"
 
 
 class OutboxFull(StoreError):
-    """A write past outboxMaxMB: refused, its text kept aside (never in the outbox)."""
+    # A write past outboxMaxMB: refused, its text kept aside (never in the outbox).
     kind = "outbox_full"
 
 
@@ -172,9 +172,9 @@ AWAY_KINDS = frozenset((UNREACHABLE, BREAKER_OPEN))
 
 
 class GatewayError(QmemError):
-    """The gateway gave no usable answer; `kind` (above) says why and decides what
-    happens. `detail` is the short cause ('HTTP 503', 'connection refused') that a
-    fallback label shows; `in_a_row` the consecutive failures behind an open breaker."""
+    # The gateway gave no usable answer; `kind` (above) says why and decides what
+    # happens. `detail` is the short cause ('HTTP 503', 'connection refused') that a
+    # fallback label shows; `in_a_row` the consecutive failures behind an open breaker.
 
     def __init__(self, kind, message, status=None, retry_in_ms=None, hint=None, detail=None,
                  cause=None, in_a_row=None):
@@ -189,16 +189,16 @@ class GatewayError(QmemError):
 
     @property
     def fallback_ok(self):
-        """May a read be answered from the local index instead?"""
+        # May a read be answered from the local index instead?
         return self.kind in FALLBACK_KINDS
 
 
 # === Utilities ===============================================================
 
 class LazyPattern:
-    """A regular expression compiled at its first use, not by every command as it starts:
-    compiling one costs 0.2 to 1 M instructions, and a command uses few of them. Once
-    compiled, its methods are attributes of its own (no cost per call)."""
+    # A regular expression compiled at its first use, not by every command as it starts:
+    # compiling one costs 0.2 to 1 M instructions, and a command uses few of them. Once
+    # compiled, its methods are attributes of its own (no cost per call).
 
     def __init__(self, pattern):
         self.pattern = pattern
@@ -216,7 +216,7 @@ _ISO_FAST = LazyPattern(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
 
 
 def iso_from_epoch(t):
-    """Epoch seconds -> ISO-8601 UTC with milliseconds ('...T10:15:00.000Z')."""
+    # Epoch seconds -> ISO-8601 UTC with milliseconds ('...T10:15:00.000Z').
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + ".%03dZ" % (int(t * 1000) % 1000)
 
 
@@ -225,8 +225,8 @@ def iso_now():
 
 
 def iso_norm(value):
-    """Normalise an ISO-8601 timestamp to UTC '...T..:..:..sssZ', so that strings compare
-    as times. Anything unparseable gives None: a bad date is missing data, not data."""
+    # Normalise an ISO-8601 timestamp to UTC '...T..:..:..sssZ', so that strings compare
+    # as times. Anything unparseable gives None: a bad date is missing data, not data.
     if not isinstance(value, str) or not value:
         return None
     if _ISO_FAST.match(value):
@@ -241,7 +241,7 @@ def iso_norm(value):
 
 
 def parse_iso(value):
-    """ISO-8601 date or date-time -> epoch seconds, or None. A time without an offset is UTC."""
+    # ISO-8601 date or date-time -> epoch seconds, or None. A time without an offset is UTC.
     import datetime
     m = re.match(r"\A(\d{4})-(\d\d)-(\d\d)(?:[T ](\d\d):(\d\d)(?::(\d\d)(?:\.(\d{1,9}))?)?"
                  r"\s*(Z|z|[+-]\d\d:?\d\d)?)?\Z", value.strip())
@@ -261,7 +261,7 @@ def parse_iso(value):
 
 
 def mask_secret(key):
-    """'sk-live-0123456789abcd' -> 'sk-…abcd'. Never shows more than four characters."""
+    # 'sk-live-0123456789abcd' -> 'sk-…abcd'. Never shows more than four characters.
     if not key:
         return "(not set)"
     if len(key) < 12:
@@ -270,8 +270,8 @@ def mask_secret(key):
 
 
 def mask_url(url):
-    """A URL as it may be shown anywhere: no user name or password, no query or fragment
-    (they may hold a token), escaped and short; a value that is no string is named."""
+    # A URL as it may be shown anywhere: no user name or password, no query or fragment
+    # (they may hold a token), escaped and short; a value that is no string is named.
     if not isinstance(url, str):
         return "(a %s, not a URL)" % type(url).__name__
     shown = re.sub(r"(\A|//)[^/?#@]*@", "\\1…@", url.strip(), count=1)
@@ -280,8 +280,8 @@ def mask_url(url):
 
 
 def make_private_dirs(folder):
-    """Create the missing folders of a path, each 0700 whatever the umask (os.makedirs
-    gives intermediate folders the umask's mode since Python 3.7)."""
+    # Create the missing folders of a path, each 0700 whatever the umask (os.makedirs
+    # gives intermediate folders the umask's mode since Python 3.7).
     folder = os.path.abspath(folder)
     missing = []
     while not os.path.isdir(folder):
@@ -299,10 +299,10 @@ def make_private_dirs(folder):
 
 
 def atomic_write(path, data, mode=0o600, sync=True):
-    """Write bytes (or what data(file) writes: a stream) to path through a temporary file
-    and os.replace; readers never see a torn file, an interrupted write leaves none. The
-    file gets `mode` (0600: it may hold a secret). sync=False skips the fsync, for state
-    that may be lost on power failure (the breaker). Returns what data(file) returns."""
+    # Write bytes (or what data(file) writes: a stream) to path through a temporary file
+    # and os.replace; readers never see a torn file, an interrupted write leaves none. The
+    # file gets `mode` (0600: it may hold a secret). sync=False skips the fsync, for state
+    # that may be lost on power failure (the breaker). Returns what data(file) returns.
     import tempfile
     folder = os.path.dirname(os.path.abspath(path))
     make_private_dirs(folder)
@@ -340,18 +340,18 @@ HIGHLIGHT = ("\ue000", "\ue001")
 
 
 def visible(text):
-    """Escape every control character (as \\x1b, \\u202e): memory text, ids and
-    gateway messages come from elsewhere, and an ESC could clear the screen or set the
-    window title. (None is printable; nor are the highlight marks, which stay: a text
-    with only those is returned as it is, without translate()'s 50 ns a character.)"""
+    # Escape every control character (as \x1b, \u202e): memory text, ids and
+    # gateway messages come from elsewhere, and an ESC could clear the screen or set the
+    # window title. (None is printable; nor are the highlight marks, which stay: a text
+    # with only those is returned as it is, without translate()'s 50 ns a character.)
     if text.replace(HIGHLIGHT[0], "").replace(HIGHLIGHT[1], "").isprintable():
         return text
     return text.translate(_ESCAPES)
 
 
 def text_of(value):
-    """A str that SQLite, JSON and a terminal can take: lone surrogates (JavaScript cut
-    an emoji in half; JSON escapes allow them) become U+FFFD."""
+    # A str that SQLite, JSON and a terminal can take: lone surrogates (JavaScript cut
+    # an emoji in half; JSON escapes allow them) become U+FFFD.
     try:
         value.encode("utf-8")  # fails on a lone surrogate only
     except UnicodeEncodeError:
@@ -360,8 +360,8 @@ def text_of(value):
 
 
 def without_surrogates(value):
-    """A parsed answer with every lone surrogate replaced (U+FFFD): they cannot be
-    stored, printed or written as UTF-8."""
+    # A parsed answer with every lone surrogate replaced (U+FFFD): they cannot be
+    # stored, printed or written as UTF-8.
     if isinstance(value, str):
         return text_of(value)
     if isinstance(value, list):
@@ -376,7 +376,7 @@ _warned = set()
 
 
 def _warn_once(message):
-    """warn(), once per process for the same message (a flush asks the breaker per row)."""
+    # warn(), once per process for the same message (a flush asks the breaker per row).
     if message not in _warned:
         _warned.add(message)
         warn(message)
@@ -387,12 +387,12 @@ def _fit(text, width):
 
 
 def plural(n, word):
-    """'1 write', '2 writes'."""
+    # '1 write', '2 writes'.
     return "%d %s%s" % (n, word, "" if n == 1 else "s")
 
 
 def duration(seconds):
-    """A wait as a person says it: '45 s', '12 min', '24 h', '3 d' (a unit from two of it)."""
+    # A wait as a person says it: '45 s', '12 min', '24 h', '3 d' (a unit from two of it).
     for unit, size, from_ in (("d", 86400, 2 * 86400), ("h", 3600, 2 * 3600), ("min", 60, 2 * 60)):
         if seconds >= from_:
             return "%d %s" % (round(seconds / size), unit)
@@ -400,19 +400,19 @@ def duration(seconds):
 
 
 def when_utc(epoch):
-    """'2026-12-02 09:14 UTC': a moment for human output."""
+    # '2026-12-02 09:14 UTC': a moment for human output.
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch))
 
 
 def ceil_s(ms):
-    """Milliseconds -> whole seconds, rounded up: 'retry in 1 s', never 'in 0 s'."""
+    # Milliseconds -> whole seconds, rounded up: 'retry in 1 s', never 'in 0 s'.
     return (ms + 999) // 1000
 
 
 def warn(message):
-    """A diagnostic for the user (a corrupt breaker file, a missing FTS5, a skipped
-    file): the one channel every layer uses. It goes where the front end said with
-    set_diagnostics(), by default to stderr as 'qmem: …'."""
+    # A diagnostic for the user (a corrupt breaker file, a missing FTS5, a skipped
+    # file): the one channel every layer uses. It goes where the front end said with
+    # set_diagnostics(), by default to stderr as 'qmem: …'.
     _diagnostics[0](message)
 
 
@@ -429,13 +429,13 @@ _diagnostics = [stderr_diagnostic]
 
 
 def set_diagnostics(sink):
-    """Route every warn() to sink(message); returns the previous sink."""
+    # Route every warn() to sink(message); returns the previous sink.
     previous, _diagnostics[0] = _diagnostics[0], sink
     return previous
 
 
 class Progress:
-    """One self-overwriting progress line on stderr, only when stderr is a terminal."""
+    # One self-overwriting progress line on stderr, only when stderr is a terminal.
 
     def __init__(self, label):
         self.label = label
@@ -463,7 +463,7 @@ def hostname():
 
 
 def machine_identity():
-    """'hostname (OS name)': what local writes carry as their default source."""
+    # 'hostname (OS name)': what local writes carry as their default source.
     os_name = ""
     try:
         with open("/etc/os-release", encoding="utf-8") as f:
@@ -499,16 +499,16 @@ def _read_small(path):
 
 
 def _proc_stat(pid):
-    """(state, start time in clock ticks since boot) of a process (Linux), or ('', '')."""
+    # (state, start time in clock ticks since boot) of a process (Linux), or ('', '').
     line = _read_small("/proc/%d/stat" % pid)
     fields = line[line.rfind(")") + 1:].split()
     return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
 
 
 def process_identity(pid=None):
-    """What names a process of this machine beyond doubt: (host, boot id, pid
-    namespace, pid, start time). Where the system does not tell (boot id, namespace,
-    start time: Linux only), the parts are '' and the identity proves nothing."""
+    # What names a process of this machine beyond doubt: (host, boot id, pid
+    # namespace, pid, start time). Where the system does not tell (boot id, namespace,
+    # start time: Linux only), the parts are '' and the identity proves nothing.
     pid = os.getpid() if pid is None else pid
     try:
         namespace = os.readlink("/proc/self/ns/pid")
@@ -519,16 +519,16 @@ def process_identity(pid=None):
 
 
 def claim_token():
-    """A claim (of outbox rows, of the breaker's probe): the claimant's identity, then a
-    random part (one token per claim)."""
+    # A claim (of outbox rows, of the breaker's probe): the claimant's identity, then a
+    # random part (one token per claim).
     return "|".join(process_identity() + (os.urandom(6).hex(),))
 
 
 def claimant_is_gone(token):
-    """Does the token prove that the process that claimed is dead (same host, same boot,
-    same pid namespace, and its pid gone, a zombie, or reused since)? Anything less proves
-    nothing: a claim of another machine, of a container, of an older qmem.py, or from
-    a system without /proc waits for its lease to run out."""
+    # Does the token prove that the process that claimed is dead (same host, same boot,
+    # same pid namespace, and its pid gone, a zombie, or reused since)? Anything less proves
+    # nothing: a claim of another machine, of a container, of an older qmem.py, or from
+    # a system without /proc waits for its lease to run out.
     parts = (token or "").split("|")
     if len(parts) != 6:
         return False
@@ -566,7 +566,7 @@ ENV_KEYS = {"url": "QMEM_URL", "apiKey": "QMEM_API_KEY", "localDbPath": "QMEM_SQ
 
 
 class Config:
-    """The effective configuration: each value and where it came from."""
+    # The effective configuration: each value and where it came from.
 
     def __init__(self, values, sources, path, raw, breaker_path, home):
         self.values, self.sources, self.path, self.raw = values, sources, path, raw
@@ -590,10 +590,10 @@ NUMBER_RANGES = {"connectTimeoutMs": (1, 600000), "timeoutMs": (1, 3600000),
 
 
 def _check_type(key, value, origin, typed=False):
-    """Validate one config value against the type of its default; return it converted.
-    typed=True (the JSON file, shared with the extension): the value must already have
-    the type, a boolean true or false, a number; otherwise ("5000", "no" from a command
-    line) text is converted."""
+    # Validate one config value against the type of its default; return it converted.
+    # typed=True (the JSON file, shared with the extension): the value must already have
+    # the type, a boolean true or false, a number; otherwise ("5000", "no" from a command
+    # line) text is converted.
     default = DEFAULTS[key]
     if isinstance(default, bool):
         if isinstance(value, bool):
@@ -632,8 +632,8 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 def not_private(st):
-    """Why a file or folder (its os.stat) is not safe to trust: 'owned by uid N' or
-    'writable by other users'; None when it is (or where the system has no owners)."""
+    # Why a file or folder (its os.stat) is not safe to trust: 'owned by uid N' or
+    # 'writable by other users'; None when it is (or where the system has no owners).
     if os.name != "posix":  # pragma: no cover - Windows: no uid to compare
         return None
     if st.st_uid != os.geteuid():
@@ -644,7 +644,7 @@ def not_private(st):
 
 
 def load_config(environ=None, overrides=None):
-    """Build the effective config: defaults < config file < environment < flags."""
+    # Build the effective config: defaults < config file < environment < flags.
     environ = os.environ if environ is None else environ
     home = environ.get("HOME") or os.path.expanduser("~")
     path = environ.get("QMEM_CONFIG") or os.path.join(home, ".config", "pi-qmem", "config.json")
@@ -680,9 +680,9 @@ def load_config(environ=None, overrides=None):
 
 
 def _read_config_file(path):
-    """The JSON object of the config file ({} when there is none). Refused unless it is
-    ours and not writable by others: another user could point the URL elsewhere and
-    collect the key."""
+    # The JSON object of the config file ({} when there is none). Refused unless it is
+    # ours and not writable by others: another user could point the URL elsewhere and
+    # collect the key.
     try:
         with open(path, "rb") as f:
             unsafe = not_private(os.fstat(f.fileno()))
@@ -712,7 +712,7 @@ def _read_config_file(path):
 
 
 def gateway_of(url):
-    """What a key is bound to: (scheme, host in lower case, port with its default)."""
+    # What a key is bound to: (scheme, host in lower case, port with its default).
     from urllib.parse import urlsplit
     try:
         p = urlsplit(url.strip())
@@ -723,9 +723,9 @@ def gateway_of(url):
 
 
 def _key_withheld(values, sources, raw, path):
-    """Why the config file's API key must not go to the URL in use (None: it may). A key
-    is sent only to the gateway of the file's own url: a QMEM_URL set for another one (a
-    project's .mcp.json can set it) gets no key from the file."""
+    # Why the config file's API key must not go to the URL in use (None: it may). A key
+    # is sent only to the gateway of the file's own url: a QMEM_URL set for another one (a
+    # project's .mcp.json can set it) gets no key from the file.
     if sources["apiKey"] != "file" or not values["url"]:
         return None
     saved = raw.get("url")
@@ -750,14 +750,14 @@ def bundle_key_ok(key):
 
 
 def api_key_ok(key):
-    """Can this key travel in an HTTP header as it is: printable ASCII, no spaces?"""
+    # Can this key travel in an HTTP header as it is: printable ASCII, no spaces?
     return bool(key) and all(0x21 <= ord(c) <= 0x7E for c in key)
 
 
 def _check_config(values, sources, path):
-    """What no single value shows: a URL that is no gateway URL, a key that would break
-    a header (a CRLF key file), open times the wrong way round. Named by where they came
-    from; the key itself is never shown."""
+    # What no single value shows: a URL that is no gateway URL, a key that would break
+    # a header (a CRLF key file), open times the wrong way round. Named by where they came
+    # from; the key itself is never shown.
     def origin(key):
         return {"file": "config file %s" % path,
                 "flag": "option"}.get(sources[key], "environment " + sources[key][4:])
@@ -786,7 +786,7 @@ def _check_config(values, sources, path):
 
 
 def session_dirs(environ=None):
-    """Where pi writes its sessions, in pi's own order of precedence (pi-sessions.md §1)."""
+    # Where pi writes its sessions, in pi's own order of precedence (pi-sessions.md §1).
     environ = os.environ if environ is None else environ
     custom = environ.get("PI_CODING_AGENT_SESSION_DIR")
     if custom:
@@ -798,7 +798,7 @@ def session_dirs(environ=None):
 
 
 def normalize_url(url):
-    """'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key."""
+    # 'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key.
     from urllib.parse import urlsplit
     p = urlsplit(url.strip())
     return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
@@ -810,8 +810,8 @@ _HOST = r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z|\A[0-9A-Fa-f
 
 
 def check_url(url):
-    """A gateway URL must be http(s) with a host name (or IP), no credentials, no
-    query. Returns it without a trailing slash."""
+    # A gateway URL must be http(s) with a host name (or IP), no credentials, no
+    # query. Returns it without a trailing slash.
     from urllib.parse import urlsplit
     url = url.strip()
     try:
@@ -833,7 +833,7 @@ def check_url(url):
 
 
 def is_loopback(host):
-    """Exactly 'localhost', or an IP literal of 127.0.0.0/8 or ::1 (not '127.evil.example')."""
+    # Exactly 'localhost', or an IP literal of 127.0.0.0/8 or ::1 (not '127.evil.example').
     import ipaddress
     host = (host or "").strip("[]")
     if host.lower() == "localhost":
@@ -845,7 +845,7 @@ def is_loopback(host):
 
 
 def warn_plain_http(url, key):
-    """The API key would travel unencrypted: say so, wherever the URL came from."""
+    # The API key would travel unencrypted: say so, wherever the URL came from.
     from urllib.parse import urlsplit
     p = urlsplit(url)
     if p.scheme == "http" and key and not is_loopback(p.hostname or ""):
@@ -858,8 +858,8 @@ RETRIES = 2  # further attempts after an ambiguous failure
 
 
 def worst_call_s(config, retries=RETRIES):
-    """The longest one Gateway.call() can take: every attempt using both budgets, and
-    the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it."""
+    # The longest one Gateway.call() can take: every attempt using both budgets, and
+    # the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it.
     attempts = (retries + 1) * (config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0
     return attempts + retries * (RETRY_SLEEP_CAP + 1.0) + 1.0
 
@@ -868,9 +868,9 @@ CONFIG_KEYS = tuple(DEFAULTS)
 
 
 def write_config(config, changes):
-    """Set keys in the config file, keeping every key this tool does not know, atomically,
-    mode 0600. A value of None removes the key. A symlinked config (a dotfiles
-    checkout) is written where it points: the link stays a link."""
+    # Set keys in the config file, keeping every key this tool does not know, atomically,
+    # mode 0600. A value of None removes the key. A symlinked config (a dotfiles
+    # checkout) is written where it points: the link stays a link.
     raw = dict(config.raw)
     for key, value in changes.items():
         if value is None:
@@ -892,8 +892,8 @@ MAX_BREAKER_BYTES = 64 << 10  # a state per gateway URL: a few hundred bytes eac
 
 
 def _read_breaker_file(path):
-    """The breaker file's bytes: not through a symlink, a regular file of ours, at most
-    MAX_BREAKER_BYTES (a link to /dev/zero must not fill the memory). OSError else."""
+    # The breaker file's bytes: not through a symlink, a regular file of ours, at most
+    # MAX_BREAKER_BYTES (a link to /dev/zero must not fill the memory). OSError else.
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
@@ -907,8 +907,8 @@ def _read_breaker_file(path):
 
 
 class _FileLock:
-    """An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
-    a read-modify-write of the breaker file. Gives up waiting after ~2 s."""
+    # An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
+    # a read-modify-write of the breaker file. Gives up waiting after ~2 s.
 
     def __init__(self, path):
         self.path, self.fd = path, None
@@ -955,8 +955,8 @@ class _FileLock:
 
 
 def why_open(state):
-    """'opened at once: could not connect: …' or 'opened after 3 consecutive failures
-    (last: HTTP 503)'."""
+    # 'opened at once: could not connect: …' or 'opened after 3 consecutive failures
+    # (last: HTTP 503)'.
     last = state["last_detail"] or state["last_error"] or "unknown error"
     if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
         return "opened at once: %s" % last
@@ -974,18 +974,18 @@ _BREAKER_IN_MEMORY = {}
 
 
 class Breaker:
-    """The circuit breaker, its state in one JSON file shared by every process on the
-    machine and keyed by gateway URL (design.md, reliability.md §2).
-
-    closed     calls go through; `failures` counts consecutive ambiguous failures
-    open       calls fail at once, without network I/O, until `open_until`
-    half_open  one process (the holder of the probe lease) tries; the others fail fast,
-               until its lease runs out or it is proven dead (claimant_is_gone)
-
-    An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
-    open it; each consecutive opening doubles the open time, from base up to max; any
-    answer from the gateway closes it. Readers take no lock; writers lock a sibling
-    .lock file and replace the state file atomically."""
+    # The circuit breaker, its state in one JSON file shared by every process on the
+    # machine and keyed by gateway URL (design.md, reliability.md §2).
+    #
+    # closed     calls go through; `failures` counts consecutive ambiguous failures
+    # open       calls fail at once, without network I/O, until `open_until`
+    # half_open  one process (the holder of the probe lease) tries; the others fail fast,
+    #            until its lease runs out or it is proven dead (claimant_is_gone)
+    #
+    # An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
+    # open it; each consecutive opening doubles the open time, from base up to max; any
+    # answer from the gateway closes it. Readers take no lock; writers lock a sibling
+    # .lock file and replace the state file atomically.
 
     def __init__(self, path, url, base_ms=120000, max_ms=600000, trip_after=3, lease_s=60.0,
                  clock=time.time, rand=None):
@@ -1046,9 +1046,9 @@ class Breaker:
             return {}
 
     def read(self, fresh=False):
-        """This URL's state. A missing field takes its closed value; an entry with a
-        field of the wrong type is corrupt: closed, with a warning (and rewritten on the
-        next change)."""
+        # This URL's state. A missing field takes its closed value; an entry with a
+        # field of the wrong type is corrupt: closed, with a warning (and rewritten on the
+        # next change).
         entry = self._read_all(fresh).get(self.key)
         state = dict(self._CLOSED)
         if entry is None:
@@ -1075,7 +1075,7 @@ class Breaker:
         return state
 
     def _write(self, state):
-        """Under the lock: replace this URL's entry (a closed, clean state removes it)."""
+        # Under the lock: replace this URL's entry (a closed, clean state removes it).
         gateways = self._read_all(fresh=True)
         if state == self._CLOSED:
             gateways.pop(self.key, None)
@@ -1097,16 +1097,16 @@ class Breaker:
 
     # -- the transitions
     def retry_in(self, state, now):
-        """Milliseconds until this state lets a call out (0 when it does now)."""
+        # Milliseconds until this state lets a call out (0 when it does now).
         if not self.refuses(state, now):
             return 0
         until = state["open_until"] if state["state"] == "open" else state["probe_until"]
         return max(0, int((until - now) * 1000))
 
     def refuses(self, state, now):
-        """Does this state refuse a call from this process now? (An open state expires
-        by itself; a clock that went back, leaving an open_until further away than the
-        longest open time, counts as expired.)"""
+        # Does this state refuse a call from this process now? (An open state expires
+        # by itself; a clock that went back, leaving an open_until further away than the
+        # longest open time, counts as expired.)
         if state["state"] == "open":
             return now < state["open_until"] <= now + 1.2 * self.max_s
         if state["state"] == "half_open":
@@ -1116,7 +1116,7 @@ class Breaker:
         return False
 
     def is_open(self):
-        """Is the breaker open now (calls from any process fail fast)?"""
+        # Is the breaker open now (calls from any process fail fast)?
         state = self.read()
         return state["state"] == "open" and self.refuses(state, self.clock())
 
@@ -1130,10 +1130,10 @@ class Breaker:
                             cause=state["last_kind"], in_a_row=state["opened_after"])
 
     def admit(self):
-        """Before a call: raise GatewayError('breaker_open') if this state refuses it.
-        Otherwise the call may go out (closed, or this process now holds the half-open
-        probe), and the return value says whether the state was clean (closed, nothing
-        counted): then a success has nothing to write. The clean path writes nothing."""
+        # Before a call: raise GatewayError('breaker_open') if this state refuses it.
+        # Otherwise the call may go out (closed, or this process now holds the half-open
+        # probe), and the return value says whether the state was clean (closed, nothing
+        # counted): then a success has nothing to write. The clean path writes nothing.
         state, now = self.read(), self.clock()
         if state == self._CLOSED:
             return True
@@ -1154,7 +1154,7 @@ class Breaker:
         return False
 
     def success(self):
-        """The gateway answered: close (writes only if something changes)."""
+        # The gateway answered: close (writes only if something changes).
         state = self.read()
         if state == self._CLOSED:
             return
@@ -1163,8 +1163,8 @@ class Breaker:
         self.probing = False
 
     def release(self):
-        """A call ended without telling whether the gateway is up (TLS or configuration
-        error): give back the probe, if this process held it."""
+        # A call ended without telling whether the gateway is up (TLS or configuration
+        # error): give back the probe, if this process held it.
         if self.probing:
             with self._lock():
                 state = self.read(fresh=True)
@@ -1174,8 +1174,8 @@ class Breaker:
             self.probing = False
 
     def failure(self, kind, message, detail=None):
-        """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
-        trip_after in a row; a failed probe reopens with a doubled open time."""
+        # Record a failed call: 'unreachable' opens at once, 'ambiguous' after
+        # trip_after in a row; a failed probe reopens with a doubled open time.
         now = self.clock()
         with self._lock():
             state = self.read(fresh=True)
@@ -1214,9 +1214,9 @@ class Breaker:
 # refused by an open breaker returns before any of them is imported.
 
 class Response:
-    """One answer: its status, parsed JSON and headers. `scrub` makes any text of the
-    answer safe to store and print (the key masked, controls escaped, bounded).
-    `not_json`: (what the body holds, whether it is an HTML page) when it is no JSON."""
+    # One answer: its status, parsed JSON and headers. `scrub` makes any text of the
+    # answer safe to store and print (the key masked, controls escaped, bounded).
+    # `not_json`: (what the body holds, whether it is an HTML page) when it is no JSON.
     not_json = None
 
     def __init__(self, status, data, headers, scrub=None):
@@ -1224,8 +1224,8 @@ class Response:
         self.scrub = scrub or (lambda text: visible(str(text))[:500])
 
     def detail(self):
-        """The readable part of an error body (FastAPI's 'detail': a string or a list of
-        {loc, msg}), scrubbed; whatever its shape, never an exception."""
+        # The readable part of an error body (FastAPI's 'detail': a string or a list of
+        # {loc, msg}), scrubbed; whatever its shape, never an exception.
         data = self.data
         detail = data.get("detail") if isinstance(data, dict) else None
         if isinstance(detail, list):
@@ -1238,7 +1238,7 @@ class Response:
 
 
 def _validation_error(item):
-    """One FastAPI validation error, '{loc: [body, text], msg}' -> 'text: msg'."""
+    # One FastAPI validation error, '{loc: [body, text], msg}' -> 'text: msg'.
     if not isinstance(item, dict):
         return str(item)
     loc = item.get("loc")
@@ -1255,9 +1255,9 @@ _net = {}  # the socket/ssl classes, built on first use
 
 
 def _net_classes():
-    """Sockets whose every send and receive is bounded by a total deadline
-    (reliability.md §1.3): before each blocking call the timeout is re-armed to the
-    time left, so a gateway trickling one byte at a time cannot stretch the budget."""
+    # Sockets whose every send and receive is bounded by a total deadline
+    # (reliability.md §1.3): before each blocking call the timeout is re-armed to the
+    # time left, so a gateway trickling one byte at a time cannot stretch the budget.
     if _net:
         return _net
     import socket
@@ -1300,8 +1300,8 @@ def _net_classes():
 
 
 def _resolve(host, port, deadline):
-    """getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
-    (and does not keep the process alive at exit)."""
+    # getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
+    # (and does not keep the process alive at exit).
     import threading
     socket, box = _net["socket"], {}
 
@@ -1322,8 +1322,8 @@ def _resolve(host, port, deadline):
 
 
 def _proxy_for(scheme, host, environ=None):
-    """(host, port) of the proxy the standard variables ask for, or None. Honoured:
-    https_proxy / http_proxy (either case) and no_proxy (suffixes, '*')."""
+    # (host, port) of the proxy the standard variables ask for, or None. Honoured:
+    # https_proxy / http_proxy (either case) and no_proxy (suffixes, '*').
     environ = os.environ if environ is None else environ
     value = environ.get(scheme + "_proxy") or environ.get(scheme.upper() + "_PROXY")
     if not value or is_loopback(host):  # a proxy cannot reach this machine's loopback
@@ -1347,7 +1347,7 @@ def _proxy_for(scheme, host, environ=None):
 
 
 def retry_after_seconds(headers, now=None):
-    """Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None."""
+    # Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None.
     raw = (headers.get("Retry-After") or "").strip()
     if not raw:
         return None
@@ -1380,10 +1380,10 @@ def _http_date(value):
 
 
 class Gateway:
-    """A client for one gateway URL: both auth headers, JSON in and out, two total
-    deadlines, retries of ambiguous failures, and the breaker it is given in front
-    (bypass_breaker=True: `config test`, which must really try). One connection is
-    kept and reused for every call of a command."""
+    # A client for one gateway URL: both auth headers, JSON in and out, two total
+    # deadlines, retries of ambiguous failures, and the breaker it is given in front
+    # (bypass_breaker=True: `config test`, which must really try). One connection is
+    # kept and reused for every call of a command.
 
     def __init__(self, config, breaker, sleep=None, retries=RETRIES, bypass_breaker=False):
         url, self.key = config["url"], config["apiKey"]
@@ -1423,14 +1423,14 @@ class Gateway:
         warn_plain_http(self.url, self.key)
 
     def mask(self, text):
-        """Text with the API key masked (a gateway may echo the request's headers)."""
+        # Text with the API key masked (a gateway may echo the request's headers).
         text = str(text)
         return text.replace(self.key,
                             mask_secret(self.key)) if self.key and self.key in text else text
 
     def scrub(self, text):
-        """Text the gateway sent, made safe to store and print: the API key masked, then
-        controls escaped, then cut to 500 characters (in that order: no half key)."""
+        # Text the gateway sent, made safe to store and print: the API key masked, then
+        # controls escaped, then cut to 500 characters (in that order: no half key).
         return visible(self.mask(text))[:500]
 
     def close(self):
@@ -1439,8 +1439,8 @@ class Gateway:
         self.conn = self.sock = None
 
     def call(self, method, path, body=None, idempotency_key=None, retries=None):
-        """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
-        the caller interprets. Everything else raises GatewayError (see its kinds)."""
+        # Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
+        # the caller interprets. Everything else raises GatewayError (see its kinds).
         self.tries = 0
         clean = True if self.bypass_breaker else self.breaker.admit()
         retries = self.retries if retries is None else retries
@@ -1480,8 +1480,8 @@ class Gateway:
             self.sleep(_jittered(wait, delay is not None))
 
     def _judge(self, resp):
-        """None for an answer (2xx, and 4xx but 429); the ambiguous failure to retry
-        for 5xx and 429. A redirect raises: it is not followed."""
+        # None for an answer (2xx, and 4xx but 429); the ambiguous failure to retry
+        # for 5xx and 429. A redirect raises: it is not followed.
         status = resp.status
         if 200 <= status < 300 or (400 <= status < 500 and status != 429):
             return None
@@ -1508,8 +1508,8 @@ class Gateway:
         return h
 
     def _exchange(self, method, path, body, idempotency_key):
-        """One attempt: the request and the status line and headers within the connect
-        budget, then the whole body within the body budget. Returns a Response."""
+        # One attempt: the request and the status line and headers within the connect
+        # budget, then the whole body within the body budget. Returns a Response.
         if body is None or isinstance(body, bytes):
             data = body  # already JSON
         else:
@@ -1525,8 +1525,8 @@ class Gateway:
         return answer
 
     def _request(self, method, path, data, headers):
-        """Send the request and read the status line and headers (the connect budget);
-        a kept-alive connection the server closed meanwhile is replaced once."""
+        # Send the request and read the status line and headers (the connect budget);
+        # a kept-alive connection the server closed meanwhile is replaced once.
         import http.client
         net = _net_classes()
         for fresh in (False, True):
@@ -1554,7 +1554,7 @@ class Gateway:
                                    detail="closed the connection without answering")
 
     def _read_body(self, resp):
-        """The whole body within the body budget, or GatewayError('ambiguous')."""
+        # The whole body within the body budget, or GatewayError('ambiguous').
         import http.client
         net = _net_classes()
         self.sock.qm_deadline = net["Deadline"](self.body_s, "body")
@@ -1590,8 +1590,8 @@ class Gateway:
         return b"".join(chunks)
 
     def _parse(self, raw, resp):
-        """The JSON of a body; a 2xx answer must be a JSON object. Bounded in what it
-        becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed."""
+        # The JSON of a body; a 2xx answer must be a JSON object. Bounded in what it
+        # becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed.
         values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
         if values > MAX_JSON_VALUES:
             raise GatewayError(AMBIGUOUS,
@@ -1620,8 +1620,8 @@ class Gateway:
         return parsed
 
     def _not_json(self, raw, resp):
-        """(what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
-        whether it is an HTML page, as a proxy or a captive portal sends)."""
+        # (what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
+        # whether it is an HTML page, as a proxy or a captive portal sends).
         kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
         # Spaces collapsed, then the key masked, then cut: no part of a key is shown.
         start = " ".join(raw[:1 << 16].decode("utf-8", "replace").split())
@@ -1686,9 +1686,9 @@ class Gateway:
 
 
 def _open_socket(address, deadline):
-    """http.client's _create_connection under our deadline: each resolved address in
-    turn, each given an equal share of the time left, so that a dead first address
-    (an IPv6 route that drops everything) leaves time for a live one within any budget."""
+    # http.client's _create_connection under our deadline: each resolved address in
+    # turn, each given an equal share of the time left, so that a dead first address
+    # (an IPv6 route that drops everything) leaves time for a live one within any budget.
     net = _net_classes()
     last = None
     addresses = _resolve(address[0], address[1], deadline)
@@ -1707,8 +1707,8 @@ def _open_socket(address, deadline):
 
 
 def _jittered(wait, told):
-    """The sleep before a retry: full jitter when we chose the wait; when the gateway
-    told us (Retry-After), never earlier, a little later."""
+    # The sleep before a retry: full jitter when we chose the wait; when the gateway
+    # told us (Retry-After), never earlier, a little later.
     import random
     if told:
         return wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25))
@@ -1716,7 +1716,7 @@ def _jittered(wait, told):
 
 
 def _reason(e):
-    """A short, key-free description of a network exception."""
+    # A short, key-free description of a network exception.
     text = getattr(e, "strerror", None) or str(e) or type(e).__name__
     return text if type(e).__name__ in text else "%s: %s" % (type(e).__name__, text)
 
@@ -1774,7 +1774,7 @@ SECRETS_MASKED = "3"  # the version of the masking the stored records have (3: r
 
 
 def _m001_initial(conn, fts_tokenizer):
-    """Records, their FTS index, import progress, sync state and the outbox."""
+    # Records, their FTS index, import progress, sync state and the outbox.
     _script(conn, """
     CREATE TABLE records(
       rid INTEGER PRIMARY KEY,             -- stable key for the FTS index (VACUUM-proof)
@@ -1818,8 +1818,8 @@ def _m001_initial(conn, fts_tokenizer):
 
 
 def _script(conn, sql):
-    """Run several statements inside the caller's transaction. (executescript() would
-    COMMIT it first.)"""
+    # Run several statements inside the caller's transaction. (executescript() would
+    # COMMIT it first.)
     statement = ""
     for line in sql.splitlines(True):
         statement += line
@@ -1853,9 +1853,9 @@ _CAMEL_PART = LazyPattern(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 def identifier_words(text):
-    """The parts of text's CamelCase names (ASCII letters and digits), each name once,
-    lower case, as one string ('' for none): linear in the text, never longer than
-    twice it; 0.2 s for 100,000 memories of real text, most of it the scan for humps."""
+    # The parts of text's CamelCase names (ASCII letters and digits), each name once,
+    # lower case, as one string ('' for none): linear in the text, never longer than
+    # twice it; 0.2 s for 100,000 memories of real text, most of it the scan for humps.
     hump = _HUMP.search(text or "")
     names, end = {}, 0
     while hump:
@@ -1868,13 +1868,13 @@ def identifier_words(text):
 
 
 def _m004_words(conn):
-    """Schema 4. With FTS5, the index holds a fourth column, the words of each text's
-    CamelCase identifiers (identifier_words, through the view records_words); an index
-    made before is rebuilt so once, by the next import, pull or load (words_pending),
-    and used as it is meanwhile. Without FTS5, each text is kept accent-folded
-    (records.folded, kept by triggers), so that the LIKE scan is plain SQL, and the words
-    of those texts are kept for near spellings (folded_words, made anew by the first
-    search that needs them after a text changed: folded_changes counts the changes)."""
+    # Schema 4. With FTS5, the index holds a fourth column, the words of each text's
+    # CamelCase identifiers (identifier_words, through the view records_words); an index
+    # made before is rebuilt so once, by the next import, pull or load (words_pending),
+    # and used as it is meanwhile. Without FTS5, each text is kept accent-folded
+    # (records.folded, kept by triggers), so that the LIKE scan is plain SQL, and the words
+    # of those texts are kept for near spellings (folded_words, made anew by the first
+    # search that needs them after a text changed: folded_changes counts the changes).
     conn.execute("CREATE VIEW IF NOT EXISTS records_words AS SELECT rid, text, project_id, kind, "
                  "qmem_words(text) AS words FROM records")
     if conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0] != "none":
@@ -1899,9 +1899,9 @@ def _m004_words(conn):
 
 
 def _index_words(conn):
-    """Inside a transaction: the FTS index made anew with the identifiers' words, under a
-    new name (records_index): a qmem.py of schema 3 still running (an MCP server) then
-    fails to write to the index it knew, where it would have damaged this one."""
+    # Inside a transaction: the FTS index made anew with the identifiers' words, under a
+    # new name (records_index): a qmem.py of schema 3 still running (an MCP server) then
+    # fails to write to the index it knew, where it would have damaged this one.
     tokenizer = conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0][len("fts5 "):]
     _script(conn, """
     DROP TABLE IF EXISTS records_fts;
@@ -1914,19 +1914,19 @@ def _index_words(conn):
 
 
 def _m002_claims(conn):
-    """Schema 2 changes the rules of the outbox, not its tables: a claim is taken over
-    only when its claimant is proven dead or its lease has run out (a qmem.py of schema
-    1 took leases that looked 'too far ahead', and judged a claimant dead by its pid
-    alone), so an older qmem.py must not write here any more: the version refuses it.
-    Records of writes the gateway refused are marked as such (pending 2)."""
+    # Schema 2 changes the rules of the outbox, not its tables: a claim is taken over
+    # only when its claimant is proven dead or its lease has run out (a qmem.py of schema
+    # 1 took leases that looked 'too far ahead', and judged a claimant dead by its pid
+    # alone), so an older qmem.py must not write here any more: the version refuses it.
+    # Records of writes the gateway refused are marked as such (pending 2).
     conn.execute("UPDATE records SET pending=2 WHERE pending=1 AND id IN (SELECT id FROM outbox "
                  "WHERE state='failed')")
 
 
 def _m003_held(conn):
-    """Schema 3: writes from an unverified bundle wait 'held' until the user releases them
-    (an older qmem.py would send them: it must refuse the database), and every record
-    says where its view came from (origin)."""
+    # Schema 3: writes from an unverified bundle wait 'held' until the user releases them
+    # (an older qmem.py would send them: it must refuse the database), and every record
+    # says where its view came from (origin).
     sql = conn.execute("SELECT sql FROM sqlite_master WHERE name='outbox'").fetchone()[0]
     if "'held'" not in sql:  # (a database whose version was set back has it already)
         new = re.sub(r'\ACREATE TABLE "?outbox"?\(', "CREATE TABLE outbox_new(", sql)
@@ -1941,10 +1941,10 @@ def _m003_held(conn):
 
 
 def _m005_kept_words(conn):
-    """Schema 5: each record keeps its identifiers' words (records.words, set as it is
-    written), so that making the index anew reads them instead of computing them; a row
-    without them (written before, or its text changed since: the trigger) gets them
-    computed there, so the index is the same either way and needs no rebuild."""
+    # Schema 5: each record keeps its identifiers' words (records.words, set as it is
+    # written), so that making the index anew reads them instead of computing them; a row
+    # without them (written before, or its text changed since: the trigger) gets them
+    # computed there, so the index is the same either way and needs no rebuild.
     if "words" not in {row[1] for row in conn.execute("PRAGMA table_info(records)")}:
         conn.execute("ALTER TABLE records ADD COLUMN words TEXT")
     _script(conn, """
@@ -1965,7 +1965,7 @@ FORCE_NO_FTS5 = False
 
 
 def fts5_tokenizer():
-    """The best unicode61 tokenizer this SQLite offers, or None without FTS5."""
+    # The best unicode61 tokenizer this SQLite offers, or None without FTS5.
     if FORCE_NO_FTS5:
         return None
     probe = sqlite3.connect(":memory:")
@@ -1982,7 +1982,7 @@ def fts5_tokenizer():
 
 
 def _fold(text):
-    """Accent-folded lower case, for the LIKE search of a SQLite without FTS5."""
+    # Accent-folded lower case, for the LIKE search of a SQLite without FTS5.
     if not text or max(text) < "\x80":  # ASCII: nothing to fold (most text, and 20x faster)
         return text.lower() if text else text
     import unicodedata
@@ -1994,12 +1994,12 @@ _MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # a row of Store.merge_many, i
 
 
 def _merge_sql():
-    """The merge rule (design.md), written once, in SQL: never replace known data with
-    missing data; a more complete view wins over a partial one; the mutable fields follow
-    the newest updated_at. Returns the INSERT of a new record, the UPDATE of a known one
-    (which changes nothing, and counts nothing, when the view adds nothing), and both in
-    one UPSERT for bulk loads (SQLite 3.24+: no read per record). Rows are bound as dicts
-    keyed _MERGE_KEYS (named parameters: a value is used several times)."""
+    # The merge rule (design.md), written once, in SQL: never replace known data with
+    # missing data; a more complete view wins over a partial one; the mutable fields follow
+    # the newest updated_at. Returns the INSERT of a new record, the UPDATE of a known one
+    # (which changes nothing, and counts nothing, when the view adds nothing), and both in
+    # one UPSERT for bulk loads (SQLite 3.24+: no read per record). Rows are bound as dicts
+    # keyed _MERGE_KEYS (named parameters: a value is used several times).
     n = {f: ":" + f for f in _MERGE_KEYS}
     values = ["coalesce(:text, '')" if f == "text" else "coalesce(:private, 0)"
               if f == "private" else n[f] for f in _MERGE_KEYS]
@@ -2032,7 +2032,7 @@ _QMEM_TABLES = {"records", "meta", "files", "open_calls", "outbox"}
 
 
 def store_error(e, path):
-    """A sqlite3 error as the StoreError a user can act on."""
+    # A sqlite3 error as the StoreError a user can act on.
     text = str(e)
     if "locked" in text or "busy" in text:
         return StoreError("local database busy: %s is held by another process for more than %g s"
@@ -2056,9 +2056,9 @@ def store_error(e, path):
 
 
 def _create_private(path):
-    """A new, empty database file, 0600 from its creation (SQLite gives its -wal and
-    -shm files the same mode), in folders made 0700. O_EXCL: never a file that exists
-    (see the rule at the top of this section)."""
+    # A new, empty database file, 0600 from its creation (SQLite gives its -wal and
+    # -shm files the same mode), in folders made 0700. O_EXCL: never a file that exists
+    # (see the rule at the top of this section).
     try:
         make_private_dirs(os.path.dirname(os.path.abspath(path)))
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -2070,11 +2070,11 @@ def _create_private(path):
 
 
 def _check_private(path):
-    """Refuse a database that another user could replace: the file (and its -wal and
-    -shm) must be ours and not writable by others, its folder ours (or root's) and not
-    writable by others. (One we create is also unreadable by others: 0600.) Through a
-    symlink, SQLite keeps -wal and -shm beside the target: they are judged there, and
-    both folders. stat() only: see the rule at the top of this section."""
+    # Refuse a database that another user could replace: the file (and its -wal and
+    # -shm) must be ours and not writable by others, its folder ours (or root's) and not
+    # writable by others. (One we create is also unreadable by others: 0600.) Through a
+    # symlink, SQLite keeps -wal and -shm beside the target: they are judged there, and
+    # both folders. stat() only: see the rule at the top of this section.
     real = os.path.realpath(path)
     folders = {os.path.dirname(os.path.abspath(path)), os.path.dirname(real)}
     for each in sorted(folders) + [real, real + "-wal", real + "-shm"]:
@@ -2110,7 +2110,7 @@ def _bundle_filter(projects, since):
 
 
 class Store:
-    """The local SQLite database: records, FTS index, import progress, outbox."""
+    # The local SQLite database: records, FTS index, import progress, outbox.
 
     def __init__(self, path, create=True):
         self.path = path
@@ -2154,9 +2154,9 @@ class Store:
             raise
 
     def _check_ours(self):
-        """The schema version of a database this qmem.py may use; StoreError for one of
-        a newer qmem.py or of another program (tables, no qmem schema): left untouched.
-        Read in one transaction, so that a qmem.py creating it meanwhile is no stranger."""
+        # The schema version of a database this qmem.py may use; StoreError for one of
+        # a newer qmem.py or of another program (tables, no qmem schema): left untouched.
+        # Read in one transaction, so that a qmem.py creating it meanwhile is no stranger.
         self.conn.execute("BEGIN")
         try:
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
@@ -2177,8 +2177,8 @@ class Store:
         return version
 
     def _mask_stored_secrets(self):
-        """Once per database (and per change of the patterns): mask the credentials in the
-        records stored before qmem.py masked them (see mask_secrets)."""
+        # Once per database (and per change of the patterns): mask the credentials in the
+        # records stored before qmem.py masked them (see mask_secrets).
         try:
             with self.transaction():
                 for rid, text, project, kind, reason in self.conn.execute(
@@ -2197,10 +2197,10 @@ class Store:
             pass
 
     def begin_bulk(self):
-        """Prepare for merging many records: remember which ids exist (so a new one costs
-        no lookup) and, on an empty table, build the FTS index once at the end instead of
-        row by row (measured four times cheaper). The 'fts_pending' mark makes `find`
-        use the LIKE scan until finish_bulk(), even if this process dies first."""
+        # Prepare for merging many records: remember which ids exist (so a new one costs
+        # no lookup) and, on an empty table, build the FTS index once at the end instead of
+        # row by row (measured four times cheaper). The 'fts_pending' mark makes `find`
+        # use the LIKE scan until finish_bulk(), even if this process dies first.
         self.known = {hash(i) for (i,) in self.conn.execute("SELECT id FROM records")}
         if self.fts and not self.known:
             self.defer_index = True
@@ -2208,20 +2208,20 @@ class Store:
                 self.set_meta("fts_pending", "1")
 
     def finish_bulk(self):
-        """Inside a transaction: rebuild the FTS index if a bulk load left it pending."""
+        # Inside a transaction: rebuild the FTS index if a bulk load left it pending.
         self.known, self.defer_index = None, False
         if self.fts and self.meta("fts_pending"):
             self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
             self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
 
     def see_index(self):
-        """Read which FTS index the database has (another process may have made it anew
-        since this Store looked): fts_words, the index holds identifier_words."""
+        # Read which FTS index the database has (another process may have made it anew
+        # since this Store looked): fts_words, the index holds identifier_words.
         self.fts_words = self.meta("fts_words") == "1"
 
     @property
     def fts_table(self):
-        """The FTS index: records_index (schema 4), or records_fts until it is made anew."""
+        # The FTS index: records_index (schema 4), or records_fts until it is made anew.
         return "records_index" if self.fts_words else "records_fts"
 
     def _migrate(self, version):
@@ -2245,7 +2245,7 @@ class Store:
         return _Transaction(self)
 
     def snapshot(self):
-        """A read transaction: every query inside sees the database as it was at the first."""
+        # A read transaction: every query inside sees the database as it was at the first.
         import contextlib
 
         @contextlib.contextmanager
@@ -2269,7 +2269,7 @@ class Store:
         self.conn.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, value))
 
     def get(self, record_id):
-        """One record as a dict, or None."""
+        # One record as a dict, or None.
         cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
                                 % ", ".join(FIELDS), (record_id,))
         row = cur.fetchone()
@@ -2277,17 +2277,17 @@ class Store:
 
     @property
     def bulk_sql(self):
-        """May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
-        step row by row, and on a SQLite that has UPSERT."""
+        # May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
+        # step row by row, and on a SQLite that has UPSERT.
         return (self.known is not None and (self.defer_index or not self.fts)
                 and HAS_UPSERT)
 
     def merge_many(self, rows, masked=False):
-        """Bulk-merge rows (values in _MERGE_KEYS order; masked: dicts that _masked made),
-        in order, inside the caller's transaction; return (new, updated). New rows are
-        counted by the rowids they took (each insert takes max(rid) + 1), not by what this
-        process knew: another import may have inserted the same records since (a rowcount
-        counts those as nothing)."""
+        # Bulk-merge rows (values in _MERGE_KEYS order; masked: dicts that _masked made),
+        # in order, inside the caller's transaction; return (new, updated). New rows are
+        # counted by the rowids they took (each insert takes max(rid) + 1), not by what this
+        # process knew: another import may have inserted the same records since (a rowcount
+        # counts those as nothing).
         self.known.update(hash(row["id"] if masked else row[0]) for row in rows)
         before = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
         bound = rows if masked else (_masked(dict(zip(_MERGE_KEYS, row)), self.fts)
@@ -2297,9 +2297,9 @@ class Store:
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
-        """Merge one view of a record into the index under the merge rule (_merge_sql),
-        its credentials masked (every path into the index comes here, to merge_many or to
-        adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record()."""
+        # Merge one view of a record into the index under the merge rule (_merge_sql),
+        # its credentials masked (every path into the index comes here, to merge_many or to
+        # adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record().
         bound = _masked(dict(rec, view=view, seen_at=seen_at), self.fts)
         old = None
         if self.known is None or hash(rec["id"]) in self.known:
@@ -2321,12 +2321,12 @@ class Store:
         return "updated"
 
     def _indexed(self, key, value):
-        """(rid, text, project_id, kind) of the record whose `key` is value, or None."""
+        # (rid, text, project_id, kind) of the record whose `key` is value, or None.
         return self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE %s=?"
                                  % key, (value,)).fetchone()
 
     def merge_seen(self, records, view):
-        """Merge records the gateway returned (one transaction); the malformed are skipped."""
+        # Merge records the gateway returned (one transaction); the malformed are skipped.
         now = iso_now()
         with self.transaction():
             for data in records:
@@ -2336,23 +2336,23 @@ class Store:
             self.link_supersessions()
 
     def outbox_row(self, local_id):
-        """One outbox row's outcome: state, gateway_id, duplicate_of, last_error, last_status."""
+        # One outbox row's outcome: state, gateway_id, duplicate_of, last_error, last_status.
         cur = self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status, "
                                 "next_attempt_at FROM outbox WHERE id=?", (local_id,))
         row = cur.fetchone()
         return _row_dict(cur, row) if row else None
 
     def from_gateway(self, rec, view, seen_at):
-        """upsert() of a view the gateway gave: it replaces what a bundle said of the record
-        (an unverified bundle's always, a signed one's when this view is complete)."""
+        # upsert() of a view the gateway gave: it replaces what a bundle said of the record
+        # (an unverified bundle's always, a signed one's when this view is complete).
         self.drop_unverified(rec["id"], ORIGIN_SIGNED if view == VIEW_FULL else ORIGIN_UNVERIFIED)
         return self.upsert(rec, view, seen_at)
 
     def drop_unverified(self, record_id, least=ORIGIN_UNVERIFIED):
-        """Inside a transaction: forget what a bundle (of origin `least` or less trusted)
-        said of this id (the record, and a held write of that id); True if there was
-        one. A trusted view of the id takes its place. One indexed query on every view
-        the gateway gives."""
+        # Inside a transaction: forget what a bundle (of origin `least` or less trusted)
+        # said of this id (the record, and a held write of that id); True if there was
+        # one. A trusted view of the id takes its place. One indexed query on every view
+        # the gateway gives.
         row = self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=? AND "
                                 "origin>=? AND pending != 2", (record_id, least)).fetchone()
         if row is None:
@@ -2371,14 +2371,14 @@ class Store:
                               [(origin, i) for i in record_ids])
 
     def outbox_write(self, local_id):
-        """(op, payload, state) of an outbox row, or None."""
+        # (op, payload, state) of an outbox row, or None.
         return self.conn.execute("SELECT op, payload, state FROM outbox WHERE id=?",
                                  (local_id,)).fetchone()
 
     def refuse_loaded(self, local_id, row, reason):
-        """Inside a transaction: a paired host's write refused here (it fails the checks of
-        `store`), kept as a failed row of its own (last_status 0: never retried), so that
-        the bundle back tells that host, by id, and nothing of it is sent."""
+        # Inside a transaction: a paired host's write refused here (it fails the checks of
+        # `store`), kept as a failed row of its own (last_status 0: never retried), so that
+        # the bundle back tells that host, by id, and nothing of it is sent.
         try:
             created = float(row["created_at"])
         except (TypeError, ValueError):
@@ -2391,8 +2391,8 @@ class Store:
                            "refused when loaded here: %s" % reason[:300], time.time()))
 
     def move(self, name, where, **params):
-        """Move the outbox rows that `where` selects (and that are in a state the move
-        starts from) as OUTBOX_MOVES[name] says; the number moved. Inside a transaction."""
+        # Move the outbox rows that `where` selects (and that are in a state the move
+        # starts from) as OUTBOX_MOVES[name] says; the number moved. Inside a transaction.
         froms, to, sets = OUTBOX_MOVES[name]
         bound = dict(dict.fromkeys(("now", "error", "status", "other")), tries=0)
         bound.update(params)
@@ -2400,7 +2400,7 @@ class Store:
                                  % (to, sets, "', '".join(froms), where), bound).rowcount
 
     def release_held(self, local_ids):
-        """Held writes -> pending (queue --release): the user vouches for them now."""
+        # Held writes -> pending (queue --release): the user vouches for them now.
         with self.transaction():
             for local_id in local_ids:
                 self.move("unhold", "id=:row", row=local_id)
@@ -2408,13 +2408,13 @@ class Store:
             self.link_supersessions()  # a released correction hides what it corrects
 
     def drop_held(self, local_id):
-        """Inside a transaction: a held write and its record, gone (a signed row of the same
-        id replaces it)."""
+        # Inside a transaction: a held write and its record, gone (a signed row of the same
+        # id replaces it).
         self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (local_id,))
         self.drop_local(local_id, None)
 
     def forget_write(self, local_id):
-        """Remove a write that is still waiting, and its local record (one transaction)."""
+        # Remove a write that is still waiting, and its local record (one transaction).
         with self.transaction():
             self.conn.execute("DELETE FROM outbox WHERE id=? AND state IN ('pending', 'sending')",
                               (local_id,))
@@ -2426,7 +2426,7 @@ class Store:
         return counts
 
     def outbox_items(self, state, now, ids=None):
-        """Outbox rows as documents, oldest first: all, those in `state`, or those of `ids`."""
+        # Outbox rows as documents, oldest first: all, those in `state`, or those of `ids`.
         where, params = "", ()
         if state:
             where, params = "WHERE state=?", (state,)
@@ -2455,42 +2455,42 @@ class Store:
         return items
 
     def claim_of(self, local_id):
-        """The claim token of an outbox row (None when no flusher holds it)."""
+        # The claim token of an outbox row (None when no flusher holds it).
         row = self.conn.execute("SELECT claim_token FROM outbox WHERE id=?", (local_id,)).fetchone()
         return row[0] if row else None
 
     def corrections_of(self, local_ids):
-        """{correction's local id: the id it corrects} for unsettled corrections of these
-        writes, beyond the writes themselves."""
+        # {correction's local id: the id it corrects} for unsettled corrections of these
+        # writes, beyond the writes themselves.
         marks = ", ".join("?" * len(local_ids))
         return dict(self.conn.execute(
             "SELECT id, target FROM outbox WHERE target IN (%s) AND id NOT IN (%s) AND state IN "
             "('pending', 'sending', 'failed')" % (marks, marks), list(local_ids) * 2).fetchall())
 
     def drop_writes(self, local_ids):
-        """Discard outbox rows and their local records (one transaction); what a dropped
-        correction hid is shown again."""
+        # Discard outbox rows and their local records (one transaction); what a dropped
+        # correction hid is shown again.
         with self.transaction():
             for local_id in local_ids:
                 self.conn.execute("DELETE FROM outbox WHERE id=?", (local_id,))
                 self.drop_local(local_id, None)
 
     def ids_to_enrich(self, every=False):
-        """Ids worth fetching in full: those known only from search hits (or every record
-        here); never a write still local to this machine."""
+        # Ids worth fetching in full: those known only from search hits (or every record
+        # here); never a write still local to this machine.
         sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % ("" if every
                                                                          else " AND view<?")
         return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
 
     def make_due(self, now):
-        """Every waiting write may be sent now (an explicit flush does not wait out a
-        backoff or a Retry-After)."""
+        # Every waiting write may be sent now (an explicit flush does not wait out a
+        # backoff or a Retry-After).
         with self.transaction():
             self.move("due", "next_attempt_at > :now", now=now)
 
     def retry_failed(self):
-        """Make every failed write pending again (flush --retry-failed): its record waits
-        again, and a correction hides its target again."""
+        # Make every failed write pending again (flush --retry-failed): its record waits
+        # again, and a correction hides its target again.
         with self.transaction():
             failed = self.conn.execute("SELECT id, target FROM outbox WHERE state='failed' AND "
                                        "coalesce(last_status, -1) != 0").fetchall()
@@ -2509,8 +2509,8 @@ class Store:
                                  params).fetchone()[0]
 
     def bundle_records(self, projects, since):
-        """The records a bundle carries (not this machine's own writes: their outbox rows
-        carry them), as dicts, streamed."""
+        # The records a bundle carries (not this machine's own writes: their outbox rows
+        # carry them), as dicts, streamed.
         where, params = _bundle_filter(projects, since)
         cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s "
                                 "ORDER BY rid"
@@ -2522,9 +2522,9 @@ class Store:
             yield rec
 
     def bundle_outbox(self, projects, since):
-        """The outbox rows a bundle carries, as dicts: those of the projects asked for,
-        changed (made or settled) since `since`, and the rows they correct, so that a
-        correction never travels without its target."""
+        # The outbox rows a bundle carries, as dicts: those of the projects asked for,
+        # changed (made or settled) since `since`, and the rows they correct, so that a
+        # correction never travels without its target.
         rows = [dict(zip(_OUTBOX_BUNDLE_COLUMNS + ("done_at",), row)) for row in self.conn.execute(
             "SELECT %s, done_at FROM outbox WHERE state != 'held' ORDER BY rid" % ", ".join(
                 _OUTBOX_BUNDLE_COLUMNS))]
@@ -2544,14 +2544,14 @@ class Store:
                 yield r
 
     def refuse_write(self, local_id, reason):
-        """Inside a transaction: a write of this machine that another machine sent and the
-        gateway refused (a bundle says so): failed here too, with the reason."""
+        # Inside a transaction: a write of this machine that another machine sent and the
+        # gateway refused (a bundle says so): failed here too, with the reason.
         self.move("failed", "id=:row", row=local_id, now=time.time(), error=reason)
         self.mark_failed(local_id)
 
     def settle_write(self, local_id, state, other_id):
-        """Inside a transaction: a write of this machine that another machine delivered
-        (a bundle says so): it takes the gateway id (or is the duplicate of one)."""
+        # Inside a transaction: a write of this machine that another machine delivered
+        # (a bundle says so): it takes the gateway id (or is the duplicate of one).
         self.move(state, "id=:row", row=local_id, now=time.time(), other=other_id)
         if state == SYNCED:
             self.adopt(local_id, {"id": other_id})
@@ -2562,10 +2562,10 @@ class Store:
         return self.conn.execute("PRAGMA journal_mode").fetchone()[0]
 
     def integrity(self, budget_s):
-        """Check every page, every index against its table (PRAGMA integrity_check: quick_check
-        skips that), and the text index against the records, for at most budget_s seconds.
-        Returns ('ok' | 'damaged' | 'unfinished', what it found). A text index left empty
-        on purpose (a bulk import still to finish it: fts_pending) is not damage."""
+        # Check every page, every index against its table (PRAGMA integrity_check: quick_check
+        # skips that), and the text index against the records, for at most budget_s seconds.
+        # Returns ('ok' | 'damaged' | 'unfinished', what it found). A text index left empty
+        # on purpose (a bulk import still to finish it: fts_pending) is not damage.
         give_up = time.monotonic() + budget_s
         self.conn.set_progress_handler(lambda: time.monotonic() > give_up, 1000)
         try:
@@ -2592,8 +2592,8 @@ class Store:
             found.append("the text index does not match the records (%s)" % e)
 
     def repair(self):
-        """Rebuild every index from its table (REINDEX) and the text index from the records,
-        inside SQLite, in one transaction. What a table itself lost it cannot bring back."""
+        # Rebuild every index from its table (REINDEX) and the text index from the records,
+        # inside SQLite, in one transaction. What a table itself lost it cannot bring back.
         with self.transaction():
             self.conn.execute("REINDEX")
             if self.fts:
@@ -2601,7 +2601,7 @@ class Store:
                 self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
 
     def unsettled_before(self, when):
-        """(count, oldest creation time) of writes still waiting or refused, made before when."""
+        # (count, oldest creation time) of writes still waiting or refused, made before when.
         return self.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE state IN "
                                  "('pending', 'sending', 'failed') AND created_at < ?",
                                  (when,)).fetchone()
@@ -2610,49 +2610,49 @@ class Store:
         return self.conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
 
     def outbox_bytes(self, held=False):
-        """The bytes of the payloads of writes not yet settled (waiting or refused), or of
-        the held ones."""
+        # The bytes of the payloads of writes not yet settled (waiting or refused), or of
+        # the held ones.
         states = "('held')" if held else "('pending', 'sending', 'failed')"
         return self.conn.execute("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
                                  "FROM outbox WHERE state IN %s" % states).fetchone()[0]
 
     def outbox_waiting(self):
-        """Writes made here that are not in shared memory yet and will be sent."""
+        # Writes made here that are not in shared memory yet and will be sent.
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', "
                                  "'sending')").fetchone()[0]
 
     def outbox_ready(self, now):
-        """Writes a flush would send now (not counting those of a claimant since gone)."""
+        # Writes a flush would send now (not counting those of a claimant since gone).
         return self.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND "
                                  "next_attempt_at<=? OR state='sending' AND lease_until<?",
                                  (now, now)).fetchone()[0]
 
     def claim_tokens(self, now):
-        """The claims on writes being sent, whose leases still run."""
+        # The claims on writes being sent, whose leases still run.
         return [t for (t,) in self.conn.execute(
             "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?",
             (now,))]
 
     def current_id(self, record_id):
-        """The id a record is known by here now: a local id of a write that has since
-        been delivered maps to its gateway id (or, for a duplicate, to the original)."""
+        # The id a record is known by here now: a local id of a write that has since
+        # been delivered maps to its gateway id (or, for a duplicate, to the original).
         row = self.conn.execute("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
                                 (record_id,)).fetchone()
         return row[0] if row and row[0] else record_id
 
     def ids_starting(self, prefix, tables=("records", "outbox"), limit=11):
-        """The ids here (of records, of outbox rows or both) that start with prefix, in
-        order: a range on each table's unique index, never a scan."""
+        # The ids here (of records, of outbox rows or both) that start with prefix, in
+        # order: a range on each table's unique index, never a scan.
         ends = (prefix, prefix + "\U0010ffff")
         sql = " UNION ".join("SELECT id FROM %s WHERE id >= ? AND id < ?" % t for t in tables)
         return [row[0] for row in self.conn.execute(
             sql + " ORDER BY id LIMIT ?", ends * len(tables) + (limit,))]
 
     def adopt(self, local_id, data, referenced=True, sent=None):
-        """A record written here got its gateway id: the local row takes it (and the
-        gateway's view of every field), and local references follow it. Only local
-        corrections refer to a local id: referenced=False (the caller knows there is
-        none) saves two scans of the table."""
+        # A record written here got its gateway id: the local row takes it (and the
+        # gateway's view of every field), and local references follow it. Only local
+        # corrections refer to a local id: referenced=False (the caller knows there is
+        # none) saves two scans of the table.
         rec = _masked(normalize_record(data), False)
         gid, conn = rec["id"], self.conn
         if gid != local_id:
@@ -2679,8 +2679,8 @@ class Store:
             self._remap(local_id, gid)
 
     def drop_local(self, local_id, replacement):
-        """A write that will not reach the shared memory (a duplicate, or not kept):
-        remove its record; references move to `replacement`."""
+        # A write that will not reach the shared memory (a duplicate, or not kept):
+        # remove its record; references move to `replacement`.
         self.delete(local_id)
         self._remap(local_id, replacement)
 
@@ -2695,9 +2695,9 @@ class Store:
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
     def _index(self, rid, values, command="", words=None):
-        """Index a row's (text, project_id, kind) and its identifiers' words (`words`, when
-        they were computed already); command='delete' removes them (FTS5's external-content
-        index needs the values it indexed)."""
+        # Index a row's (text, project_id, kind) and its identifiers' words (`words`, when
+        # they were computed already); command='delete' removes them (FTS5's external-content
+        # index needs the values it indexed).
         if self.fts and not self.defer_index:
             row = (command or None, rid, values[0] or "", values[1], values[2])
             if self.fts_words:
@@ -2707,8 +2707,8 @@ class Store:
                 ", ".join("?" * len(row))), row)
 
     def index_identifiers(self):
-        """An index made before schema 4 made anew with its identifiers' words (once: see
-        _m004_words); True if it was."""
+        # An index made before schema 4 made anew with its identifiers' words (once: see
+        # _m004_words); True if it was.
         self.see_index()
         if not (self.fts and self.meta("words_pending")):
             return False
@@ -2727,9 +2727,9 @@ class Store:
             self._index(rid, new)
 
     def link_supersessions(self):
-        """Mark every record that some other record corrects as superseded by its newest
-        correction, and let a correction that came without project or kind inherit its
-        target's. Derived from supersedes_id: the order records arrive in never matters."""
+        # Mark every record that some other record corrects as superseded by its newest
+        # correction, and let a correction that came without project or kind inherit its
+        # target's. Derived from supersedes_id: the order records arrive in never matters.
         orphans = self.conn.execute("""
           SELECT c.id, c.view, t.project_id, t.kind, t.scope FROM records c
           JOIN records t ON t.id = c.supersedes_id
@@ -2748,26 +2748,26 @@ class Store:
         """).rowcount
 
     def mark_failed(self, local_id):
-        """Inside a transaction: the gateway refused this write. Its record stays, marked
-        refused, and a correction no longer hides what it meant to correct."""
+        # Inside a transaction: the gateway refused this write. Its record stays, marked
+        # refused, and a correction no longer hides what it meant to correct.
         self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
         if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?",
                              (local_id,)).rowcount:
             self.link_supersessions()  # another correction of it may still stand
 
     def refresh(self):
-        """Forget what was cached from the index (its terms) once it has changed, here or in
-        another connection: for a long-lived process, such as the MCP server."""
+        # Forget what was cached from the index (its terms) once it has changed, here or in
+        # another connection: for a long-lived process, such as the MCP server.
         mark = (self.conn.execute("PRAGMA data_version").fetchone()[0], self.conn.total_changes)
         if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
             self.near, self._terms, self._mark = {}, None, mark
             self.see_index()
 
     def folded_words_among(self, candidates):
-        """(No FTS5) those of the candidates that are words of the folded texts: looked up
-        in folded_words, made anew first when a text changed since it was made (a scan,
-        0.3 s for 20,000 texts, paid once, not by every process); in this process's memory
-        when the database cannot be written."""
+        # (No FTS5) those of the candidates that are words of the folded texts: looked up
+        # in folded_words, made anew first when a text changed since it was made (a scan,
+        # 0.3 s for 20,000 texts, paid once, not by every process); in this process's memory
+        # when the database cannot be written.
         changes = self.meta("folded_changes")
         if self._terms is None and self.meta("folded_words_at") != changes:
             self._make_folded_words(changes)
@@ -2776,8 +2776,8 @@ class Store:
         return [t for (t,) in self._among("SELECT term FROM folded_words", candidates)]
 
     def _among(self, select, candidates):
-        """The rows of `select ... WHERE term IN (candidates)`, asked in chunks (an older
-        SQLite binds 999 values at most): one lookup of the table's key each."""
+        # The rows of `select ... WHERE term IN (candidates)`, asked in chunks (an older
+        # SQLite binds 999 values at most): one lookup of the table's key each.
         found = []
         for at in range(0, len(candidates), 900):
             chunk = candidates[at:at + 900]
@@ -2798,17 +2798,17 @@ class Store:
             self._terms = words
 
     def terms_among(self, candidates):
-        """Those of the candidates the full-text index holds, the most widely used first:
-        each looked up in the index's own b-tree (through an fts5vocab table in this
-        connection's temp schema, nothing written to the database), never a scan."""
+        # Those of the candidates the full-text index holds, the most widely used first:
+        # each looked up in the index's own b-tree (through an fts5vocab table in this
+        # connection's temp schema, nothing written to the database), never a scan.
         self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_terms USING "
                           "fts5vocab(main, {0}, row)".format(self.fts_table))
         found = self._among("SELECT term, doc FROM temp.%s_terms" % self.fts_table, candidates)
         return [term for term, _ in sorted(found, key=lambda row: -row[1])]
 
     def unsent_targets(self, local_id, most=100):
-        """The writes still waiting here that this one corrects, directly or through
-        others, oldest first."""
+        # The writes still waiting here that this one corrects, directly or through
+        # others, oldest first.
         chain, current = [], local_id
         for _ in range(most):
             row = self.conn.execute("SELECT t.id FROM outbox o JOIN outbox t ON t.id = o.target "
@@ -2821,14 +2821,14 @@ class Store:
         return chain
 
     def waiting_write(self, op, payload_text):
-        """The local id of a write with exactly this payload still waiting to be sent, or None."""
+        # The local id of a write with exactly this payload still waiting to be sent, or None.
         row = self.conn.execute("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, "
                                 "?) LIMIT 1",
                                 (op, payload_text) + WAITING).fetchone()
         return row[0] if row else None
 
     def failures(self, local_ids):
-        """{local id: why the gateway refused it} for these writes."""
+        # {local id: why the gateway refused it} for these writes.
         marks = ", ".join("?" * len(local_ids))
         return dict(self.conn.execute("SELECT id, last_error FROM outbox WHERE state='failed' AND "
                                       "id IN (%s)"
@@ -2836,8 +2836,8 @@ class Store:
 
 
 class _Transaction:
-    """BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error (if SQLite has not already). A
-    busy or full database, at BEGIN, inside or at COMMIT, leaves as a StoreError."""
+    # BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error (if SQLite has not already). A
+    # busy or full database, at BEGIN, inside or at COMMIT, leaves as a StoreError.
 
     def __init__(self, store):
         self.store, self.conn = store, store.conn
@@ -2922,9 +2922,9 @@ _SECRET_NAME = _SECRET_NAMES + r"[\"']?\s*[:=]"  # on lower-cased text
 
 
 def _secret_kinds_in(text):
-    """(what, compiled pattern) of the kinds whose literals the text holds: plain substring
-    tests, ~2 µs a text, decide which patterns run at all (Python's re takes ~30 µs a text
-    over all of them)."""
+    # (what, compiled pattern) of the kinds whose literals the text holds: plain substring
+    # tests, ~2 µs a text, decide which patterns run at all (Python's re takes ~30 µs a text
+    # over all of them).
     kinds = []
     if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "glpat-" in text
             or "xox" in text or "AIza" in text or "sk-" in text or "SG." in text
@@ -2942,7 +2942,7 @@ def _secret_kinds_in(text):
 
 
 def find_secret(text):
-    """(what kind of credential, its character offset) of the first one in text, or None."""
+    # (what kind of credential, its character offset) of the first one in text, or None.
     for what, pattern in _secret_kinds_in(text) if text else ():
         m = pattern.search(text)
         if m:
@@ -2955,7 +2955,7 @@ _WRITE_TEXTS = (("text", "text"), ("supersede_reason", "reason"), ("scope", "sco
 
 
 def secret_in_write(payload):
-    """(which field, what kind of credential, where) of the first one in a write, or None."""
+    # (which field, what kind of credential, where) of the first one in a write, or None.
     for key, name in _WRITE_TEXTS:
         found = find_secret(payload.get(key)) if isinstance(payload.get(key), str) else None
         if found:
@@ -2964,7 +2964,7 @@ def secret_in_write(payload):
 
 
 def mask_secrets(text):
-    """text with every credential replaced by a mark (an assignment keeps its name)."""
+    # text with every credential replaced by a mark (an assignment keeps its name).
     for what, pattern in _secret_kinds_in(text) if text else ():
         if pattern.groups:  # only the secret part: the name, the URL, the scheme stay
             text = pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + "[masked]"
@@ -2975,9 +2975,9 @@ def mask_secrets(text):
 
 
 def _masked(bound, words):
-    """A record to merge, its text and reason masked (mask_secrets), and with words=True
-    its identifiers' words (records.words); in the import's writer child, this is off the
-    reader's path."""
+    # A record to merge, its text and reason masked (mask_secrets), and with words=True
+    # its identifiers' words (records.words); in the import's writer child, this is off the
+    # reader's path.
     bound["text"] = mask_secrets(bound["text"])
     bound["supersede_reason"] = mask_secrets(bound["supersede_reason"])
     bound["words"] = identifier_words(bound["text"]) if words else None
@@ -2985,8 +2985,8 @@ def _masked(bound, words):
 
 
 def normalize_record(data):
-    """A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
-    when it has no usable id. Unknown fields are ignored; wrong types count as missing."""
+    # A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
+    # when it has no usable id. Unknown fields are ignored; wrong types count as missing.
     if not isinstance(data, dict):
         return None
     rid = data.get("id")
@@ -3015,7 +3015,7 @@ def normalize_record(data):
 # === Import ==================================================================
 
 class ImportStats:
-    """What an import did, for the summary line and --json."""
+    # What an import did, for the summary line and --json.
 
     def __init__(self):
         self.files_scanned = self.files_unchanged = self.files_read = 0
@@ -3034,7 +3034,7 @@ class ImportStats:
 
 
 def _text_of(content):
-    """The text blocks of a toolResult content array, joined."""
+    # The text blocks of a toolResult content array, joined.
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -3044,7 +3044,7 @@ def _text_of(content):
 
 
 def _json_in_text(text):
-    """A JSON object that makes up the whole text, or None."""
+    # A JSON object that makes up the whole text, or None.
     stripped = text.strip()
     if stripped.startswith("{") and stripped.endswith("}"):
         try:
@@ -3058,12 +3058,12 @@ def _json_in_text(text):
 
 
 def records_from_call(name, call_args, result):
-    """The (record, view) pairs one qmem tool call with its result tells us.
-
-    The extension's result shapes vary: read the record and id from `details`
-    (record, id, results) first, then JSON in the text, then an id in the text;
-    take the rest from the call's arguments, which `call_args()` returns (it is
-    called only when they are needed: design.md, Import)."""
+    # The (record, view) pairs one qmem tool call with its result tells us.
+    #
+    # The extension's result shapes vary: read the record and id from `details`
+    # (record, id, results) first, then JSON in the text, then an id in the text;
+    # take the rest from the call's arguments, which `call_args()` returns (it is
+    # called only when they are needed: design.md, Import).
     details = result.get("details")
     details = details if isinstance(details, dict) else {}
     if result.get("isError") and not isinstance(details.get("record"), dict):
@@ -3128,7 +3128,7 @@ BATCH_S = 1.0
 
 
 class Importer:
-    """Incremental, streaming import of pi session files into the Store."""
+    # Incremental, streaming import of pi session files into the Store.
 
     def __init__(self, store, stats=None):
         self.store = store
@@ -3169,8 +3169,8 @@ class Importer:
         return self.stats
 
     def _files_to_read(self, roots):
-        """(path, stat, offset) of each session file that is new or changed, and where
-        to start reading it: a file that only grew is read on from its last complete line."""
+        # (path, stat, offset) of each session file that is new or changed, and where
+        # to start reading it: a file that only grew is read on from its last complete line.
         paths = []
         for root in roots:
             for folder, dirs, names in os.walk(root):
@@ -3205,10 +3205,10 @@ class Importer:
         return todo
 
     def _read_all(self, todo):
-        """Read the files, committing in batches of about a second (a commit per file
-        would cost more than the reading; a file's progress row commits with its
-        records). Past PARALLEL_MIN_ROWS merged rows, a child process takes over the
-        writing."""
+        # Read the files, committing in batches of about a second (a commit per file
+        # would cost more than the reading; a file's progress row commits with its
+        # records). Past PARALLEL_MIN_ROWS merged rows, a child process takes over the
+        # writing.
         conn = self.store.conn
         rows = 0
         for n, (path, st, offset) in enumerate(todo):
@@ -3230,8 +3230,8 @@ class Importer:
             writer.finish(self.stats)
 
     def _import_file(self, path, st, offset):
-        """Read one session file from `offset`; merge what its memory calls tell; keep
-        the calls still waiting for a result. Returns the number of rows merged."""
+        # Read one session file from `offset`; merge what its memory calls tell; keep
+        # the calls still waiting for a result. Returns the number of rows merged.
         conn = self.store.conn
         calls = {}  # toolCall id -> (name, arguments, timestamp) or the raw assistant line
         for call_id, name, args, ts in conn.execute(
@@ -3269,8 +3269,8 @@ class Importer:
         return len(job[0])
 
     def _read_file(self, path, offset, calls):
-        """Scan a file from `offset` for the lines that mention qmem_; returns (tool
-        results to pair, session id, status, offset after the last complete line)."""
+        # Scan a file from `offset` for the lines that mention qmem_; returns (tool
+        # results to pair, session id, status, offset after the last complete line).
         results, session_id, status, pos = [], None, "ok", offset
         with open(path, "rb") as f:
             f.seek(offset)
@@ -3292,11 +3292,11 @@ class Importer:
         return results, session_id, status, pos
 
     def _scan_chunks(self, f, calls, results):
-        """Scan big chunks for "qmem_" and cut out only the lines around each hit: most
-        of a session's bytes are ordinary tool traffic that needs no look. Returns the
-        bytes consumed, up to the end of the last complete line. The piece of a line
-        that runs past a chunk is kept as a list (joined once, when the line ends: linear
-        time), and a line longer than MAX_LINE_BYTES is skipped without being kept."""
+        # Scan big chunks for "qmem_" and cut out only the lines around each hit: most
+        # of a session's bytes are ordinary tool traffic that needs no look. Returns the
+        # bytes consumed, up to the end of the last complete line. The piece of a line
+        # that runs past a chunk is kept as a list (joined once, when the line ends: linear
+        # time), and a line longer than MAX_LINE_BYTES is skipped without being kept.
         pending, pending_len, skipping, read, consumed = [], 0, False, 0, 0
         while True:
             chunk = f.read(_CHUNK)
@@ -3328,7 +3328,7 @@ class Importer:
         return consumed
 
     def _scan_lines(self, buf, start, end, calls, results):
-        """The lines of buf[start:end] (complete lines) that mention qmem_."""
+        # The lines of buf[start:end] (complete lines) that mention qmem_.
         hit = buf.find(b"qmem_", start, end)
         while hit != -1:
             first = buf.rfind(b"\n", start, hit) + 1 or start
@@ -3338,7 +3338,7 @@ class Importer:
             hit = buf.find(b"qmem_", stop, end)
 
     def _pair(self, results, calls):
-        """Merge the records each qmem tool result tells, with its call's arguments."""
+        # Merge the records each qmem tool result tells, with its call's arguments.
         stats = self.stats
         for msg, ts in results:
             name = msg["toolName"]
@@ -3368,7 +3368,7 @@ class Importer:
                 stats.lines_skipped += 1
 
     def _scan_line(self, line, calls, results):
-        """Note a line that mentions qmem_: a tool result to pair, or tool calls."""
+        # Note a line that mentions qmem_: a tool result to pair, or tool calls.
         if b'"toolResult"' in line:
             entry = _parse_line(line)
             msg = entry and entry.get("message")
@@ -3415,8 +3415,8 @@ class Importer:
 
 
 def _apply_file(store, job, stats):
-    """Write what one session file gave, inside the caller's transaction: its records
-    (for merge_many), the calls still waiting for a result, its progress row."""
+    # Write what one session file gave, inside the caller's transaction: its records
+    # (for merge_many), the calls still waiting for a result, its progress row.
     rows, path, waiting, progress = job
     if rows:
         new, updated = store.merge_many(rows)
@@ -3439,16 +3439,16 @@ _WRITER_COMMAND = "_import-writer"  # the child's hidden command line: qmem.py _
 
 
 def frame(value):
-    """A value as a parent and its qmem.py child pass it: length-prefixed marshal data
-    (tuples, lists and dicts of str/int/None; nothing is executed)."""
+    # A value as a parent and its qmem.py child pass it: length-prefixed marshal data
+    # (tuples, lists and dicts of str/int/None; nothing is executed).
     import marshal
     data = marshal.dumps(value)
     return len(data).to_bytes(4, "little") + data
 
 
 def frames(stream):
-    """The values of frame()s read from a stream, to its end; one cut short raises
-    EOFError or ValueError."""
+    # The values of frame()s read from a stream, to its end; one cut short raises
+    # EOFError or ValueError.
     import marshal
     while True:
         head = stream.read(4)
@@ -3458,12 +3458,12 @@ def frames(stream):
 
 
 class _WriterProcess:
-    """The parent's end of the import writer: jobs go down the child's stdin as frame()s."""
+    # The parent's end of the import writer: jobs go down the child's stdin as frame()s.
 
     @classmethod
     def start(cls, db_path):
-        """A running writer, or None where a child cannot be started (then the import
-        simply writes in-process)."""
+        # A running writer, or None where a child cannot be started (then the import
+        # simply writes in-process).
         import subprocess
         proc = start_child([_WRITER_COMMAND, db_path], stdin=subprocess.PIPE)
         if proc is None:
@@ -3480,7 +3480,7 @@ class _WriterProcess:
             raise StoreError("the import writer process ended early")
 
     def finish(self, stats):
-        """Wait for the child to commit and end; add its counts to stats."""
+        # Wait for the child to commit and end; add its counts to stats.
         try:
             out, err = self.proc.communicate()  # closes its stdin: the end of the jobs
         except OSError:  # its stdin was gone already
@@ -3493,16 +3493,16 @@ class _WriterProcess:
             stats.records_updated += counts["updated"]
 
     def abandon(self):
-        """After an error or an interrupt here: end the child; it rolls back only the
-        batch it had not committed yet."""
+        # After an error or an interrupt here: end the child; it rolls back only the
+        # batch it had not committed yet.
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
 
 
 def start_child(command, stdin=None):
-    """qmem.py running `command` (a hidden one) in a child process, its stdout and stderr
-    piped; None where none can be started."""
+    # qmem.py running `command` (a hidden one) in a child process, its stdout and stderr
+    # piped; None where none can be started.
     import subprocess
     script = os.path.abspath(__file__)
     if not os.path.isfile(script):
@@ -3517,7 +3517,7 @@ def start_child(command, stdin=None):
 
 
 def child_ended(proc, err, what):
-    """A StoreError with the last line a child said, if it failed."""
+    # A StoreError with the last line a child said, if it failed.
     if proc.returncode != 0:
         lines = err.decode("utf-8", "replace").strip().splitlines()
         raise StoreError("the %s process failed: %s" % (what, (
@@ -3527,7 +3527,7 @@ def child_ended(proc, err, what):
 
 
 def _cores():
-    """The CPUs this process may run on."""
+    # The CPUs this process may run on.
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -3535,8 +3535,8 @@ def _cores():
 
 
 def _child_environment():
-    """What a child process needs of the environment, and no secret (QMEM_API_KEY, a
-    proxy's password, tokens): the writer needs no gateway at all."""
+    # What a child process needs of the environment, and no secret (QMEM_API_KEY, a
+    # proxy's password, tokens): the writer needs no gateway at all.
     keep = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT",
             "PYTHONPATH",
             "PYTHONIOENCODING", "PYTHONUTF8")
@@ -3544,8 +3544,8 @@ def _child_environment():
 
 
 def _writer_main(db_path):
-    """The child's side of _WriterProcess: apply jobs from stdin, commit every BATCH_S
-    seconds (each file's progress row with its records), print the counts."""
+    # The child's side of _WriterProcess: apply jobs from stdin, commit every BATCH_S
+    # seconds (each file's progress row with its records), print the counts.
     store = Store(db_path, create=False)
     conn = store.conn
     conn.execute("PRAGMA synchronous=NORMAL")
@@ -3571,7 +3571,7 @@ def _writer_main(db_path):
 
 
 def _add_calls(calls, entry):
-    """Register the qmem toolCalls of a parsed assistant entry."""
+    # Register the qmem toolCalls of a parsed assistant entry.
     msg = entry and entry.get("message")
     for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
         if (isinstance(block, dict) and block.get("type") == "toolCall"
@@ -3581,15 +3581,15 @@ def _add_calls(calls, entry):
 
 
 def _call_of(block, entry):
-    """(name, arguments, timestamp) of a toolCall block, as text the index can keep."""
+    # (name, arguments, timestamp) of a toolCall block, as text the index can keep.
     ts = entry.get("timestamp")
     return (text_of(str(block["name"])), block.get("arguments"),
             text_of(ts) if isinstance(ts, str) else None)
 
 
 def _take_call(calls, call_id):
-    """Remove and return (name, arguments, timestamp) of a qmem toolCall, parsing its
-    assistant line on first use; None when no such call is known."""
+    # Remove and return (name, arguments, timestamp) of a qmem toolCall, parsing its
+    # assistant line on first use; None when no such call is known.
     found = calls.pop(call_id, None)
     if not isinstance(found, bytes):
         return found
@@ -3609,7 +3609,7 @@ _ESCAPED_SURROGATE = LazyPattern(rb"\\u[dD][89a-fA-F]")
 
 
 def _parse_line(line):
-    """One session line (bytes) -> its JSON object, or None."""
+    # One session line (bytes) -> its JSON object, or None.
     if not _scan_json:
         import json.scanner
         _scan_json.append(json.scanner.make_scanner(json.JSONDecoder()))
@@ -3636,8 +3636,8 @@ _TOKEN_RE = LazyPattern(r"\w+(?:[^\w\s]+\w+)*")
 
 
 def query_tokens(query):
-    """The tokens of a user query: its words, and its punctuated tokens whole (each one
-    matched as a phrase: its parts adjacent, in order)."""
+    # The tokens of a user query: its words, and its punctuated tokens whole (each one
+    # matched as a phrase: its parts adjacent, in order).
     return _tokens(query[:MAX_QUERY_CHARS].replace("\0", " "))[:MAX_QUERY_TOKENS]
 
 
@@ -3646,8 +3646,8 @@ def _tokens(text):
 
 
 def query_was_cut(query):
-    """Did query_tokens() leave anything out (past MAX_QUERY_CHARS, also in mid-word, or
-    MAX_QUERY_TOKENS)?"""
+    # Did query_tokens() leave anything out (past MAX_QUERY_CHARS, also in mid-word, or
+    # MAX_QUERY_TOKENS)?
     return len(query) > MAX_QUERY_CHARS or len(_tokens(query)) > len(query_tokens(query))
 
 
@@ -3663,8 +3663,8 @@ HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded",
 
 
 def hidden_matches(store, query, filters, limit=1000):
-    """{reason: n} of the records that match but find hides by default (each counted
-    once, by its first reason in HIDDEN_FLAGS order), for a search that found nothing."""
+    # {reason: n} of the records that match but find hides by default (each counted
+    # once, by its first reason in HIDDEN_FLAGS order), for a search that found nothing.
     everything = filters._replace(include_superseded=True, deleted=None, private=True,
                                   include_expired=True)
     found = find_local(store, query, everything, limit)["results"]
@@ -3707,13 +3707,13 @@ _IT_SUFFIXES = ("amente", "imente", "mente", "azioni", "azione", "zioni", "zione
 
 
 def word_forms(word):
-    """Other forms of an (accent-folded, lower-case) English or Italian word, each as
-    (term, prefix?): the word less the first suffix of each list that leaves MIN_STEM
-    letters, a doubled final consonant of an English stem undone too. A stem of
-    MIN_STEM_PREFIX letters is a prefix (deployed: deploy*, supportata: support*); a
-    shorter one stands for itself with each ending of its list, and nothing else (caching:
-    cache, caches, cached; running: run, runs; migrations: migration, not migrazione; file:
-    files, not filter) — measured on the relevance set, where migr* and fil* over-reached."""
+    # Other forms of an (accent-folded, lower-case) English or Italian word, each as
+    # (term, prefix?): the word less the first suffix of each list that leaves MIN_STEM
+    # letters, a doubled final consonant of an English stem undone too. A stem of
+    # MIN_STEM_PREFIX letters is a prefix (deployed: deploy*, supportata: support*); a
+    # shorter one stands for itself with each ending of its list, and nothing else (caching:
+    # cache, caches, cached; running: run, runs; migrations: migration, not migrazione; file:
+    # files, not filter) — measured on the relevance set, where migr* and fil* over-reached.
     found = set()
     for suffixes, english in ((_EN_SUFFIXES, True), (_IT_SUFFIXES, False)):
         for suffix in suffixes:
@@ -3736,8 +3736,8 @@ def word_forms(word):
 
 
 def one_edit_away(word):
-    """Every string one edit from word: a letter left out, two neighbours swapped, a
-    letter changed or put in (a Latin one, or one of the word's own)."""
+    # Every string one edit from word: a letter left out, two neighbours swapped, a
+    # letter changed or put in (a Latin one, or one of the word's own).
     letters = set("abcdefghijklmnopqrstuvwxyz" + word)
     found = set()
     for n in range(len(word) + 1):
@@ -3752,13 +3752,13 @@ def one_edit_away(word):
 
 
 def search_levels(tokens, near=None):
-    """The levels find asks, in order (a generator: a level is made when it is asked
-    for), each as (match, alternatives per word, every word or any): 'all' (every word
-    exact, the last a prefix), 'stemmed' (every word in some form), 'fuzzy' (in some form
-    or a near spelling: near(word) gives the index's terms one edit away; None where
-    there is no vocabulary), 'any' (any word in some form, a punctuated token also by its
-    parts anywhere). A punctuated token is a phrase of its parts: no forms, near spellings
-    of its parts. Stop words are left out of the plain words when others remain."""
+    # The levels find asks, in order (a generator: a level is made when it is asked
+    # for), each as (match, alternatives per word, every word or any): 'all' (every word
+    # exact, the last a prefix), 'stemmed' (every word in some form), 'fuzzy' (in some form
+    # or a near spelling: near(word) gives the index's terms one edit away; None where
+    # there is no vocabulary), 'any' (any word in some form, a punctuated token also by its
+    # parts anywhere). A punctuated token is a phrase of its parts: no forms, near spellings
+    # of its parts. Stop words are left out of the plain words when others remain.
     folded = [_fold(t) for t in tokens]
     words = [w for w in folded if w not in STOP_WORDS] or folded
     last = len(words) - 1
@@ -3796,9 +3796,9 @@ _HEX_WORD = LazyPattern("[a-f]{8,}")  # deadbeef: part of a hash, not a word
 
 
 def _near_variants(word, n, near):
-    """Near spellings of the n-th query word (of a punctuated one: the token with one of
-    its parts near-spelt: get_event_loop_polcy), for the first MAX_NEAR_WORDS words
-    only; never of digits, hex, versions or ids (one edit away is another thing there)."""
+    # Near spellings of the n-th query word (of a punctuated one: the token with one of
+    # its parts near-spelt: get_event_loop_polcy), for the first MAX_NEAR_WORDS words
+    # only; never of digits, hex, versions or ids (one edit away is another thing there).
     if near is None or n >= MAX_NEAR_WORDS:
         return []
     found = []
@@ -3811,11 +3811,11 @@ def _near_variants(word, n, near):
 
 
 def fts_expression(level, every, columns="text"):
-    """A MATCH expression that can only ever mean 'these words in the text': every term
-    is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
-    our own filter on the text column (and its identifiers' words), a prefix where
-    asked; a word's forms joined by OR, the words by AND (every word) or OR (any word).
-    Project and kind are filters (--project, --kind), not words."""
+    # A MATCH expression that can only ever mean 'these words in the text': every term
+    # is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
+    # our own filter on the text column (and its identifiers' words), a prefix where
+    # asked; a word's forms joined by OR, the words by AND (every word) or OR (any word).
+    # Project and kind are filters (--project, --kind), not words.
     def term(text, prefix):
         return '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
     words = ["(%s)" % " OR ".join(term(t, p) for t, p in alternatives) for alternatives in level]
@@ -3823,10 +3823,10 @@ def fts_expression(level, every, columns="text"):
 
 
 def near_spellings(store, word):
-    """The index's terms one edit away from word (a typo's likely intent), for a word
-    that the index holds in no form at all (one it holds is no typo): each string one
-    edit away looked up in the index, never a pass over its terms. Kept for the next
-    query of this Store (until the index changes)."""
+    # The index's terms one edit away from word (a typo's likely intent), for a word
+    # that the index holds in no form at all (one it holds is no typo): each string one
+    # edit away looked up in the index, never a pass over its terms. Kept for the next
+    # query of this Store (until the index changes).
     if word not in store.near:
         forms = [(word, True)] + word_forms(word)
         known = store.conn.execute(
@@ -3841,14 +3841,14 @@ MAX_NEAR_SPELLINGS = 8
 
 
 def _like_any(column, terms):
-    """(SQL, parameters): column holds any of the terms, anywhere (LIKE, escaped)."""
+    # (SQL, parameters): column holds any of the terms, anywhere (LIKE, escaped).
     return ("(%s)" % " OR ".join(["%s LIKE ? ESCAPE '\\'" % column] * len(terms)),
             ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for term in terms])
 
 
 def _substrings_apart(terms):
-    """The terms that contain none of the others: a LIKE pattern finds a term anywhere,
-    so cache finds caches and caching (a short stem's endings are one scan, not 18)."""
+    # The terms that contain none of the others: a LIKE pattern finds a term anywhere,
+    # so cache finds caches and caching (a short stem's endings are one scan, not 18).
     kept = []
     for term in sorted(set(terms), key=len):
         if not any(k in term for k in kept):
@@ -3857,8 +3857,8 @@ def _substrings_apart(terms):
 
 
 def like_near_spellings(store, word):
-    """near_spellings() for a database without FTS5: the strings one edit away that are
-    words of its folded texts (folded_words), for a word no text holds in any form."""
+    # near_spellings() for a database without FTS5: the strings one edit away that are
+    # words of its folded texts (folded_words), for a word no text holds in any form.
     if word not in store.near:
         sql, patterns = _like_any("folded", _substrings_apart(
             [word] + [t for t, _ in word_forms(word)]))
@@ -3874,12 +3874,12 @@ _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.c
 
 
 def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
-    """Lexical search of the local index, level by level (search_levels), until `limit`
-    records are found (an exact query that fills it stops at once); then each record
-    ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
-    newest first). Every result carries its own level ('match');
-    the document's is the best one present. Returns {'match': 'all'|'stemmed'|'fuzzy'|
-    'any'|'none', 'results': [...]}."""
+    # Lexical search of the local index, level by level (search_levels), until `limit`
+    # records are found (an exact query that fills it stops at once); then each record
+    # ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
+    # newest first). Every result carries its own level ('match');
+    # the document's is the best one present. Returns {'match': 'all'|'stemmed'|'fuzzy'|
+    # 'any'|'none', 'results': [...]}.
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
@@ -3917,10 +3917,10 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
 
 
 def _held_only(store, level, every):
-    """A looser level without the words as written that the index does not hold (a stem's
-    endings: cittá gives 34), each of which would cost a lookup and match nothing; []
-    when a word every record must match has none left. What the index holds is asked
-    once per term, and kept with the near spellings (until the index changes)."""
+    # A looser level without the words as written that the index does not hold (a stem's
+    # endings: cittá gives 34), each of which would cost a lookup and match nothing; []
+    # when a word every record must match has none left. What the index holds is asked
+    # once per term, and kept with the near spellings (until the index changes).
     asked = [t for alternatives in level for t, prefix in alternatives
              if not prefix and not _is_phrase(t) and ("held", t) not in store.near]
     if asked:
@@ -3942,10 +3942,10 @@ LEVELS = ("all", "stemmed", "fuzzy", "any")  # best first
 
 
 def _ranked(found, levels):
-    """found ((row, level it was found at), in the order found) ranked: by how many
-    query words match it, then by how well (each word's best class, plus less than the
-    gap to the next class for how much of the word the matched token shares from its
-    start: lines before linear for line), then as found (BM25)."""
+    # found ((row, level it was found at), in the order found) ranked: by how many
+    # query words match it, then by how well (each word's best class, plus less than the
+    # gap to the next class for how much of the word the matched token shares from its
+    # start: lines before linear for line), then as found (BM25).
     words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
     classes = _term_classes(levels)
     scored = []
@@ -3962,7 +3962,7 @@ def _ranked(found, levels):
 
 
 def _term_classes(levels):
-    """For each query word, its terms from best class to worst: [(class, term, prefix)]."""
+    # For each query word, its terms from best class to worst: [(class, term, prefix)].
     classes = [[] for _ in levels[0][1]]
     for match, level in levels:
         for terms, alternatives in zip(classes, level):
@@ -3973,8 +3973,8 @@ def _term_classes(levels):
 
 
 def _best_match(joined, word, terms):
-    """(class, share) of a query word's best term in a record's parts (' a b c '): share
-    is how much of the word the matched token shares from its start (0 to 1)."""
+    # (class, share) of a query word's best term in a record's parts (' a b c '): share
+    # is how much of the word the matched token shares from its start (0 to 1).
     word = " ".join(_PARTS.findall(word))
     for klass, term, prefix in terms:
         parts = " ".join(_PARTS.findall(term))
@@ -3986,7 +3986,7 @@ def _best_match(joined, word, terms):
 
 
 def _visibility(f):
-    """The WHERE terms (and their parameters) of Filters f."""
+    # The WHERE terms (and their parameters) of Filters f.
     where, params = [], []
     if not f.include_superseded:
         where.append("r.superseded_by IS NULL")
@@ -4011,7 +4011,7 @@ def _columns(store):
 
 
 def _fts_query(store, level, every, where, params, limit, highlight, snippets=True):
-    """The rows (each with its snippet, or None when not asked for, and its rid)."""
+    # The rows (each with its snippet, or None when not asked for, and its rid).
     sql = ("SELECT %s, %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid "
            "WHERE {0} MATCH ? AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
            % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where))
@@ -4024,8 +4024,8 @@ _SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Store.fts_table)
 
 
 def _snippets(store, rows, level, highlight):
-    """The rows, a snippet given to those without one (found by a query that asked for
-    none: a looser level fetches more rows than are shown), matched against `level`."""
+    # The rows, a snippet given to those without one (found by a query that asked for
+    # none: a looser level fetches more rows than are shown), matched against `level`.
     rids = [row[-1] for row in rows if row[-2] is None]
     if rids:
         found = dict(store.conn.execute(
@@ -4038,9 +4038,9 @@ def _snippets(store, rows, level, highlight):
 
 
 def _like_query(store, level, every, where, params, limit, highlight, snippets=None):
-    """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
-    in the text, so every term acts as a prefix) on the folded text kept at write time
-    (while a bulk import builds an FTS index, folded here), newest first."""
+    # The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
+    # in the text, so every term acts as a prefix) on the folded text kept at write time
+    # (while a bulk import builds an FTS index, folded here), newest first.
     column = "r.folded" if store.folded else "qmem_fold(r.text)"
     words = [_like_any(column, _substrings_apart(t for t, _ in alternatives))
              for alternatives in level]
@@ -4051,8 +4051,8 @@ def _like_query(store, level, every, where, params, limit, highlight, snippets=N
 
 
 def _results(store, cur, rows, tokens):
-    """Rows of a find query as result documents, ranked, with a snippet, and the reason
-    for each write of this machine that the gateway refused."""
+    # Rows of a find query as result documents, ranked, with a snippet, and the reason
+    # for each write of this machine that the gateway refused.
     names = [d[0] for d in cur.description[:-2]]  # (then the snippet, and the rid)
     results = []
     for n, row in enumerate(rows, 1):
@@ -4072,7 +4072,7 @@ def _results(store, cur, rows, tokens):
 
 
 def _plain_snippet(text, tokens, width=160):
-    """A snippet around the first matched word (the LIKE path has no FTS snippet())."""
+    # A snippet around the first matched word (the LIKE path has no FTS snippet()).
     folded = _fold(text)
     starts = [folded.find(_fold(t)) for t in tokens]
     starts = [s for s in starts if s >= 0]
@@ -4082,7 +4082,7 @@ def _plain_snippet(text, tokens, width=160):
 
 
 def local_status(store):
-    """Everything the local side knows, as one dict (see `status --json`)."""
+    # Everything the local side knows, as one dict (see `status --json`).
     q = store.conn.execute
 
     def counts(sql):
@@ -4129,7 +4129,7 @@ def local_status(store):
 
 
 def empty_status(db_path):
-    """local_status() of a machine with no index yet: every count 0."""
+    # local_status() of a machine with no index yet: every count 0.
     records = {"total": 0, "superseded": 0, "deleted": 0, "private": 0, "partial_only": 0,
                "pending": 0, "failed": 0,
                "by_kind": {}, "by_project": {}}
@@ -4144,12 +4144,12 @@ def empty_status(db_path):
 
 
 def empty_meta():
-    """local_meta() of a machine with no index yet."""
+    # local_meta() of a machine with no index yet.
     return {"scopes": {}, "projects": {}, "agents": {}, "superseded": 0, "deleted": 0}
 
 
 def local_meta(store):
-    """The discovery overview of GET /v1/meta, computed from the local index."""
+    # The discovery overview of GET /v1/meta, computed from the local index.
     q = store.conn.execute
     live = "deleted_at IS NULL"
     scopes = {}
@@ -4183,9 +4183,9 @@ MAX_STORED_WAIT_S = 3600.0  # a longer Retry-After is said, but a write waits at
 
 def _write_payload(text, project, kind, scope, agent, source, expires, private, supersedes, reason,
                    now=None):
-    """The request body of a write, every value checked first: a bad one is a usage
-    error and nothing is queued. An expiry is judged against `now` (a bundle's write:
-    when it was made)."""
+    # The request body of a write, every value checked first: a bad one is a usage
+    # error and nothing is queued. An expiry is judged against `now` (a bundle's write:
+    # when it was made).
     text = (text or "").strip()
     if not text:
         raise UsageError("the memory's text is empty")
@@ -4229,8 +4229,8 @@ def _write_payload(text, project, kind, scope, agent, source, expires, private, 
 
 
 def new_local_id():
-    """A random (version 4) UUID: the record's id until the gateway gives it one, and
-    its Idempotency-Key forever."""
+    # A random (version 4) UUID: the record's id until the gateway gives it one, and
+    # its Idempotency-Key forever.
     b = bytearray(os.urandom(16))
     b[6], b[8] = b[6] & 0x0F | 0x40, b[8] & 0x3F | 0x80
     h = b.hex()
@@ -4238,17 +4238,17 @@ def new_local_id():
 
 
 def enqueue(store, op, payload):
-    """Put one write in the outbox and its record in the index, in one transaction:
-    from here on it is on disk, searchable (marked pending), and will be delivered."""
+    # Put one write in the outbox and its record in the index, in one transaction:
+    # from here on it is on disk, searchable (marked pending), and will be delivered.
     return enqueue_once(store, op, payload)[0]
 
 
 def enqueue_once(store, op, payload, claim=None, max_mb=None):
-    """enqueue(), unless the very same write still waits here (a call retried, a model
-    asking twice): then it is that write. claim(local_id) -> token, when given, claims
-    a new write in the same transaction. OutboxFull when the writes not yet settled
-    would pass max_mb. Returns (local id, whether it was waiting, the claim's token or
-    None)."""
+    # enqueue(), unless the very same write still waits here (a call retried, a model
+    # asking twice): then it is that write. claim(local_id) -> token, when given, claims
+    # a new write in the same transaction. OutboxFull when the writes not yet settled
+    # would pass max_mb. Returns (local id, whether it was waiting, the claim's token or
+    # None).
     payload_text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     with store.transaction():
         waiting = store.waiting_write(op, payload_text)
@@ -4262,10 +4262,10 @@ def enqueue_once(store, op, payload, claim=None, max_mb=None):
 
 
 def check_outbox_room(store, size, max_mb, held=False):
-    """Inside a transaction: OutboxFull unless `size` more bytes fit in max_mb (the
-    payloads of the writes not yet settled: waiting or refused; settled ones do not
-    count). Held writes have a bound of their own: a bundle nobody vouched for must not
-    fill the room of the user's own writes."""
+    # Inside a transaction: OutboxFull unless `size` more bytes fit in max_mb (the
+    # payloads of the writes not yet settled: waiting or refused; settled ones do not
+    # count). Held writes have a bound of their own: a bundle nobody vouched for must not
+    # fill the room of the user's own writes.
     if max_mb is not None and store.outbox_bytes(held) + size > max_mb << 20:
         raise OutboxFull("the outbox is full: the writes waiting here take more than outboxMaxMB "
                          "(%d MB)" % max_mb,
@@ -4276,8 +4276,8 @@ def check_outbox_room(store, size, max_mb, held=False):
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
-    """Inside a transaction: an outbox row and the local record of its write (marked
-    waiting, or refused for a failed row); a correction hides its target at once."""
+    # Inside a transaction: an outbox row and the local record of its write (marked
+    # waiting, or refused for a failed row); a correction hides its target at once.
     payload = without_surrogates(json.loads(payload_text))  # a bundle's payload may spell one
     target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
     store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, "
@@ -4299,8 +4299,8 @@ RELEASE, RETRY = "release", "retry"  # give the row back untouched / try again a
 
 
 class Outcome:
-    """What became of one claimed outbox row: Flusher._send decides, _finish records;
-    `tries`: the requests its call sent."""
+    # What became of one claimed outbox row: Flusher._send decides, _finish records;
+    # `tries`: the requests its call sent.
     tries = 0
 
     def __init__(self, action, row, error=None, status=None, delay=None, record=None, sent=None,
@@ -4311,8 +4311,8 @@ class Outcome:
 
 
 class FlushStats:
-    """What a flush did, counted from the outcomes it could record (a flusher whose
-    lease was taken over records nothing, and counts nothing)."""
+    # What a flush did, counted from the outcomes it could record (a flusher whose
+    # lease was taken over records nothing, and counts nothing).
 
     def __init__(self):
         self.synced, self.duplicate, self.failed, self.retry_later, self.held = [], [], [], [], []
@@ -4358,7 +4358,7 @@ def clear_flush_error(store):
 
 
 def flush_error(path, store=None):
-    """{'error', 'at'} of the last flush that failed here, or None."""
+    # {'error', 'at'} of the last flush that failed here, or None.
     value = None
     if store is not None:
         try:
@@ -4373,9 +4373,9 @@ def flush_error(path, store=None):
 
 
 class Flusher:
-    """Delivers the outbox under the invariants of design.md: creation order, a lease
-    and a fencing token per claimed row, the same Idempotency-Key on every attempt,
-    one connection for the whole flush."""
+    # Delivers the outbox under the invariants of design.md: creation order, a lease
+    # and a fencing token per claimed row, the same Idempotency-Key on every attempt,
+    # one connection for the whole flush.
 
     def __init__(self, store, gateway, clock=time.time, lease_s=None, batch=CLAIM_BATCH):
         self.store, self.gateway, self.clock = store, gateway, clock
@@ -4386,23 +4386,23 @@ class Flusher:
         self.refused = set()  # local ids the gateway refused in this run
 
     def _reclaim_dead(self, now):
-        """Rows whose claimant is proven dead are free at once: a killed flusher must not
-        hold them for the rest of its lease. Nothing else ends a lease early."""
+        # Rows whose claimant is proven dead are free at once: a killed flusher must not
+        # hold them for the rest of its lease. Nothing else ends a lease early.
         for token in self.store.claim_tokens(now):
             if claimant_is_gone(token):
                 self.store.move("unlease", "claim_token=:token", token=token)
 
     def claim_new(self, local_id):
-        """Inside the transaction that queues a write: claim it for its writer at once, so
-        that no other flusher takes it before its writer sends it. Returns the token."""
+        # Inside the transaction that queues a write: claim it for its writer at once, so
+        # that no other flusher takes it before its writer sends it. Returns the token.
         token = claim_token()
         self.store.move("claim", "id=:row AND state='pending'", row=local_id, token=token,
                         now=self.clock(), lease=self.lease_s)
         return token
 
     def claim(self, only=None):
-        """Take up to `batch` ready rows (committed before any HTTP): pending ones whose
-        time has come, and sending ones whose lease has run out."""
+        # Take up to `batch` ready rows (committed before any HTTP): pending ones whose
+        # time has come, and sending ones whose lease has run out.
         now, token = self.clock(), claim_token()
         ready = ("(state='pending' AND next_attempt_at<=:now OR state='sending' AND "
                  "lease_until<:now)" + (" AND id=:only" if only is not None else ""))
@@ -4415,16 +4415,16 @@ class Flusher:
         return token, rows
 
     def _claimed(self, token):
-        """The rows a claim still holds."""
+        # The rows a claim still holds.
         return self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE "
                                        "claim_token=? AND state='sending' ORDER BY rid",
                                        (token,)).fetchall()
 
     def run(self, only=None, budget_s=None, progress=None, claimed=None):
-        """Flush ready rows (or just the row `only`, or the rows claimed with token `claimed`)
-        until none is left, the gateway goes away, or budget_s seconds have passed.
-        Returns FlushStats. Interrupted, it records what was answered and gives the
-        rest back."""
+        # Flush ready rows (or just the row `only`, or the rows claimed with token `claimed`)
+        # until none is left, the gateway goes away, or budget_s seconds have passed.
+        # Returns FlushStats. Interrupted, it records what was answered and gives the
+        # rest back.
         stats = FlushStats()
         give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
@@ -4460,8 +4460,8 @@ class Flusher:
                 return
 
     def _resolve_target(self, target):
-        """A correction's supersedes_id, as the gateway knows it: ('ok', id) or
-        ('hold', why) or ('fail', why)."""
+        # A correction's supersedes_id, as the gateway knows it: ('ok', id) or
+        # ('hold', why) or ('fail', why).
         if not target:
             return "ok", None
         if target in self.delivered:  # sent in this run, not committed yet
@@ -4483,7 +4483,7 @@ class Flusher:
         return "hold", "waits for the record it corrects (%s) to be delivered" % target
 
     def _send(self, row, stats):
-        """Send one claimed row; its Outcome (stats only learn why a flush stopped)."""
+        # Send one claimed row; its Outcome (stats only learn why a flush stopped).
         rid, local_id, op, payload, target = row
         verdict, value = self._resolve_target(target)
         if verdict == "hold":
@@ -4507,8 +4507,8 @@ class Flusher:
         return outcome
 
     def _failed_call(self, row, e, stats):
-        """The Outcome of a send the gateway gave no answer to: an ambiguous one is tried
-        again after a backoff that grows with the requests sent; any other stops the flush."""
+        # The Outcome of a send the gateway gave no answer to: an ambiguous one is tried
+        # again after a backoff that grows with the requests sent; any other stops the flush.
         if e.kind != AMBIGUOUS:
             stats.stopped, stats.stop_error = str(e), e
             return Outcome(RELEASE, row, error=str(e))
@@ -4523,8 +4523,8 @@ class Flusher:
                        delay=min(delay, MAX_STORED_WAIT_S))
 
     def _judge(self, row, resp):
-        """The Outcome an answer means; an answer of the wrong shape fails the row with
-        the reason (the same Idempotency-Key makes a later retry safe)."""
+        # The Outcome an answer means; an answer of the wrong shape fails the row with
+        # the reason (the same Idempotency-Key makes a later retry safe).
         local_id = row[1]
         data = resp.data if isinstance(resp.data, dict) else {}
         if resp.status in (200, 201):
@@ -4558,9 +4558,9 @@ class Flusher:
                                        (rid,)).fetchone()[0]
 
     def _finish(self, token, done, stats):
-        """Record the outcomes of one claimed batch, fenced by its token (a flusher whose
-        lease was taken over changes nothing, and counts nothing), each row in its own
-        savepoint: one that cannot be recorded fails alone, with the reason."""
+        # Record the outcomes of one claimed batch, fenced by its token (a flusher whose
+        # lease was taken over changes nothing, and counts nothing), each row in its own
+        # savepoint: one that cannot be recorded fails alone, with the reason.
         conn = self.store.conn
         with self.store.transaction():
             targets = {t for (t,) in conn.execute("SELECT DISTINCT target FROM outbox WHERE "
@@ -4579,7 +4579,7 @@ class Flusher:
                     stats.count(o)
 
     def _record(self, o, token, targets):
-        """One outcome, fenced; returns whether it took (the row was still ours)."""
+        # One outcome, fenced; returns whether it took (the row was still ours).
         now, rid, local_id = self.clock(), o.row[0], o.row[1]
         fence = dict(where="rid=:rid AND claim_token=:token AND state='sending'", rid=rid,
                      token=token, now=now, status=o.status, error=o.error, tries=o.tries)
@@ -4603,8 +4603,8 @@ class Flusher:
 
 
 def _shown(value, scrub=None):
-    """A value from the gateway in a message: scrubbed (scrub: the gateway's, which masks
-    the key), escaped, short."""
+    # A value from the gateway in a message: scrubbed (scrub: the gateway's, which masks
+    # the key), escaped, short.
     text = json.dumps(value, ensure_ascii=False)
     return (scrub(text) if scrub else visible(text))[:80]
 
@@ -4620,9 +4620,9 @@ class PullStats:
 
 
 def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
-    """Incremental sync from GET /v1/memories:export. Each page's rows and the cursor
-    that follows them commit together, so an interrupted pull resumes with no gap and
-    no repeat. Returns PullStats; raises GatewayError when the gateway goes away."""
+    # Incremental sync from GET /v1/memories:export. Each page's rows and the cursor
+    # that follows them commit together, so an interrupted pull resumes with no gap and
+    # no repeat. Returns PullStats; raises GatewayError when the gateway goes away.
     from urllib.parse import urlencode
     stats = PullStats() if stats is None else stats
     if full:
@@ -4659,7 +4659,7 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
 
 
 def _merge_page(store, items, next_cursor, since, stats):
-    """One page of the export and the cursor after it, in one transaction."""
+    # One page of the export and the cursor after it, in one transaction.
     newest = since
     with store.transaction():
         for rec in filter(None, map(normalize_record, items)):
@@ -4684,8 +4684,8 @@ def _merge_page(store, items, next_cursor, since, stats):
 
 
 def enrich(store, gateway, ids, progress=None):
-    """Fetch the full record for each id and merge it. Returns (fetched, unknown, stopped):
-    stops cleanly when the gateway goes away (what was fetched is kept)."""
+    # Fetch the full record for each id and merge it. Returns (fetched, unknown, stopped):
+    # stops cleanly when the gateway goes away (what was fetched is kept).
     from urllib.parse import quote
     fetched, unknown, stopped = 0, [], None
     batch = []
@@ -4734,7 +4734,7 @@ SIGNED, UNVERIFIED = "signed", "unverified"
 
 
 def bundle_key_id(key):
-    """What names a bundle key without giving it away."""
+    # What names a bundle key without giving it away.
     import hashlib
     return hashlib.sha256(b"qmem bundle key id\0" + key.encode("utf-8")).hexdigest()[:16]
 
@@ -4746,14 +4746,14 @@ def _bundle_mac(key):
 
 
 class BundleError(QmemError):
-    """A file that is not a complete, intact bundle this qmem.py can read."""
+    # A file that is not a complete, intact bundle this qmem.py can read.
     kind = "bad_bundle"
 
 
 class _BundleWriter:
-    """The lines of a bundle, hashed and gzip-compressed as they are put (level 1: nine
-    times faster than gzip's default 9, for a bundle about a third larger; one hash and
-    one compress call per thousand lines)."""
+    # The lines of a bundle, hashed and gzip-compressed as they are put (level 1: nine
+    # times faster than gzip's default 9, for a bundle about a third larger; one hash and
+    # one compress call per thousand lines).
 
     def __init__(self, out, key=None):
         import gzip
@@ -4778,8 +4778,8 @@ class _BundleWriter:
             del self.pending[:]
 
     def finish(self):
-        """The trailer: the count of lines and the SHA-256 of every byte before it (and,
-        with a key, their HMAC and the key's id)."""
+        # The trailer: the count of lines and the SHA-256 of every byte before it (and,
+        # with a key, their HMAC and the key's id).
         self._flush()
         trailer = {"type": "end", "lines": self.lines, "sha256": self.digest.hexdigest()}
         if self.mac is not None:
@@ -4788,8 +4788,8 @@ class _BundleWriter:
         self.zipped.close()
 
     def abandon(self):
-        """Closed once, here, after a failure: a GzipFile left to the collector would try
-        to write again."""
+        # Closed once, here, after a failure: a GzipFile left to the collector would try
+        # to write again.
         try:
             self.zipped.close()
         except OSError:
@@ -4797,9 +4797,9 @@ class _BundleWriter:
 
 
 def write_bundle(store, out, projects=None, since=None, records=True, outbox=True, key=None):
-    """Write a bundle to the binary stream out (streamed: memory stays flat), signed
-    with key when one is given. Returns the counts of what it holds. One read
-    transaction: a consistent snapshot. What came unverified does not travel on."""
+    # Write a bundle to the binary stream out (streamed: memory stays flat), signed
+    # with key when one is given. Returns the counts of what it holds. One read
+    # transaction: a consistent snapshot. What came unverified does not travel on.
     writer = _BundleWriter(out, key)
     try:
         with store.snapshot():
@@ -4824,11 +4824,11 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
 
 
 def check_bundle(stream, name, key=None, copy=None):
-    """Read a bundle whole from a binary stream and return (its header, SIGNED or
-    UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
-    changed, is signed with another key or altered after signing, or is of a newer
-    format. Nothing past the first line is read before that line is a bundle's header.
-    Every line checked is put in `copy` (a _Copy)."""
+    # Read a bundle whole from a binary stream and return (its header, SIGNED or
+    # UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
+    # changed, is signed with another key or altered after signing, or is of a newer
+    # format. Nothing past the first line is read before that line is a bundle's header.
+    # Every line checked is put in `copy` (a _Copy).
     import gzip
     import hashlib
     import hmac
@@ -4885,7 +4885,7 @@ def _bundle_header(line, name):
 
 
 class _Prepend:
-    """A binary stream with some bytes put back in front of it."""
+    # A binary stream with some bytes put back in front of it.
 
     def __init__(self, head, stream):
         self.head, self.stream = head, stream
@@ -4901,7 +4901,7 @@ class _Prepend:
 
 
 class _Capped:
-    """A stream read to at most MAX_BUNDLE_BYTES."""
+    # A stream read to at most MAX_BUNDLE_BYTES.
 
     def __init__(self, stream, name):
         self.stream, self.name, self.size = stream, name, 0
@@ -4916,10 +4916,10 @@ class _Capped:
 
 
 class _Copy:
-    """A load's private copy of the lines it checked, as read, uncompressed: what is merged
-    is what was checked, and is not decompressed twice. At most MAX_EXPANSION times the
-    bytes read from `source` (a _Capped), past the first COPY_FREE bytes: a gzip bomb is
-    refused before it fills the temporary folder. A full disk is said to be one."""
+    # A load's private copy of the lines it checked, as read, uncompressed: what is merged
+    # is what was checked, and is not decompressed twice. At most MAX_EXPANSION times the
+    # bytes read from `source` (a _Capped), past the first COPY_FREE bytes: a gzip bomb is
+    # refused before it fills the temporary folder. A full disk is said to be one.
 
     def __init__(self, file, name, source):
         self.file, self.name, self.source, self.size = file, name, source, 0
@@ -4953,8 +4953,8 @@ MAX_BUNDLE_VALUES = 100000  # JSON values in one line: '[{},{},...]' of 1 MiB pa
 
 
 def _bundle_lines(f, path):
-    """The lines of a bundle, each read with a bound: a crafted line of gigabytes is
-    refused, not read into memory."""
+    # The lines of a bundle, each read with a bound: a crafted line of gigabytes is
+    # refused, not read into memory.
     while True:
         line = f.readline(MAX_BUNDLE_LINE + 1)
         if not line:
@@ -4977,9 +4977,9 @@ def _bundle_line(line, what):
 
 
 def bundle_items(path):
-    """The records and outbox rows of a checked bundle (this process's private copy of its
-    lines), in order; None for a line that is not one (bounded in parsed size as gateway
-    answers are), to be counted as skipped."""
+    # The records and outbox rows of a checked bundle (this process's private copy of its
+    # lines), in order; None for a line that is not one (bounded in parsed size as gateway
+    # answers are), to be counted as skipped.
     with open(path, "rb") as f:
         lines = _bundle_lines(f, path)
         next(lines)  # the header
@@ -5004,15 +5004,15 @@ def bundle_items(path):
 
 
 def header_text(value):
-    """A header's words as they may be shown: one line, bounded (a newline in a machine
-    name must not print a forged line)."""
+    # A header's words as they may be shown: one line, bounded (a newline in a machine
+    # name must not print a forged line).
     if not isinstance(value, str):
         return None
     return value.replace("\r", "\\r").replace("\n", "\\n")[:200]
 
 
 def _open_bundle(path):
-    """The one descriptor a load reads a bundle file through."""
+    # The one descriptor a load reads a bundle file through.
     if os.path.isdir(path):
         raise UsageError("%s: a folder, not a bundle" % path)
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
@@ -5046,16 +5046,16 @@ class LoadStats:
 
 
 def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
-    """Merge a checked bundle, in one transaction (rolled back for a dry run).
-
-    Signed with this host's key: records under the merge rule (replacing what an
-    unverified bundle said); outbox rows this machine lacks, added with their own local
-    ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
-    bundle shows delivered settle the same rows here (same id, op and payload), without
-    a request. Unverified: records only where this host knows no record of that id,
-    never superseding anything; no settlement; its writes held, never sent until the
-    user releases them. Every write is rebuilt from qmem's own fields, checked as
-    `store` checks them."""
+    # Merge a checked bundle, in one transaction (rolled back for a dry run).
+    #
+    # Signed with this host's key: records under the merge rule (replacing what an
+    # unverified bundle said); outbox rows this machine lacks, added with their own local
+    # ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
+    # bundle shows delivered settle the same rows here (same id, op and payload), without
+    # a request. Unverified: records only where this host knows no record of that id,
+    # never superseding anything; no settlement; its writes held, never sent until the
+    # user releases them. Every write is rebuilt from qmem's own fields, checked as
+    # `store` checks them.
     stats = LoadStats()
     bulk = not dry_run and store.is_empty()
     if bulk:
@@ -5094,10 +5094,10 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
 
 
 def bundle_parts(path, trust, now, batched, words):
-    """What a checked copy holds, in order, as a load merges it: ("rows", rows for
-    merge_many, masked, with their identifiers' words if asked) in batches where it merges
-    in bulk, else ("record", (record, view)) each; ("outbox", row); ("skipped", None) for
-    an item that is none of them."""
+    # What a checked copy holds, in order, as a load merges it: ("rows", rows for
+    # merge_many, masked, with their identifiers' words if asked) in batches where it merges
+    # in bulk, else ("record", (record, view)) each; ("outbox", row); ("skipped", None) for
+    # an item that is none of them.
     batch = []
     for item in bundle_items(path):
         if item is None or item["type"] == "outbox":
@@ -5132,8 +5132,8 @@ _READER_COMMAND = "_load-reader"  # the child's hidden command: qmem.py _load-re
 
 
 def _parts(path, trust, now, batched, words):
-    """bundle_parts, from a child process where that pays: a large bulk load that may use
-    two cores."""
+    # bundle_parts, from a child process where that pays: a large bulk load that may use
+    # two cores.
     proc = (start_child([_READER_COMMAND, path, trust, now, "1" if words else ""])
             if batched and _cores() > 1 and os.path.getsize(path) >= 650 * PARALLEL_MIN_ROWS
             else None)  # (bytes a record)
@@ -5143,8 +5143,8 @@ def _parts(path, trust, now, batched, words):
 
 
 def _parts_of_child(proc):
-    """The parts the load reader sends, to its end; its failure, or a part cut short, is a
-    StoreError (the load's transaction is then rolled back)."""
+    # The parts the load reader sends, to its end; its failure, or a part cut short, is a
+    # StoreError (the load's transaction is then rolled back).
     try:
         try:
             for part in frames(proc.stdout):
@@ -5161,7 +5161,7 @@ def _parts_of_child(proc):
 
 
 def _reader_main(path, trust, now, words):
-    """The child's side of _parts: bundle_parts as frames on stdout (JSON values)."""
+    # The child's side of _parts: bundle_parts as frames on stdout (JSON values).
     out = sys.stdout.buffer
     for part in bundle_parts(path, trust, now, True, bool(words)):
         out.write(frame(part))
@@ -5170,7 +5170,7 @@ def _reader_main(path, trust, now, words):
 
 
 def dry_run_on_nothing(path, trust):
-    """What a load into an empty machine would do, without making a database."""
+    # What a load into an empty machine would do, without making a database.
     stats = LoadStats()
     for item in bundle_items(path):
         if item is None:
@@ -5193,7 +5193,7 @@ def dry_run_on_nothing(path, trust):
 
 
 class _DryRun(Exception):
-    """Leaves a load's transaction rolled back, with what it would have done."""
+    # Leaves a load's transaction rolled back, with what it would have done.
 
     def __init__(self, stats):
         Exception.__init__(self, "dry run")
@@ -5201,7 +5201,7 @@ class _DryRun(Exception):
 
 
 def _bounded(rec):
-    """Is every field of a bundle's record within what qmem.py itself writes?"""
+    # Is every field of a bundle's record within what qmem.py itself writes?
     if (len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT
             or len(rec["project_id"] or "") > MAX_PROJECT):
         return False
@@ -5215,7 +5215,7 @@ _BOUNDED_FIELDS = operator.itemgetter("kind", "scope", "agent_id", "source", "su
 
 
 def _merge_record(store, rec, view, trust, stats, now):
-    """One record of a bundle (not of a bulk load), by the bundle's trust."""
+    # One record of a bundle (not of a bulk load), by the bundle's trust.
     origin = store.origin_of(rec["id"])
     if trust == UNVERIFIED:
         if origin is not None:  # known here: an unverified view never replaces it
@@ -5237,8 +5237,8 @@ def _merge_record(store, rec, view, trust, stats, now):
 
 
 def _merge_batch(store, batch, stats, trust):
-    """A bulk merge (of a bundle into an empty index): the new rows are the bundle's (the
-    transaction holds the write lock: no other process inserted them)."""
+    # A bulk merge (of a bundle into an empty index): the new rows are the bundle's (the
+    # transaction holds the write lock: no other process inserted them).
     before = store.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
     new, updated = store.merge_many(batch, masked=True)
     origin = ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED
@@ -5249,9 +5249,9 @@ def _merge_batch(store, batch, stats, trust):
 
 
 def rebuilt_write(row):
-    """The payload of a bundle's outbox row, rebuilt from qmem's own fields with the checks
-    and bounds of `store` (an expiry judged against when the write was made); ValueError
-    names what is wrong. Fields qmem does not write are dropped."""
+    # The payload of a bundle's outbox row, rebuilt from qmem's own fields with the checks
+    # and bounds of `store` (an expiry judged against when the write was made); ValueError
+    # names what is wrong. Fields qmem does not write are dropped.
     try:
         body, created = without_surrogates(json.loads(row["payload"])), row.get("created_at")
     except (TypeError, ValueError, RecursionError, KeyError):
@@ -5289,9 +5289,9 @@ def _held_summary(local_id, payload_text):
 
 
 def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
-    """One outbox row of a bundle: added here when new (held, from an unverified bundle),
-    settling this machine's row when a signed bundle shows that very write delivered,
-    else nothing."""
+    # One outbox row of a bundle: added here when new (held, from an unverified bundle),
+    # settling this machine's row when a signed bundle shows that very write delivered,
+    # else nothing.
     local_id, state = row.get("id"), row.get("state")
     if not (isinstance(local_id, str) and UUID_RE.fullmatch(local_id) and state in OUTBOX_STATES
             and state != HELD and isinstance(row.get("payload"), str)):
@@ -5394,8 +5394,8 @@ def check(name, status, detail, advice=None):
 
 
 def doctor_local(config, config_error=None):
-    """The checks that need no network: Python, SQLite, the database, the config, the
-    breaker, the outbox and the import lag."""
+    # The checks that need no network: Python, SQLite, the database, the config, the
+    # breaker, the outbox and the import lag.
     checks = [_doctor_python(), _doctor_sqlite()]
     checks += _doctor_config(config, config_error)
     checks += _doctor_database(config)
@@ -5491,7 +5491,7 @@ REBUILD_ADVICE = ("move it aside and rebuild it: `qmem.py import` and `qmem.py p
 
 
 def repair_database(config):
-    """doctor --repair: REINDEX and the text index rebuilt, as a check of its own."""
+    # doctor --repair: REINDEX and the text index rebuilt, as a check of its own.
     try:
         store = Store(config.db_path, create=False)
     except StoreError as e:
@@ -5595,8 +5595,8 @@ def _doctor_breaker(config):
 
 
 def doctor_link(config, clock=time.time):
-    """The network checks, each against the configured budgets: DNS, TCP connect, TLS
-    handshake, GET /v1/status (latency, version, clock skew, the key)."""
+    # The network checks, each against the configured budgets: DNS, TCP connect, TLS
+    # handshake, GET /v1/status (latency, version, clock skew, the key).
     if not config["url"] or not config["apiKey"]:
         return []
     from urllib.parse import urlsplit
@@ -5624,7 +5624,7 @@ def doctor_link(config, clock=time.time):
 
 
 def _probe_steps(p, config):
-    """DNS, TCP connect and TLS handshake, timed (to the proxy, when one applies)."""
+    # DNS, TCP connect and TLS handshake, timed (to the proxy, when one applies).
     net = _net_classes()
     budget = config["connectTimeoutMs"] / 1000.0
     proxy = _proxy_for(p.scheme, p.hostname or "")
@@ -5669,7 +5669,7 @@ def _probe_steps(p, config):
 
 
 def _timed(name, what, seconds, budget):
-    """A step of the link against the connect budget: too close to it is a warning."""
+    # A step of the link against the connect budget: too close to it is a warning.
     detail = "%s in %d ms" % (what, seconds * 1000)
     if seconds > budget / 2:
         return check(name, "warn", detail,
@@ -5812,8 +5812,8 @@ module.exit_now(module.main())
 
 
 def _launcher_is_ours(path):
-    """None when there is no file at path, else whether it is a launcher qmem.py wrote (a
-    link or anything but a regular file is not)."""
+    # None when there is no file at path, else whether it is a launcher qmem.py wrote (a
+    # link or anything but a regular file is not).
     try:
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):
@@ -5828,8 +5828,8 @@ def _launcher_is_ours(path):
 
 
 def install_launcher(bin_dir=None, uninstall=False, environ=None):
-    """Write (or remove) the launcher DIR/qmem; a file there that qmem.py did not write
-    is left alone."""
+    # Write (or remove) the launcher DIR/qmem; a file there that qmem.py did not write
+    # is left alone.
     environ = os.environ if environ is None else environ
     home = environ.get("HOME") or os.path.expanduser("~")
     folder = os.path.abspath(os.path.expanduser(bin_dir or os.path.join(home, ".local", "bin")))
@@ -5866,7 +5866,7 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
 
 
 def _cache_folder(environ, home):
-    """Where the launcher run by this user caches its code (it works it out itself)."""
+    # Where the launcher run by this user caches its code (it works it out itself).
     base = environ.get("XDG_CACHE_HOME") or ""
     return os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"), "qmem")
 
@@ -5891,9 +5891,9 @@ def _check_utf8(value, name):
 
 
 def utf8_arguments(method):
-    """Refuse text arguments that are not valid UTF-8 before anything is done: Python
-    hands on bytes it could not decode (argv, stdin, environment) as lone surrogates,
-    which SQLite and JSON cannot take."""
+    # Refuse text arguments that are not valid UTF-8 before anything is done: Python
+    # hands on bytes it could not decode (argv, stdin, environment) as lone surrogates,
+    # which SQLite and JSON cannot take.
     import functools
     code = method.__code__
     names = code.co_varnames[1:code.co_argcount]
@@ -5949,15 +5949,15 @@ AGENT_RULES = (
 
 
 def rules_markdown():
-    """The rules as a Markdown section to paste into AGENTS.md, CLAUDE.md or GEMINI.md."""
+    # The rules as a Markdown section to paste into AGENTS.md, CLAUDE.md or GEMINI.md.
     lines = ["## Shared memory (qmem)", "", RULES_INTRO, ""]
     lines += ["- **%s.** %s" % (title, text) for title, text in AGENT_RULES]
     return "\n".join(lines) + "\n"
 
 
 class Operations:
-    """The operations over one configuration: the store and the gateway are opened on
-    first use and closed by close()."""
+    # The operations over one configuration: the store and the gateway are opened on
+    # first use and closed by close().
 
     def __init__(self, config, clock=time.time):
         self.config, self.clock = config, clock
@@ -5989,15 +5989,15 @@ class Operations:
             self._store.close()
 
     def refresh(self):
-        """Before each call of a long-lived front end: see the index as it is now."""
+        # Before each call of a long-lived front end: see the index as it is now.
         if self._store is not None:
             self._store.refresh()
 
     # -- short ids: what a narrow terminal shows, and what a person types back
     def full_ids(self, values, where, tables=("records", "outbox")):
-        """The ids a person typed, each short one (the start of an id, SHORT_ID characters
-        at least) made whole from the ids known here. An unknown or ambiguous start is
-        refused, with the candidates: never sent to the gateway, never guessed."""
+        # The ids a person typed, each short one (the start of an id, SHORT_ID characters
+        # at least) made whole from the ids known here. An unknown or ambiguous start is
+        # refused, with the candidates: never sent to the gateway, never guessed.
         return [self._full_id(v.strip(), where, tables) for v in values]
 
     def _full_id(self, value, where, tables):
@@ -6022,8 +6022,8 @@ class Operations:
             found[:10]) + (", …" if len(found) > 10 else "")), hint="type more of it")
 
     def short_id(self, record_id):
-        """The shortest start (SHORT_ID characters at least) that names this id alone
-        among those known here; the whole id when this host does not know it."""
+        # The shortest start (SHORT_ID characters at least) that names this id alone
+        # among those known here; the whole id when this host does not know it.
         if not (isinstance(record_id, str) and UUID_RE.fullmatch(record_id)
                 and self.has_index()):
             return record_id
@@ -6039,8 +6039,8 @@ class Operations:
         return record_id
 
     def close_gateway(self):
-        """Forget the gateway connection (a server does after every call: a kept-alive
-        connection the gateway has since dropped must not count as a failure)."""
+        # Forget the gateway connection (a server does after every call: a kept-alive
+        # connection the gateway has since dropped must not count as a failure).
         if self._gateway is not None:
             self._gateway.close()
             self._gateway = None
@@ -6048,7 +6048,7 @@ class Operations:
     # -- local
     @utf8_arguments
     def find(self, query, filters=Filters(), limit=10, highlight=("", "")):
-        """Lexical search of the local index (offline)."""
+        # Lexical search of the local index (offline).
         query = _check_query(query, "find", "circuit breaker")
         limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
         doc = {"source": "local_sqlite", "degraded": False, "query": query,
@@ -6060,8 +6060,8 @@ class Operations:
         return doc
 
     def _find_local(self, query, filters, limit, highlight):
-        """find_local() for find and for the fallback of search: no index yet is an
-        empty answer that says so, not an error."""
+        # find_local() for find and for the fallback of search: no index yet is an
+        # empty answer that says so, not an error.
         if not self.has_index():
             return {"match": "none", "results": [], "index_exists": False,
                     "db": self.config.db_path}
@@ -6071,7 +6071,7 @@ class Operations:
 
     @utf8_arguments
     def import_sessions(self, roots=None):
-        """Index pi session files: the given folders, or pi's own."""
+        # Index pi session files: the given folders, or pi's own.
         rebuilt = self._index_identifiers() if self.has_index() else None
         for root in roots or ():
             if not os.path.isdir(root):
@@ -6089,8 +6089,8 @@ class Operations:
                 "stats": stats.as_dict(), "index_rebuilt": rebuilt}
 
     def _index_identifiers(self):
-        """Once, for an index made before schema 4 (see _m004_words): made anew, so that
-        identifiers are found by their parts. The number of records it holds, or None."""
+        # Once, for an index made before schema 4 (see _m004_words): made anew, so that
+        # identifiers are found by their parts. The number of records it holds, or None.
         store, shown, count = self.store(), Progress("search index"), None
         if store.fts and store.meta("words_pending"):
             count = store.conn.execute("SELECT count(*) FROM records").fetchone()[0]
@@ -6101,7 +6101,7 @@ class Operations:
         return count if rebuilt else None
 
     def status(self):
-        """What the local side knows (an empty account on a fresh machine)."""
+        # What the local side knows (an empty account on a fresh machine).
         gateway = mask_url(self.config["url"]) if self.config["url"] else None
         if not self.has_index():
             return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None,
@@ -6110,17 +6110,17 @@ class Operations:
                     writes_stuck=self.writes_stuck())
 
     def install(self, bin_dir=None, uninstall=False):
-        """The launcher (see the Launcher section), written or removed."""
+        # The launcher (see the Launcher section), written or removed.
         return install_launcher(bin_dir, uninstall)
 
     def rules(self):
-        """The rules for agents (see AGENT_RULES), as data and as Markdown."""
+        # The rules for agents (see AGENT_RULES), as data and as Markdown.
         return {"intro": RULES_INTRO, "rules": [{"title": t, "text": x} for t, x in AGENT_RULES],
                 "markdown": rules_markdown()}
 
     # -- the breaker
     def breaker(self, reset=False):
-        """The circuit breaker's state for the configured gateway (reset=True closes it first)."""
+        # The circuit breaker's state for the configured gateway (reset=True closes it first).
         config = self.config
         doc = {"url": config["url"], "configured": bool(config["url"]), "file": config.breaker_path,
                "reset": bool(reset), "trip_after": config["breakerTripAfter"]}
@@ -6147,12 +6147,12 @@ class Operations:
 
     # -- the configuration
     def reload(self, config):
-        """Go on with a new configuration (after a change): the gateway is reopened."""
+        # Go on with a new configuration (after a change): the gateway is reopened.
         self.close()
         self.config, self._store, self._gateway = config, None, None
 
     def config_show(self):
-        """Every effective value and where it came from; the API key masked."""
+        # Every effective value and where it came from; the API key masked.
         c = self.config
         shown = {k: (mask_secret(c[k]) if k in SECRET_KEYS and c[k] else c[k]) for k in CONFIG_KEYS}
         return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path),
@@ -6162,7 +6162,7 @@ class Operations:
 
     @utf8_arguments
     def config_url(self, url):
-        """Set the gateway URL (and reset the breakers of the old and the new one)."""
+        # Set the gateway URL (and reset the breakers of the old and the new one).
         url = check_url(url)
         old = self.config["url"]
         write_config(self.config, {"url": url})
@@ -6176,7 +6176,7 @@ class Operations:
 
     @utf8_arguments
     def config_apikey(self, key, on_command_line=False):
-        """Save the API key (mode 0600); the document shows it masked."""
+        # Save the API key (mode 0600); the document shows it masked.
         key = (key or "").strip()
         if not api_key_ok(key) or len(key) > MAX_KEY:
             raise UsageError("an API key must be one word of printable ASCII characters, not "
@@ -6199,9 +6199,9 @@ class Operations:
 
     @utf8_arguments
     def config_bundle_key(self, key=None, new=False):
-        """Save the key shared by the hosts that exchange bundles (mode 0600); new=True
-        makes one (256 random bits), which the document carries once, to be set on the
-        other host."""
+        # Save the key shared by the hosts that exchange bundles (mode 0600); new=True
+        # makes one (256 random bits), which the document carries once, to be set on the
+        # other host.
         if new == bool(key):
             raise UsageError("give the key (on stdin or at the prompt), or --new to make one, not "
                              "both"
@@ -6223,7 +6223,7 @@ class Operations:
 
     @utf8_arguments
     def config_set(self, key, value):
-        """Set any key, type-checked; '', 'null' or 'default' restores the default."""
+        # Set any key, type-checked; '', 'null' or 'default' restores the default.
         if key not in CONFIG_KEYS:
             raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
         unset = value in ("", "null", "default")
@@ -6246,7 +6246,7 @@ class Operations:
         return {"action": "set", "file": self.config.path, "key": key, "value": parsed}
 
     def config_test(self):
-        """GET /v1/status past the breaker: reachable? key accepted? version, latency."""
+        # GET /v1/status past the breaker: reachable? key accepted? version, latency.
         c = self.config
         gw = Gateway(c, Breaker.from_config(c, clock=self.clock), bypass_breaker=True)
         started = time.monotonic()
@@ -6281,9 +6281,9 @@ class Operations:
                      expires=None,
                      private=False, supersedes=None, reason=None, queue_only=False,
                      allow_secret=False):
-        """Write a memory: into the outbox and the index at once, then to the gateway
-        (unless queue_only); it stays queued while the gateway cannot take it. A text
-        holding a credential is refused unless allow_secret (never offered to agents)."""
+        # Write a memory: into the outbox and the index at once, then to the gateway
+        # (unless queue_only); it stays queued while the gateway cannot take it. A text
+        # holding a credential is refused unless allow_secret (never offered to agents).
         supersedes = _check_id((supersedes or "").strip(), "--supersedes") if supersedes else None
         payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires,
                                  private,
@@ -6294,8 +6294,8 @@ class Operations:
     def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None,
                 expires=None,
                 private=False, reason=None, queue_only=False, allow_secret=False):
-        """Write a correction of `target`: project and kind default to the target's, as the
-        local index knows it, else as the gateway does."""
+        # Write a correction of `target`: project and kind default to the target's, as the
+        # local index knows it, else as the gateway does.
         target = (target or "").strip()
         if not target:
             raise UsageError("correct needs the id of the memory it corrects")
@@ -6325,8 +6325,8 @@ class Operations:
         return dict(doc, project_from=project_from, kind_from=kind_from)
 
     def _send_now(self, store, gateway, local_id, token):
-        """Send a write just queued, after the queued writes it corrects (oldest first:
-        it waits for them); the first error that stopped a send, or None."""
+        # Send a write just queued, after the queued writes it corrects (oldest first:
+        # it waits for them); the first error that stopped a send, or None.
         error = None
         for earlier in store.unsent_targets(local_id):
             error = Flusher(store, gateway, clock=self.clock).run(only=earlier).stop_error
@@ -6337,9 +6337,9 @@ class Operations:
         return error or stats.stop_error
 
     def _remote_target(self, target, needed):
-        """The project and kind of a memory this machine does not know, from the gateway.
-        An unknown id is refused; when the gateway cannot say, {} (or, if the project
-        was `needed`, a usage error asking for it)."""
+        # The project and kind of a memory this machine does not know, from the gateway.
+        # An unknown id is refused; when the gateway cannot say, {} (or, if the project
+        # was `needed`, a usage error asking for it).
         try:
             record = self.get(target)["record"]
         except QmemError as e:
@@ -6396,7 +6396,7 @@ class Operations:
         return self._write_doc(op, payload, row, local_id, repeated, queue_only, error)
 
     def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
-        """What became of a write (its outbox row), as the document of store and correct."""
+        # What became of a write (its outbox row), as the document of store and correct.
         state = row["state"]
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
                "local_id": local_id, "state": state,
@@ -6437,8 +6437,8 @@ class Operations:
     @utf8_arguments
     def export(self, path, projects=None, since=None, records_only=False, outbox_only=False,
                stream=None):
-        """Write a bundle to path (through a temporary file and a rename: an interrupted
-        export leaves no half bundle), or to the binary stream when path is '-'."""
+        # Write a bundle to path (through a temporary file and a rename: an interrupted
+        # export leaves no half bundle), or to the binary stream when path is '-'.
         if records_only and outbox_only:
             raise UsageError("--records-only and --outbox-only exclude each other")
         if since is not None:
@@ -6482,9 +6482,9 @@ class Operations:
 
     @utf8_arguments
     def load(self, path, dry_run=False, stream=None):
-        """Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
-        read once, through one descriptor, into a private copy: what is merged is what
-        was checked."""
+        # Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
+        # read once, through one descriptor, into a private copy: what is merged is what
+        # was checked.
         import tempfile
         fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
         rebuilt, spool = None, os.fdopen(fd, "wb")
@@ -6523,8 +6523,8 @@ class Operations:
 
     # -- the doctor
     def doctor(self, offline=False, config_error=None, repair=False):
-        """What is wrong here and what to do: every check ok / warn / fail (repair=True
-        first rebuilds the database's indexes)."""
+        # What is wrong here and what to do: every check ok / warn / fail (repair=True
+        # first rebuilds the database's indexes).
         checks = [repair_database(self.config)] if repair and config_error is None else []
         checks += doctor_local(self.config, config_error)
         if not offline and config_error is None:
@@ -6541,7 +6541,7 @@ class Operations:
 
     # -- the outbox
     def queue(self, state=None):
-        """The outbox, oldest first (empty on a fresh machine)."""
+        # The outbox, oldest first (empty on a fresh machine).
         if not self.has_index():
             return {"source": "outbox", "counts": dict.fromkeys(OUTBOX_STATES, 0), "items": [],
                     "writes_stuck": self.writes_stuck()}
@@ -6552,8 +6552,8 @@ class Operations:
 
     @utf8_arguments
     def drop(self, ids, force=False, dry_run=False):
-        """Discard failed or duplicate writes and their local records; waiting ones
-        only with force. Nothing is discarded unless every id may be."""
+        # Discard failed or duplicate writes and their local records; waiting ones
+        # only with force. Nothing is discarded unless every id may be.
         ids = [i.strip() for i in ids if i and i.strip()]
         if not ids:
             raise UsageError("queue --drop needs the local id of at least one write")
@@ -6582,8 +6582,8 @@ class Operations:
                 "counts": store.outbox_counts()}
 
     def release(self, ids, dry_run=False):
-        """Let held writes (from an unverified bundle) be sent: the user vouches for them.
-        Nothing is released unless every id is a held write."""
+        # Let held writes (from an unverified bundle) be sent: the user vouches for them.
+        # Nothing is released unless every id is a held write.
         ids = [i.strip() for i in ids if i and i.strip()]
         if not ids:
             raise UsageError("queue --release needs the local id of at least one held write")
@@ -6603,9 +6603,9 @@ class Operations:
                 "counts": self.store().outbox_counts()}
 
     def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
-        """Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
-        backoff) is honoured only with respect_retry_after (the automatic flush always
-        honours it). Nothing queued: no gateway needed, and no database created."""
+        # Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
+        # backoff) is honoured only with respect_retry_after (the automatic flush always
+        # honours it). Nothing queued: no gateway needed, and no database created.
         store = self.store() if self.has_index() else None
         if store is not None and retry_failed:
             store.retry_failed()
@@ -6644,8 +6644,8 @@ class Operations:
 
     @utf8_arguments
     def enrich(self, ids=None, every=False, progress=None):
-        """Fetch full records for the given ids, or those known only from search hits
-        (every=True: every record here). Stops cleanly when the gateway goes away."""
+        # Fetch full records for the given ids, or those known only from search hits
+        # (every=True: every record here). Stops cleanly when the gateway goes away.
         if ids and every:
             raise UsageError("give ids or --all, not both")
         gateway = self.gateway()
@@ -6664,8 +6664,8 @@ class Operations:
         return self._after_online(doc)
 
     def pull(self, full=False, progress=None):
-        """Copy the shared memory into the local index, page by page; an interrupted pull
-        keeps its pages and resumes after them."""
+        # Copy the shared memory into the local index, page by page; an interrupted pull
+        # keeps its pages and resumes after them.
         gateway, stats = self.gateway(), PullStats()
         rebuilt = self._index_identifiers()
         try:
@@ -6682,9 +6682,9 @@ class Operations:
     @utf8_arguments
     def search(self, query, filters=Filters(), top_k=8, min_score=None, require_remote=False,
                highlight=("", "")):
-        """Semantic search on the gateway; the local index answers (labelled) when it cannot.
-        Private records only when asked for: the gateway has no such filter, so it is
-        asked for more, to still fill top_k."""
+        # Semantic search on the gateway; the local index answers (labelled) when it cannot.
+        # Private records only when asked for: the gateway has no such filter, so it is
+        # asked for more, to still fill top_k.
         query = _check_query(query, "search", "how do we deploy")
         top_k = _check_int(top_k, "--top-k", 1, 100)
         private = filters.private
@@ -6719,7 +6719,7 @@ class Operations:
 
     @utf8_arguments
     def get(self, record_id, require_remote=False):
-        """One record in full, from the gateway (refreshing the local copy) or the local index."""
+        # One record in full, from the gateway (refreshing the local copy) or the local index.
         from urllib.parse import quote
         rid = (record_id or "").strip()
         if not rid:
@@ -6764,9 +6764,9 @@ class Operations:
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
 
     def _queued_matches(self, query, filters, seen, most=10):
-        """This host's writes still in the outbox that match a search's words (lexically):
-        the gateway cannot know them yet. After its hits, not counted in top_k, marked
-        pending; held ones (nobody vouched for them) and private ones stay out."""
+        # This host's writes still in the outbox that match a search's words (lexically):
+        # the gateway cannot know them yet. After its hits, not counted in top_k, marked
+        # pending; held ones (nobody vouched for them) and private ones stay out.
         try:
             found = (find_local(self.store(), query, filters._replace(queued=True), most)
                      if self.has_index() else {})
@@ -6779,15 +6779,15 @@ class Operations:
                 if r["id"] not in seen and r["match"] != "any"]
 
     def _remember(self, records, view):
-        """Keep what the gateway said in the local index: an index that cannot take it
-        (corrupt, read-only, full) costs a warning, not the answer."""
+        # Keep what the gateway said in the local index: an index that cannot take it
+        # (corrupt, read-only, full) costs a warning, not the answer.
         try:
             self.store().merge_seen(records, view)
         except (StoreError, sqlite3.Error) as e:
             warn("the local index could not keep this answer: %s" % getattr(e, "message", e))
 
     def meta(self, require_remote=False):
-        """What the memory holds; from the local index (labelled) when the gateway cannot say."""
+        # What the memory holds; from the local index (labelled) when the gateway cannot say.
         try:
             resp = self.gateway().call("GET", "/v1/meta")
             if resp.status != 200:
@@ -6803,8 +6803,8 @@ class Operations:
         return self._after_online(doc)
 
     def _fallback(self, err, require_remote):
-        """A read the gateway could not answer: the fallback label's parts, or raise
-        (401 and configuration errors are errors; --require-remote makes any fallback exit 3)."""
+        # A read the gateway could not answer: the fallback label's parts, or raise
+        # (401 and configuration errors are errors; --require-remote makes any fallback exit 3).
         if not err.fallback_ok:
             raise err
         reason = self.failure_reason(err)
@@ -6817,8 +6817,8 @@ class Operations:
         return reason
 
     def failure_reason(self, err):
-        """Why the gateway did not answer, as one flat phrase, and the breaker's state:
-        'gateway failing (HTTP 503, 3 in a row); breaker open, retry in 116 s'."""
+        # Why the gateway did not answer, as one flat phrase, and the breaker's state:
+        # 'gateway failing (HTTP 503, 3 in a row); breaker open, retry in 116 s'.
         if err.kind == NOT_CONFIGURED:
             return {"reason": err.message, "breaker_open": False, "retry_in_ms": None}
         breaker = Breaker.from_config(self.config, clock=self.clock)
@@ -6844,15 +6844,15 @@ class Operations:
         return {"reason": reason, "breaker_open": refused_now, "retry_in_ms": retry_ms}
 
     def _after_online(self, doc):
-        """Every online command ends here: when the gateway answered it, deliver what is
-        queued (for a few seconds at most) and say in the document what came of it."""
+        # Every online command ends here: when the gateway answered it, deliver what is
+        # queued (for a few seconds at most) and say in the document what came of it.
         doc["auto_flush"] = "after the answer" if self.flush_after_answer else self.auto_flush()
         return doc
 
     def _flush_outbox(self, store, **run):
-        """Flusher.run(). A failure of this machine's side (the disk, the database) is kept
-        for every later result to say (writes_stuck); a flush that ends without one
-        clears it."""
+        # Flusher.run(). A failure of this machine's side (the disk, the database) is kept
+        # for every later result to say (writes_stuck); a flush that ends without one
+        # clears it.
         try:
             stats = Flusher(store, self.gateway(), clock=self.clock).run(**run)
             clear_flush_error(store)
@@ -6863,8 +6863,8 @@ class Operations:
         return stats
 
     def writes_stuck(self):
-        """While the last flush here failed on this machine's side: the sentence every
-        result carries (a store not opened yet is not opened for it). Else None."""
+        # While the last flush here failed on this machine's side: the sentence every
+        # result carries (a store not opened yet is not opened for it). Else None.
         found = flush_error(self.config.db_path, self._store)
         if found is None:
             return None
@@ -6873,8 +6873,8 @@ class Operations:
                 "wrong, `qmem.py flush` tries again" % (_fit(found["error"], 300), found.get("at")))
 
     def auto_flush(self):
-        """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
-        (or the gateway has not answered this command)."""
+        # Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
+        # (or the gateway has not answered this command).
         try:
             if not self.auto_flush_due():
                 return None
@@ -6883,8 +6883,8 @@ class Operations:
         return self.deliver_ready()
 
     def auto_flush_due(self):
-        """Did this command reach the gateway (with a key it took), and is something in the
-        outbox ready to go (a killed flusher's writes too: a flush takes them over)?"""
+        # Did this command reach the gateway (with a key it took), and is something in the
+        # outbox ready to go (a killed flusher's writes too: a flush takes them over)?
         gateway = self._gateway
         if gateway is None or not gateway.answered or gateway.key_rejected or not self.has_index():
             return False
@@ -6893,7 +6893,7 @@ class Operations:
                     or any(claimant_is_gone(t) for t in store.claim_tokens(now)))
 
     def deliver_ready(self):
-        """The automatic flush: what is ready, within AUTO_FLUSH_S; its counts."""
+        # The automatic flush: what is ready, within AUTO_FLUSH_S; its counts.
         store = None
         try:
             store = self.store()
@@ -6922,7 +6922,7 @@ def _check_query(query, command, example):
 
 
 def _check_int(value, name, low, high):
-    """An integer option within [low, high] ("5" is taken as 5: agents send strings)."""
+    # An integer option within [low, high] ("5" is taken as 5: agents send strings).
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -6933,7 +6933,7 @@ def _check_int(value, name, low, high):
 
 
 def _record_out(rec):
-    """A local row as the record the gateway would give, plus what is local-only."""
+    # A local row as the record the gateway would give, plus what is local-only.
     out = {k: rec.get(k) for k in ("id",) + FIELDS}
     out["private"] = bool(out["private"])
     out["pending"], out["failed"] = bool(rec.get("pending")), bool(rec.get("failed"))
@@ -6942,9 +6942,9 @@ def _record_out(rec):
 
 
 def _kept_aside(err, payload, folder):
-    """The StoreError of a write that could not be queued, with the user's text saved to
-    a file it names (in the database's folder, else the temporary one), or, when no file
-    can be written either, carried in full for the front end to show."""
+    # The StoreError of a write that could not be queued, with the user's text saved to
+    # a file it names (in the database's folder, else the temporary one), or, when no file
+    # can be written either, carried in full for the front end to show.
     import tempfile
     name = "qmem-unsaved-%s-%s.txt" % (time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
     flags = "".join(" %s %s" % (flag, _shell_word(str(payload[key])))
@@ -6987,8 +6987,8 @@ _UUID_SHAPE = "00000000-0000-0000-0000-000000000000"
 
 
 def _check_id(value, where):
-    """A memory id, gateway or local, is a UUID: anything else would be queued only to
-    fail at flush."""
+    # A memory id, gateway or local, is a UUID: anything else would be queued only to
+    # fail at flush.
     if not UUID_RE.fullmatch(value):
         raise UsageError("%s %s is not a memory id" % (where, _fit(value, 60)),
                          hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 (see `qmem.py "
@@ -7013,8 +7013,8 @@ def _check_droppable(row, force, now):
 
 
 def _hit(result):
-    """A search result as the gateway sent it, its score kept only when it is a finite
-    number (JSON has no Infinity, and a 1e400 score is no cosine)."""
+    # A search result as the gateway sent it, its score kept only when it is a finite
+    # number (JSON has no Infinity, and a 1e400 score is no cosine).
     import math
     hit = dict(result)
     score = hit.get("score")
@@ -7024,7 +7024,7 @@ def _hit(result):
 
 
 def _meta_counts(data):
-    """The counts of GET /v1/meta, each checked: what has the wrong type is left out."""
+    # The counts of GET /v1/meta, each checked: what has the wrong type is left out.
     def counts(value):
         if not isinstance(value, dict):
             return None
@@ -7053,7 +7053,7 @@ def _check_score(value):
 
 
 def _refused(resp, what):
-    """A 4xx answer an operation has no use for: the gateway's own words, exit 1."""
+    # A 4xx answer an operation has no use for: the gateway's own words, exit 1.
     return QmemError("the gateway refused the %s: %s" % (what, resp.detail()), kind="refused")
 
 
@@ -7085,14 +7085,14 @@ def _char_cells(c):
 
 
 def cells(text):
-    """How many terminal cells text takes: a wide character (CJK, emoji) two, a
-    combining mark and the highlight marks none."""
+    # How many terminal cells text takes: a wide character (CJK, emoji) two, a
+    # combining mark and the highlight marks none.
     # (below U+0300 one cell each; a regular expression of that class costs 6 ms to compile)
     return len(text) if not text or max(text) < "\u0300" else sum(map(_char_cells, text))
 
 
 def _fits(text, width):
-    """How many of text's first characters fit in `width` cells (one at least)."""
+    # How many of text's first characters fit in `width` cells (one at least).
     used = 0
     for n, c in enumerate(text):
         used += _char_cells(c)
@@ -7109,8 +7109,8 @@ _WORDS = r"( *)((?:`[^`]*`|[^ `]|`)+)"  # the spaces before a word; a `command` 
 
 
 def _wrap(line, width, indent=None):
-    """A line too wide for the terminal, broken at spaces (a `command` kept whole where
-    it fits), each further line indented (by default two more than the first)."""
+    # A line too wide for the terminal, broken at spaces (a `command` kept whole where
+    # it fits), each further line indented (by default two more than the first).
     indent = " " * min(len(line) - len(line.lstrip(" ")) + 2 if indent is None else indent,
                        width // 2)
     lines, cur = [], ""
@@ -7129,10 +7129,10 @@ def _wrap(line, width, indent=None):
 
 
 class TerminalText:
-    """The stream human output goes through: everything written is escaped (see
-    visible()), then the highlight marks become bold, or nothing. `width` is the
-    terminal's (or COLUMNS), or None for a pipe: then nothing is cut or wrapped, and
-    ids are shown whole. `short` gives the id a narrow terminal shows."""
+    # The stream human output goes through: everything written is escaped (see
+    # visible()), then the highlight marks become bold, or nothing. `width` is the
+    # terminal's (or COLUMNS), or None for a pipe: then nothing is cut or wrapped, and
+    # ids are shown whole. `short` gives the id a narrow terminal shows.
 
     def __init__(self, out, bold=False, width=None, short=None):
         self.out, self.bold, self.width = out, bold, width
@@ -7162,12 +7162,12 @@ def _column(text, width):
 
 
 def _listing(rows, width, caps, lead="", room=50):
-    """Rows of cells as aligned lines (one or two per row, as one string), the last cell
-    (the text) at the end: a column as wide as its widest cell, at most its cap. For a
-    pipe (no width) the text is whole; on a terminal it gets what is left, or, when that
-    is less than `room` cells, a line of its own, indented, below its row. Columns too
-    wide for the terminal together give up cells, the widest first, down to 8 (a column
-    capped at 12 or less, a date or a state, keeps its cells)."""
+    # Rows of cells as aligned lines (one or two per row, as one string), the last cell
+    # (the text) at the end: a column as wide as its widest cell, at most its cap. For a
+    # pipe (no width) the text is whole; on a terminal it gets what is left, or, when that
+    # is less than `room` cells, a line of its own, indented, below its row. Columns too
+    # wide for the terminal together give up cells, the widest first, down to 8 (a column
+    # capped at 12 or less, a date or a state, keeps its cells).
     if not rows:
         return []
     rows = [[visible(cell) for cell in r] for r in rows]
@@ -7429,7 +7429,7 @@ QUEUED_NOTES = (("repeated", "already_queued"), ("wait", "next_attempt_at"))
 
 
 def write_said(doc, what=None):
-    """WRITE_SAID of a write's document: of its outcome, or of `what`."""
+    # WRITE_SAID of a write's document: of its outcome, or of `what`.
     state = doc["state"] if doc["state"] in WRITE_SAID else PENDING
     when = when_utc(parse_iso(doc["next_attempt_at"])) if doc.get("next_attempt_at") else None
     return WRITE_SAID[what or state].format(
@@ -7456,8 +7456,8 @@ def show_write(doc, out):
 
 
 def _one_line(text, width=SNIPPET_CHARS):
-    """Text for one line of output: newlines and tabs shown as \\n and \\t, runs of
-    spaces kept short, and at most `width` characters (a single long token too)."""
+    # Text for one line of output: newlines and tabs shown as \n and \t, runs of
+    # spaces kept short, and at most `width` characters (a single long token too).
     text = (text or "").strip().replace("\t", "\\t").replace("\r\n", "\\n").replace("\n", "\\n")
     text = " ".join(filter(None, text.split(" ")))  # no spaces at the ends: stripped
     return text if len(text) <= width else text[:width - 1] + "…"
@@ -7599,7 +7599,7 @@ def show_doctor(doc, out):
 
 
 def show_auto_flush(doc, out):
-    """The line an online command adds when its automatic flush delivered something."""
+    # The line an online command adds when its automatic flush delivered something.
     af = doc.get("auto_flush")
     if not isinstance(af, dict) or not (af["synced"] or af["duplicate"] or af["failed"]
                                         or af["error"]):
@@ -7684,8 +7684,8 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
 
 
 def render(command, doc, json_mode, out=None, bold=False, width=None, short=None):
-    """Print a command's document: as JSON (the exact text), or with the command's
-    renderer, through TerminalText (escaped)."""
+    # Print a command's document: as JSON (the exact text), or with the command's
+    # renderer, through TerminalText (escaped).
     out = out or sys.stdout
     if json_mode:
         emit_json(doc, out)
@@ -7704,8 +7704,8 @@ def render_json_version(out=None):
 
 
 def render_error(err, json_mode, out=None):
-    """An error: one line on stderr, and under --json its document on stdout. Words a
-    write could not keep anywhere else follow in full on stderr (and in the document)."""
+    # An error: one line on stderr, and under --json its document on stdout. Words a
+    # write could not keep anywhere else follow in full on stderr (and in the document).
     warn(str(err))
     unsaved = getattr(err, "unsaved_text", None)
     if unsaved is not None:
@@ -7740,7 +7740,7 @@ RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results,
 
 
 class RpcError(Exception):
-    """A JSON-RPC error answer (not a tool's failure: that is a result)."""
+    # A JSON-RPC error answer (not a tool's failure: that is a result).
 
     def __init__(self, code, message):
         Exception.__init__(self, message)
@@ -7748,7 +7748,7 @@ class RpcError(Exception):
 
 
 def _json_kind(value):
-    """'a string', 'an array', ...: what a JSON value is, for a message."""
+    # 'a string', 'an array', ...: what a JSON value is, for a message.
     return {str: "a string", list: "an array", bool: "a boolean", int: "a number",
             float: "a number", dict: "an object"}.get(type(value), "null")
 
@@ -7758,7 +7758,7 @@ def rpc_error(rid, code, message):
 
 
 def git_root(folder):
-    """The nearest folder at or above `folder` that holds a .git, or None."""
+    # The nearest folder at or above `folder` that holds a .git, or None.
     folder = os.path.abspath(folder)
     while True:
         if os.path.exists(os.path.join(folder, ".git")):
@@ -7770,9 +7770,9 @@ def git_root(folder):
 
 
 def resolve_project(explicit, environ, cwd):
-    """(project, where it came from): the argument, else QMEM_PROJECT, else the name of
-    CLAUDE_PROJECT_DIR, else the name of the git root of cwd; (None, None) when none
-    says. The server's cwd is where its client started it, often not the project."""
+    # (project, where it came from): the argument, else QMEM_PROJECT, else the name of
+    # CLAUDE_PROJECT_DIR, else the name of the git root of cwd; (None, None) when none
+    # says. The server's cwd is where its client started it, often not the project.
     if explicit and explicit.strip():
         return explicit.strip(), "argument"
     named = (environ.get("QMEM_PROJECT") or "").strip()
@@ -7806,7 +7806,7 @@ _ID = _prop("string", "a memory id (from qmem_search or qmem_find)")
 
 
 class McpTool:
-    """One tool: its listing, the arguments it takes, and the server method that runs it."""
+    # One tool: its listing, the arguments it takes, and the server method that runs it.
 
     def __init__(self, name, title, description, properties, required, read_only, idempotent):
         self.name, self.title, self.description = name, title, description
@@ -7824,9 +7824,9 @@ class McpTool:
                                 "idempotentHint": self.idempotent, "openWorldHint": False}}
 
     def arguments(self, given):
-        """The arguments, each converted to its declared type the way models send them
-        ("5" for 5, "true" for true, "Decision" for decision); null is absent. An unknown
-        or missing argument is a UsageError (the tool's result, not a protocol error)."""
+        # The arguments, each converted to its declared type the way models send them
+        # ("5" for 5, "true" for true, "Decision" for decision); null is absent. An unknown
+        # or missing argument is a UsageError (the tool's result, not a protocol error).
         args = {}
         for name, value in given.items():
             key = self.aliases.get(name, name)
@@ -7855,8 +7855,8 @@ MCP_ALIASES = {"q": "query", "project": "project_id", "type": "kind", "memory_id
 
 
 def _mcp_value(name, value, prop):
-    """One argument converted to the property's type, or a UsageError saying what it
-    must be."""
+    # One argument converted to the property's type, or a UsageError saying what it
+    # must be.
     kind, shown = prop["type"], _fit(json.dumps(value, ensure_ascii=False), 40)
     if kind == "string":
         if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -7889,7 +7889,7 @@ def _mcp_value(name, value, prop):
 
 
 def _mcp_number(value, pattern):
-    """A finite number, or a string of one that matches pattern; else None."""
+    # A finite number, or a string of one that matches pattern; else None.
     import math
     if isinstance(value, bool):
         return None
@@ -7971,7 +7971,7 @@ MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
 
 
 def mcp_instructions():
-    """The server's instructions (clients cap them at 2 KB): the rules, plain."""
+    # The server's instructions (clients cap them at 2 KB): the rules, plain.
     rules = "\n".join("- %s" % text.replace("`", "") for _, text in AGENT_RULES)
     return "%s\n%s\nThis machine: %s." % (RULES_INTRO, rules, machine_identity())
 
@@ -7979,8 +7979,8 @@ def mcp_instructions():
 # -- results: what the model reads (structuredContent, and the same as JSON text)
 
 def tool_result(structured, is_error=False):
-    """A tools/call result: Claude Code shows the model only structuredContent, Gemini
-    CLI only the text, so the text is the same document."""
+    # A tools/call result: Claude Code shows the model only structuredContent, Gemini
+    # CLI only the text, so the text is the same document.
     return {"content": [{"type": "text", "text": json.dumps(structured, ensure_ascii=False)}],
             "structuredContent": structured, "isError": bool(is_error)}
 
@@ -7994,8 +7994,8 @@ def _str_or_none(value):
 
 
 def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
-    """A record (the gateway's answer, or a local row) as a result shows it: only the
-    record's own fields, each of its type; the text cut to `cut` in a list of results."""
+    # A record (the gateway's answer, or a local row) as a result shows it: only the
+    # record's own fields, each of its type; the text cut to `cut` in a list of results.
     out = {"id": _str_or_none(rec.get("id"))}
     for key in FIELDS:
         value = rec.get(key)
@@ -8029,9 +8029,9 @@ def _in_project(project):
 
 
 class McpServer:
-    """The protocol over one connection: handle(message) -> reply (or None). Its
-    Operations is made at the first tool call, so a broken configuration or database
-    costs tool results that say so, never the handshake or the tool list."""
+    # The protocol over one connection: handle(message) -> reply (or None). Its
+    # Operations is made at the first tool call, so a broken configuration or database
+    # costs tool results that say so, never the handshake or the tool list.
 
     def __init__(self, load, environ=None, cwd=None, clock=time.time):
         self.load, self.clock = load, clock  # load() -> Config, or ConfigError
@@ -8052,7 +8052,7 @@ class McpServer:
 
     # -- messages
     def handle_line(self, raw):
-        """One line off the wire (bytes) -> the reply, or None."""
+        # One line off the wire (bytes) -> the reply, or None.
         raw = raw.strip()
         if raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark some writers put first
             raw = raw[3:]
@@ -8141,7 +8141,7 @@ class McpServer:
 
     # -- tools
     def run_tool(self, tool, given):
-        """A tool's result: what it did, or (isError) why not and what to do next."""
+        # A tool's result: what it did, or (isError) why not and what to do next.
         self.warnings = []
         previous = set_diagnostics(self._diagnostic)
         try:
@@ -8180,8 +8180,8 @@ class McpServer:
             return None
 
     def _diagnostic(self, message):
-        """warn() while a tool runs: on stderr, and in the result (the model sees it; not
-        what the background flush says)."""
+        # warn() while a tool runs: on stderr, and in the result (the model sees it; not
+        # what the background flush says).
         stderr_diagnostic(message)
         if len(self.warnings) < 10 and self.flusher_thread_is_not_me():
             self.warnings.append(_fit(message, 300))
@@ -8200,8 +8200,8 @@ class McpServer:
         return out
 
     def operations(self):
-        """The Operations, made again when the config file changed since (a `qmem.py
-        config url …` reaches every running server at its next call)."""
+        # The Operations, made again when the config file changed since (a `qmem.py
+        # config url …` reaches every running server at its next call).
         if self.ops is not None and self.config_stamp != _file_stamp(self.ops.config.path):
             self.ops.close()
             self.ops = None
@@ -8216,9 +8216,9 @@ class McpServer:
         return self.ops
 
     def after_answer(self):
-        """Once an answer is out: drop the gateway connection, and if this call reached the
-        gateway and writes are ready, deliver them in the background (one flush at a
-        time, on its own connections), so that no answer waits for it."""
+        # Once an answer is out: drop the gateway connection, and if this call reached the
+        # gateway and writes are ready, deliver them in the background (one flush at a
+        # time, on its own connections), so that no answer waits for it.
         if self.ops is None:
             return
         try:
@@ -8244,8 +8244,8 @@ class McpServer:
             ops.close()
 
     def finish(self, wait_s=1.5):
-        """At the end of the input: give a background flush a moment to end (a killed one
-        costs nothing: its writes are taken over by the next)."""
+        # At the end of the input: give a background flush a moment to end (a killed one
+        # costs nothing: its writes are taken over by the next).
         if self.flusher is not None:
             self.flusher.join(wait_s)
 
@@ -8382,13 +8382,13 @@ _NEXT_STEPS = {
 
 
 def _printable(text):
-    """Text with what cannot be shown or stored taken out (controls, lone surrogates), trimmed."""
+    # Text with what cannot be shown or stored taken out (controls, lone surrogates), trimmed.
     return "".join(ch for ch in text if ch.isprintable() and
                    not 0xD800 <= ord(ch) <= 0xDFFF).strip()
 
 
 def _check_project(project, where):
-    """A project name as a filter or a label: printable, at most MAX_PROJECT characters."""
+    # A project name as a filter or a label: printable, at most MAX_PROJECT characters.
     if len(project) > MAX_PROJECT or _printable(project) != project:
         raise UsageError("the project %s (from %s) is not a project name: it must be at most %d "
                          "printable characters"
@@ -8398,8 +8398,8 @@ def _check_project(project, where):
 
 
 def _for_agents(text):
-    """Words written for the command line, with its commands that are tools here named
-    as the tools."""
+    # Words written for the command line, with its commands that are tools here named
+    # as the tools.
     for command in ("find", "search", "get", "store", "correct", "meta"):
         text = text.replace("`qmem.py %s`" % command, "qmem_" + command)
     return text.replace(PROJECT_HINT, "pass project_id")
@@ -8467,7 +8467,7 @@ def _get_note(doc, record):
 
 
 def _written(doc, where, corrects=None):
-    """A write's result: stored, queued, duplicate or failed, and what that means."""
+    # A write's result: stored, queued, duplicate or failed, and what that means.
     state, rid, project = doc["state"], doc["id"], doc["project_id"]
     status = {SYNCED: "stored", DUPLICATE: "duplicate", FAILED: "failed"}.get(state, "queued")
     what = ("correction of %s" % corrects) if corrects else "memory"
@@ -8525,9 +8525,9 @@ class _Stop(BaseException):
 
 
 def mcp_wire():
-    """The protocol's own copies of fds 0 and 1; then fd 0 reads nothing and fd 1 goes
-    to stderr, so a stray print (or a child process) can neither corrupt the output nor
-    eat the input."""
+    # The protocol's own copies of fds 0 and 1; then fd 0 reads nothing and fd 1 goes
+    # to stderr, so a stray print (or a child process) can neither corrupt the output nor
+    # eat the input.
     wire_in, wire_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -8541,9 +8541,9 @@ def mcp_wire():
 
 
 def read_message(stream):
-    """The next message line (bytes); b"" for a line over MAX_MESSAGE (skipped to its
-    end); None at the end of the input. A last line without its newline is kept only
-    when it is whole JSON: else the input ended in the middle of a message."""
+    # The next message line (bytes); b"" for a line over MAX_MESSAGE (skipped to its
+    # end); None at the end of the input. A last line without its newline is kept only
+    # when it is whole JSON: else the input ended in the middle of a message.
     line = stream.readline(MAX_MESSAGE + 1)
     if not line:
         return None
@@ -8563,8 +8563,8 @@ def read_message(stream):
 
 
 def encode_message(reply):
-    """One message as its line: compact JSON in UTF-8 (U+2028 and U+2029 escaped, as
-    some readers split lines there; ASCII when a text holds a lone surrogate)."""
+    # One message as its line: compact JSON in UTF-8 (U+2028 and U+2029 escaped, as
+    # some readers split lines there; ASCII when a text holds a lone surrogate).
     try:
         text = json.dumps(reply, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         return (text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
@@ -8574,10 +8574,10 @@ def encode_message(reply):
 
 
 def serve_mcp(server, wire_in, wire_out):
-    """Answer messages in order until the input ends or SIGTERM comes, which ends the
-    server at once, also in the middle of a call: a write is in the outbox before any
-    network, a transaction rolls back, a claim is given back, and the client that sent
-    SIGTERM waits for no answer. Returns the exit code."""
+    # Answer messages in order until the input ends or SIGTERM comes, which ends the
+    # server at once, also in the middle of a call: a write is in the outbox before any
+    # network, a transaction rolls back, a claim is given back, and the client that sent
+    # SIGTERM waits for no answer. Returns the exit code.
     import signal
 
     def on_signal(signum, frame):
@@ -8634,8 +8634,8 @@ MIN_COLUMNS = 40  # the narrowest layout; a smaller COLUMNS gets this one
 
 
 def _terminal_width():
-    """The width output fits: COLUMNS where it is set, else the terminal's; None for a
-    pipe (nothing is cut then)."""
+    # The width output fits: COLUMNS where it is set, else the terminal's; None for a
+    # pipe (nothing is cut then).
     columns = os.environ.get("COLUMNS", "").strip()
     if columns.isdecimal() and len(columns) <= 5 and int(columns):
         return max(int(columns), MIN_COLUMNS)
@@ -8657,7 +8657,7 @@ def cli_find(ops, a):
 
 
 def _filters(a):
-    """The Filters of find's and search's options (search has no --deleted)."""
+    # The Filters of find's and search's options (search has no --deleted).
     return Filters(*(getattr(a, name, default) for name, default
                      in zip(Filters._fields, Filters())))
 
@@ -8675,8 +8675,8 @@ def cli_install(ops, a):
 
 
 def run_mcp(args):
-    """`qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
-    first message: the configuration and the database at the first tool call."""
+    # `qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
+    # first message: the configuration and the database at the first tool call.
     try:
         cwd = os.getcwd()
     except OSError:  # a folder deleted under the client
@@ -8737,7 +8737,7 @@ def _interactive():
 
 
 def _read_key(what="API key"):
-    """A key from a hidden prompt on a terminal, else one line of stdin."""
+    # A key from a hidden prompt on a terminal, else one line of stdin.
     try:
         if sys.stdin.isatty():
             import getpass
@@ -8748,7 +8748,7 @@ def _read_key(what="API key"):
 
 
 def config_menu(ops, a):
-    """The numbered menu of the extension's /qmem:config, for a terminal."""
+    # The numbered menu of the extension's /qmem:config, for a terminal.
     while True:
         print("qmem config (%s)\n  1) set gateway URL (now: %s)\n  2) change API key (now: %s)\n"
               "  3) test the connection\n  4) show everything\n  5) cancel" % (
@@ -8777,7 +8777,7 @@ def config_menu(ops, a):
 
 
 def _read_text(a):
-    """The memory's text from the argument, --text-file, or stdin ('-'), as given."""
+    # The memory's text from the argument, --text-file, or stdin ('-'), as given.
     sources = [s for s in (a.text is not None and a.text != "-", a.text_file is not None,
                            a.text == "-") if s]
     if len(sources) > 1:
@@ -8858,7 +8858,7 @@ def cli_queue(ops, a):
 
 
 def _confirm(verb, rows, what):
-    """Ask on a terminal before acting on these outbox rows; elsewhere --yes is needed."""
+    # Ask on a terminal before acting on these outbox rows; elsewhere --yes is needed.
     if not _interactive():
         raise UsageError("queue --%s asks first" % verb,
                          hint="add --yes to %s without asking" % verb)
@@ -8872,7 +8872,7 @@ def _confirm(verb, rows, what):
 
 
 def with_progress(label, work):
-    """Run work(progress) with a progress line on stderr (only on a terminal)."""
+    # Run work(progress) with a progress line on stderr (only on a terminal).
     progress = Progress(label)
     try:
         return work(progress)
@@ -8918,23 +8918,23 @@ def cli_pull(ops, a):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse whose usage errors are QmemErrors: one line (and a JSON document under
-    --json), exit 2, like every other error."""
+    # argparse whose usage errors are QmemErrors: one line (and a JSON document under
+    # --json), exit 2, like every other error.
 
     def error(self, message):
         raise UsageError(message, hint="see `%s --help`" % self.prog)
 
 
 class _Unused:
-    """A subparser not built: the command line names another command."""
+    # A subparser not built: the command line names another command.
 
     def add_argument(self, *args, **kw):
         pass
 
 
 def build_parser(only=None):
-    """The parser; with only=COMMAND, of that command alone (a quarter of the cost of
-    all of them, paid by every run)."""
+    # The parser; with only=COMMAND, of that command alone (a quarter of the cost of
+    # all of them, paid by every run).
     # argparse makes a formatter for every argument, and without a width it asks shutil:
     # importing shutil (with bz2 and lzma) cost a `find` more than all of its parsing.
     import functools
@@ -9144,7 +9144,7 @@ def add_filters(sp):
 
 
 def main(argv=None):
-    """Run one qmem command; return its exit code."""
+    # Run one qmem command; return its exit code.
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == [_WRITER_COMMAND] and len(argv) == 2:
         return _run_writer(argv[1])
@@ -9211,8 +9211,8 @@ def main(argv=None):
 
 
 def _config_for(args):
-    """The configuration; for doctor a broken one is a finding (args.config_error),
-    not the end: it goes on with the defaults."""
+    # The configuration; for doctor a broken one is a finding (args.config_error),
+    # not the end: it goes on with the defaults.
     args.config_error = None
     try:
         return load_config(overrides={"localDbPath": args.db})
@@ -9228,10 +9228,10 @@ def _config_for(args):
 
 
 def _global_options(argv):
-    """--json, --debug and --db may stand anywhere before a `--`, also between a
-    command's arguments: they are taken out and put before the command. Returns the
-    new argv, and whether --json and --debug were asked (known before parsing, so that
-    a usage error can be a JSON document too)."""
+    # --json, --debug and --db may stand anywhere before a `--`, also between a
+    # command's arguments: they are taken out and put before the command. Returns the
+    # new argv, and whether --json and --debug were asked (known before parsing, so that
+    # a usage error can be a JSON document too).
     end = argv.index("--") if "--" in argv else len(argv)
     front, kept = [], []
     words = iter(argv[:end])
@@ -9248,7 +9248,7 @@ def _global_options(argv):
 
 
 def _command_word(argv):
-    """The command an argv (after _global_options) names, or None."""
+    # The command an argv (after _global_options) names, or None.
     words = iter(argv)
     for word in words:
         if word == "--db":
@@ -9286,9 +9286,9 @@ def _run_writer(db_path):
 
 
 def exit_now(code):
-    """End the process with `code`, its output flushed, without the interpreter's teardown:
-    freeing every module and function object of a process about to end costs ~7 ms, a
-    sixth of a `find`. Every file and database connection is closed by then."""
+    # End the process with `code`, its output flushed, without the interpreter's teardown:
+    # freeing every module and function object of a process about to end costs ~7 ms, a
+    # sixth of a `find`. Every file and database connection is closed by then.
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
