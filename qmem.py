@@ -3039,22 +3039,22 @@ def _text_of(content):
         return content
     if not isinstance(content, list):
         return ""
-    return "\n".join(b.get("text", "") for b in content
+    return "\n".join(b["text"] for b in content
                      if isinstance(b, dict) and isinstance(b.get("text"), str))
 
 
 def _json_in_text(text):
     # A JSON object that makes up the whole text, or None.
     stripped = text.strip()
-    if stripped.startswith("{") and stripped.endswith("}"):
-        try:
-            data = json.loads(stripped)
-        except (ValueError, RecursionError):
-            return None
-        if "\\u" in stripped:  # it may spell a lone surrogate
-            data = without_surrogates(data)
-        return data if isinstance(data, dict) else None
-    return None
+    if not (stripped.startswith("{") and stripped.endswith("}")):
+        return None
+    try:
+        data = json.loads(stripped)  # a dict, as the text starts with "{"
+    except (ValueError, RecursionError):
+        return None
+    if "\\u" in stripped:  # it may spell a lone surrogate
+        data = without_surrogates(data)
+    return data
 
 
 def records_from_call(name, call_args, result):
@@ -3075,8 +3075,11 @@ def records_from_call(name, call_args, result):
         return [(h, VIEW_HIT) for h in hits or () if isinstance(h, dict)]
     record = details.get("record")
     if isinstance(record, dict) and record.get("id"):
-        out = dict(record)
-        view = VIEW_FULL
+        out, view = dict(record), VIEW_FULL
+        # a full record needs the call's arguments only for a correction that does not
+        # say what it supersedes
+        if name != "qmem_correct" or out.get("supersedes_id"):
+            return [(out, view)]
     else:
         text = _text_of(result.get("content"))  # read only when details lack the record
         from_text = _json_in_text(text) or {}
@@ -3092,12 +3095,7 @@ def records_from_call(name, call_args, result):
             return [(from_text, VIEW_FULL)]
         if name not in ("qmem_store", "qmem_correct"):
             return []
-        out = dict(from_text)
-        out["id"] = rid
-        view = VIEW_ARGS
-    if name not in ("qmem_store", "qmem_correct") or (
-            view == VIEW_FULL and (name == "qmem_store" or out.get("supersedes_id"))):
-        return [(out, view)]
+        out, view = dict(from_text, id=rid), VIEW_ARGS
     args = call_args()
     args = args if isinstance(args, dict) else {}
     for key in FIELDS:
@@ -3122,7 +3120,7 @@ _CALL_ID_IN_LINE = LazyPattern(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
 _SETTLED_MAX = 100000
 _CHUNK = 1 << 22  # bytes read at a time
 MAX_LINE_BYTES = 64 << 20  # a session line longer than this is skipped, not kept
-_QMEM_TOOLS = frozenset(("qmem_store", "qmem_search", "qmem_get", "qmem_correct", "qmem_meta"))
+_QMEM_TOOLS = frozenset("qmem_store qmem_search qmem_get qmem_correct qmem_meta".split())
 # Seconds of import work per transaction: each commit rewrites the pages it touched.
 BATCH_S = 1.0
 
@@ -3233,10 +3231,10 @@ class Importer:
         # Read one session file from `offset`; merge what its memory calls tell; keep
         # the calls still waiting for a result. Returns the number of rows merged.
         conn = self.store.conn
-        calls = {}  # toolCall id -> (name, arguments, timestamp) or the raw assistant line
-        for call_id, name, args, ts in conn.execute(
-                "SELECT call_id, name, args, ts FROM open_calls WHERE path=?", (path,)):
-            calls[call_id] = (name, json.loads(args) if args else {}, ts)
+        # toolCall id -> (name, arguments, timestamp) or the raw assistant line
+        calls = {call_id: (name, json.loads(args) if args else {}, ts)
+                 for call_id, name, args, ts in conn.execute(
+                     "SELECT call_id, name, args, ts FROM open_calls WHERE path=?", (path,))}
         try:
             results, session_id, status, pos = self._read_file(path, offset, calls)
         except OSError as e:  # unreadable, or gone since it was listed: the next import tries again
@@ -3311,6 +3309,7 @@ class Importer:
                     if pending_len > MAX_LINE_BYTES:
                         pending, pending_len, skipping = [], 0, True
                 continue
+            tail = len(chunk) - end  # bytes of a line that goes on past the chunk
             if skipping:  # the long line ends in this chunk: skip it, scan what follows
                 self.stats.lines_skipped += 1
                 buf, start, skipping = chunk, chunk.find(b"\n") + 1, False
@@ -3319,7 +3318,6 @@ class Importer:
                 end += pending_len
             else:
                 buf, start = chunk, 0  # the common case: no copy
-            tail = len(chunk) - (chunk.rfind(b"\n") + 1)
             pending, pending_len = ([chunk[-tail:]], tail) if tail else ([], 0)
             self._scan_lines(buf, start, end, calls, results)
             consumed = read - pending_len
@@ -3352,7 +3350,7 @@ class Importer:
             call_id = msg.get("toolCallId")
             if not isinstance(call_id, str) or call_id not in calls:
                 continue  # a result whose call we never saw: nothing to pair it with
-            seen = iso_norm(ts) if isinstance(ts, str) else None
+            seen = iso_norm(ts)
             if seen and (stats.newest_entry_at is None or seen > stats.newest_entry_at):
                 stats.newest_entry_at = seen
             call = calls.pop(call_id)
@@ -3400,13 +3398,12 @@ class Importer:
             return
         if self.bulk is not None:
             self.bulk.append((rec["id"], view, seen_at) + _FIELD_VALUES(rec))
-            outcome = None
         else:
             outcome = self.store.upsert(rec, view, seen_at)
-        if outcome == "new":
-            self.stats.records_new += 1
-        elif outcome == "updated":
-            self.stats.records_updated += 1
+            if outcome == "new":
+                self.stats.records_new += 1
+            elif outcome == "updated":
+                self.stats.records_updated += 1
         if view == VIEW_FULL:
             if len(self.settled) >= _SETTLED_MAX:
                 self.settled.clear()
@@ -3475,7 +3472,7 @@ class _WriterProcess:
     def put(self, job):
         try:
             self.proc.stdin.write(frame(job))
-        except (BrokenPipeError, OSError):
+        except OSError:  # a broken pipe among others
             self.finish(None)  # raises the child's own error
             raise StoreError("the import writer process ended early")
 
@@ -3537,9 +3534,8 @@ def _cores():
 def _child_environment():
     # What a child process needs of the environment, and no secret (QMEM_API_KEY, a
     # proxy's password, tokens): the writer needs no gateway at all.
-    keep = ("PATH", "HOME", "TMPDIR", "TEMP", "TMP", "LANG", "LC_ALL", "LC_CTYPE", "SYSTEMROOT",
-            "PYTHONPATH",
-            "PYTHONIOENCODING", "PYTHONUTF8")
+    keep = ("PATH HOME TMPDIR TEMP TMP LANG LC_ALL LC_CTYPE SYSTEMROOT PYTHONPATH PYTHONIOENCODING "
+            "PYTHONUTF8").split()
     return {k: v for k, v in os.environ.items() if k in keep}
 
 
@@ -3570,14 +3566,20 @@ def _writer_main(db_path):
     return EXIT_OK
 
 
-def _add_calls(calls, entry):
-    # Register the qmem toolCalls of a parsed assistant entry.
+def _qmem_calls(entry):
+    # The qmem toolCall blocks (each with a str id) of a parsed assistant entry.
     msg = entry and entry.get("message")
     for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
         if (isinstance(block, dict) and block.get("type") == "toolCall"
                 and isinstance(block.get("id"), str)
-            and str(block.get("name", "")).startswith("qmem_")):
-            calls[text_of(block["id"])] = _call_of(block, entry)
+                and str(block.get("name", "")).startswith("qmem_")):
+            yield block
+
+
+def _add_calls(calls, entry):
+    # Register the qmem toolCalls of a parsed assistant entry.
+    for block in _qmem_calls(entry):
+        calls[text_of(block["id"])] = _call_of(block, entry)
 
 
 def _call_of(block, entry):
@@ -3594,12 +3596,8 @@ def _take_call(calls, call_id):
     if not isinstance(found, bytes):
         return found
     entry = _parse_line(found)
-    msg = entry and entry.get("message")
-    for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
-        if (isinstance(block, dict) and block.get("type") == "toolCall"
-            and isinstance(block.get("id"), str)
-                and text_of(block["id"]) == call_id
-            and str(block.get("name", "")).startswith("qmem_")):
+    for block in _qmem_calls(entry):
+        if text_of(block["id"]) == call_id:
             return _call_of(block, entry)
     return None
 
@@ -3696,14 +3694,11 @@ MAX_TYPO_WORD = 30   # a longer one is no word mistyped
 MAX_NEAR_WORDS = 8   # words of a query looked up for near spellings: past them, a paste
 MIN_PREFIX_WORD = 4  # a word form may be the word with an ending: deploy -> deploys
 
-_EN_SUFFIXES = ("ations", "ation", "ions", "ion", "ments", "ment", "ingly", "edly", "ings", "ing",
-                "ies", "ied",
-                "es", "ed", "ly", "s", "e", "y")
-_IT_SUFFIXES = ("amente", "imente", "mente", "azioni", "azione", "zioni", "zione", "avano", "evano",
-                "ivano",
-                "ando", "endo", "iamo", "ata", "ate", "ati", "ato", "ita", "ite", "iti", "ito",
-                "uta", "ute",
-                "uti", "uto", "are", "ere", "ire", "ano", "ono", "a", "e", "i", "o")
+# (in order: the first of a list that fits is taken)
+_EN_SUFFIXES = tuple("ations ation ions ion ments ment ingly edly ings ing ies ied es ed ly s e y"
+                     .split())
+_IT_SUFFIXES = tuple("""amente imente mente azioni azione zioni zione avano evano ivano ando endo
+iamo ata ate ati ato ita ite iti ito uta ute uti uto are ere ire ano ono a e i o""".split())
 
 
 def word_forms(word):
@@ -3888,17 +3883,18 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     use_fts = store.fts and not store.meta("fts_pending")
     near = ((lambda word: near_spellings(store, word)) if use_fts
             else (lambda word: like_near_spellings(store, word)) if store.folded else None)
-    found, levels, asked, cur, terms = {}, [], set(), None, []
+    found, levels, asked, terms = {}, [], set(), []
     for match, level, every in search_levels(tokens, near):
         levels.append((match, level))
         if use_fts and match != "all":  # (an exact word the index lacks just matches nothing)
             level = _held_only(store, level, every)
-        if not level or (repr(level), every) in asked:
+        key = repr(level), every
+        if not level or key in asked:
             continue
         want = len(found) + (limit if every else max(2 * limit, 20))
         cur = store.conn.execute(*(_fts_query if use_fts else _like_query)(
             store, level, every, where, params, want, highlight, snippets=not asked))
-        asked.add((repr(level), every))
+        asked.add(key)
         terms += [alternative for alternatives in level for alternative in alternatives]
         for row in cur.fetchall():
             found.setdefault(row[0], (row, match if every else "any"))
@@ -4081,6 +4077,13 @@ def _plain_snippet(text, tokens, width=160):
     return ("…" if start else "") + piece + ("…" if start + width < len(text) else "")
 
 
+# The record counts of `status`, in the order local_status() selects them; and the times
+# it shows under "lag" as they are kept in meta (newest_entry_at shows as
+# newest_entry_imported_at, before them).
+_RECORD_COUNTS = ("total", "superseded", "deleted", "private", "partial_only", "pending", "failed")
+_LAST_TIMES = ("last_import_at", "last_pull_at", "last_flush_at", "last_load_at", "last_load_from")
+
+
 def local_status(store):
     # Everything the local side knows, as one dict (see `status --json`).
     q = store.conn.execute
@@ -4092,12 +4095,11 @@ def local_status(store):
                     sum(private != 0), sum(view = 0), sum(pending = 1), sum(pending = 2)
              FROM records""").fetchone()
     total = r[0]
-    records = {"total": total, "superseded": r[1] or 0, "deleted": r[2] or 0, "private": r[3] or 0,
-               "partial_only": r[4] or 0, "pending": r[5] or 0, "failed": r[6] or 0,
-               "by_kind": counts("SELECT kind, count(*) FROM records GROUP BY kind "
-                                 "ORDER BY 2 DESC"),
-               "by_project": counts("SELECT project_id, count(*) FROM records GROUP BY project_id "
-                                    "ORDER BY 2 DESC")}
+    records = dict(zip(_RECORD_COUNTS, (n or 0 for n in r)),  # (a sum of no rows is NULL)
+                   by_kind=counts("SELECT kind, count(*) FROM records GROUP BY kind "
+                                  "ORDER BY 2 DESC"),
+                   by_project=counts("SELECT project_id, count(*) FROM records "
+                                     "GROUP BY project_id ORDER BY 2 DESC"))
     outbox = dict.fromkeys(OUTBOX_STATES, 0)
     outbox.update(counts("SELECT state, count(*) FROM outbox GROUP BY state"))
     dups = q("""SELECT count(*), coalesce(sum(n), 0) FROM (
@@ -4115,11 +4117,7 @@ def local_status(store):
                      "complete_share": round((total - records["partial_only"]) / total, 4) if total
                      else None},
         "lag": {"newest_entry_imported_at": store.meta("newest_entry_at"),
-                "last_import_at": store.meta("last_import_at"),
-                "last_pull_at": store.meta("last_pull_at"),
-                "last_flush_at": store.meta("last_flush_at"),
-                "last_load_at": store.meta("last_load_at"),
-                "last_load_from": store.meta("last_load_from")},
+                **{k: store.meta(k) for k in _LAST_TIMES}},
         "duplicates": {"groups": dups[0], "records": dups[1]},
         "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0)},
         "db": {"path": store.path, "bytes": size, "schema_version": SCHEMA_VERSION},
@@ -4130,14 +4128,10 @@ def local_status(store):
 
 def empty_status(db_path):
     # local_status() of a machine with no index yet: every count 0.
-    records = {"total": 0, "superseded": 0, "deleted": 0, "private": 0, "partial_only": 0,
-               "pending": 0, "failed": 0,
-               "by_kind": {}, "by_project": {}}
+    records = dict(dict.fromkeys(_RECORD_COUNTS, 0), by_kind={}, by_project={})
     return {"source": "local_sqlite", "records": records, "outbox": dict.fromkeys(OUTBOX_STATES, 0),
             "coverage": {"complete": 0, "search_hit_only": 0, "complete_share": None},
-            "lag": dict.fromkeys(("newest_entry_imported_at", "last_import_at", "last_pull_at",
-                                  "last_flush_at",
-                                  "last_load_at", "last_load_from")),
+            "lag": dict.fromkeys(("newest_entry_imported_at",) + _LAST_TIMES),
             "duplicates": {"groups": 0, "records": 0}, "sessions": {"files": 0, "not_sessions": 0},
             "db": {"path": db_path, "bytes": 0, "schema_version": None},
             "fts": {"available": None, "tokenizer": None}, "machine": machine_identity()}
