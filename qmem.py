@@ -5905,40 +5905,37 @@ def utf8_arguments(method):
 # How agents use the memory well: the MCP server's instructions, and `qmem.py rules`
 # for AGENTS.md, CLAUDE.md or GEMINI.md. Each tool's description repeats its rule's
 # essence (for clients that do not pass instructions on).
-RULES_INTRO = ("qmem is the memory shared by the AI agents of this team: facts, decisions, "
-               "preferences and episodes, per project, on a gateway, with a local index and outbox "
-               "on this machine.")
+RULES_INTRO = (
+    "qmem is the memory shared by the AI agents of this team: facts, decisions, preferences and "
+    "episodes, per project, on a gateway, with a local index and outbox on this machine.")
 AGENT_RULES = (
-    ("Project", "Pass `project_id` on every call: the project's short name, e.g. its repository's. "
-                "Without it the server uses QMEM_PROJECT, then the name of CLAUDE_PROJECT_DIR, "
-     "then the git "
-                "root of its own folder; every result says which project it used."),
+    ("Project",
+     "Pass `project_id` on every call: the project's short name, e.g. its repository's. Without "
+     "it the server uses QMEM_PROJECT, then the name of CLAUDE_PROJECT_DIR, then the git root of "
+     "its own folder; every result says which project it used."),
     ("Search first",
-     "Before answering about earlier decisions, preferences or facts, search: `qmem_search` "
-                     "asks the shared memory by meaning, `qmem_find` matches words in this "
-     "machine's index, "
-                     "offline."),
+     "Before answering about earlier decisions, preferences or facts, search: `qmem_search` asks "
+     "the shared memory by meaning, `qmem_find` matches words in this machine's index, offline."),
     ("Scores",
      "A gateway score of 0.60 or more is a strong match, 0.45-0.60 a weak one to check before "
-               "relying on it. Local results (source `local_sqlite`) have no score: they matched "
-     "words, "
-               "not meaning."),
+     "relying on it. Local results (source `local_sqlite`) have no score: they matched words, "
+     "not meaning."),
     ("Store",
-     "Store durable knowledge with `qmem_store`: facts, decisions with their reasons, preferences, "
-              "notable episodes; one self-contained memory per call, not chatter."),
+     "Store durable knowledge with `qmem_store`: facts, decisions with their reasons, "
+     "preferences, notable episodes; one self-contained memory per call, not chatter."),
     ("Correct",
      "When a memory is wrong or outdated, call `qmem_correct` with its id instead of storing a "
-                "contradicting one: the old memory is kept, marked superseded."),
+     "contradicting one: the old memory is kept, marked superseded."),
     ("Discover",
      "`qmem_meta` lists the projects, kinds and agents the memory holds: use it to find the "
-                 "right `project_id`."),
-    ("Offline", "A write the gateway cannot take now is queued on this machine (status `queued`): "
-                "`qmem_find` sees it at once, other agents only once it is delivered (later, "
-     "exactly once). "
-                "Do not store it again."),
-    ("Machine", "Memories written here name this machine (hostname and OS) as their source; "
-                "`qmem_meta` says which machine that is (`machine`), to tell this host's "
-                "memories from others'."),
+     "right `project_id`."),
+    ("Offline",
+     "A write the gateway cannot take now is queued on this machine (status `queued`): "
+     "`qmem_find` sees it at once, other agents only once it is delivered (later, exactly once). "
+     "Do not store it again."),
+    ("Machine",
+     "Memories written here name this machine (hostname and OS) as their source; `qmem_meta` "
+     "says which machine that is (`machine`), to tell this host's memories from others'."),
 )
 
 
@@ -6118,15 +6115,11 @@ class Operations:
         config = self.config
         doc = {"url": config["url"], "configured": bool(config["url"]), "file": config.breaker_path,
                "reset": bool(reset), "trip_after": config["breakerTripAfter"]}
-        if not config["url"]:
-            return dict(doc, state="closed", refusing=False, failures=0, trips=0, open_until=None,
-                        opened_at=None,
-                        opened_after=0, why_open=None, retry_in_ms=0, last_error=None,
-                        last_error_at=None)
         breaker = Breaker.from_config(config, clock=self.clock)
-        if reset:
+        if reset and config["url"]:
             breaker.reset()
-        state, now = breaker.read(), self.clock()
+        # no gateway configured: a closed breaker, never read nor reset
+        state, now = breaker.read() if config["url"] else Breaker._CLOSED, self.clock()
         is_open = state["state"] == "open"
         doc.update(state=state["state"], refusing=breaker.refuses(state, now),
                    failures=state["failures"],
@@ -6206,8 +6199,7 @@ class Operations:
         if not bundle_key_ok(key):
             raise UsageError("a bundle key must be %d to %d printable characters without spaces "
                              "(128 bits: 32 hex digits)" % (MIN_BUNDLE_KEY, MAX_KEY),
-                             hint="nothing was saved; "
-                             "`qmem.py config bundle-key --new` makes one")
+                             hint="nothing was saved; `qmem.py config bundle-key --new` makes one")
         write_config(self.config, {"bundleKey": key})
         doc = {"action": "bundle-key", "file": self.config.path, "key": "bundleKey",
                "value": mask_secret(key), "key_id": bundle_key_id(key)}
@@ -6278,7 +6270,7 @@ class Operations:
         # Write a memory: into the outbox and the index at once, then to the gateway
         # (unless queue_only); it stays queued while the gateway cannot take it. A text
         # holding a credential is refused unless allow_secret (never offered to agents).
-        supersedes = _check_id((supersedes or "").strip(), "--supersedes") if supersedes else None
+        supersedes = _check_id(supersedes.strip(), "--supersedes") if supersedes else None
         payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires,
                                  private,
                                  supersedes, reason)
@@ -6536,29 +6528,20 @@ class Operations:
     # -- the outbox
     def queue(self, state=None):
         # The outbox, oldest first (empty on a fresh machine).
-        if not self.has_index():
-            return {"source": "outbox", "counts": dict.fromkeys(OUTBOX_STATES, 0), "items": [],
-                    "writes_stuck": self.writes_stuck()}
-        store = self.store()
-        items = store.outbox_items(state, self.clock())
-        return {"source": "outbox", "counts": store.outbox_counts(), "items": items,
+        counts, items = dict.fromkeys(OUTBOX_STATES, 0), []
+        if self.has_index():
+            items = self.store().outbox_items(state, self.clock())
+            counts = self.store().outbox_counts()
+        return {"source": "outbox", "counts": counts, "items": items,
                 "writes_stuck": self.writes_stuck()}
 
     @utf8_arguments
     def drop(self, ids, force=False, dry_run=False):
         # Discard failed or duplicate writes and their local records; waiting ones
         # only with force. Nothing is discarded unless every id may be.
-        ids = [i.strip() for i in ids if i and i.strip()]
-        if not ids:
-            raise UsageError("queue --drop needs the local id of at least one write")
-        if not self.has_index():
-            raise UsageError("no outbox here yet: nothing to drop")
+        rows = self._outbox_rows(ids, "queue --drop needs the local id of at least one write",
+                                 "no outbox here yet: nothing to drop")[1]
         store = self.store()
-        rows = store.outbox_items(None, self.clock(), ids=ids)
-        unknown = sorted(set(ids) - {r["local_id"] for r in rows})
-        if unknown:
-            raise UsageError("no write %s in the outbox" % ", ".join(unknown),
-                             hint="see `qmem.py queue`")
         for r in rows:
             r["claimant_gone"] = claimant_is_gone(store.claim_of(r["local_id"]))
             _check_droppable(r, force, self.clock())
@@ -6575,17 +6558,27 @@ class Operations:
         return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
                 "counts": store.outbox_counts()}
 
-    def release(self, ids, dry_run=False):
-        # Let held writes (from an unverified bundle) be sent: the user vouches for them.
-        # Nothing is released unless every id is a held write.
+    def _outbox_rows(self, ids, usage, no_outbox=None):
+        # The ids given to queue --drop or --release (blanks left out) and their outbox
+        # rows. None given is the error `usage`; with `no_outbox`, so is a missing index;
+        # an id not in the outbox is refused.
         ids = [i.strip() for i in ids if i and i.strip()]
         if not ids:
-            raise UsageError("queue --release needs the local id of at least one held write")
+            raise UsageError(usage)
+        if no_outbox and not self.has_index():
+            raise UsageError(no_outbox)
         rows = self.store().outbox_items(None, self.clock(), ids=ids) if self.has_index() else []
         unknown = sorted(set(ids) - {r["local_id"] for r in rows})
         if unknown:
             raise UsageError("no write %s in the outbox" % ", ".join(unknown),
                              hint="see `qmem.py queue`")
+        return ids, rows
+
+    def release(self, ids, dry_run=False):
+        # Let held writes (from an unverified bundle) be sent: the user vouches for them.
+        # Nothing is released unless every id is a held write.
+        ids, rows = self._outbox_rows(
+            ids, "queue --release needs the local id of at least one held write")
         not_held = [r["local_id"] for r in rows if r["state"] != HELD]
         if not_held:
             raise UsageError("%s is not held: only writes an unverified bundle brought are"
@@ -6939,12 +6932,13 @@ def _kept_aside(err, payload, folder):
     # The StoreError of a write that could not be queued, with the user's text saved to
     # a file it names (in the database's folder, else the temporary one), or, when no file
     # can be written either, carried in full for the front end to show.
-    import tempfile
+    import shlex, tempfile
     name = "qmem-unsaved-%s-%s.txt" % (time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
-    flags = "".join(" %s %s" % (flag, _shell_word(str(payload[key])))
+    flags = "".join(" %s %s" % (flag, shlex.quote(str(payload[key])))
                     for key, flag in _RETRY_FLAGS if payload.get(key))
     if payload.get("private"):
         flags += " --private"
+    before = err.hint + "; " if err.hint else ""  # the error's own hint comes first
     for where in (folder, tempfile.gettempdir()):
         path = os.path.join(where, name)
         try:
@@ -6954,13 +6948,11 @@ def _kept_aside(err, payload, folder):
         except OSError:
             continue
         return StoreError("%s; nothing was queued" % err.message, kind=err.kind,
-                          hint="%syour text is saved in %s: to store it after that, `%s`" % (
-                              err.hint + "; " if err.hint else "", path,
-                              "qmem.py store --text-file %s%s" % (_shell_word(path), flags)))
+                          hint="%syour text is saved in %s: to store it after that, `qmem.py "
+                          "store --text-file %s%s`" % (before, path, shlex.quote(path), flags))
     failed = StoreError("%s; nothing was queued, and no file could hold your text either"
                         % err.message,
-                        kind=err.kind, hint="%syour text follows in full on stderr" % (
-                            err.hint + "; " if err.hint else ""))
+                        kind=err.kind, hint="%syour text follows in full on stderr" % before)
     failed.unsaved_text = payload["text"]
     return failed
 
@@ -6969,11 +6961,6 @@ def _kept_aside(err, payload, folder):
 _RETRY_FLAGS = (("project_id", "--project"), ("kind", "--kind"), ("scope", "--scope"),
                 ("supersedes_id", "--supersedes"),
                 ("supersede_reason", "--reason"), ("expires_at", "--expires"))
-
-
-def _shell_word(text):
-    import shlex
-    return shlex.quote(text)
 
 
 SHORT_ID = 8  # the fewest characters of an id a narrow terminal shows, and a person types
@@ -8646,8 +8633,8 @@ def _color_ok():
 
 
 def cli_find(ops, a):
-    marks = HIGHLIGHT if not a.json else ("", "")
-    return ops.find(" ".join(a.query), _filters(a), limit=a.limit, highlight=marks)
+    return ops.find(" ".join(a.query), _filters(a), limit=a.limit,
+                    highlight=("", "") if a.json else HIGHLIGHT)
 
 
 def _filters(a):
@@ -8681,9 +8668,9 @@ def run_mcp(args):
 
 
 def cli_search(ops, a):
-    marks = HIGHLIGHT if not a.json else ("", "")
     return ops.search(" ".join(a.query), _filters(a), top_k=a.top_k, min_score=a.min_score,
-                      require_remote=a.require_remote, highlight=marks)
+                      require_remote=a.require_remote,
+                      highlight=("", "") if a.json else HIGHLIGHT)
 
 
 def cli_get(ops, a):
@@ -8751,7 +8738,7 @@ def config_menu(ops, a):
         try:
             choice = input("choose 1-5: ").strip()
             if choice in ("5", "q", ""):
-                return {"action": "menu", "file": ops.config.path}
+                break
             if choice not in ("1", "2", "3", "4"):
                 print("please answer 1 to 5")
                 continue
@@ -8764,17 +8751,16 @@ def config_menu(ops, a):
             render("config", doc, False)
         except EOFError:
             print()
-            return {"action": "menu", "file": ops.config.path}
+            break
         except QmemError as e:
             render_error(e, False)
         ops.reload(load_config(overrides={"localDbPath": a.db}))
+    return {"action": "menu", "file": ops.config.path}
 
 
 def _read_text(a):
     # The memory's text from the argument, --text-file, or stdin ('-'), as given.
-    sources = [s for s in (a.text is not None and a.text != "-", a.text_file is not None,
-                           a.text == "-") if s]
-    if len(sources) > 1:
+    if a.text is not None and a.text_file is not None:  # an argument or '-', and a file
         raise UsageError("give the text once: as an argument, with --text-file, or on stdin with -")
     where = a.text_file if a.text_file is not None else "stdin"
     try:
@@ -8826,7 +8812,13 @@ def cli_queue(ops, a):
         if a.drop or a.state or a.force:
             raise UsageError("--release ID… goes alone (with --yes)")
         if not a.yes:
-            _confirm("release", ops.release(a.release, dry_run=True)["released"], "may be sent")
+            rows = ops.release(a.release, dry_run=True)["released"]
+            if not _interactive():
+                raise UsageError("queue --release asks first",
+                                 hint="add --yes to release without asking")
+            # what is let out is shown whole
+            _confirm(rows, MAX_TEXT, "release %s: it may be sent?" % plural(len(rows), "write"),
+                     "nothing done")
         return ops.release(a.release)
     if not a.drop:
         if a.force or a.yes:
@@ -8835,34 +8827,27 @@ def cli_queue(ops, a):
     if a.state:
         raise UsageError("--state lists rows; --drop ID… discards them: one at a time")
     if not a.yes:
-        plan = ops.drop(a.drop, force=a.force, dry_run=True)
+        rows = ops.drop(a.drop, force=a.force, dry_run=True)["dropped"]
         if not _interactive():
             raise UsageError("queue --drop asks before discarding",
                              hint="add --yes to discard without asking")
-        for it in plan["dropped"]:
-            sys.stderr.write("  %s  %-9s %s\n"
-                             % (it["local_id"], it["state"], visible(_one_line(it["text"], 60))))
-        sys.stderr.write("discard %s and %s? [y/N] " % (
-            plural(len(plan["dropped"]), "write"),
-            "its record" if len(plan["dropped"]) == 1 else "their records"))
-        sys.stderr.flush()
-        if sys.stdin.readline().strip().lower() not in ("y", "yes"):
-            raise QmemError("nothing discarded", kind="cancelled")
+        records = "its record" if len(rows) == 1 else "their records"
+        _confirm(rows, 60, "discard %s and %s?" % (plural(len(rows), "write"), records),
+                 "nothing discarded")
     return ops.drop(a.drop, force=a.force)
 
 
-def _confirm(verb, rows, what):
-    # Ask on a terminal before acting on these outbox rows; elsewhere --yes is needed.
-    if not _interactive():
-        raise UsageError("queue --%s asks first" % verb,
-                         hint="add --yes to %s without asking" % verb)
-    for it in rows:  # what is let out is shown whole
-        shown = visible(_one_line(it["text"], MAX_TEXT))
+def _confirm(rows, width, question, cancelled):
+    # Ask on stderr before acting on these outbox rows (each shown, its text cut to
+    # width), on a terminal (--yes is needed elsewhere: the caller says so): y or yes
+    # goes on, any other answer is the QmemError `cancelled`.
+    for it in rows:
+        shown = visible(_one_line(it["text"], width))
         sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], shown))
-    sys.stderr.write("%s %s: it %s? [y/N] " % (verb, plural(len(rows), "write"), what))
+    sys.stderr.write(question + " [y/N] ")
     sys.stderr.flush()
     if sys.stdin.readline().strip().lower() not in ("y", "yes"):
-        raise QmemError("nothing done", kind="cancelled")
+        raise QmemError(cancelled, kind="cancelled")
 
 
 def with_progress(label, work):
@@ -8946,10 +8931,10 @@ def build_parser(only=None):
     p = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
                 formatter_class=functools.partial(argparse.RawDescriptionHelpFormatter,
                                                   width=width))
-    p.add_argument("--json", action="store_true", default=False, help=argparse.SUPPRESS)
+    add_flag(p, "--json", argparse.SUPPRESS)
     p.add_argument("--db", metavar="PATH",
                    help="local database (overrides localDbPath and QMEM_SQLITE)")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for expected errors too")
+    add_flag(p, "--debug", "show tracebacks for expected errors too")
     p.add_argument("--version", action="version", version="qmem.py " + __version__)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -8975,10 +8960,10 @@ def build_parser(only=None):
                     help="words to look for (all must match; the last may be a prefix)")
     add_filters(sp)
     sp.add_argument("--limit", default=10, help="at most this many results (default 10)")
-    sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
-    sp.add_argument("--deleted", action="store_true", help="show only deleted records (tombstones)")
-    sp.add_argument("--private", action="store_true", help="also show private records")
-    sp.add_argument("--include-expired", action="store_true", help="also show expired records")
+    add_flag(sp, "--include-superseded", "also show corrected records")
+    add_flag(sp, "--deleted", "show only deleted records (tombstones)")
+    add_flag(sp, "--private", "also show private records")
+    add_flag(sp, "--include-expired", "also show expired records")
 
     command("status", cli_status,
             "What the local side knows: records, outbox, coverage, lag, database.")
@@ -8989,9 +8974,9 @@ def build_parser(only=None):
     add_filters(sp)
     sp.add_argument("--top-k", "--limit", dest="top_k", default=8,
                     help="at most this many results (default 8)")
-    sp.add_argument("--include-superseded", action="store_true", help="also show corrected records")
+    add_flag(sp, "--include-superseded", "also show corrected records")
     sp.add_argument("--min-score", type=float, help="drop results scoring below this (0-1)")
-    sp.add_argument("--private", action="store_true", help="also show private records")
+    add_flag(sp, "--private", "also show private records")
     add_remote(sp)
 
     sp = command("get", cli_get,
@@ -9027,55 +9012,50 @@ def build_parser(only=None):
                  "discards failed or duplicate ones).")
     sp.add_argument("--state", choices=OUTBOX_STATES, help="only rows in this state")
     sp.add_argument("--drop", nargs="+", metavar="ID",
-                    help="discard these failed or duplicate writes and "
-                    "their local records")
-    sp.add_argument("--force", action="store_true",
-                    help="with --drop: also discard writes still waiting to be sent")
+                    help="discard these failed or duplicate writes and their local records")
+    add_flag(sp, "--force", "with --drop: also discard writes still waiting to be sent")
     sp.add_argument("--release", nargs="+", metavar="ID", help="let these held writes (from an "
                     "unverified bundle) be sent")
-    sp.add_argument("--yes", action="store_true", help="with --drop or --release: do not ask first")
+    add_flag(sp, "--yes", "with --drop or --release: do not ask first")
 
     sp = command("flush", cli_flush,
                  "Deliver queued writes to the gateway, oldest first, each exactly once.")
-    sp.add_argument("--retry-failed", action="store_true", help="try rows that failed again")
-    sp.add_argument("--respect-retry-after", action="store_true",
-                    help="leave rows that wait out a backoff or a Retry-After (default: try them "
-                    "now)")
+    add_flag(sp, "--retry-failed", "try rows that failed again")
+    add_flag(sp, "--respect-retry-after",
+             "leave rows that wait out a backoff or a Retry-After (default: try them now)")
 
     sp = command("enrich", cli_enrich,
                  "Fetch full records from the gateway for those known here only partially.")
     sp.add_argument("ids", nargs="*", metavar="ID",
                     help="these records (default: those known partially)")
-    sp.add_argument("--all", action="store_true", help="every record of the local index")
+    add_flag(sp, "--all", "every record of the local index")
 
     sp = command("pull", cli_pull, "Copy the shared memory into the local index, incrementally "
                  "(GET /v1/memories:export).")
-    sp.add_argument("--full", action="store_true", help="start over from the beginning")
+    add_flag(sp, "--full", "start over from the beginning")
 
     sp = command("export", cli_export,
                  "Write the local knowledge and the outbox to one file (a bundle) to carry to "
                  "another host.")
     sp.add_argument("file", metavar="FILE",
-                    help="the bundle to write (- for stdout; the summary then goes "
-                    "to stderr)")
+                    help="the bundle to write (- for stdout; the summary then goes to stderr)")
     sp.add_argument("--project", action="append", metavar="P",
                     help="only this project (repeatable)")
     sp.add_argument("--since", metavar="DATE", help="only what changed since this date")
-    sp.add_argument("--records-only", action="store_true", help="the records, not the outbox")
-    sp.add_argument("--outbox-only", action="store_true",
-                    help="the outbox (the writes made here), not the records")
+    add_flag(sp, "--records-only", "the records, not the outbox")
+    add_flag(sp, "--outbox-only", "the outbox (the writes made here), not the records")
 
     sp = command("load", cli_load,
                  "Merge a bundle written by `export` on another host (checked whole first).")
     sp.add_argument("file", metavar="FILE", help="the bundle to read (- for stdin)")
-    sp.add_argument("--dry-run", action="store_true", help="say what would change, change nothing")
+    add_flag(sp, "--dry-run", "say what would change, change nothing")
 
     sp = command("doctor", cli_doctor,
                  "Say what is wrong here and what to do: versions, database, config, the link to "
                  "the gateway, breaker, outbox.")
-    sp.add_argument("--offline", action="store_true", help="skip the network checks")
-    sp.add_argument("--repair", action="store_true", help="first rebuild the local database's "
-                    "indexes (REINDEX) and its text index, inside SQLite")
+    add_flag(sp, "--offline", "skip the network checks")
+    add_flag(sp, "--repair", "first rebuild the local database's indexes (REINDEX) and its "
+             "text index, inside SQLite")
 
     command("mcp", run_mcp,
             "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
@@ -9090,22 +9070,20 @@ def build_parser(only=None):
                  "Write a launcher, qmem, that runs this file with its compiled code cached "
                  "(faster: python3 qmem.py compiles the whole file on every command).")
     sp.add_argument("--bin", metavar="DIR", help="where to write it (default ~/.local/bin)")
-    sp.add_argument("--uninstall", action="store_true", help="remove the launcher written there")
+    add_flag(sp, "--uninstall", "remove the launcher written there")
 
     sp = command("breaker", cli_breaker,
                  "Show the circuit breaker shared by every qmem process here (--reset closes it).")
-    sp.add_argument("--reset", action="store_true", help="close the breaker now")
+    add_flag(sp, "--reset", "close the breaker now")
 
     sp = command("config", cli_config,
                  "Show or change the configuration (shared with the pi extension).",
                  epilog="Actions: show | url URL | apikey (reads stdin or prompts) | bundle-key "
-                 "[--new] (the same) | set KEY VALUE | test. "
-                 "With none, on a terminal: a menu.")
+                 "[--new] (the same) | set KEY VALUE | test. With none, on a terminal: a menu.")
     sp.add_argument("action", nargs="?",
                     choices=("show", "url", "apikey", "bundle-key", "set", "test"))
     sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
-    sp.add_argument("--new", action="store_true",
-                    help="with bundle-key: make a new key (printed once)")
+    add_flag(sp, "--new", "with bundle-key: make a new key (printed once)")
     p.commands = built
     return p if only is None or only in built else build_parser()
 
@@ -9119,16 +9097,20 @@ def add_write_options(sp, default_kind, reason):
     sp.add_argument("--agent", help="agent_id (default qmem.py)")
     sp.add_argument("--source", help="provenance (default: this machine)")
     sp.add_argument("--expires", metavar="DATE", help="hidden from search after this date")
-    sp.add_argument("--private", action="store_true", help="hidden from search unless asked for")
+    add_flag(sp, "--private", "hidden from search unless asked for")
     sp.add_argument("--reason", help=reason)
-    sp.add_argument("--queue-only", action="store_true", help="only queue it; `flush` sends it")
-    sp.add_argument("--allow-secret", action="store_true", help="store it even though its text "
-                    "holds what looks like a credential (a key, a token, a password)")
+    add_flag(sp, "--queue-only", "only queue it; `flush` sends it")
+    add_flag(sp, "--allow-secret", "store it even though its text holds what looks like a "
+             "credential (a key, a token, a password)")
+
+
+def add_flag(sp, name, about):
+    # An option that is there or not (False unless given).
+    sp.add_argument(name, action="store_true", help=about)
 
 
 def add_remote(sp):
-    sp.add_argument("--require-remote", action="store_true",
-                    help="fail (exit 3) instead of answering from the local index")
+    add_flag(sp, "--require-remote", "fail (exit 3) instead of answering from the local index")
 
 
 def add_filters(sp):
@@ -9230,12 +9212,10 @@ def _global_options(argv):
     front, kept = [], []
     words = iter(argv[:end])
     for word in words:
-        if word in ("--json", "--debug"):
+        if word in ("--json", "--debug") or word.startswith("--db="):
             front.append(word)
         elif word == "--db":
             front += [word, next(words, "")]
-        elif word.startswith("--db="):
-            front.append(word)
         else:
             kept.append(word)
     return front + kept + argv[end:], "--json" in front, "--debug" in front
