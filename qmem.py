@@ -1999,21 +1999,20 @@ def _merge_sql():
     # the newest updated_at. Returns the INSERT of a new record, the UPDATE of a known one
     # (which changes nothing, and counts nothing, when the view adds nothing), and both in
     # one UPSERT for bulk loads (SQLite 3.24+: no read per record). Rows are bound as dicts
-    # keyed _MERGE_KEYS (named parameters: a value is used several times).
-    n = {f: ":" + f for f in _MERGE_KEYS}
+    # keyed _MERGE_KEYS (named parameters, :field: a value is used several times).
     values = ["coalesce(:text, '')" if f == "text" else "coalesce(:private, 0)"
-              if f == "private" else n[f] for f in _MERGE_KEYS]
+              if f == "private" else ":" + f for f in _MERGE_KEYS]
     newer = "(:updated_at IS NOT NULL AND (updated_at IS NULL OR :updated_at > updated_at))"
     sets, conds = [], [newer]
     for f in IMMUTABLE:
         missing = "text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL"
-        conds.append("(%s IS NOT NULL AND (:view > view OR %s))" % (n[f], missing))
-        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, conds[-1], n[f], f))
+        conds.append("(:%s IS NOT NULL AND (:view > view OR %s))" % (f, missing))
+        sets.append("%s = CASE WHEN %s THEN :%s ELSE %s END" % (f, conds[-1], f, f))
     sets.append("updated_at = CASE WHEN %s THEN :updated_at ELSE updated_at END" % newer)
     for f in MUTABLE:
-        conds.append("({p} IS NOT NULL AND {p} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
-            p=n[f], f=f, newer=newer))
-        sets.append("%s = CASE WHEN %s THEN %s ELSE %s END" % (f, conds[-1], n[f], f))
+        conds.append("(:{f} IS NOT NULL AND :{f} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
+            f=f, newer=newer))
+        sets.append("%s = CASE WHEN %s THEN :%s ELSE %s END" % (f, conds[-1], f, f))
     sets += ["view = max(view, :view)", "seen_at = coalesce(:seen_at, seen_at)"]
     insert = "INSERT INTO records(id, view, seen_at, %s, words) VALUES(%s, :words)" % (
         ", ".join(FIELDS), ", ".join(values))
@@ -2093,16 +2092,21 @@ def _check_private(path):
                                   "chown it to yourself and chmod go-w")
 
 
+# The columns of the outbox rows a bundle carries, then done_at (read to choose them, not carried).
 _OUTBOX_BUNDLE_COLUMNS = ("id", "op", "payload", "target", "state", "gateway_id", "duplicate_of",
-                          "attempts",
-                          "created_at", "last_error", "last_status")
+                          "attempts", "created_at", "last_error", "last_status", "done_at")
+
+
+def _placeholders(values):
+    # '?, ?, ?': one SQL parameter for each of the values, for an IN (...) or a VALUES(...).
+    return ", ".join("?" * len(values))
 
 
 def _bundle_filter(projects, since):
     where, params = ["origin < %d" % ORIGIN_UNVERIFIED], []  # what came unverified stays here
     if projects:
-        where.append("project_id IN (%s)" % ", ".join("?" * len(projects)))
-        params += list(projects)
+        where.append("project_id IN (%s)" % _placeholders(projects))
+        params += projects
     if since:
         where.append("coalesce(updated_at, created_at) >= ?")
         params.append(since)
@@ -2121,7 +2125,8 @@ class Store:
             _create_private(path)
         _check_private(path)
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
-        # the one style that behaves the same on every Python (reliability.md §4.1).
+        # the one style that behaves the same on every Python (reliability.md §4.1). The
+        # timeout is SQLite's busy timeout (every Python's connect sets it: no PRAGMA needed).
         try:
             self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as e:
@@ -2133,7 +2138,6 @@ class Store:
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
         self.known = None         # bulk load: hashes of every id in the table
         try:
-            self.conn.execute("PRAGMA busy_timeout=%d" % int(BUSY_TIMEOUT_S * 1000))
             version = self._check_ours()
             if version < SCHEMA_VERSION:
                 self._migrate(version)
@@ -2159,7 +2163,7 @@ class Store:
         # Read in one transaction, so that a qmem.py creating it meanwhile is no stranger.
         self.conn.execute("BEGIN")
         try:
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            version = self._one("PRAGMA user_version")
             tables = {n for (n,)
                       in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         finally:
@@ -2225,7 +2229,7 @@ class Store:
         return "records_index" if self.fts_words else "records_fts"
 
     def _migrate(self, version):
-        if self.conn.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() != "wal":
+        if self._one("PRAGMA journal_mode=WAL").lower() != "wal":
             warn("%s: WAL journal not available here; concurrent use will be slower" % self.path)
         tokenizer = fts5_tokenizer() if version == 0 else None
         if version == 0 and tokenizer is None:
@@ -2233,7 +2237,7 @@ class Store:
                  "(words, their forms and near spellings, newest first rather than ranked)")
         with self.transaction():
             # Re-read under the write lock: another process may have migrated meanwhile.
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            version = self._one("PRAGMA user_version")
             for n in range(version, SCHEMA_VERSION):
                 if n == 0:
                     MIGRATIONS[n](self.conn, tokenizer)
@@ -2261,19 +2265,26 @@ class Store:
     def close(self):
         self.conn.close()
 
-    def meta(self, key, default=None):
-        row = self.conn.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+    def _one(self, sql, params=(), default=None):
+        # The first value of the first row the query finds, or default if it finds none.
+        row = self.conn.execute(sql, params).fetchone()
         return row[0] if row else default
+
+    def meta(self, key, default=None):
+        return self._one("SELECT value FROM meta WHERE key=?", (key,), default)
 
     def set_meta(self, key, value):
         self.conn.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, value))
 
     def get(self, record_id):
         # One record as a dict, or None.
-        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
-                                % ", ".join(FIELDS), (record_id,))
-        row = cur.fetchone()
-        return _row_dict(cur, row) if row else None
+        rec = _row_dict(self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
+                                          % ", ".join(FIELDS), (record_id,)))
+        if rec:
+            local = rec["pending"]
+            rec.update(private=bool(rec["private"]), pending=local == LOCAL_WAITING,
+                       failed=local == LOCAL_FAILED)
+        return rec
 
     @property
     def bulk_sql(self):
@@ -2289,11 +2300,11 @@ class Store:
         # process knew: another import may have inserted the same records since (a rowcount
         # counts those as nothing).
         self.known.update(hash(row["id"] if masked else row[0]) for row in rows)
-        before = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
+        before = self._one("SELECT coalesce(max(rid), 0) FROM records")
         bound = rows if masked else (_masked(dict(zip(_MERGE_KEYS, row)), self.fts)
                                      for row in rows)
         changed = self.conn.executemany(_MERGE_SQL, bound).rowcount
-        new = self.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0] - before
+        new = self._one("SELECT coalesce(max(rid), 0) FROM records") - before
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
@@ -2337,10 +2348,9 @@ class Store:
 
     def outbox_row(self, local_id):
         # One outbox row's outcome: state, gateway_id, duplicate_of, last_error, last_status.
-        cur = self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, last_status, "
-                                "next_attempt_at FROM outbox WHERE id=?", (local_id,))
-        row = cur.fetchone()
-        return _row_dict(cur, row) if row else None
+        return _row_dict(self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, "
+                                           "last_status, next_attempt_at FROM outbox WHERE id=?",
+                                           (local_id,)))
 
     def from_gateway(self, rec, view, seen_at):
         # upsert() of a view the gateway gave: it replaces what a bundle said of the record
@@ -2353,18 +2363,15 @@ class Store:
         # said of this id (the record, and a held write of that id); True if there was
         # one. A trusted view of the id takes its place. One indexed query on every view
         # the gateway gives.
-        row = self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE id=? AND "
-                                "origin>=? AND pending != 2", (record_id, least)).fetchone()
-        if row is None:
+        if self._one("SELECT 1 FROM records WHERE id=? AND origin>=? AND pending != 2",
+                     (record_id, least)) is None:
             return False
         self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (record_id,))
-        self._unindex(row[0], row[1:])
-        self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
+        self.delete(record_id)
         return True
 
     def origin_of(self, record_id):
-        row = self.conn.execute("SELECT origin FROM records WHERE id=?", (record_id,)).fetchone()
-        return None if row is None else row[0]
+        return self._one("SELECT origin FROM records WHERE id=?", (record_id,))
 
     def set_origin(self, record_ids, origin):
         self.conn.executemany("UPDATE records SET origin=? WHERE id=?",
@@ -2431,7 +2438,7 @@ class Store:
         if state:
             where, params = "WHERE state=?", (state,)
         elif ids is not None:
-            where, params = "WHERE id IN (%s)" % ", ".join("?" * len(ids)), tuple(ids)
+            where, params = "WHERE id IN (%s)" % _placeholders(ids), ids
         items = []
         for (rid, op, st, attempts, created, error, gateway_id, dup, payload, next_at, lease_until
              ) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, "
@@ -2456,16 +2463,15 @@ class Store:
 
     def claim_of(self, local_id):
         # The claim token of an outbox row (None when no flusher holds it).
-        row = self.conn.execute("SELECT claim_token FROM outbox WHERE id=?", (local_id,)).fetchone()
-        return row[0] if row else None
+        return self._one("SELECT claim_token FROM outbox WHERE id=?", (local_id,))
 
     def corrections_of(self, local_ids):
         # {correction's local id: the id it corrects} for unsettled corrections of these
         # writes, beyond the writes themselves.
-        marks = ", ".join("?" * len(local_ids))
+        marks = _placeholders(local_ids)
         return dict(self.conn.execute(
             "SELECT id, target FROM outbox WHERE target IN (%s) AND id NOT IN (%s) AND state IN "
-            "('pending', 'sending', 'failed')" % (marks, marks), list(local_ids) * 2).fetchall())
+            "('pending', 'sending', 'failed')" % (marks, marks), local_ids * 2))
 
     def drop_writes(self, local_ids):
         # Discard outbox rows and their local records (one transaction); what a dropped
@@ -2505,8 +2511,7 @@ class Store:
 
     def bundle_record_count(self, projects, since):
         where, params = _bundle_filter(projects, since)
-        return self.conn.execute("SELECT count(*) FROM records WHERE pending=0 AND " + where,
-                                 params).fetchone()[0]
+        return self._one("SELECT count(*) FROM records WHERE pending=0 AND " + where, params)
 
     def bundle_records(self, projects, since):
         # The records a bundle carries (not this machine's own writes: their outbox rows
@@ -2525,15 +2530,15 @@ class Store:
         # The outbox rows a bundle carries, as dicts: those of the projects asked for,
         # changed (made or settled) since `since`, and the rows they correct, so that a
         # correction never travels without its target.
-        rows = [dict(zip(_OUTBOX_BUNDLE_COLUMNS + ("done_at",), row)) for row in self.conn.execute(
-            "SELECT %s, done_at FROM outbox WHERE state != 'held' ORDER BY rid" % ", ".join(
+        rows = [dict(zip(_OUTBOX_BUNDLE_COLUMNS, row)) for row in self.conn.execute(
+            "SELECT %s FROM outbox WHERE state != 'held' ORDER BY rid" % ", ".join(
                 _OUTBOX_BUNDLE_COLUMNS))]
         wanted = {r["id"] for r in rows
                   if (not since or iso_from_epoch(max(r["created_at"], r["done_at"] or 0))
                                              >= since)
                   and (not projects or json.loads(r["payload"]).get("project_id") in projects)}
         by_id = {r["id"]: r for r in rows}
-        for r in list(rows):
+        for r in rows:
             target = r["target"]
             while r["id"] in wanted and target in by_id and target not in wanted:
                 wanted.add(target)
@@ -2559,7 +2564,7 @@ class Store:
             self.drop_local(local_id, other_id)
 
     def journal_mode(self):
-        return self.conn.execute("PRAGMA journal_mode").fetchone()[0]
+        return self._one("PRAGMA journal_mode")
 
     def integrity(self, budget_s):
         # Check every page, every index against its table (PRAGMA integrity_check: quick_check
@@ -2607,25 +2612,23 @@ class Store:
                                  (when,)).fetchone()
 
     def is_empty(self):
-        return self.conn.execute("SELECT 1 FROM records LIMIT 1").fetchone() is None
+        return self._one("SELECT 1 FROM records LIMIT 1") is None
 
     def outbox_bytes(self, held=False):
         # The bytes of the payloads of writes not yet settled (waiting or refused), or of
         # the held ones.
         states = "('held')" if held else "('pending', 'sending', 'failed')"
-        return self.conn.execute("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
-                                 "FROM outbox WHERE state IN %s" % states).fetchone()[0]
+        return self._one("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
+                         "FROM outbox WHERE state IN %s" % states)
 
     def outbox_waiting(self):
         # Writes made here that are not in shared memory yet and will be sent.
-        return self.conn.execute("SELECT count(*) FROM outbox WHERE state IN ('pending', "
-                                 "'sending')").fetchone()[0]
+        return self._one("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')")
 
     def outbox_ready(self, now):
         # Writes a flush would send now (not counting those of a claimant since gone).
-        return self.conn.execute("SELECT count(*) FROM outbox WHERE state='pending' AND "
-                                 "next_attempt_at<=? OR state='sending' AND lease_until<?",
-                                 (now, now)).fetchone()[0]
+        return self._one("SELECT count(*) FROM outbox WHERE state='pending' AND "
+                         "next_attempt_at<=? OR state='sending' AND lease_until<?", (now, now))
 
     def claim_tokens(self, now):
         # The claims on writes being sent, whose leases still run.
@@ -2636,9 +2639,8 @@ class Store:
     def current_id(self, record_id):
         # The id a record is known by here now: a local id of a write that has since
         # been delivered maps to its gateway id (or, for a duplicate, to the original).
-        row = self.conn.execute("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
-                                (record_id,)).fetchone()
-        return row[0] if row and row[0] else record_id
+        return self._one("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
+                         (record_id,)) or record_id
 
     def ids_starting(self, prefix, tables=("records", "outbox"), limit=11):
         # The ids here (of records, of outbox rows or both) that start with prefix, in
@@ -2654,7 +2656,7 @@ class Store:
         # corrections refer to a local id: referenced=False (the caller knows there is
         # none) saves two scans of the table.
         rec = _masked(normalize_record(data), False)
-        gid, conn = rec["id"], self.conn
+        gid = rec["id"]
         if gid != local_id:
             self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
         # What the index holds for this row is what was sent; re-index only if that changed.
@@ -2664,10 +2666,9 @@ class Store:
         try:
             # The gateway's view of every field it gave wins: it is the complete record.
             given = [f for f in FIELDS if rec[f] is not None]
-            conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?"
-                         % "".join(
-                ", %s=?" % f for f in given),
-                         [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
+            self.conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?"
+                              % "".join(", %s=?" % f for f in given),
+                              [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
         # the gateway id is here already (pulled meanwhile): keep that row
         except sqlite3.IntegrityError:
             self.delete(local_id)
@@ -2694,17 +2695,17 @@ class Store:
             self._unindex(row[0], row[1:])
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
-    def _index(self, rid, values, command="", words=None):
+    def _index(self, rid, values, command=None, words=None):
         # Index a row's (text, project_id, kind) and its identifiers' words (`words`, when
         # they were computed already); command='delete' removes them (FTS5's external-content
         # index needs the values it indexed).
         if self.fts and not self.defer_index:
-            row = (command or None, rid, values[0] or "", values[1], values[2])
+            row = (command, rid, values[0] or "", values[1], values[2])
             if self.fts_words:
                 row += (identifier_words(values[0]) if words is None else words,)
             self.conn.execute("INSERT INTO {0}({0}, rowid, {1}{2}) VALUES({3})".format(
                 self.fts_table, _FTS_COLUMNS, ", words" if self.fts_words else "",
-                ", ".join("?" * len(row))), row)
+                _placeholders(row)), row)
 
     def index_identifiers(self):
         # An index made before schema 4 made anew with its identifiers' words (once: see
@@ -2722,7 +2723,7 @@ class Store:
         self._index(rid, values, "delete")
 
     def _reindex(self, rid, old, new):
-        if tuple(old) != tuple(new):
+        if old != new:  # (both tuples)
             self._unindex(rid, old)
             self._index(rid, new)
 
@@ -2758,7 +2759,7 @@ class Store:
     def refresh(self):
         # Forget what was cached from the index (its terms) once it has changed, here or in
         # another connection: for a long-lived process, such as the MCP server.
-        mark = (self.conn.execute("PRAGMA data_version").fetchone()[0], self.conn.total_changes)
+        mark = (self._one("PRAGMA data_version"), self.conn.total_changes)
         if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
             self.near, self._terms, self._mark = {}, None, mark
             self.see_index()
@@ -2811,28 +2812,22 @@ class Store:
         # others, oldest first.
         chain, current = [], local_id
         for _ in range(most):
-            row = self.conn.execute("SELECT t.id FROM outbox o JOIN outbox t ON t.id = o.target "
-                                    "WHERE o.id=? AND t.state IN (?, ?)",
-                                    (current,) + WAITING).fetchone()
-            if row is None:
+            current = self._one("SELECT t.id FROM outbox o JOIN outbox t ON t.id = o.target "
+                                "WHERE o.id=? AND t.state IN (?, ?)", (current,) + WAITING)
+            if current is None:
                 break
-            chain.insert(0, row[0])
-            current = row[0]
+            chain.insert(0, current)
         return chain
 
     def waiting_write(self, op, payload_text):
         # The local id of a write with exactly this payload still waiting to be sent, or None.
-        row = self.conn.execute("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, "
-                                "?) LIMIT 1",
-                                (op, payload_text) + WAITING).fetchone()
-        return row[0] if row else None
+        return self._one("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, ?) "
+                         "LIMIT 1", (op, payload_text) + WAITING)
 
     def failures(self, local_ids):
         # {local id: why the gateway refused it} for these writes.
-        marks = ", ".join("?" * len(local_ids))
         return dict(self.conn.execute("SELECT id, last_error FROM outbox WHERE state='failed' AND "
-                                      "id IN (%s)"
-                                      % marks, list(local_ids)).fetchall())
+                                      "id IN (%s)" % _placeholders(local_ids), local_ids))
 
 
 class _Transaction:
@@ -2861,19 +2856,15 @@ class _Transaction:
             exc_type, exc = type(e), e
         if exc_type is not None and self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
-        if exc is not None and isinstance(exc, sqlite3.Error):
+        if isinstance(exc, sqlite3.Error):
             raise store_error(exc, self.store.path) from exc
         return False
 
 
-def _row_dict(cur, row):
-    rec = dict(zip([d[0] for d in cur.description], row))
-    if "private" in rec and rec["private"] is not None:
-        rec["private"] = bool(rec["private"])
-    if "pending" in rec:
-        local = rec["pending"]
-        rec["pending"], rec["failed"] = local == LOCAL_WAITING, local == LOCAL_FAILED
-    return rec
+def _row_dict(cur):
+    # The first row the query finds, as a dict keyed by its columns, or None.
+    row = cur.fetchone()
+    return dict(zip([d[0] for d in cur.description], row)) if row else None
 
 
 _TEXT_FIELDS = tuple(f for f in FIELDS if f != "private" and not f.endswith("_at"))
@@ -2967,8 +2958,8 @@ def mask_secrets(text):
     # text with every credential replaced by a mark (an assignment keeps its name).
     for what, pattern in _secret_kinds_in(text) if text else ():
         if pattern.groups:  # only the secret part: the name, the URL, the scheme stay
-            text = pattern.sub(lambda m: m.group(0)[:m.start(1) - m.start(0)] + "[masked]"
-                               + m.group(0)[m.end(1) - m.start(0):], text)
+            text = pattern.sub(lambda m: m.string[m.start():m.start(1)] + "[masked]"
+                               + m.string[m.end(1):m.end()], text)
         else:
             text = pattern.sub("[masked: %s]" % what.split(" ", 1)[1], text)
     return text
@@ -2989,10 +2980,10 @@ def normalize_record(data):
     # when it has no usable id. Unknown fields are ignored; wrong types count as missing.
     if not isinstance(data, dict):
         return None
-    rid = data.get("id")
+    get = data.get
+    rid = get("id")
     if not isinstance(rid, str) or not rid.strip():
         return None
-    get = data.get
     rec = {"id": rid.strip()}
     for f in _TEXT_FIELDS:
         value = get(f)
