@@ -7039,7 +7039,7 @@ def emit_json(doc, out=None):
     try:
         out.write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
     except UnicodeEncodeError:  # an ASCII stdout: the same document, escaped
-        out.write(json.dumps(doc, ensure_ascii=True, sort_keys=True) + "\n")
+        out.write(json.dumps(doc, sort_keys=True) + "\n")
 
 
 SNIPPET_CHARS = 200  # the longest snippet or text line of human output
@@ -7127,6 +7127,11 @@ class TerminalText:
             encoding = getattr(self.out, "encoding", None) or "ascii"
             self.out.write(text.encode(encoding, "replace").decode(encoding))
 
+    def listing(self, rows, caps, **layout):
+        # Rows of cells as _listing() lays them out, each line written on its own.
+        for line in _listing(rows, self.width, caps, **layout):
+            self.write(line + "\n")
+
 
 def _column(text, width):
     text = _cut(text, width)
@@ -7176,10 +7181,10 @@ _LOOSER = {"stemmed": "word forms", "fuzzy": "near spelling", "any": "some words
 def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     results = doc["results"]
     if not doc.get("index_exists", True):
-        out.write("no local index yet at %s: run `qmem.py import` (or `qmem.py pull`) first\n"
-                  % doc["db"])
-    label = MATCH_LABELS[doc["match"]]
-    out.write("%s · %s · %s\n" % (header, plural(len(results), "result"), label))
+        out.write("no local index yet at %(db)s: run `qmem.py import` (or `qmem.py pull`) first\n"
+                  % doc)
+    out.write("%s · %s · %s\n"
+              % (header, plural(len(results), "result"), MATCH_LABELS[doc["match"]]))
     if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
         out.write("(the query has no words to search for)\n")
     if doc.get("query_cut"):
@@ -7188,7 +7193,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     rows = []
     for r in results:
         flags = [f for f, on
-                 in (("PENDING", r["pending"]), ("FAILED: %s" % r["failed_reason"], r["failed"]),
+                 in (("PENDING", r["pending"]), ("FAILED: %(failed_reason)s" % r, r["failed"]),
                                  ("UNVERIFIED", r.get("unverified")),
                                  ("superseded", r["superseded_by"]),
                                  ("deleted", r["deleted_at"]), ("private", r["private"]),
@@ -7197,8 +7202,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
         rows.append((out.short(r["id"]), r["kind"] or "-", _one_line(r["project_id"] or "-"),
                      (r["created_at"] or "-")[:10],
                      "[%s]" % ", ".join(flags) if flags else "", _one_line(r["snippet"])))
-    for line in _listing(rows, out.width, caps=(36, 10, 20, 10, 40)):
-        out.write(line + "\n")
+    out.listing(rows, caps=(36, 10, 20, 10, 40))
     hidden = doc.get("hidden") or {}
     if not results and any(hidden.values()):
         out.write("%s hidden by default: %s\n"
@@ -7232,7 +7236,7 @@ def show_import(doc, out):
     out.write("records: %d new, %d updated; lines skipped: %d invalid, %d incomplete (read next "
               "time)%s\n" % (
         st["records_new"], st["records_updated"], st["lines_skipped"], st["lines_truncated"],
-        "; %d files are not pi sessions" % st["files_not_sessions"] if st["files_not_sessions"]
+        "; %(files_not_sessions)d files are not pi sessions" % st if st["files_not_sessions"]
         else ""))
     show_index_rebuilt(doc, out)
 
@@ -7254,8 +7258,7 @@ def show_search(doc, out):
               "guess\n" % (plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
     rows = []
     for r in results:
-        score = r.get("score")
-        score = score if isinstance(score, (int, float)) and not isinstance(score, bool) else None
+        score = r.get("score")  # a finite number or none (Operations.search() saw to it)
         flags = [f for f, on in (("superseded", r.get("superseded_by")),
                                  ("private", r.get("private") is True),
                                  ("queued here", r.get("pending") is True)) if on]
@@ -7267,8 +7270,7 @@ def show_search(doc, out):
                      str(r.get("created_at") or "-")[:10],
                      "[%s]" % ", ".join(flags) if flags else "",
                      _one_line(str(r.get("text") or ""))))
-    for line in _listing(rows, out.width, caps=(11, 36, 10, 20, 10, 30)):
-        out.write(line + "\n")
+    out.listing(rows, caps=(11, 36, 10, 20, 10, 30))
 
 
 def show_get(doc, out):
@@ -7293,6 +7295,11 @@ def show_get(doc, out):
     out.write("\n%s\n" % (rec.get("text") or "(text not known locally)"), indent=0)
 
 
+def _counts(counts):
+    # 'fact 3, decision 1': counts by name, in their order; '-' for none.
+    return ", ".join("%s %d" % kv for kv in counts.items()) or "-"
+
+
 def show_meta(doc, out):
     if doc["source"] == "gateway":
         out.write("gateway · overview of the shared memory\n")
@@ -7305,7 +7312,7 @@ def show_meta(doc, out):
 
     def line(name, counts):
         if isinstance(counts, dict):
-            out.write("%s: %s\n" % (name, ", ".join("%s %s" % kv for kv in counts.items()) or "-"))
+            out.write("%s: %s\n" % (name, _counts(counts)))
     scopes = doc.get("scopes")
     for scope, kinds in sorted(scopes.items() if isinstance(scopes, dict) else ()):
         line("scope %s" % scope, kinds)
@@ -7336,14 +7343,14 @@ def show_breaker(doc, out):
     out.write("breaker for %s: %s\n" % (doc["url"], what))
     if state != "closed":
         out.write("  %s%s\n"
-                  % (doc["why_open"], " (%s)" % doc["opened_at"] if doc["opened_at"] else ""))
-        out.write("  consecutive openings: %d (each doubles the open time)\n" % doc["trips"])
+                  % (doc["why_open"], " (%(opened_at)s)" % doc if doc["opened_at"] else ""))
+        out.write("  consecutive openings: %(trips)d (each doubles the open time)\n" % doc)
     elif doc["failures"]:
-        out.write("  consecutive failures: %d of %d (it opens at %d)\n" % (
-            doc["failures"], doc["trip_after"], doc["trip_after"]))
+        out.write("  consecutive failures: %(failures)d of %(trip_after)d (it opens at "
+                  "%(trip_after)d)\n" % doc)
     if doc["last_error"]:
-        out.write("  last error (%s): %s\n" % (doc["last_error_at"], doc["last_error"]))
-    out.write("  state file: %s\n" % doc["file"])
+        out.write("  last error (%(last_error_at)s): %(last_error)s\n" % doc)
+    out.write("  state file: %(file)s\n" % doc)
 
 
 def show_config(doc, out):
@@ -7353,20 +7360,17 @@ def show_config(doc, out):
                   % (doc["file"], "" if doc["file_exists"] else " (not created yet)"))
         rows = [(k, "-" if value is None else value if isinstance(value, str)
                  else json.dumps(value), doc["sources"][k]) for k, value in doc["values"].items()]
-        for line in _listing(rows, out.width, caps=(17, 40), lead="  ", room=0):
-            out.write(line + "\n")
-        out.write("  local database:   %s\n  breaker file:     %s\n"
-                  % (doc["db"], doc["breaker_file"]))
+        out.listing(rows, caps=(17, 40), lead="  ", room=0)
+        out.write("  local database:   %(db)s\n  breaker file:     %(breaker_file)s\n" % doc)
     elif action == "url":
-        out.write("url set to %s in %s (breaker reset)\n" % (doc["value"], doc["file"]))
+        out.write("url set to %(value)s in %(file)s (breaker reset)\n" % doc)
     elif action == "apikey":
-        out.write("API key %s saved in %s (mode 0600)\n" % (doc["value"], doc["file"]))
+        out.write("API key %(value)s saved in %(file)s (mode 0600)\n" % doc)
     elif action == "bundle-key":
-        out.write("bundle key %s (id %s) saved in %s (mode 0600)\n" % (doc["value"], doc["key_id"],
-                                                                      doc["file"]))
+        out.write("bundle key %(value)s (id %(key_id)s) saved in %(file)s (mode 0600)\n" % doc)
         if doc.get("new_key"):
             out.write("set the same key on the host you exchange bundles with (shown this once):\n"
-                      "  printf '%%s' %s | python3 qmem.py config bundle-key\n" % doc["new_key"])
+                      "  printf '%%s' %(new_key)s | python3 qmem.py config bundle-key\n" % doc)
     elif action == "set":
         out.write("%s %s in %s\n" % (doc["key"], "reset to its default" if doc["value"] is None else
                                       "set to %s" % json.dumps(doc["value"]), doc["file"]))
@@ -7381,9 +7385,9 @@ def show_config(doc, out):
                                                 doc["key"]))
         if doc["version"]:
             out.write("  version %s, %s records\n" % (doc["version"], doc.get("records", "?")))
-        out.write("  latency: %s ms\n" % doc["latency_ms"])
+        out.write("  latency: %(latency_ms)s ms\n" % doc)
         if doc.get("error"):
-            out.write("  error: %s\n" % doc["error"]["message"])
+            out.write("  error: %(message)s\n" % doc["error"])
 
 
 # What became of a write, said once: the command line prints it to a person, the MCP
@@ -7414,9 +7418,9 @@ def show_write(doc, out):
     out.write(("correction " if doc["op"] == "correct" and state == SYNCED else "")
               + write_said(doc) + "\n")
     if state == DUPLICATE and doc["duplicate_of"]:
-        out.write("  to change what it says: qmem.py correct %s \"…\"\n" % doc["duplicate_of"])
+        out.write("  to change what it says: qmem.py correct %(duplicate_of)s \"…\"\n" % doc)
     elif state == FAILED:
-        out.write("  %s\n" % doc["error"]["hint"])
+        out.write("  %(hint)s\n" % doc["error"])
     elif state not in (SYNCED, DUPLICATE):
         out.write("  other agents see it once it is delivered (`qmem.py flush`)\n")
         for what, key in QUEUED_NOTES:
@@ -7432,22 +7436,21 @@ def _one_line(text, width=SNIPPET_CHARS):
     # spaces kept short, and at most `width` characters (a single long token too).
     text = (text or "").strip().replace("\t", "\\t").replace("\r\n", "\\n").replace("\n", "\\n")
     text = " ".join(filter(None, text.split(" ")))  # no spaces at the ends: stripped
-    return text if len(text) <= width else text[:width - 1] + "…"
+    return _fit(text, width)
 
 
 def show_queue(doc, out):
     if "dropped" in doc:
         verb = "would drop " if doc["dry_run"] else "dropped "
-        for line in _listing([(it["local_id"], it["state"], _one_line(it["text"], 60))
-                              for it in doc["dropped"]], out.width, caps=(36, 9), lead=verb):
-            out.write(line + "\n")
+        out.listing([(it["local_id"], it["state"], _one_line(it["text"], 60))
+                     for it in doc["dropped"]], caps=(36, 9), lead=verb)
     for it in doc.get("released", ()):
-        out.write("released %s: it will be sent by the next flush\n" % it["local_id"])
-    out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["counts"].items()))
+        out.write("released %(local_id)s: it will be sent by the next flush\n" % it)
+    out.write("outbox: %s\n" % _counts(doc["counts"]))
     show_stuck(doc, out)
     items = doc.get("items", ())
     rows = [(out.short(it["local_id"]), it["state"],
-             ("1 try" if it["attempts"] == 1 else "%d tries" % it["attempts"]),
+             ("1 try" if it["attempts"] == 1 else "%(attempts)d tries" % it),
              duration(it["age_s"]) + " old", out.short(it["gateway_id"] or "-"),
              _one_line(it["text"], SNIPPET_CHARS if out.width else 60)) for it in items]
     for it, line in zip(items, _listing(rows, out.width, caps=(36, 9, 9, 12, 36))):
@@ -7475,7 +7478,7 @@ def show_queue(doc, out):
 
 def show_stuck(doc, out):
     if doc.get("writes_stuck"):
-        out.write("  %s\n" % doc["writes_stuck"])
+        out.write("  %(writes_stuck)s\n" % doc)
 
 
 def show_flush(doc, out):
@@ -7491,15 +7494,15 @@ def show_flush(doc, out):
               "still queued%s\n" % (
         doc["synced"], doc["duplicate"], doc["failed"], doc["retry_later"] + doc["held"],
         doc["pending"],
-        " (stopped: %s)" % doc["stopped"] if doc["stopped"] else ""))
+        " (stopped: %(stopped)s)" % doc if doc["stopped"] else ""))
     for f in doc["failures"]:
-        out.write("  failed %s: %s\n" % (f["local_id"], f["last_error"]))
+        out.write("  failed %(local_id)s: %(last_error)s\n" % f)
 
 
 def show_enrich(doc, out):
     out.write("enrich: %d of %d records fetched in full; %d unknown to the gateway%s\n" % (
         doc["fetched"], doc["asked"], len(doc["unknown"]),
-        "; stopped early: %s (what was fetched is kept)" % doc["stopped"] if doc["stopped"]
+        "; stopped early: %(stopped)s (what was fetched is kept)" % doc if doc["stopped"]
         else ""))
 
 
@@ -7514,45 +7517,42 @@ def show_export(doc, out):
         plural(doc["counts"]["records"], "record"), plural(doc["counts"]["outbox"], "outbox row"),
         "stdout" if doc["file"] == "-" else doc["file"], doc["format"], doc["format_version"]))
     if doc["signed"]:
-        out.write("  signed with the bundle key %s: a paired host trusts it\n" % doc["key_id"])
+        out.write("  signed with the bundle key %(key_id)s: a paired host trusts it\n" % doc)
     else:
         out.write("  not signed (no bundle key here): the other host holds its writes until "
                   "released; pair the hosts with `qmem.py config bundle-key`\n")
 
 
 def show_load(doc, out):
-    r, o = doc["records"], doc["outbox"]
+    r, o, held = doc["records"], doc["outbox"], doc["held"]
     out.write("load%s: bundle of %s, written %s\n"
               % (" (dry run, nothing changed)" if doc["dry_run"] else "",
                  doc["machine"] or "?", doc["created_at"] or "?"))
     show_index_rebuilt(doc, out)
-    out.write("  records: %d new, %d updated, %d unchanged\n"
-              % (r["new"], r["updated"], r["unchanged"]))
+    out.write("  records: %(new)d new, %(updated)d updated, %(unchanged)d unchanged\n" % r)
     out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered "
               "elsewhere), %d unchanged%s%s\n" % (
                   o["added"], o["settled"], o["unchanged"],
-                  "; %d delivered by the other host, not needed here" % o["not_needed"]
+                  "; %(not_needed)d delivered by the other host, not needed here" % o
                   if o["not_needed"] else "",
-                  "; %d lines skipped" % doc["skipped"] if doc["skipped"] else ""))
+                  "; %(skipped)d lines skipped" % doc if doc["skipped"] else ""))
     if doc.get("not_loaded_outbox_full"):
         out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load "
                   "it again\n" % plural(doc["not_loaded_outbox_full"], "write"))
     if doc["verified"]:
-        out.write("  verified: %s\n" % doc["verification"])
+        out.write("  verified: %(verification)s\n" % doc)
         return
     out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing "
-              "settled%s\n" % (doc["verification"], ", its writes held" if doc["held"] else ""))
+              "settled%s\n" % (doc["verification"], ", its writes held" if held else ""))
     rows = [(out.short(h["local_id"]), _one_line(h["project_id"], 40), _one_line(h["kind"]),
              "by %s from %s:" % (_one_line(h["agent_id"], 40), _one_line(h["source"], 60)),
              _one_line(h["text"], 80)
-             + (" (%d characters in all)" % h["text_chars"] if h["text_chars"] > 80 else ""))
-            for h in doc["held"][:50]]
-    for line in _listing(rows, out.width, caps=(36, 20, 10, 30), lead="  held "):
-        out.write(line + "\n")
-    if len(doc["held"]) > 50:
-        out.write("  … and %d more held (`qmem.py queue --state held`)\n"
-                  % (len(doc["held"]) - 50))
-    if doc["held"]:
+             + (" (%(text_chars)d characters in all)" % h if h["text_chars"] > 80 else ""))
+            for h in held[:50]]
+    out.listing(rows, caps=(36, 20, 10, 30), lead="  held ")
+    if len(held) > 50:
+        out.write("  … and %d more held (`qmem.py queue --state held`)\n" % (len(held) - 50))
+    if held:
         out.write("  held writes are never sent: check them, then `qmem.py queue --release ID… "
                   "--yes` (or `queue --drop ID… --yes`)\n")
 
@@ -7576,32 +7576,29 @@ def show_auto_flush(doc, out):
     if not isinstance(af, dict) or not (af["synced"] or af["duplicate"] or af["failed"]
                                         or af["error"]):
         return
-    left = "" if af["still_queued"] is None else "; %d still queued" % af["still_queued"]
+    left = "" if af["still_queued"] is None else "; %(still_queued)d still queued" % af
     out.write("delivered %s queued here (%d duplicates, %d failed%s)%s\n" % (
         plural(af["synced"], "write"), af["duplicate"], af["failed"], left,
-        "; stopped: %s" % af["error"] if af["error"] else ""))
+        "; stopped: %(error)s" % af if af["error"] else ""))
 
 
 def show_status(doc, out):
     if not doc["index_exists"]:
-        out.write("no local index yet at %s: run `qmem.py import` or `qmem.py pull`\n"
-                  % doc["db"]["path"])
-        out.write("this machine: %s\n" % doc["machine"])
-        show_gateway(doc, out)
+        out.write("no local index yet at %(path)s: run `qmem.py import` or `qmem.py pull`\n"
+                  % doc["db"])
+        show_machine(doc, out)
         return
     rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
-    out.write("records: %d  (superseded %d, deleted %d, private %d; written here: %d waiting to be "
-              "shared, %d refused by the gateway)\n"
-              % (rec["total"], rec["superseded"], rec["deleted"], rec["private"],
-                                                 rec["pending"], rec["failed"]))
-    out.write("  by kind: %s\n" % (", ".join("%s %d" % kv for kv in rec["by_kind"].items()) or "-"))
-    out.write("  by project: %s\n"
-              % (", ".join("%s %d" % kv for kv in rec["by_project"].items()) or "-"))
+    out.write("records: %(total)d  (superseded %(superseded)d, deleted %(deleted)d, private "
+              "%(private)d; written here: %(pending)d waiting to be shared, %(failed)d refused by "
+              "the gateway)\n" % rec)
+    out.write("  by kind: %s\n" % _counts(rec["by_kind"]))
+    out.write("  by project: %s\n" % _counts(rec["by_project"]))
     share = cov["complete_share"]
     share = "" if share is None else " (%.0f%% complete)" % (100 * share)
     out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
         cov["complete"], cov["search_hit_only"], share))
-    out.write("outbox: %s\n" % ", ".join("%s %d" % kv for kv in doc["outbox"].items()))
+    out.write("outbox: %s\n" % _counts(doc["outbox"]))
     show_stuck(doc, out)
     out.write("duplicates: %s stored under more than one id (%s)\n" % (
         plural(doc["duplicates"]["groups"], "text"),
@@ -7611,18 +7608,17 @@ def show_status(doc, out):
         lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
                                     "last_flush_at")))
     if lag.get("last_load_at"):
-        out.write("last bundle loaded: %s, from %s\n"
-                  % (lag["last_load_at"], lag["last_load_from"]))
-    out.write("session files indexed: %d\n" % doc["sessions"]["files"])
+        out.write("last bundle loaded: %(last_load_at)s, from %(last_load_from)s\n" % lag)
+    out.write("session files indexed: %(files)d\n" % doc["sessions"])
     out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
         doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
         doc["fts"]["tokenizer"] if doc["fts"]["available"]
         else "LIKE scan (this SQLite has no FTS5)"))
-    out.write("this machine: %s\n" % doc["machine"])
-    show_gateway(doc, out)
+    show_machine(doc, out)
 
 
-def show_gateway(doc, out):
+def show_machine(doc, out):
+    out.write("this machine: %(machine)s\n" % doc)
     out.write("gateway: %s\n" % (doc["gateway"] or "none configured: this host works offline "
                                  "(`qmem.py config url https://…` sets one)"))
 
@@ -7635,11 +7631,11 @@ def show_install(doc, out):
     if doc["action"] == "uninstall":
         out.write("%s %s\n" % ("removed" if doc["removed"] else "no launcher at", doc["launcher"]))
         if doc["removed"] and os.path.isdir(doc["cache"]):
-            out.write("  its compiled code stays in %s (shared by every launcher of yours): "
-                      "rm -r it to free the space\n" % doc["cache"])
+            out.write("  its compiled code stays in %(cache)s (shared by every launcher of yours): "
+                      "rm -r it to free the space\n" % doc)
         return
-    out.write("launcher written: %s\n  it runs %s with %s, its compiled code cached in %s\n"
-              % (doc["launcher"], doc["source"], doc["python"], doc["cache"]))
+    out.write("launcher written: %(launcher)s\n  it runs %(source)s with %(python)s, its "
+              "compiled code cached in %(cache)s\n" % doc)
     if not doc["on_path"]:
         folder = os.path.dirname(doc["launcher"])
         out.write("  %s is not on PATH: add it (PATH=\"%s:$PATH\" in your shell's profile), or "
@@ -7667,8 +7663,7 @@ def render(command, doc, json_mode, out=None, bold=False, width=None, short=None
         show_auto_flush(doc, shown)
     if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
         problem = doc["error"]
-        warn("%s: %s" % (problem["message"], problem["hint"]) if problem.get("hint")
-             else problem["message"])
+        warn(str(QmemError(problem["message"], problem.get("hint"))))
 
 
 def render_json_version(out=None):
@@ -7762,19 +7757,18 @@ def resolve_project(explicit, environ, cwd):
 
 # -- tools: what each takes (a plain JSON Schema: one type per property) and says
 
-def _prop(kind, about, **extra):
+def _prop(about, kind="string", **extra):
+    # A property of an inputSchema: its description, its type (a string unless said).
     return dict(extra, type=kind, description=about)
 
 
-_PROJECT = _prop("string",
-                 "the project's short name, e.g. its repository's (default: QMEM_PROJECT, "
+_PROJECT = _prop("the project's short name, e.g. its repository's (default: QMEM_PROJECT, "
                  "CLAUDE_PROJECT_DIR's name, or the git root of the server's folder)")
-_READ_PROJECT = _prop("string",
-                      "only this project (default as for writes; \"*\" searches every project)")
-_KIND = _prop("string", "fact | decision | preference | episode", enum=list(KINDS))
-_FILTER_KIND = _prop("string", "only this kind", enum=list(KINDS))
-_SCOPE = _prop("string", "e.g. project, global, agent")
-_ID = _prop("string", "a memory id (from qmem_search or qmem_find)")
+_READ_PROJECT = _prop("only this project (default as for writes; \"*\" searches every project)")
+_KIND = _prop("fact | decision | preference | episode", enum=list(KINDS))
+_FILTER_KIND = _prop("only this kind", enum=list(KINDS))
+_SCOPE = _prop("e.g. project, global, agent")
+_ID = _prop("a memory id (from qmem_search or qmem_find)")
 
 
 class McpTool:
@@ -7835,15 +7829,16 @@ def _mcp_value(name, value, prop):
             raise UsageError("%s must be a string, not %s" % (name, shown))
         value = str(value)
         if "enum" in prop:
-            if value.strip().lower() not in prop["enum"]:
+            word = value.strip().lower()
+            if word not in prop["enum"]:
                 raise UsageError("%s must be one of %s, not %s"
                                  % (name, ", ".join(prop["enum"]), shown))
-            return value.strip().lower()
+            return word
         return value
-    if kind == "boolean":
+    if kind == "boolean":  # (true and false are words of _BOOL_WORDS too)
         word = str(value).strip().lower() if isinstance(value, (str, int)) else None
-        if isinstance(value, bool) or word in _BOOL_WORDS:
-            return value if isinstance(value, bool) else _BOOL_WORDS[word]
+        if word in _BOOL_WORDS:
+            return _BOOL_WORDS[word]
         raise UsageError("%s must be true or false, not %s" % (name, shown))
     if kind == "integer":
         number = _mcp_number(value, r"\s*[+-]?\d{1,9}(\.0*)?\s*")
@@ -7854,7 +7849,7 @@ def _mcp_value(name, value, prop):
         number = _mcp_number(value, r"\s*[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d{1,3})?\s*")
         if number is None:
             raise UsageError("%s must be a number, not %s" % (name, shown))
-    if not prop.get("minimum", number) <= number <= prop.get("maximum", number):
+    if not prop["minimum"] <= number <= prop["maximum"]:  # every number has both bounds
         raise UsageError("%s must be between %s and %s, not %s"
                          % (name, prop["minimum"], prop["maximum"], shown))
     return number
@@ -7879,34 +7874,33 @@ MCP_TOOLS = (
             "strong match, 0.45-0.60 weak. When the gateway cannot be reached the answer comes "
             "from this machine's local index, says so (source local_sqlite, degraded) and has no "
             "scores. Pass project_id.",
-            {"query": _prop("string", "what to look for, in plain words"),
+            {"query": _prop("what to look for, in plain words"),
              "project_id": _READ_PROJECT,
-             "kind": _FILTER_KIND, "scope": _prop("string", "only this scope"),
-             "top_k": _prop("integer", "at most this many results (default 8)", minimum=1,
+             "kind": _FILTER_KIND, "scope": _prop("only this scope"),
+             "top_k": _prop("at most this many results (default 8)", "integer", minimum=1,
                             maximum=MCP_MAX_RESULTS),
-             "include_superseded": _prop("boolean", "also corrected memories (default false)"),
-             "private": _prop("boolean", "also memories marked private (default false)"),
-             "min_score": _prop("number", "drop results scoring below this", minimum=0, maximum=1)},
+             "include_superseded": _prop("also corrected memories (default false)", "boolean"),
+             "private": _prop("also memories marked private (default false)", "boolean"),
+             "min_score": _prop("drop results scoring below this", "number", minimum=0, maximum=1)},
             ["query"], read_only=True, idempotent=True),
     McpTool("qmem_find", "Find words in the local index",
             "Find memories by their words in this machine's local index: offline, fast, lexical "
             "(not by meaning), so results have no score. It also sees writes queued here and not "
             "yet shared. Pass project_id.",
-            {"query": _prop("string",
-                            "words to look for (all must match; word forms and near spellings "
-                                      "are tried next)"),
+            {"query": _prop("words to look for (all must match; word forms and near spellings "
+                            "are tried next)"),
              "project_id": _READ_PROJECT, "kind": _FILTER_KIND,
-             "scope": _prop("string", "only this scope"),
-             "limit": _prop("integer", "at most this many results (default 10)", minimum=1,
+             "scope": _prop("only this scope"),
+             "limit": _prop("at most this many results (default 10)", "integer", minimum=1,
                             maximum=MCP_MAX_RESULTS),
-             "include_superseded": _prop("boolean", "also corrected memories (default false)")},
+             "include_superseded": _prop("also corrected memories (default false)", "boolean")},
             ["query"], read_only=True, idempotent=True),
     McpTool("qmem_get", "Get one memory",
             "One memory in full by its id: its text, project, kind, and whether it was corrected "
             "(superseded_by) or deleted. From the gateway, else from this machine's local index "
             "(labelled).",
             {"id": _ID,
-             "project_id": _prop("string", "not needed: a memory's own project is reported")},
+             "project_id": _prop("not needed: a memory's own project is reported")},
             ["id"], read_only=True, idempotent=True),
     McpTool("qmem_store", "Store a memory",
             "Store one durable memory for every agent: a fact, a decision with its reason, a "
@@ -7914,29 +7908,28 @@ MCP_TOOLS = (
             "contradicts a memory, use qmem_correct instead. When the gateway cannot take it now "
             "it is queued here (status queued): not yet visible to other agents, delivered later "
             "exactly once; do not store it again.",
-            {"text": _prop("string", "the memory, self-contained"), "project_id": _PROJECT,
+            {"text": _prop("the memory, self-contained"), "project_id": _PROJECT,
              "kind": _KIND,
-             "scope": _SCOPE, "private": _prop("boolean", "hidden from searches unless asked for"),
-             "expires_at": _prop("string", "hidden from searches after this date (YYYY-MM-DD)"),
-             "agent_id": _prop("string", "who writes it (default: the client's name)")},
+             "scope": _SCOPE, "private": _prop("hidden from searches unless asked for", "boolean"),
+             "expires_at": _prop("hidden from searches after this date (YYYY-MM-DD)"),
+             "agent_id": _prop("who writes it (default: the client's name)")},
             ["text"], read_only=False, idempotent=False),
     McpTool("qmem_correct", "Correct a memory",
             "Correct a memory that is wrong or outdated: a new memory supersedes it, and the old "
             "one is kept, marked superseded. Use it instead of storing a contradicting memory. "
             "Project and kind default to the corrected memory's. Queued here like qmem_store when "
             "the gateway cannot take it now.",
-            {"id": _prop("string", "the id of the memory it corrects"),
-             "text": _prop("string", "the corrected memory, whole"),
-             "reason": _prop("string", "why the old memory was wrong"), "project_id": _PROJECT,
+            {"id": _prop("the id of the memory it corrects"),
+             "text": _prop("the corrected memory, whole"),
+             "reason": _prop("why the old memory was wrong"), "project_id": _PROJECT,
              "kind": _KIND,
-             "agent_id": _prop("string", "who writes it (default: the client's name)")},
+             "agent_id": _prop("who writes it (default: the client's name)")},
             ["id", "text"], read_only=False, idempotent=False),
     McpTool("qmem_meta", "What the memory holds",
             "What the memory holds: its projects, kinds per scope, agents, corrected and deleted "
             "counts; and here, the project this server uses by default and the writes queued on "
             "this machine. Use it to find the right project_id.",
-            {"project_id": _prop("string",
-                                 "the project to report as this call's (default: the server's)")},
+            {"project_id": _prop("the project to report as this call's (default: the server's)")},
             [], read_only=True, idempotent=True),
 )
 MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
@@ -7996,10 +7989,6 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
     return out
 
 
-def _in_project(project):
-    return " in project %s" % project if project else " in every project"
-
-
 class McpServer:
     # The protocol over one connection: handle(message) -> reply (or None). Its
     # Operations is made at the first tool call, so a broken configuration or database
@@ -8017,10 +8006,6 @@ class McpServer:
     def close(self):
         if self.ops is not None:
             self.ops.close()
-
-    def flusher_thread_is_not_me(self):
-        import threading
-        return self.flusher is None or threading.current_thread() is not self.flusher
 
     # -- messages
     def handle_line(self, raw):
@@ -8051,17 +8036,17 @@ class McpServer:
             return rpc_error(None, RPC_INVALID, "Invalid request: a message is a JSON object")
         if "method" not in msg and ("result" in msg or "error" in msg):
             return None  # an answer: this server sends no requests
-        is_request, rid = "id" in msg, msg.get("id")
-        if is_request and (isinstance(rid, bool) or not isinstance(rid, (str, int))):
-            return rpc_error(None, RPC_INVALID, "Invalid request: an id is a string or an integer")
-        method = msg.get("method")
-        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str):
-            bad = 'Invalid request: it needs "jsonrpc": "2.0" and a method'
-            return rpc_error(rid, RPC_INVALID, bad) if is_request else None
-        if not is_request:
+        if "id" not in msg:  # a notification, well formed or not, gets no answer:
             # notifications/initialized; notifications/cancelled names a request that was
             # answered before this line was read (one at a time); others mean nothing here.
             return None
+        rid = msg["id"]
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)):
+            return rpc_error(None, RPC_INVALID, "Invalid request: an id is a string or an integer")
+        method = msg.get("method")
+        if msg.get("jsonrpc") != "2.0" or not isinstance(method, str):
+            return rpc_error(rid, RPC_INVALID,
+                             'Invalid request: it needs "jsonrpc": "2.0" and a method')
         params = {} if msg.get("params") is None else msg["params"]
         handler = self.METHODS.get(method)
         if handler is None:
@@ -8154,8 +8139,9 @@ class McpServer:
     def _diagnostic(self, message):
         # warn() while a tool runs: on stderr, and in the result (the model sees it; not
         # what the background flush says).
+        import threading
         stderr_diagnostic(message)
-        if len(self.warnings) < 10 and self.flusher_thread_is_not_me():
+        if len(self.warnings) < 10 and threading.current_thread() is not self.flusher:
             self.warnings.append(_fit(message, 300))
 
     def _failure(self, err):
@@ -8209,7 +8195,7 @@ class McpServer:
         try:
             done = ops.deliver_ready()
             if done["error"] and not (done["synced"] or done["duplicate"]):
-                stderr_diagnostic("automatic flush: %s" % done["error"])
+                stderr_diagnostic("automatic flush: %(error)s" % done)
         except Exception as e:  # a bug: the server goes on without it
             stderr_diagnostic("automatic flush: internal error (%s)" % type(e).__name__)
         finally:
@@ -8230,8 +8216,7 @@ class McpServer:
             raise UsageError("no project: pass project_id (the project's short name, e.g. its "
                              "repository's)",
                              hint="qmem_meta lists the projects; a server started with "
-                             "QMEM_PROJECT set "
-                                  "uses that one")
+                                  "QMEM_PROJECT set uses that one")
         if project == ALL_PROJECTS:
             raise UsageError('project "*" (from %s) means every project, to search; a memory '
                              'belongs to one' % where,
@@ -8262,12 +8247,8 @@ class McpServer:
         # Many long memories must not flood a model's context: each is cut to its share.
         cut = max(200, min(RESULT_TEXT_CHARS, RESULTS_TEXT_BUDGET // max(1, len(hits))))
         results = [_memory_out(r, cut=cut) for r in hits]
-        out = {"status": "found" if results else "empty", "source": doc["source"],
-               "degraded": doc["degraded"],
-               "project_id": project, "project_from": where,
-               "note": _found_note(doc, results, project, where)}
-        if doc["degraded"]:
-            out["reason"] = doc["reason"]
+        out = _read_result(doc, "found" if results else "empty", project_id=project,
+                           project_from=where, note=_found_note(doc, results, project, where))
         if doc["source"] == "local_sqlite":
             out["match"] = MATCH_LABELS[doc["match"]]
         hidden = {k: v for k, v in (doc.get("hidden") or {}).items() if v}
@@ -8279,12 +8260,8 @@ class McpServer:
     def tool_get(self, ops, a):
         doc = ops.get(_check_id(a["id"].strip(), "id"))
         record = _memory_out(doc["record"], whole=True)
-        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"],
-               "id": record["id"],
-               "project_id": record.get("project_id"), "project_from": "the memory",
-               "note": _get_note(doc, record)}
-        if doc["degraded"]:
-            out["reason"] = doc["reason"]
+        out = _read_result(doc, "found", id=record["id"], project_id=record.get("project_id"),
+                           project_from="the memory", note=_get_note(doc, record))
         out["record"] = record
         return out
 
@@ -8297,17 +8274,13 @@ class McpServer:
             warn("the local outbox cannot be read: %s" % e.message)
             queued = None
         where_from = "from the gateway" if doc["source"] == "gateway" else (
-            "from this machine's local index, because the gateway could not be asked (%s)"
-            % doc["reason"])
+            "from this machine's local index, because the gateway could not be asked (%(reason)s)"
+            % doc)
         note = "What the memory holds, %s; %s queued on this machine%s." % (
             where_from, "?" if queued is None else plural(queued, "write"),
             "; writes without a project_id go to project %s (from %s)" % (project, where) if project
             else "; writes need a project_id (there is no default)")
-        out = {"status": "found", "source": doc["source"], "degraded": doc["degraded"],
-               "project_id": project,
-               "project_from": where, "note": note}
-        if doc["degraded"]:
-            out["reason"] = doc["reason"]
+        out = _read_result(doc, "found", project_id=project, project_from=where, note=note)
         out.update({k: doc.get(k) for k
                     in ("projects", "scopes", "agents", "superseded", "deleted")})
         out.update(queued_here=queued, machine=machine_identity())
@@ -8327,10 +8300,19 @@ class McpServer:
         return _written(doc, where)
 
     def tool_correct(self, ops, a):
-        doc = ops.correct(_check_id(a["id"].strip(), "id"), a["text"], project=a.get("project_id"),
-                          kind=a.get("kind"),
+        target = _check_id(a["id"].strip(), "id")
+        doc = ops.correct(target, a["text"], project=a.get("project_id"), kind=a.get("kind"),
                           agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
-        return _written(doc, doc["project_from"], corrects=a["id"].strip())
+        return _written(doc, doc["project_from"], corrects=target)
+
+
+def _read_result(doc, status, **fields):
+    # A read tool's result: its status, where the answer came from, the fields given (in
+    # their order), and the reason of a fallback.
+    out = dict(status=status, source=doc["source"], degraded=doc["degraded"], **fields)
+    if doc["degraded"]:
+        out["reason"] = doc["reason"]
+    return out
 
 
 def _tool_filters(project, a):
@@ -8343,13 +8325,11 @@ _NEXT_STEPS = {
     "not_found": "ids come from qmem_search or qmem_find results",
     "usage": "correct the arguments and call the tool again",
     "config": "fix the file it names or move it aside (`qmem.py doctor` says more); until then "
-    "every tool "
-              "fails the same way",
+              "every tool fails the same way",
     UNREACHABLE: "try again later; qmem_find searches this machine's index meanwhile",
     AMBIGUOUS: "try again later; qmem_find searches this machine's index meanwhile",
     BREAKER_OPEN: "try again later, or ask the user to run `qmem.py breaker --reset` once the "
-    "gateway is back; "
-                  "qmem_find searches this machine's index meanwhile",
+                  "gateway is back; qmem_find searches this machine's index meanwhile",
 }
 
 
@@ -8386,13 +8366,15 @@ def _file_stamp(path):
 
 
 def _found_note(doc, results, project, where):
-    n, scope = len(results), _in_project(project)
+    n = len(results)
+    scope = " in project %s" % project if project else " in every project"
     if doc["source"] == "gateway":
         if not n:
             return "No memory matched%s in the shared memory%s." % (scope, _wider(project, where))
         return ("%s from the shared memory (gateway)%s, best first: a score of 0.60 or more is a "
                 "strong match, 0.45-0.60 a weak one." % (_memories(n), scope))
-    if not doc.get("index_exists", True):
+    indexed = doc.get("index_exists", True)
+    if not indexed:
         head = ("There is no local index on this machine yet (`qmem.py import` or `qmem.py "
                 "pull` makes one)")
     elif n:
@@ -8403,12 +8385,12 @@ def _found_note(doc, results, project, where):
     if doc["degraded"]:
         head = "A fallback, as the gateway could not be asked (%s): %s" % (
             doc["reason"], head[:1].lower() + head[1:])
-        if doc.get("index_exists", True):
+        if indexed:
             head += "; memories stored elsewhere since the last `qmem.py pull` may be missing"
     hidden = sum((doc.get("hidden") or {}).values())
     if hidden:
         head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
-    return head + ("" if n or not doc.get("index_exists", True) else _wider(project, where)) + "."
+    return head + ("" if n or not indexed else _wider(project, where)) + "."
 
 
 def _wider(project, where):
@@ -8432,9 +8414,9 @@ def _get_note(doc, record):
         note = ("Memory %s from the local index on this machine, a fallback: the gateway could not "
                 "be asked (%s), so it may be out of date" % (rid, doc["reason"]))
     if record.get("superseded_by"):
-        note += "; it was corrected: %s supersedes it" % record["superseded_by"]
+        note += "; it was corrected: %(superseded_by)s supersedes it" % record
     if record.get("deleted_at"):
-        note += "; it was deleted at %s" % record["deleted_at"]
+        note += "; it was deleted at %(deleted_at)s" % record
     return note + "."
 
 
@@ -8555,9 +8537,8 @@ def serve_mcp(server, wire_in, wire_out):
     def on_signal(signum, frame):
         raise _Stop()
 
-    for name in ("SIGTERM", "SIGINT"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), on_signal)
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (both are there on every system)
+        signal.signal(sig, on_signal)
     try:
         while True:
             line = read_message(wire_in)
