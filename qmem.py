@@ -4177,11 +4177,12 @@ def _write_payload(text, project, kind, scope, agent, source, expires, private, 
     if len(text) > MAX_TEXT:
         raise UsageError("the text is %d characters; a memory holds at most %d (store a summary)"
                          % (len(text), MAX_TEXT))
-    if not project or not project.strip():
+    project = (project or "").strip()
+    if not project:
         raise UsageError("--project is required (the project this memory belongs to)")
     if kind not in KINDS:
         raise UsageError("kind must be one of %s, not %r" % (", ".join(KINDS), kind))
-    for name, value, bound in (("project", project.strip(), MAX_PROJECT),
+    for name, value, bound in (("project", project, MAX_PROJECT),
                                ("scope", scope, MAX_FIELD),
                                ("agent", agent, MAX_FIELD), ("source", source, MAX_FIELD),
                                ("reason", reason, MAX_FIELD)):
@@ -4191,7 +4192,7 @@ def _write_payload(text, project, kind, scope, agent, source, expires, private, 
                              hint="nothing was done; give a shorter one")
         if value and not value.isprintable():
             raise UsageError("the %s holds a control character" % name, hint="nothing was done")
-    payload = {"text": text, "kind": kind, "project_id": project.strip(),
+    payload = {"text": text, "kind": kind, "project_id": project,
                "agent_id": agent or "qmem.py",
                "source": source or machine_identity()[:MAX_FIELD], "private": bool(private)}
     if scope:
@@ -4252,12 +4253,12 @@ def check_outbox_room(store, size, max_mb, held=False):
     # count). Held writes have a bound of their own: a bundle nobody vouched for must not
     # fill the room of the user's own writes.
     if max_mb is not None and store.outbox_bytes(held) + size > max_mb << 20:
-        raise OutboxFull("the outbox is full: the writes waiting here take more than outboxMaxMB "
-                         "(%d MB)" % max_mb,
-                         hint="deliver them with `qmem.py flush` (on an air-gapped "
-                         "host carry them out: `qmem.py export --outbox-only FILE`), discard some "
-                         "with `qmem.py queue --drop ID`, or raise the bound: `qmem.py config set "
-                         "outboxMaxMB N`")
+        raise OutboxFull(
+            "the outbox is full: the writes waiting here take more than outboxMaxMB (%d MB)"
+            % max_mb,
+            hint="deliver them with `qmem.py flush` (on an air-gapped host carry them out: "
+            "`qmem.py export --outbox-only FILE`), discard some with `qmem.py queue --drop ID`, "
+            "or raise the bound: `qmem.py config set outboxMaxMB N`")
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
@@ -4275,8 +4276,9 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
     store.conn.execute("UPDATE records SET pending=? WHERE id=?",
                        (LOCAL_FAILED if state == FAILED else LOCAL_WAITING, local_id))
     if target and state == PENDING:  # not a refused one, nor a held one (nothing vouches for it)
-        store.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND "
-                           "superseded_by IS NULL", (local_id, store.current_id(target)))
+        store.conn.execute(
+            "UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
+            (local_id, store.current_id(target)))
 
 
 # What a flush does with a claimed row, beside the final states.
@@ -4298,11 +4300,11 @@ class Outcome:
 class FlushStats:
     # What a flush did, counted from the outcomes it could record (a flusher whose
     # lease was taken over records nothing, and counts nothing).
+    stopped = None     # why the flush stopped early, or None
+    stop_error = None  # the GatewayError that stopped it
 
     def __init__(self):
         self.synced, self.duplicate, self.failed, self.retry_later, self.held = [], [], [], [], []
-        self.stopped = None     # why the flush stopped early, or None
-        self.stop_error = None  # the GatewayError that stopped it
 
     def as_dict(self):
         return {"synced": len(self.synced), "duplicate": len(self.duplicate),
@@ -4393,9 +4395,9 @@ class Flusher:
                  "lease_until<:now)" + (" AND id=:only" if only is not None else ""))
         with self.store.transaction():
             self._reclaim_dead(now)
-            self.store.move("claim", "rid IN (SELECT rid FROM outbox WHERE %s ORDER BY rid "
-                            "LIMIT :n)" % ready, token=token, now=now, lease=self.lease_s,
-                            n=self.batch, only=only)
+            self.store.move(
+                "claim", "rid IN (SELECT rid FROM outbox WHERE %s ORDER BY rid LIMIT :n)" % ready,
+                token=token, now=now, lease=self.lease_s, n=self.batch, only=only)
             rows = self._claimed(token)
         return token, rows
 
@@ -4453,9 +4455,8 @@ class Flusher:
             return "ok", self.delivered[target]
         if target in self.refused:
             return "fail", "the record it corrects (%s) was refused by the gateway" % target
-        row = self.store.conn.execute("SELECT state, gateway_id, duplicate_of FROM outbox WHERE "
-                                      "id=?",
-                                      (target,)).fetchone()
+        row = self.store.conn.execute(
+            "SELECT state, gateway_id, duplicate_of FROM outbox WHERE id=?", (target,)).fetchone()
         if row is None:
             return "ok", target  # a gateway id
         state, gateway_id, duplicate_of = row
@@ -4477,9 +4478,8 @@ class Flusher:
             self.refused.add(local_id)
             return Outcome(FAILED, row, error=value)
         if target:
-            body = json.loads(payload)
-            body["supersedes_id"] = value
-            payload = json.dumps(body, ensure_ascii=False, sort_keys=True)
+            payload = json.dumps(dict(json.loads(payload), supersedes_id=value),
+                                 ensure_ascii=False, sort_keys=True)
         try:
             # The frozen payload itself: the same bytes on every attempt, from every process.
             resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"),
@@ -4499,7 +4499,9 @@ class Flusher:
             return Outcome(RELEASE, row, error=str(e))
         # 30 s doubled for each failed call so far (a call's retries are one call)
         per_call = self.gateway.retries + 1
-        calls = -(-(self._attempts(row[0]) + self.gateway.tries) // per_call)
+        attempts = self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?",
+                                           (row[0],)).fetchone()[0]
+        calls = -(-(attempts + self.gateway.tries) // per_call)
         told, delay = "", min(3600, 30 * 2 ** min(10, calls))
         if e.retry_in_ms:
             delay = e.retry_in_ms / 1000.0
@@ -4517,8 +4519,8 @@ class Flusher:
             if not (isinstance(gid, str) and UUID_RE.fullmatch(gid.strip())):
                 self.refused.add(local_id)
                 return Outcome(FAILED, row, status=resp.status,
-                               error="the gateway answered HTTP %d without a "
-                               "usable record id (%s)" % (resp.status, _shown(gid, resp.scrub)))
+                               error="the gateway answered HTTP %d without a usable record id (%s)"
+                               % (resp.status, _shown(gid, resp.scrub)))
             self.delivered[local_id] = gid.strip()
             return Outcome(SYNCED, row, status=resp.status, record=dict(data, id=gid.strip()),
                            sent=json.loads(row[3]))
@@ -4527,10 +4529,9 @@ class Flusher:
             original = original.strip() if isinstance(original, str) else ""
             original = original if UUID_RE.fullmatch(original) else None
             self.delivered[local_id] = original
-            similarity = data.get("similarity")
             return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
                            error="near-identical memory exists (similarity %s)"
-                           % _shown(similarity, resp.scrub))
+                           % _shown(data.get("similarity"), resp.scrub))
         if resp.status == 409 or 200 <= resp.status < 300:  # the same key still in flight / odd 2xx
             return Outcome(RETRY, row,
                            error="gateway answered HTTP %d: %s" % (resp.status, resp.detail()),
@@ -4538,18 +4539,14 @@ class Flusher:
         self.refused.add(local_id)
         return Outcome(FAILED, row, error=resp.detail(), status=resp.status)
 
-    def _attempts(self, rid):
-        return self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?",
-                                       (rid,)).fetchone()[0]
-
     def _finish(self, token, done, stats):
         # Record the outcomes of one claimed batch, fenced by its token (a flusher whose
         # lease was taken over changes nothing, and counts nothing), each row in its own
         # savepoint: one that cannot be recorded fails alone, with the reason.
         conn = self.store.conn
         with self.store.transaction():
-            targets = {t for (t,) in conn.execute("SELECT DISTINCT target FROM outbox WHERE "
-                                                  "target IS NOT NULL")}
+            targets = {t for (t,) in conn.execute(
+                "SELECT DISTINCT target FROM outbox WHERE target IS NOT NULL")}
             for o in done:
                 conn.execute("SAVEPOINT outcome")
                 try:
@@ -4565,25 +4562,23 @@ class Flusher:
 
     def _record(self, o, token, targets):
         # One outcome, fenced; returns whether it took (the row was still ours).
-        now, rid, local_id = self.clock(), o.row[0], o.row[1]
-        fence = dict(where="rid=:rid AND claim_token=:token AND state='sending'", rid=rid,
-                     token=token, now=now, status=o.status, error=o.error, tries=o.tries)
+        local_id = o.row[1]
+        fence = dict(where="rid=:rid AND claim_token=:token AND state='sending'", rid=o.row[0],
+                     token=token, now=self.clock(), status=o.status, error=o.error, tries=o.tries)
         if o.action in (RELEASE, RETRY):
             return self.store.move(o.action, delay=o.delay, **fence)
-        if o.action == SYNCED:
-            took = self.store.move(SYNCED, other=o.record["id"], **fence)
-            if took:  # corrections are the only local references: to this row, or from it
+        # SYNCED, DUPLICATE or FAILED; `other`: the record's gateway id, the original, or None
+        took = self.store.move(o.action, other=o.record["id"] if o.action == SYNCED
+                               else o.duplicate_of, **fence)
+        if took:
+            if o.action == SYNCED:
+                # corrections are the only local references: to this row, or from it
                 self.store.adopt(local_id, o.record,
                                  referenced=local_id in targets or bool(o.row[4]), sent=o.sent)
-            return took
-        if o.action == DUPLICATE:
-            took = self.store.move(DUPLICATE, other=o.duplicate_of, **fence)
-            if took:
+            elif o.action == DUPLICATE:
                 self.store.drop_local(local_id, o.duplicate_of)
-            return took
-        took = self.store.move(FAILED, **fence)
-        if took:
-            self.store.mark_failed(local_id)
+            else:
+                self.store.mark_failed(local_id)
         return took
 
 
@@ -4595,8 +4590,7 @@ def _shown(value, scrub=None):
 
 
 class PullStats:
-    def __init__(self):
-        self.pages = self.new = self.updated = self.deleted = self.same = 0
+    pages = new = updated = deleted = same = 0  # (counted on each instance)
 
     def as_dict(self):
         return {"pages": self.pages, "new": self.new, "updated": self.updated,
@@ -4609,7 +4603,7 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
     # that follows them commit together, so an interrupted pull resumes with no gap and
     # no repeat. Returns PullStats; raises GatewayError when the gateway goes away.
     from urllib.parse import urlencode
-    stats = PullStats() if stats is None else stats
+    stats = stats or PullStats()
     if full:
         with store.transaction():
             store.conn.execute("DELETE FROM meta WHERE key IN ('pull_cursor', 'pull_since')")
@@ -4638,9 +4632,10 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
         if not next_cursor or not items:
             return stats
         if next_cursor == cursor:  # an answer that would ask for the same page for ever
-            raise GatewayError(PROTOCOL, "the gateway's export answered the same cursor twice "
-                               "(%s)" % _shown(next_cursor), hint="the pages so far are kept; "
-                               "this gateway's export is broken, tell its admin")
+            raise GatewayError(
+                PROTOCOL, "the gateway's export answered the same cursor twice (%s)"
+                % _shown(next_cursor),
+                hint="the pages so far are kept; this gateway's export is broken, tell its admin")
 
 
 def _merge_page(store, items, next_cursor, since, stats):
@@ -4676,10 +4671,7 @@ def enrich(store, gateway, ids, progress=None):
     batch = []
 
     def commit():
-        with store.transaction():
-            for data in batch:
-                store.from_gateway(normalize_record(data), VIEW_FULL, iso_now())
-            store.link_supersessions()
+        store.merge_seen(batch, VIEW_FULL)  # (one transaction)
         del batch[:]
     for n, rid in enumerate(ids):
         try:
@@ -4740,7 +4732,7 @@ class _BundleWriter:
     # times faster than gzip's default 9, for a bundle about a third larger; one hash and
     # one compress call per thousand lines).
 
-    def __init__(self, out, key=None):
+    def __init__(self, out, key):
         import gzip
         import hashlib
         self.zipped = gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=1)
@@ -4840,8 +4832,8 @@ def check_bundle(stream, name, key=None, copy=None):
             name, getattr(e, "strerror", None) or e))
     trailer = _bundle_line(previous or b"", "the last line") if header is not None else {}
     if header is None or trailer.get("type") != "end":
-        raise BundleError("%s is not a complete qmem bundle (its end is missing): nothing was "
-                          "loaded" % name)
+        raise BundleError(
+            "%s is not a complete qmem bundle (its end is missing): nothing was loaded" % name)
     if trailer.get("lines") != count or trailer.get("sha256") != digest.hexdigest():
         raise BundleError("%s is damaged (its checksum does not match): nothing was loaded" % name)
     signature, key_id = trailer.get("hmac"), trailer.get("key_id")
@@ -4880,8 +4872,8 @@ class _Prepend:
             return self.stream.read(size)
         head, self.head = self.head, b""
         if size is not None and 0 <= size < len(head):
-            head, self.head = head[:size], head[size:]
-            return head
+            self.head = head[size:]
+            return head[:size]
         return head + self.stream.read(-1 if size is None or size < 0 else size - len(head))
 
 
@@ -4945,9 +4937,9 @@ def _bundle_lines(f, path):
         if not line:
             return
         if len(line) > MAX_BUNDLE_LINE:
-            raise BundleError("%s holds a line longer than %d MiB: not a qmem bundle, nothing was "
-                              "loaded" % (
-                path, MAX_BUNDLE_LINE >> 20))
+            raise BundleError(
+                "%s holds a line longer than %d MiB: not a qmem bundle, nothing was loaded"
+                % (path, MAX_BUNDLE_LINE >> 20))
         yield line
 
 
@@ -5013,11 +5005,13 @@ def _open_bundle(path):
 
 
 class LoadStats:
+    # (the counts start at 0 here and are counted on each instance)
+    records_new = records_updated = records_unchanged = 0
+    outbox_added = outbox_settled = outbox_unchanged = skipped = 0
+    outbox_full = 0  # writes not loaded: past outboxMaxMB
+    outbox_not_needed = 0  # delivered where they were made, unknown here
+
     def __init__(self):
-        self.records_new = self.records_updated = self.records_unchanged = 0
-        self.outbox_added = self.outbox_settled = self.outbox_unchanged = self.skipped = 0
-        self.outbox_full = 0  # writes not loaded: past outboxMaxMB
-        self.outbox_not_needed = 0  # delivered where they were made, unknown here
         self.held = []  # what each write held from an unverified bundle is, for the user to judge
 
     def as_dict(self):
@@ -5041,12 +5035,11 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
     # never superseding anything; no settlement; its writes held, never sent until the
     # user releases them. Every write is rebuilt from qmem's own fields, checked as
     # `store` checks them.
-    stats = LoadStats()
     bulk = not dry_run and store.is_empty()
     if bulk:
         store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
     try:
-        return _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust)
+        return _merge_bundle(store, path, header, dry_run, bulk, max_mb, trust)
     finally:
         # rolled back: the index is rebuilt for what is there
         if bulk and store.meta("fts_pending"):
@@ -5054,10 +5047,10 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
                 store.finish_bulk()
 
 
-def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
+def _merge_bundle(store, path, header, dry_run, bulk, max_mb, trust):
     with store.transaction():
-        settle, now, batched = [], iso_now(), store.bulk_sql and bulk  # one time for the load
-        for kind, part in _parts(path, trust, now, batched, store.fts):
+        settle, now, stats = [], iso_now(), LoadStats()  # (now: one time for the load)
+        for kind, part in _parts(path, trust, now, store.bulk_sql and bulk, store.fts):
             if kind == "rows":
                 _merge_batch(store, part, stats, trust)
             elif kind == "record":
@@ -5070,11 +5063,10 @@ def _merge_bundle(store, path, header, dry_run, bulk, stats, max_mb, trust):
             _load_outbox_row(store, row, stats, max_mb, trust)
         store.finish_bulk()
         store.link_supersessions()
-        if not dry_run:
-            store.set_meta("last_load_at", iso_now())
-            store.set_meta("last_load_from", header_text(header.get("machine")) or "?")
         if dry_run:
             raise _DryRun(stats)
+        store.set_meta("last_load_at", iso_now())
+        store.set_meta("last_load_from", header_text(header.get("machine")) or "?")
     return stats
 
 
@@ -5148,7 +5140,7 @@ def _parts_of_child(proc):
 def _reader_main(path, trust, now, words):
     # The child's side of _parts: bundle_parts as frames on stdout (JSON values).
     out = sys.stdout.buffer
-    for part in bundle_parts(path, trust, now, True, bool(words)):
+    for part in bundle_parts(path, trust, now, True, words):
         out.write(frame(part))
     out.flush()
     return EXIT_OK
@@ -5226,8 +5218,8 @@ def _merge_batch(store, batch, stats, trust):
     # transaction holds the write lock: no other process inserted them).
     before = store.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
     new, updated = store.merge_many(batch, masked=True)
-    origin = ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED
-    store.conn.execute("UPDATE records SET origin=? WHERE rid>?", (origin, before))
+    store.conn.execute("UPDATE records SET origin=? WHERE rid>?",
+                       (ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED, before))
     stats.records_new += new
     stats.records_updated += updated
     stats.records_unchanged += len(batch) - new - updated
@@ -5246,10 +5238,10 @@ def rebuilt_write(row):
     if not (isinstance(body, dict) and 0 < created < 1e11 and row.get("op")
             in ("store", "correct")):
         raise ValueError("not a write of qmem.py")
-    get = lambda f, kind=str: body.get(f) if isinstance(body.get(f), kind) else None  # noqa: E731
-    if (row["op"] == "correct") != bool(get("supersedes_id")):
-        raise ValueError("a correction names what it corrects, a store does not")
+    get = lambda f: body.get(f) if isinstance(body.get(f), str) else None  # noqa: E731
     supersedes = get("supersedes_id")
+    if (row["op"] == "correct") != bool(supersedes):
+        raise ValueError("a correction names what it corrects, a store does not")
     if supersedes and not UUID_RE.fullmatch(supersedes):
         raise ValueError("supersedes_id is not a memory id")
     try:
@@ -5273,7 +5265,7 @@ def _held_summary(local_id, payload_text):
             "text": body["text"][:120], "text_chars": len(body["text"])}
 
 
-def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
+def _load_outbox_row(store, row, stats, max_mb, trust):
     # One outbox row of a bundle: added here when new (held, from an unverified bundle),
     # settling this machine's row when a signed bundle shows that very write delivered,
     # else nothing.
@@ -5295,7 +5287,7 @@ def _load_outbox_row(store, row, stats, max_mb=None, trust=SIGNED):
         stats.outbox_unchanged += 1
     elif not (here[0] == row.get("op") and _same_payload(here[1], row["payload"])):
         stats.skipped += 1  # not the write it claims to settle
-    elif delivered and here[2] not in (SYNCED, DUPLICATE, HELD):
+    elif delivered and here[2] not in (SYNCED, DUPLICATE):  # (a held one was dropped above)
         _settle_loaded(store, row, state, stats)
     elif state == FAILED and here[2] in WAITING:
         reason = row.get("last_error") if isinstance(row.get("last_error"),
@@ -5381,43 +5373,36 @@ def check(name, status, detail, advice=None):
 def doctor_local(config, config_error=None):
     # The checks that need no network: Python, SQLite, the database, the config, the
     # breaker, the outbox and the import lag.
-    checks = [_doctor_python(), _doctor_sqlite()]
-    checks += _doctor_config(config, config_error)
-    checks += _doctor_database(config)
-    checks.append(_doctor_breaker(config))
-    return checks
+    return ([_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
+            + _doctor_database(config) + [_doctor_breaker(config)])
 
 
 def _doctor_python():
-    version = "%d.%d.%d" % sys.version_info[:3]
-    if sys.version_info < (3, 7):
-        return check("python", "warn", "Python %s" % version,
-                     "3.6 cannot bound every read of a TLS answer by the deadline: use 3.7 or "
-                     "newer if you can")
-    return check("python", "ok", "Python %s" % version)
+    old = sys.version_info < (3, 7)
+    return check("python", "warn" if old else "ok", "Python %d.%d.%d" % sys.version_info[:3],
+                 "3.6 cannot bound every read of a TLS answer by the deadline: use 3.7 or "
+                 "newer if you can" if old else None)
 
 
 def _doctor_sqlite():
     tokenizer = fts5_tokenizer()
     detail = "SQLite %s, %s" % (sqlite3.sqlite_version,
                                 "FTS5 " + tokenizer if tokenizer else "no FTS5")
-    if tokenizer is None:
-        return check("sqlite", "warn", detail,
-                     "find uses a slower LIKE scan, newest first rather than ranked: a Python "
-                     "with a newer SQLite searches better")
-    if not HAS_UPSERT:
-        return check("sqlite", "warn", detail,
-                     "SQLite older than 3.24: imports merge row by row (slower)")
-    return check("sqlite", "ok", detail)
+    advice = ("find uses a slower LIKE scan, newest first rather than ranked: a Python "
+              "with a newer SQLite searches better" if tokenizer is None
+              else "SQLite older than 3.24: imports merge row by row (slower)" if not HAS_UPSERT
+              else None)
+    return check("sqlite", "warn" if advice else "ok", detail, advice)
 
 
 def _doctor_config(config, config_error):
     if config_error is not None:
         return [check("config", "fail", config_error.message,
                       config_error.hint or "fix the config file")]
-    found = [check("config", "ok", "%s%s" % (config.path, "" if os.path.exists(config.path) else
+    exists = os.path.exists(config.path)
+    found = [check("config", "ok", "%s%s" % (config.path, "" if exists else
                                              " (not created yet: defaults)"))]
-    if os.path.exists(config.path) and os.name == "posix":
+    if exists and os.name == "posix":
         mode = os.stat(config.path).st_mode & 0o777
         if mode & 0o077 and config.raw.get("apiKey"):
             found.append(check("config mode", "warn",
@@ -5488,8 +5473,8 @@ def repair_database(config):
         return check("repair", "fail", "REINDEX failed: %s" % err.message, REBUILD_ADVICE)
     finally:
         store.close()
-    return check("repair", "ok", "every index rebuilt from its table (REINDEX), the text index "
-                 "from the records")
+    return check("repair", "ok",
+                 "every index rebuilt from its table (REINDEX), the text index from the records")
 
 
 def _doctor_open_store(store):
@@ -5519,22 +5504,19 @@ def _doctor_open_store(store):
             "processes at once will wait on each other"))
     if store.fts and store.meta("words_pending"):
         found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
-                           "not found by their parts yet", "`qmem.py import` (or `pull`, `load`) "
-                           "makes it anew, once"))
-    found.append(_doctor_outbox(store))
-    found.append(_doctor_import_lag(store))
-    return found
+                           "not found by their parts yet",
+                           "`qmem.py import` (or `pull`, `load`) makes it anew, once"))
+    return found + [_doctor_outbox(store), _doctor_import_lag(store)]
 
 
 def _doctor_outbox(store):
-    stuck = store.unsettled_before(time.time() - 86400)
-    if stuck[0]:
+    stuck, oldest = store.unsettled_before(time.time() - 86400)
+    if stuck:
         return check("outbox", "warn",
                      "%s waiting or refused for more than a day (the oldest %s)" % (
-            plural(stuck[0], "write"), duration(time.time() - stuck[1])),
+            plural(stuck, "write"), duration(time.time() - oldest)),
             "`qmem.py queue` says why: `qmem.py flush` to deliver, `qmem.py queue --drop ID` to "
-                     "discard, "
-            "`qmem.py export --outbox-only FILE` to carry them to a connected host")
+            "discard, `qmem.py export --outbox-only FILE` to carry them to a connected host")
     waiting = store.outbox_waiting()
     return check("outbox", "ok",
                  "%s waiting" % plural(waiting, "write") if waiting else "nothing waiting")
@@ -5585,8 +5567,7 @@ def doctor_link(config, clock=time.time):
     if not config["url"] or not config["apiKey"]:
         return []
     from urllib.parse import urlsplit
-    p = urlsplit(config["url"])
-    found = _probe_steps(p, config)
+    found = _probe_steps(urlsplit(config["url"]), config)
     if any(c["status"] == "fail" for c in found):
         return found
     gateway = Gateway(config, Breaker.from_config(config), retries=0, bypass_breaker=True)
@@ -5604,24 +5585,22 @@ def doctor_link(config, clock=time.time):
         return found + [check("status", "fail", e.message, advice)]
     finally:
         gateway.close()
-    took = time.monotonic() - started
-    return found + _judge_status(resp, took, config, clock)
+    return found + _judge_status(resp, time.monotonic() - started, config, clock)
 
 
 def _probe_steps(p, config):
     # DNS, TCP connect and TLS handshake, timed (to the proxy, when one applies).
-    net = _net_classes()
     budget = config["connectTimeoutMs"] / 1000.0
     proxy = _proxy_for(p.scheme, p.hostname or "")
     host, port = proxy or (p.hostname, p.port or (443 if p.scheme == "https" else 80))
-    deadline = net["Deadline"](budget, "connect")
-    found, started = [], time.monotonic()
+    deadline = _net_classes()["Deadline"](budget, "connect")
+    started = time.monotonic()
     try:
         _resolve(host, port, deadline)
     except OSError as e:
         return [check("dns", "fail", "%s does not resolve (%s)" % (host, _reason(e)),
                       "check the name and the VPN")]
-    found.append(_timed("dns", "%s resolved" % host, time.monotonic() - started, budget))
+    found = [_timed("dns", "%s resolved" % host, time.monotonic() - started, budget)]
     started = time.monotonic()
     try:
         sock = _open_socket((host, port), deadline)
@@ -5638,7 +5617,7 @@ def _probe_steps(p, config):
             ctx = ssl.create_default_context(cafile=config.values.get("caFile") or None)
             try:
                 sock = ctx.wrap_socket(sock, server_hostname=p.hostname)
-            except (OSError, ssl.SSLError) as e:
+            except OSError as e:  # (an ssl.SSLError is one)
                 plain = "WRONG_VERSION_NUMBER" in str(e) or "EOF" in type(e).__name__ + str(e)
                 return found + [check("tls", "fail", "TLS handshake with %s failed (%s)"
                                       % (p.hostname, _reason(e)),
@@ -5655,12 +5634,10 @@ def _probe_steps(p, config):
 
 def _timed(name, what, seconds, budget):
     # A step of the link against the connect budget: too close to it is a warning.
-    detail = "%s in %d ms" % (what, seconds * 1000)
-    if seconds > budget / 2:
-        return check(name, "warn", detail,
-                     "connectTimeoutMs is %d: too tight for this link, use >= %d" % (
-            budget * 1000, _suggested_budget_ms(seconds)))
-    return check(name, "ok", detail)
+    slow = seconds > budget / 2
+    return check(name, "warn" if slow else "ok", "%s in %d ms" % (what, seconds * 1000),
+                 "connectTimeoutMs is %d: too tight for this link, use >= %d"
+                 % (budget * 1000, _suggested_budget_ms(seconds)) if slow else None)
 
 
 def _suggested_budget_ms(seconds):
@@ -5668,27 +5645,22 @@ def _suggested_budget_ms(seconds):
 
 
 def _judge_status(resp, took, config, clock):
-    budget = config["connectTimeoutMs"] / 1000.0
-    found = []
     if resp.status != 200:
         return [check("status", "fail",
                       "GET /v1/status answered HTTP %d (%s)" % (resp.status, resp.detail()),
                       "is the URL the gateway's base URL?")]
-    detail = "GET /v1/status took %.1f s" % took
-    if took > budget / 2:
-        found.append(check("status", "warn", detail,
-                           "connectTimeoutMs is %d: too tight for this link, use >= %d"
-                           % (config["connectTimeoutMs"], _suggested_budget_ms(took))))
-    else:
-        found.append(check("status", "ok", detail))
-    found.append(check("api key", "ok", "accepted"))
+    slow = took > config["connectTimeoutMs"] / 1000.0 / 2
     version = resp.data.get("version") if isinstance(resp.data, dict) else None
     parts = [int(n) for n in re.findall(r"\d+", str(version or ""))[:3]]
-    if parts and parts < [2, 12, 0]:
-        found.append(check("gateway version", "warn", "the gateway is %s" % _shown(version),
-                           "pull needs 2.12.0 or newer (enrich --all works with older ones)"))
-    else:
-        found.append(check("gateway version", "ok", "the gateway is %s" % _shown(version)))
+    old = parts and parts < [2, 12, 0]
+    found = [check("status", "warn" if slow else "ok", "GET /v1/status took %.1f s" % took,
+                   "connectTimeoutMs is %d: too tight for this link, use >= %d"
+                   % (config["connectTimeoutMs"], _suggested_budget_ms(took)) if slow else None),
+             check("api key", "ok", "accepted"),
+             check("gateway version", "warn" if old else "ok",
+                   "the gateway is %s" % _shown(version),
+                   "pull needs 2.12.0 or newer (enrich --all works with older ones)" if old
+                   else None)]
     server = _http_date(resp.headers.get("Date") or "")
     if server is not None:
         skew = clock() - server
@@ -5800,8 +5772,7 @@ def _launcher_is_ours(path):
     # None when there is no file at path, else whether it is a launcher qmem.py wrote (a
     # link or anything but a regular file is not).
     try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode):
+        if not stat.S_ISREG(os.lstat(path).st_mode):
             return False
         with open(path, "rb") as f:
             lines = f.read(512).split(b"\n")
@@ -5818,7 +5789,8 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
     environ = os.environ if environ is None else environ
     home = environ.get("HOME") or os.path.expanduser("~")
     folder = os.path.abspath(os.path.expanduser(bin_dir or os.path.join(home, ".local", "bin")))
-    path, ours = os.path.join(folder, "qmem"), _launcher_is_ours(os.path.join(folder, "qmem"))
+    path = os.path.join(folder, "qmem")
+    ours = _launcher_is_ours(path)
     if ours is False:
         raise UsageError("%s is not a launcher `qmem.py install` wrote: leaving it alone" % path,
                          hint="move it aside, or choose another folder with --bin DIR")
@@ -5832,9 +5804,9 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
         return dict(doc, removed=bool(ours), cache=_cache_folder(environ, home))
     python = sys.executable
     if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
-        raise UsageError("a launcher needs a POSIX system and an interpreter path without "
-                         "spaces (%s)" % (python or "unknown"),
-                         hint="run `python3 qmem.py` instead")
+        raise UsageError(
+            "a launcher needs a POSIX system and an interpreter path without spaces (%s)"
+            % (python or "unknown"), hint="run `python3 qmem.py` instead")
     source = os.path.abspath(__file__)
     if not source.isprintable():  # it is written into the launcher's code
         raise UsageError("the path of qmem.py holds a control character: %r" % source,
@@ -5844,10 +5816,10 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
         atomic_write(path, text.encode("utf-8"), 0o755)
     except OSError as e:
         raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
-    on_path = [p for p in environ.get("PATH", "").split(os.pathsep)
-               if p and os.path.realpath(p) == os.path.realpath(folder)]
+    on_path = any(p and os.path.realpath(p) == os.path.realpath(folder)
+                  for p in environ.get("PATH", "").split(os.pathsep))
     return dict(doc, source=source, python=python, cache=_cache_folder(environ, home),
-                on_path=bool(on_path))
+                on_path=on_path)
 
 
 def _cache_folder(environ, home):
