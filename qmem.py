@@ -247,9 +247,9 @@ def parse_iso(value):
                  r"\s*(Z|z|[+-]\d\d:?\d\d)?)?\Z", value.strip())
     if not m:
         return None
-    y, mo, d, hh, mi, ss, frac, tz = m.groups()
+    *fields, frac, tz = m.groups()  # year, month, day, hour, minute, second (None: 0)
     try:
-        dt = datetime.datetime(int(y), int(mo), int(d), int(hh or 0), int(mi or 0), int(ss or 0),
+        dt = datetime.datetime(*(int(f or 0) for f in fields),
                                int((frac or "0")[:6].ljust(6, "0")), tzinfo=datetime.timezone.utc)
         if tz and tz not in ("Z", "z"):
             sign = 1 if tz[0] == "+" else -1
@@ -393,8 +393,8 @@ def plural(n, word):
 
 def duration(seconds):
     # A wait as a person says it: '45 s', '12 min', '24 h', '3 d' (a unit from two of it).
-    for unit, size, from_ in (("d", 86400, 2 * 86400), ("h", 3600, 2 * 3600), ("min", 60, 2 * 60)):
-        if seconds >= from_:
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= 2 * size:
             return "%d %s" % (round(seconds / size), unit)
     return "%d s" % round(seconds)
 
@@ -456,7 +456,7 @@ class Progress:
 
 
 def hostname():
-    host = os.environ.get("COMPUTERNAME") or ""
+    host = os.environ.get("COMPUTERNAME")
     if hasattr(os, "uname"):
         host = os.uname().nodename or host
     return host or "unknown-host"
@@ -505,11 +505,11 @@ def _proc_stat(pid):
     return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
 
 
-def process_identity(pid=None):
-    # What names a process of this machine beyond doubt: (host, boot id, pid
-    # namespace, pid, start time). Where the system does not tell (boot id, namespace,
-    # start time: Linux only), the parts are '' and the identity proves nothing.
-    pid = os.getpid() if pid is None else pid
+def process_identity():
+    # What names this process beyond doubt: (host, boot id, pid namespace, pid, start
+    # time). Where the system does not tell (boot id, namespace, start time: Linux only),
+    # the parts are '' and the identity proves nothing.
+    pid = os.getpid()
     try:
         namespace = os.readlink("/proc/self/ns/pid")
     except (OSError, AttributeError):
@@ -568,10 +568,10 @@ ENV_KEYS = {"url": "QMEM_URL", "apiKey": "QMEM_API_KEY", "localDbPath": "QMEM_SQ
 class Config:
     # The effective configuration: each value and where it came from.
 
-    def __init__(self, values, sources, path, raw, breaker_path, home):
+    def __init__(self, values, sources, path, raw, breaker_path, home, key_withheld):
         self.values, self.sources, self.path, self.raw = values, sources, path, raw
         self.breaker_path, self.home = breaker_path, home
-        self.key_withheld = None  # why the file's API key is not sent to this URL (see below)
+        self.key_withheld = key_withheld  # why the file's API key is not sent to this URL
 
     def __getitem__(self, key):
         return self.values[key]
@@ -604,10 +604,9 @@ def _check_type(key, value, origin, typed=False):
             origin, key, "a JSON boolean (true or false)" if typed else "true or false",
             json.dumps(value)))
     if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int if typed else (int, str)):
-            raise ConfigError("%s: %s must be a whole number, not %s"
-                              % (origin, key, json.dumps(value)))
-        try:
+        try:  # one message for a value of another type and for text int() cannot read
+            if isinstance(value, bool) or not isinstance(value, int if typed else (int, str)):
+                raise ValueError(value)
             number = int(value)
         except ValueError:
             raise ConfigError("%s: %s must be a whole number, not %s"
@@ -651,12 +650,13 @@ def load_config(environ=None, overrides=None):
     raw = _read_config_file(path)
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
     for key in DEFAULTS:
-        if key in raw and raw[key] is not None:
+        value = raw.get(key)
+        if value is not None:
             # ignored, warned: _check_config
-            if key == "bundleKey" and not isinstance(raw[key], str):
-                values[key] = "(a %s)" % type(raw[key]).__name__
+            if key == "bundleKey" and not isinstance(value, str):
+                values[key] = "(a %s)" % type(value).__name__
             else:
-                values[key] = _check_type(key, raw[key], "config file %s" % path, typed=True)
+                values[key] = _check_type(key, value, "config file %s" % path, typed=True)
             sources[key] = "file"
     for key, var in ENV_KEYS.items():
         if environ.get(var):
@@ -674,9 +674,7 @@ def load_config(environ=None, overrides=None):
         values["apiKey"] = None
     breaker = environ.get("QMEM_BREAKER_FILE") or os.path.join(home, ".local", "share", "pi-qmem",
                                                                "breaker.json")
-    config = Config(values, sources, path, raw, breaker, home)
-    config.key_withheld = withheld
-    return config
+    return Config(values, sources, path, raw, breaker, home, withheld)
 
 
 def _read_config_file(path):
@@ -685,12 +683,13 @@ def _read_config_file(path):
     # collect the key.
     try:
         with open(path, "rb") as f:
-            unsafe = not_private(os.fstat(f.fileno()))
+            st = os.fstat(f.fileno())
+            unsafe = not_private(st)
             if unsafe:
                 raise ConfigError("config file %s is %s: refusing to use it" % (path, unsafe),
                                   hint="chown it to yourself and chmod 600 %s" % path)
             data = f.read(MAX_CONFIG_BYTES + 1)
-            readable_by_others = os.name == "posix" and os.fstat(f.fileno()).st_mode & 0o044
+            readable_by_others = os.name == "posix" and st.st_mode & 0o044
     except FileNotFoundError:
         return {}
     except OSError as e:
@@ -713,11 +712,12 @@ def _read_config_file(path):
 
 def gateway_of(url):
     # What a key is bound to: (scheme, host in lower case, port with its default).
+    # (urlsplit gives the scheme in lower case.)
     from urllib.parse import urlsplit
     try:
         p = urlsplit(url.strip())
-        scheme = p.scheme.lower()
-        return scheme, (p.hostname or "").lower(), p.port or {"https": 443, "http": 80}.get(scheme)
+        return (p.scheme, (p.hostname or "").lower(),
+                p.port or {"https": 443, "http": 80}.get(p.scheme))
     except (AttributeError, ValueError):
         return None
 
@@ -798,10 +798,11 @@ def session_dirs(environ=None):
 
 
 def normalize_url(url):
-    # 'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key.
+    # 'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key (urlsplit gives
+    # the scheme in lower case).
     from urllib.parse import urlsplit
     p = urlsplit(url.strip())
-    return "%s://%s%s" % (p.scheme.lower(), (p.netloc or "").lower(), p.path.rstrip("/"))
+    return "%s://%s%s" % (p.scheme, p.netloc.lower(), p.path.rstrip("/"))
 
 
 # A host name or an IP address (patterns used once are compiled at their use, by re's cache,
@@ -820,11 +821,12 @@ def check_url(url):
     except ValueError as e:
         raise UsageError("invalid gateway URL: %s" % e,
                          hint="it must look like https://host[:port][/path]")
-    if p.username is not None or p.password is not None:  # never echoed: it may hold a password
+    # (A password comes only after a user name, even an empty one: 'https://:pw@host'.)
+    if p.username is not None:  # never echoed: it may hold a password
         raise UsageError("a gateway URL must not carry a user name or password",
                          hint="give the URL without them, and the key with `qmem.py config apikey`")
     if (p.scheme not in ("http", "https") or not p.hostname or not re.match(_HOST, p.hostname)
-            or any(c.isspace() or ord(c) < 32 or ord(c) > 126 for c in url)):  # requests are ASCII
+            or not api_key_ok(url)):  # requests are ASCII: printable, no spaces, as a key
         raise UsageError("invalid gateway URL %s" % mask_url(url),
                          hint="it must look like https://host[:port][/path]")
     if p.query or p.fragment:
@@ -848,7 +850,7 @@ def warn_plain_http(url, key):
     # The API key would travel unencrypted: say so, wherever the URL came from.
     from urllib.parse import urlsplit
     p = urlsplit(url)
-    if p.scheme == "http" and key and not is_loopback(p.hostname or ""):
+    if p.scheme == "http" and key and not is_loopback(p.hostname):
         _warn_once("the API key travels unencrypted over plain http to %s: use https unless this "
                    "network is trusted" % p.hostname)
 
@@ -879,8 +881,7 @@ def write_config(config, changes):
             raw[key] = value
     target = os.path.realpath(config.path)
     try:
-        atomic_write(target, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"),
-                     0o600)
+        atomic_write(target, (json.dumps(raw, indent=2, ensure_ascii=False) + "\n").encode("utf-8"))
     except OSError as e:
         raise ConfigError("cannot write config file %s: %s" % (target, e.strerror or e))
     config.raw = raw
@@ -989,7 +990,7 @@ class Breaker:
 
     def __init__(self, path, url, base_ms=120000, max_ms=600000, trip_after=3, lease_s=60.0,
                  clock=time.time, rand=None):
-        self.path, self.url, self.key = path, url, normalize_url(url) if url else ""
+        self.path, self.key = path, normalize_url(url) if url else ""
         self.base_s, self.max_s, self.trip_after = base_ms / 1000.0, max_ms / 1000.0, trip_after
         self.lease_s, self.clock, self.rand = lease_s, clock, rand
         self.token = claim_token()  # a probe of a process proven dead is taken over at once
@@ -997,7 +998,7 @@ class Breaker:
 
     @classmethod
     def from_config(cls, config, **kw):
-        return cls(config.breaker_path, config["url"] or "", config["breakerBaseMs"],
+        return cls(config.breaker_path, config["url"], config["breakerBaseMs"],
                    config["breakerMaxMs"],
                    config["breakerTripAfter"],
                    lease_s=worst_call_s(config), **kw)
@@ -1035,9 +1036,9 @@ class Breaker:
             return {}
         try:
             data = json.loads(raw.decode("utf-8"))
-            if not isinstance(data, dict) or not isinstance(data.get("gateways", {}), dict):
+            gateways = data.get("gateways", {}) if isinstance(data, dict) else None
+            if not isinstance(gateways, dict):
                 raise ValueError("not a breaker file")
-            gateways = data.get("gateways", {})
             self._cache = (signature, dict(gateways))
             return gateways
         except (UnicodeDecodeError, ValueError, RecursionError):
@@ -1084,7 +1085,7 @@ class Breaker:
         try:
             atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1,
                                                 sort_keys=True)
-                                     + "\n").encode("utf-8"), 0o600, sync=False)
+                                     + "\n").encode("utf-8"), sync=False)
         except OSError as e:  # a full disk, a read-only folder: never a reason to fail a command
             _warn_once("cannot write breaker file %s (%s): keeping the breaker's state in memory "
                        "for this process" % (self.path, e.strerror or e))
@@ -1122,10 +1123,9 @@ class Breaker:
 
     def _refusal(self, state, now):
         ms = self.retry_in(state, now)
-        if state["state"] == "half_open":
-            message = "gateway not tried: another process is probing it, retry in %d s" % ceil_s(ms)
-        else:
-            message = "gateway not tried: breaker open, retry in %d s" % ceil_s(ms)
+        why = ("another process is probing it" if state["state"] == "half_open"
+               else "breaker open")
+        message = "gateway not tried: %s, retry in %d s" % (why, ceil_s(ms))
         return GatewayError(BREAKER_OPEN, message, retry_in_ms=ms, detail=state["last_detail"],
                             cause=state["last_kind"], in_a_row=state["opened_after"])
 
@@ -1219,9 +1219,8 @@ class Response:
     # `not_json`: (what the body holds, whether it is an HTML page) when it is no JSON.
     not_json = None
 
-    def __init__(self, status, data, headers, scrub=None):
-        self.status, self.data, self.headers = status, data, headers
-        self.scrub = scrub or (lambda text: visible(str(text))[:500])
+    def __init__(self, status, data, headers, scrub):
+        self.status, self.data, self.headers, self.scrub = status, data, headers, scrub
 
     def detail(self):
         # The readable part of an error body (FastAPI's 'detail': a string or a list of
@@ -1331,8 +1330,8 @@ def _proxy_for(scheme, host, environ=None):
     no_proxy = environ.get("no_proxy") or environ.get("NO_PROXY") or ""
     for entry in no_proxy.replace(" ", "").split(","):
         entry = entry.lstrip(".").lower()
-        if entry == "*" or (entry
-                            and (host.lower() == entry or host.lower().endswith("." + entry))):
+        # '*', or the host itself or a name under it ('.a.b' ends with '.b' or is '.b')
+        if entry == "*" or (entry and ("." + host.lower()).endswith("." + entry)):
             return None
     from urllib.parse import urlsplit
     p = urlsplit(value if "://" in value else "http://" + value)
@@ -1341,9 +1340,7 @@ def _proxy_for(scheme, host, environ=None):
     except ValueError:
         _warn_once("ignoring the proxy variable %s: its port is not a number" % mask_url(value))
         return None
-    if not p.hostname:
-        return None
-    return p.hostname, port
+    return (p.hostname, port) if p.hostname else None
 
 
 def retry_after_seconds(headers, now=None):
@@ -1367,9 +1364,7 @@ def _http_date(value):
     import datetime
     try:
         dt = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):
-        return None
-    if dt is None:
+    except (TypeError, ValueError, IndexError, OverflowError):  # a bad date raises, never None
         return None
     if dt.tzinfo is None:
         dt = dt.replace(tzinfo=datetime.timezone.utc)
@@ -1401,12 +1396,11 @@ class Gateway:
                                detail="no API key configured")
         from urllib.parse import urlsplit
         self.url = check_url(url)
-        p = urlsplit(self.url)
-        self.https, self.host, self.base = p.scheme == "https", p.hostname, p.path.rstrip("/")
-        self.port = p.port or (443 if self.https else 80)
+        scheme, self.host, self.port = gateway_of(self.url)  # (a checked host: in lower case)
+        self.https, self.base = scheme == "https", urlsplit(self.url).path.rstrip("/")
         self.connect_s = config["connectTimeoutMs"] / 1000.0
         self.body_s = config["timeoutMs"] / 1000.0
-        self.ca_file = config.values.get("caFile")
+        self.ca_file = config["caFile"]  # a path, or None
         self.breaker, self.bypass_breaker = breaker, bypass_breaker
         self.sleep, self.retries = sleep or (lambda seconds: time.sleep(seconds)), retries
         self.worst_call_s = worst_call_s(config, retries)
@@ -1423,10 +1417,9 @@ class Gateway:
         warn_plain_http(self.url, self.key)
 
     def mask(self, text):
-        # Text with the API key masked (a gateway may echo the request's headers).
-        text = str(text)
-        return text.replace(self.key,
-                            mask_secret(self.key)) if self.key and self.key in text else text
+        # Text with the API key masked (a gateway may echo the request's headers). The key
+        # is never empty: __init__ refuses a gateway without one.
+        return str(text).replace(self.key, mask_secret(self.key))
 
     def scrub(self, text):
         # Text the gateway sent, made safe to store and print: the API key masked, then
@@ -1442,7 +1435,7 @@ class Gateway:
         # Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
         # the caller interprets. Everything else raises GatewayError (see its kinds).
         self.tries = 0
-        clean = True if self.bypass_breaker else self.breaker.admit()
+        clean = self.bypass_breaker or self.breaker.admit()
         retries = self.retries if retries is None else retries
         attempt = 0
         while True:
@@ -1473,11 +1466,11 @@ class Gateway:
             # breakerTripAfter requests, not three times that.
             attempt += 1
             self.breaker.failure(AMBIGUOUS, str(failure), failure.detail)
-            delay = failure.retry_in_ms / 1000.0 if failure.retry_in_ms is not None else None
-            wait = delay if delay is not None else min(8.0, 0.25 * 2 ** attempt)
+            told = failure.retry_in_ms is not None  # by Retry-After
+            wait = failure.retry_in_ms / 1000.0 if told else min(8.0, 0.25 * 2 ** attempt)
             if attempt > retries or wait > RETRY_SLEEP_CAP or self.breaker.is_open():
                 raise failure
-            self.sleep(_jittered(wait, delay is not None))
+            self.sleep(_jittered(wait, told))
 
     def _judge(self, resp):
         # None for an answer (2xx, and 4xx but 429); the ambiguous failure to retry
@@ -1491,7 +1484,7 @@ class Gateway:
                 status, self.scrub(resp.headers.get("Location") or "?")), status,
                 hint="put the final address in `qmem.py config url`")
         delay = retry_after_seconds(resp.headers)
-        html = bool(resp.not_json and resp.not_json[1])  # a proxy's page, not the gateway's
+        html = resp.not_json and resp.not_json[1]  # a proxy's page, not the gateway's
         return GatewayError(AMBIGUOUS, "gateway answered HTTP %d%s" % (
             status, " (%s)" % resp.detail() if resp.data or resp.not_json else ""), status,
             retry_in_ms=None if delay is None else int(delay * 1000),
@@ -1539,9 +1532,7 @@ class Gateway:
                 self.conn.request(method, self.prefix + self.base + path, body=data,
                                   headers=headers)
                 return self.conn.getresponse()
-            except GatewayError:
-                raise
-            except (OSError, http.client.HTTPException) as e:
+            except (OSError, http.client.HTTPException) as e:  # (_connect's GatewayError passes)
                 self.close()
                 if reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError,
                                              BrokenPipeError)):
@@ -1634,15 +1625,16 @@ class Gateway:
         import http.client
         net = _net_classes()
         proxy = _proxy_for("https" if self.https else "http", self.host)
+        gateway = (self.host, self.port)
+        peer = proxy or gateway  # where the connection goes
         if self.https:
-            conn = http.client.HTTPSConnection(*(proxy or (self.host, self.port)),
-                                               context=self._ssl_context())
+            conn = http.client.HTTPSConnection(*peer, context=self._ssl_context())
         else:
-            conn = http.client.HTTPConnection(*(proxy or (self.host, self.port)))
+            conn = http.client.HTTPConnection(*peer)
         if proxy and self.https:
-            conn.set_tunnel(self.host, self.port)  # CONNECT, then TLS with the gateway itself
+            conn.set_tunnel(*gateway)  # CONNECT, then TLS with the gateway itself
         # Through a plain-http proxy, requests name the gateway in full (absolute-form).
-        self.prefix = "http://%s:%d" % (self.host, self.port) if proxy and not self.https else ""
+        self.prefix = "http://%s:%d" % gateway if proxy and not self.https else ""
         conn._create_connection = lambda address, *args, **kw: _open_socket(address, deadline)
         try:
             conn.connect()
@@ -1676,7 +1668,7 @@ class Gateway:
         # Verified, with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by
         # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
         try:
-            ctx = ssl.create_default_context(cafile=self.ca_file or None)
+            ctx = ssl.create_default_context(cafile=self.ca_file)
         except (OSError, ssl.SSLError) as e:  # a configuration error, not an unreachable gateway
             raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (self.ca_file, _reason(e)),
                                hint="`qmem.py config set caFile PATH` with a PEM file of the CA")
@@ -1691,7 +1683,7 @@ def _open_socket(address, deadline):
     # (an IPv6 route that drops everything) leaves time for a live one within any budget.
     net = _net_classes()
     last = None
-    addresses = _resolve(address[0], address[1], deadline)
+    addresses = _resolve(*address, deadline)  # address: (host, port)
     for n, (family, kind, proto, _, addr) in enumerate(addresses):
         s = net["DeadlineSocket"](family, kind, proto)
         try:
