@@ -8855,14 +8855,6 @@ def build_parser(only=None):
     import functools
     width = (_terminal_width() or 80) - 2
     plain = functools.partial(argparse.HelpFormatter, width=width)
-    common = argparse.ArgumentParser(add_help=False, formatter_class=plain)
-    # SUPPRESS: a --json given before the subcommand must survive the subparser's default.
-    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print exactly one JSON document on stdout")
-    # The same options as the top level's, so that they work after the command too.
-    common.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS)
     about = __doc__.split("\nSections")[0]  # the rest of the docstring is for developers
     p = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
                 formatter_class=functools.partial(argparse.RawDescriptionHelpFormatter,
@@ -8881,8 +8873,15 @@ def build_parser(only=None):
         built.append(name)
         if only not in (None, name):
             return _Unused()
-        sp = sub.add_parser(name, parents=[common], help=about, description=about,
-                            allow_abbrev=False, formatter_class=plain, **kw)
+        sp = sub.add_parser(name, help=about, description=about, allow_abbrev=False,
+                            formatter_class=plain, **kw)
+        # The same options as the top level's, so that they work after the command too;
+        # SUPPRESS: a --json given before the command must survive the command's default.
+        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                        help="print exactly one JSON document on stdout")
+        sp.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS)
         sp.set_defaults(func=func)
         return sp
 
