@@ -265,7 +265,7 @@ def mask_secret(key):
     if not key:
         return "(not set)"
     if len(key) < 12:
-        return "…" + "*" * 4
+        return "…****"
     return key[:3] + "…" + key[-4:]
 
 
@@ -478,18 +478,6 @@ def machine_identity():
     return "%s (%s)" % (hostname(), os_name or "unknown OS")
 
 
-def _pid_alive(pid):
-    if os.name != "posix":  # pragma: no cover - os.kill(pid, 0) is not a probe on Windows
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
-
-
 def _read_small(path):
     try:
         with open(path, "rb") as f:
@@ -536,8 +524,14 @@ def claimant_is_gone(token):
     mine = process_identity()
     if not (boot and namespace and start and pid.isdigit()) or (host, boot, namespace) != mine[:3]:
         return False
-    if not _pid_alive(int(pid)):
+    # (A boot id, a pid namespace and a start time come from /proc: this is Linux, where
+    # os.kill(pid, 0) is a probe.)
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
         return True
+    except OSError:  # alive, but another user's (EPERM)
+        pass
     state, now = _proc_stat(int(pid))
     # Killed but not reaped by its parent yet (Z), or its pid lives on in another
     # process; an unreadable one proves nothing.
@@ -699,7 +693,7 @@ def _read_config_file(path):
                           % (path, MAX_CONFIG_BYTES >> 10))
     try:
         raw = json.loads(data.decode("utf-8")) if data.strip() else {}
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # (a UnicodeDecodeError is a ValueError)
         raise ConfigError("config file %s is not valid JSON: %s" % (
             path, "nested too deeply" if isinstance(e, RecursionError) else e))
     if not isinstance(raw, dict):
@@ -711,14 +705,15 @@ def _read_config_file(path):
 
 
 def gateway_of(url):
-    # What a key is bound to: (scheme, host in lower case, port with its default).
-    # (urlsplit gives the scheme in lower case.)
+    # What a key is bound to: (scheme, host in lower case, port with its default), or None
+    # when urlsplit cannot read it (a bad port). (urlsplit gives the scheme in lower case;
+    # url is a string: both callers make sure of it.)
     from urllib.parse import urlsplit
     try:
         p = urlsplit(url.strip())
         return (p.scheme, (p.hostname or "").lower(),
                 p.port or {"https": 443, "http": 80}.get(p.scheme))
-    except (AttributeError, ValueError):
+    except ValueError:
         return None
 
 
@@ -959,10 +954,10 @@ def why_open(state):
     # 'opened at once: could not connect: …' or 'opened after 3 consecutive failures
     # (last: HTTP 503)'.
     last = state["last_detail"] or state["last_error"] or "unknown error"
-    if state["last_kind"] == UNREACHABLE and state["opened_after"] <= 1:
-        return "opened at once: %s" % last
     if state["opened_after"] > 1:
         return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
+    if state["last_kind"] == UNREACHABLE:
+        return "opened at once: %s" % last
     return "opened after a failure (%s)" % last
 
 
@@ -1041,7 +1036,7 @@ class Breaker:
                 raise ValueError("not a breaker file")
             self._cache = (signature, dict(gateways))
             return gateways
-        except (UnicodeDecodeError, ValueError, RecursionError):
+        except (ValueError, RecursionError):  # (a UnicodeDecodeError is a ValueError)
             _warn_once("breaker file %s is corrupt: treating the breaker as closed (it is "
                        "rewritten on the next change)" % self.path)
             return {}
@@ -1155,11 +1150,9 @@ class Breaker:
 
     def success(self):
         # The gateway answered: close (writes only if something changes).
-        state = self.read()
-        if state == self._CLOSED:
+        if self.read() == self._CLOSED:
             return
-        with self._lock():
-            self._write(dict(self._CLOSED))
+        self.reset()
         self.probing = False
 
     def release(self):
@@ -1204,7 +1197,7 @@ class Breaker:
 
     def reset(self):
         with self._lock():
-            self._write(dict(self._CLOSED))
+            self._write(self._CLOSED)  # (a closed, clean state: _write removes the entry)
 
 
 # === Gateway client ==========================================================
@@ -1250,7 +1243,10 @@ HTML_PAGE = "an HTML page: a captive portal or a proxy login?"
 NOT_JSON_SHOWN = 200      # bytes of an answer that is not JSON quoted in the error
 MAX_JSON_VALUES = 1000000  # an export page of 500 long records has a few hundred thousand
 
-_net = {}  # the socket/ssl classes, built on first use
+# The socket/ssl classes, built on first use by _net_classes(): every connection starts with
+# a Deadline of its making, so what runs after one (_connect, _read_body, _open_socket) reads
+# _net directly.
+_net = {}
 
 
 def _net_classes():
@@ -1396,8 +1392,9 @@ class Gateway:
                                detail="no API key configured")
         from urllib.parse import urlsplit
         self.url = check_url(url)
-        scheme, self.host, self.port = gateway_of(self.url)  # (a checked host: in lower case)
-        self.https, self.base = scheme == "https", urlsplit(self.url).path.rstrip("/")
+        # (A checked URL: its scheme 'http' or 'https', its host in lower case.)
+        self.scheme, self.host, self.port = gateway_of(self.url)
+        self.base = urlsplit(self.url).path.rstrip("/")
         self.connect_s = config["connectTimeoutMs"] / 1000.0
         self.body_s = config["timeoutMs"] / 1000.0
         self.ca_file = config["caFile"]  # a path, or None
@@ -1534,8 +1531,8 @@ class Gateway:
                 return self.conn.getresponse()
             except (OSError, http.client.HTTPException) as e:  # (_connect's GatewayError passes)
                 self.close()
-                if reused and isinstance(e, (http.client.RemoteDisconnected, ConnectionResetError,
-                                             BrokenPipeError)):
+                # (http.client's RemoteDisconnected is a ConnectionResetError.)
+                if reused and isinstance(e, (ConnectionResetError, BrokenPipeError)):
                     continue  # the kept-alive connection was closed by the server: reconnect once
                 if isinstance(e, net["socket"].timeout):
                     raise GatewayError(UNREACHABLE, "connected to %s, but no answer within %g s" % (
@@ -1547,8 +1544,7 @@ class Gateway:
     def _read_body(self, resp):
         # The whole body within the body budget, or GatewayError('ambiguous').
         import http.client
-        net = _net_classes()
-        self.sock.qm_deadline = net["Deadline"](self.body_s, "body")
+        self.sock.qm_deadline = _net["Deadline"](self.body_s, "body")
         chunks, size = [], 0
         try:
             if resp.length is not None and resp.length <= MAX_BODY:
@@ -1560,21 +1556,18 @@ class Gateway:
                     break
                 size += len(chunk)
                 if size > MAX_BODY:
+                    self.close()
                     raise GatewayError(AMBIGUOUS, "answer from %s larger than %d MB: refused" % (
                         self.url, MAX_BODY >> 20), detail="answer too large")
                 chunks.append(chunk)
             if resp.length:  # EOF before Content-Length was met: read() does not say so
                 raise http.client.IncompleteRead(b"", resp.length)
-        except GatewayError:
-            self.close()
-            raise
-        except net["socket"].timeout:
-            self.close()
-            raise GatewayError(AMBIGUOUS,
-                               "answer from %s stalled: body not complete within %g s" % (
-                self.url, self.body_s), resp.status, detail="answer stalled")
         except (OSError, http.client.HTTPException) as e:
             self.close()
+            if isinstance(e, _net["socket"].timeout):
+                raise GatewayError(AMBIGUOUS,
+                                   "answer from %s stalled: body not complete within %g s" % (
+                                       self.url, self.body_s), resp.status, detail="answer stalled")
             size = size or len(getattr(e, "partial", b"") or b"")
             raise GatewayError(AMBIGUOUS, "answer from %s cut off after %d bytes (%s)" % (
                 self.url, size, _reason(e)), resp.status, detail="answer cut off")
@@ -1596,7 +1589,7 @@ class Gateway:
             raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url,
                                resp.status,
                                detail="answer nested too deeply")
-        except (UnicodeDecodeError, ValueError):
+        except ValueError:  # not UTF-8 (a UnicodeDecodeError is a ValueError), or not JSON
             parsed, resp.qm_not_json = None, self._not_json(raw, resp)
             if 200 <= resp.status < 300:
                 shown, html = resp.qm_not_json
@@ -1622,36 +1615,35 @@ class Gateway:
                                      self.scrub(json.dumps(start, ensure_ascii=False))), html
 
     def _connect(self, deadline):
+        # Called by _request only, which then arms self.sock with the deadline.
         import http.client
-        net = _net_classes()
-        proxy = _proxy_for("https" if self.https else "http", self.host)
+        proxy = _proxy_for(self.scheme, self.host)
         gateway = (self.host, self.port)
         peer = proxy or gateway  # where the connection goes
-        if self.https:
+        if self.scheme == "https":
             conn = http.client.HTTPSConnection(*peer, context=self._ssl_context())
+            if proxy:
+                conn.set_tunnel(*gateway)  # CONNECT, then TLS with the gateway itself
         else:
             conn = http.client.HTTPConnection(*peer)
-        if proxy and self.https:
-            conn.set_tunnel(*gateway)  # CONNECT, then TLS with the gateway itself
         # Through a plain-http proxy, requests name the gateway in full (absolute-form).
-        self.prefix = "http://%s:%d" % gateway if proxy and not self.https else ""
+        self.prefix = "http://%s:%d" % gateway if proxy and self.scheme == "http" else ""
         conn._create_connection = lambda address, *args, **kw: _open_socket(address, deadline)
         try:
             conn.connect()
         except OSError as e:
             conn.close()
-            raise self._connect_error(e, net["socket"])
+            raise self._connect_error(e)
         self.conn, self.sock = conn, conn.sock
-        self.sock.qm_deadline = deadline
 
-    def _connect_error(self, e, socket):
+    def _connect_error(self, e):
         if (type(e).__name__ in ("SSLCertVerificationError", "CertificateError")
                 or "CERTIFICATE_VERIFY_FAILED" in str(e)):
             return GatewayError(TLS,
                                 "TLS verification failed for %s (%s)" % (self.host, _reason(e)),
                                 hint="for a private CA set caFile (`qmem.py config set caFile "
                                 "PATH`) or SSL_CERT_FILE")
-        if isinstance(e, socket.timeout):
+        if isinstance(e, _net["socket"].timeout):
             return GatewayError(UNREACHABLE,
                                 "could not connect to %s within %g s" % (self.url, self.connect_s),
                                 detail="could not connect within %g s" % self.connect_s)
@@ -1669,7 +1661,7 @@ class Gateway:
         # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
         try:
             ctx = ssl.create_default_context(cafile=self.ca_file)
-        except (OSError, ssl.SSLError) as e:  # a configuration error, not an unreachable gateway
+        except OSError as e:  # ssl.SSLError too: a configuration error, not an unreachable gateway
             raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (self.ca_file, _reason(e)),
                                hint="`qmem.py config set caFile PATH` with a PEM file of the CA")
         if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
@@ -1681,11 +1673,10 @@ def _open_socket(address, deadline):
     # http.client's _create_connection under our deadline: each resolved address in
     # turn, each given an equal share of the time left, so that a dead first address
     # (an IPv6 route that drops everything) leaves time for a live one within any budget.
-    net = _net_classes()
     last = None
     addresses = _resolve(*address, deadline)  # address: (host, port)
     for n, (family, kind, proto, _, addr) in enumerate(addresses):
-        s = net["DeadlineSocket"](family, kind, proto)
+        s = _net["DeadlineSocket"](family, kind, proto)
         try:
             s.settimeout(deadline.remaining() / (len(addresses) - n))
             s.connect(addr)
@@ -1995,20 +1986,19 @@ def _merge_sql():
     values = ["coalesce(:text, '')" if f == "text" else "coalesce(:private, 0)"
               if f == "private" else ":" + f for f in _MERGE_KEYS]
     newer = "(:updated_at IS NOT NULL AND (updated_at IS NULL OR :updated_at > updated_at))"
-    sets, conds = [], [newer]
+    takes = {"updated_at": newer}  # field -> when the view's value replaces the one kept
     for f in IMMUTABLE:
         missing = "text = ''" if f == "text" else "0" if f == "private" else f + " IS NULL"
-        conds.append("(:%s IS NOT NULL AND (:view > view OR %s))" % (f, missing))
-        sets.append("%s = CASE WHEN %s THEN :%s ELSE %s END" % (f, conds[-1], f, f))
-    sets.append("updated_at = CASE WHEN %s THEN :updated_at ELSE updated_at END" % newer)
+        takes[f] = "(:%s IS NOT NULL AND (:view > view OR %s))" % (f, missing)
     for f in MUTABLE:
-        conds.append("(:{f} IS NOT NULL AND :{f} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
-            f=f, newer=newer))
-        sets.append("%s = CASE WHEN %s THEN :%s ELSE %s END" % (f, conds[-1], f, f))
+        takes[f] = "(:{f} IS NOT NULL AND :{f} IS NOT {f} AND ({f} IS NULL OR {newer}))".format(
+            f=f, newer=newer)
+    sets = ["%s = CASE WHEN %s THEN :%s ELSE %s END" % (f, takes[f], f, f)
+            for f in IMMUTABLE + ("updated_at",) + MUTABLE]
     sets += ["view = max(view, :view)", "seen_at = coalesce(:seen_at, seen_at)"]
     insert = "INSERT INTO records(id, view, seen_at, %s, words) VALUES(%s, :words)" % (
         ", ".join(FIELDS), ", ".join(values))
-    update = "SET %s WHERE (%s)" % (", ".join(sets), " OR ".join(conds))
+    update = "SET %s WHERE (%s)" % (", ".join(sets), " OR ".join(takes.values()))
     return insert, "UPDATE records %s AND id = :id" % update, "%s ON CONFLICT(id) DO UPDATE %s" % (
         insert, update)
 
@@ -2027,18 +2017,15 @@ def store_error(e, path):
     text = str(e)
     if "locked" in text or "busy" in text:
         return StoreError("local database busy: %s is held by another process for more than %g s"
-                          % (
-            path, BUSY_TIMEOUT_S), hint="try again in a moment", kind="store_busy")
+                          % (path, BUSY_TIMEOUT_S), hint="try again in a moment", kind="store_busy")
     if "full" in text:
         return StoreError("local database full: no room left for %s (%s)" % (path, text),
                           hint="free some disk space, then try again", kind="store_full")
     if "readonly" in text or "read-only" in text or "unable to open" in text:
         return StoreError("cannot open local database %s for writing (%s): a read-only file or "
-                          "folder?" % (
-            path,
-            text), hint="check its permissions, or use another place: --db PATH, QMEM_SQLITE or "
-                          "localDbPath",
-            kind="store_readonly")
+                          "folder?" % (path, text), kind="store_readonly",
+                          hint="check its permissions, or use another place: --db PATH, "
+                          "QMEM_SQLITE or localDbPath")
     if "disk I/O" in text:
         return StoreError("local database %s: disk I/O error (a full or failing disk?)" % path,
                           kind="store_io",
@@ -2080,8 +2067,7 @@ def _check_private(path):
             raise StoreError("%s is %s: another user could read or replace the local database"
                              % (each, unsafe),
                              hint="use a folder of your own (--db PATH, QMEM_SQLITE or "
-                             "localDbPath), or "
-                                  "chown it to yourself and chmod go-w")
+                             "localDbPath), or chown it to yourself and chmod go-w")
 
 
 # The columns of the outbox rows a bundle carries, then done_at (read to choose them, not carried).
@@ -2163,13 +2149,13 @@ class Store:
                 self.conn.execute("COMMIT")
         if version > SCHEMA_VERSION and (_QMEM_TABLES <= tables or not tables):
             raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); "
-                             "left untouched" % (
-                self.path, version, SCHEMA_VERSION), hint="use the newer qmem.py")
+                             "left untouched" % (self.path, version, SCHEMA_VERSION),
+                             hint="use the newer qmem.py")
         if (version == 0 and tables) or (version > 0 and not _QMEM_TABLES <= tables):
             raise StoreError("%s is another program's SQLite database (tables: %s); left untouched"
-                             % (
-                self.path, ", ".join(sorted(tables)[:5]) or "none"),
-                hint="give qmem.py a file of its own: --db PATH, QMEM_SQLITE or localDbPath")
+                             % (self.path, ", ".join(sorted(tables)[:5]) or "none"),
+                             hint="give qmem.py a file of its own: --db PATH, QMEM_SQLITE or "
+                             "localDbPath")
         return version
 
     def _mask_stored_secrets(self):
@@ -2183,7 +2169,7 @@ class Store:
                     masked = mask_secrets(text)
                     if masked != text:
                         self.conn.execute("UPDATE records SET text=? WHERE rid=?", (masked, rid))
-                        self._reindex(rid, (text, project, kind), (masked, project, kind))
+                        self._reindex((rid, text, project, kind))
                     masked = mask_secrets(reason)
                     if masked != reason:
                         self.conn.execute("UPDATE records SET supersede_reason=? WHERE rid=?",
@@ -2282,8 +2268,7 @@ class Store:
     def bulk_sql(self):
         # May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
         # step row by row, and on a SQLite that has UPSERT.
-        return (self.known is not None and (self.defer_index or not self.fts)
-                and HAS_UPSERT)
+        return self.known is not None and (self.defer_index or not self.fts) and HAS_UPSERT
 
     def merge_many(self, rows, masked=False):
         # Bulk-merge rows (values in _MERGE_KEYS order; masked: dicts that _masked made),
@@ -2313,14 +2298,13 @@ class Store:
             except sqlite3.IntegrityError:  # another process inserted it since begin_bulk()
                 old = self._indexed("id", rec["id"])
             else:
-                self._index(rid, [bound[f] for f in _INDEXED], words=bound["words"])
+                self._index([rid] + [bound[f] for f in _INDEXED], words=bound["words"])
                 if self.known is not None:
                     self.known.add(hash(rec["id"]))
                 return "new"
         if not self.conn.execute(_UPDATE_SQL, bound).rowcount:
             return "same"
-        if self.fts and not self.defer_index:
-            self._reindex(old[0], old[1:], self._indexed("rid", old[0])[1:])
+        self._reindex(old)
         return "updated"
 
     def _indexed(self, key, value):
@@ -2476,8 +2460,8 @@ class Store:
     def ids_to_enrich(self, every=False):
         # Ids worth fetching in full: those known only from search hits (or every record
         # here); never a write still local to this machine.
-        sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % ("" if every
-                                                                         else " AND view<?")
+        sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % (
+            "" if every else " AND view<?")
         return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
 
     def make_due(self, now):
@@ -2526,8 +2510,8 @@ class Store:
             "SELECT %s FROM outbox WHERE state != 'held' ORDER BY rid" % ", ".join(
                 _OUTBOX_BUNDLE_COLUMNS))]
         wanted = {r["id"] for r in rows
-                  if (not since or iso_from_epoch(max(r["created_at"], r["done_at"] or 0))
-                                             >= since)
+                  if (not since
+                      or iso_from_epoch(max(r["created_at"], r["done_at"] or 0)) >= since)
                   and (not projects or json.loads(r["payload"]).get("project_id") in projects)}
         by_id = {r["id"]: r for r in rows}
         for r in rows:
@@ -2667,7 +2651,7 @@ class Store:
             self.upsert(rec, VIEW_FULL, iso_now())
         else:
             if row:
-                self._reindex(row[0], row[1:], self._indexed("rid", row[0])[1:])
+                self._reindex(row)
         if referenced and gid != local_id:
             self._remap(local_id, gid)
 
@@ -2684,20 +2668,20 @@ class Store:
     def delete(self, record_id):
         row = self._indexed("id", record_id)
         if row:
-            self._unindex(row[0], row[1:])
+            self._index(row, "delete")
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
-    def _index(self, rid, values, command=None, words=None):
-        # Index a row's (text, project_id, kind) and its identifiers' words (`words`, when
-        # they were computed already); command='delete' removes them (FTS5's external-content
-        # index needs the values it indexed).
+    def _index(self, row, command=None, words=None):
+        # Index a row's (rid, text, project_id, kind), as _indexed reads it, and its
+        # identifiers' words (`words`, when they were computed already); command='delete'
+        # removes them (FTS5's external-content index needs the values it indexed).
         if self.fts and not self.defer_index:
-            row = (command, rid, values[0] or "", values[1], values[2])
+            values = (command, row[0], row[1] or "", row[2], row[3])
             if self.fts_words:
-                row += (identifier_words(values[0]) if words is None else words,)
+                values += (identifier_words(row[1]) if words is None else words,)
             self.conn.execute("INSERT INTO {0}({0}, rowid, {1}{2}) VALUES({3})".format(
                 self.fts_table, _FTS_COLUMNS, ", words" if self.fts_words else "",
-                _placeholders(row)), row)
+                _placeholders(values)), values)
 
     def index_identifiers(self):
         # An index made before schema 4 made anew with its identifiers' words (once: see
@@ -2711,13 +2695,14 @@ class Store:
         self.fts_words = True
         return True
 
-    def _unindex(self, rid, values):
-        self._index(rid, values, "delete")
-
-    def _reindex(self, rid, old, new):
-        if old != new:  # (both tuples)
-            self._unindex(rid, old)
-            self._index(rid, new)
+    def _reindex(self, old):
+        # Keep the index in step with a row just changed: old is its (rid, text, project_id,
+        # kind) as indexed (_indexed), the row is read again.
+        if self.fts and not self.defer_index:
+            new = self._indexed("rid", old[0])
+            if new != old:  # (both tuples)
+                self._index(old, "delete")
+                self._index(new)
 
     def link_supersessions(self):
         # Mark every record that some other record corrects as superseded by its newest
@@ -2774,8 +2759,8 @@ class Store:
         found = []
         for at in range(0, len(candidates), 900):
             chunk = candidates[at:at + 900]
-            found += self.conn.execute("%s WHERE term IN (%s)" % (
-                select, ",".join("?" * len(chunk))), chunk).fetchall()
+            found += self.conn.execute("%s WHERE term IN (%s)" % (select, _placeholders(chunk)),
+                                       chunk)
         return found
 
     def _make_folded_words(self, changes):
@@ -2924,25 +2909,19 @@ def _secret_kinds_in(text):
     return [(what, re.compile(pattern, flags)) for what, _, pattern, flags in kinds]
 
 
-def find_secret(text):
-    # (what kind of credential, its character offset) of the first one in text, or None.
-    for what, pattern in _secret_kinds_in(text) if text else ():
-        m = pattern.search(text)
-        if m:
-            return what, m.start()
-    return None
-
-
 _WRITE_TEXTS = (("text", "text"), ("supersede_reason", "reason"), ("scope", "scope"),
                 ("agent_id", "agent"), ("source", "source"))
 
 
 def secret_in_write(payload):
-    # (which field, what kind of credential, where) of the first one in a write, or None.
+    # (which field, what kind of credential, its character offset) of the first one in a
+    # write, or None.
     for key, name in _WRITE_TEXTS:
-        found = find_secret(payload.get(key)) if isinstance(payload.get(key), str) else None
-        if found:
-            return (name,) + found
+        text = payload.get(key)
+        for what, pattern in _secret_kinds_in(text) if isinstance(text, str) else ():
+            m = pattern.search(text)
+            if m:
+                return name, what, m.start()
     return None
 
 
@@ -7218,8 +7197,8 @@ def show_search(doc, out):
         show_find(doc, out, header=fallback_header(doc))
         return
     results = doc["results"]
-    out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a "
-              "guess\n" % (plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
+    out.write("gateway · semantic · %s · score ≥ %.2f strong, %.2f–%.2f weak, below that a guess\n"
+              % (plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
     rows = []
     for r in results:
         score = r.get("score")  # a finite number or none (Operations.search() saw to it)
@@ -7506,8 +7485,8 @@ def show_load(doc, out):
     if doc["verified"]:
         out.write("  verified: %(verification)s\n" % doc)
         return
-    out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing "
-              "settled%s\n" % (doc["verification"], ", its writes held" if held else ""))
+    out.write("  UNVERIFIED (%s): records added only where this host knew none, nothing settled%s\n"
+              % (doc["verification"], ", its writes held" if held else ""))
     rows = [(out.short(h["local_id"]), _one_line(h["project_id"], 40), _one_line(h["kind"]),
              "by %s from %s:" % (_one_line(h["agent_id"], 40), _one_line(h["source"], 60)),
              _one_line(h["text"], 80)
@@ -7671,11 +7650,9 @@ RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results,
 
 
 class RpcError(Exception):
-    # A JSON-RPC error answer (not a tool's failure: that is a result).
-
-    def __init__(self, code, message):
-        Exception.__init__(self, message)
-        self.code, self.message = code, message
+    # A JSON-RPC error answer (not a tool's failure: that is a result), raised as
+    # RpcError(code, message).
+    pass
 
 
 def _json_kind(value):
@@ -7822,11 +7799,9 @@ def _mcp_value(name, value, prop):
 def _mcp_number(value, pattern):
     # A finite number, or a string of one that matches pattern; else None.
     import math
-    if isinstance(value, bool):
-        return None
     if isinstance(value, str):
         return float(value) if re.fullmatch(pattern, value) else None
-    if isinstance(value, (int, float)) and math.isfinite(value):
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return value
     return None
 
@@ -7907,25 +7882,25 @@ def mcp_instructions():
 
 # -- results: what the model reads (structuredContent, and the same as JSON text)
 
-def tool_result(structured, is_error=False):
+def tool_result(structured):
     # A tools/call result: Claude Code shows the model only structuredContent, Gemini
-    # CLI only the text, so the text is the same document.
+    # CLI only the text, so the text is the same document. An error when the tool failed
+    # or did not do all it was asked (a write refused, or queued with an error to fix).
     return {"content": [{"type": "text", "text": json.dumps(structured, ensure_ascii=False)}],
-            "structuredContent": structured, "isError": bool(is_error)}
+            "structuredContent": structured,
+            "isError": structured["status"] in ("error", "failed") or "error" in structured}
 
 
 def _memories(n):
     return "1 memory" if n == 1 else "%d memories" % n
 
 
-def _str_or_none(value):
-    return value if isinstance(value, str) else None
-
-
 def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
     # A record (the gateway's answer, or a local row) as a result shows it: only the
     # record's own fields, each of its type; the text cut to `cut` in a list of results.
-    out = {"id": _str_or_none(rec.get("id"))}
+    # (Its id is a string: _found keeps only such hits, and Operations.get's record has
+    # the id asked for, from the gateway, or from the index's TEXT column.)
+    out = {"id": rec["id"]}
     for key in FIELDS:
         value = rec.get(key)
         if key == "private":
@@ -8021,7 +7996,7 @@ class McpServer:
         try:
             return {"jsonrpc": "2.0", "id": rid, "result": handler(self, params)}
         except RpcError as e:
-            return rpc_error(rid, e.code, e.message)
+            return rpc_error(rid, *e.args)
 
     def initialize(self, params):
         asked = params.get("protocolVersion")
@@ -8091,8 +8066,7 @@ class McpServer:
             structured["writes_stuck"] = stuck
         if self.warnings:
             structured["warnings"] = self.warnings
-        return tool_result(structured,
-                           structured["status"] in ("error", "failed") or "error" in structured)
+        return tool_result(structured)
 
     def _writes_stuck(self):
         try:
@@ -8252,14 +8226,16 @@ class McpServer:
 
     def tool_store(self, ops, a):
         project, where = self._write_project(a.get("project_id"))
-        expires = parse_iso(a["expires_at"]) if a.get("expires_at") else None
-        if a.get("expires_at") and (expires is None or expires <= self.clock()):
-            raise UsageError("expires_at %s is %s" % (json.dumps(_fit(a["expires_at"], 40)),
-                                                      "not a date" if expires is None
-                                                      else "already past"),
-                             hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
+        expires_at = a.get("expires_at")
+        if expires_at:
+            expires = parse_iso(expires_at)
+            if expires is None or expires <= self.clock():
+                raise UsageError("expires_at %s is %s" % (json.dumps(_fit(expires_at, 40)),
+                                                          "not a date" if expires is None
+                                                          else "already past"),
+                                 hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
         doc = ops.store_memory(a["text"], project, kind=a.get("kind"), scope=a.get("scope"),
-                               agent=a.get("agent_id") or self.agent, expires=a.get("expires_at"),
+                               agent=a.get("agent_id") or self.agent, expires=expires_at,
                                private=a.get("private", False))
         return _written(doc, where)
 
