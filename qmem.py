@@ -2983,16 +2983,14 @@ class ImportStats:
         self.files_scanned = self.files_unchanged = self.files_read = 0
         self.files_not_sessions = 0
         self.bytes_read = self.lines_examined = self.lines_skipped = self.lines_truncated = 0
-        self.calls = {}
+        self.calls = collections.Counter()  # by tool
         self.calls_errored = self.calls_without_result = 0
-        self.errored = {}  # of calls_errored, by tool
+        self.errored = collections.Counter()  # of calls_errored, by tool
         self.records_new = self.records_updated = 0
         self.newest_entry_at = None
 
     def as_dict(self):
-        d = dict(self.__dict__)
-        d["calls"] = dict(sorted(self.calls.items()))
-        return d
+        return dict(vars(self), calls=dict(sorted(self.calls.items())))
 
 
 def _text_of(content):
@@ -3082,7 +3080,6 @@ _CALL_ID_IN_LINE = LazyPattern(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
 _SETTLED_MAX = 100000
 _CHUNK = 1 << 22  # bytes read at a time
 MAX_LINE_BYTES = 64 << 20  # a session line longer than this is skipped, not kept
-_QMEM_TOOLS = frozenset("qmem_store qmem_search qmem_get qmem_correct qmem_meta".split())
 # Seconds of import work per transaction: each commit rewrites the pages it touched.
 BATCH_S = 1.0
 
@@ -3101,15 +3098,16 @@ class Importer:
         self.writer_tried = False
 
     def run(self, roots):
-        conn = self.store.conn
+        store = self.store
+        conn = store.conn
         # The index is derived from the session files and can always be rebuilt, so
         # its commits skip the fsync; the outbox (the only copy of a write) never does.
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA cache_size=-4096")  # 4 MiB: measured as fast as 16, and leaner
         todo = self._files_to_read(roots)
         if todo:
-            self.store.begin_bulk()
-            if self.store.bulk_sql:
+            store.begin_bulk()
+            if store.bulk_sql:
                 self.bulk = []
         try:
             self._read_all(todo)
@@ -3119,13 +3117,13 @@ class Importer:
             if self.writer is not None:
                 self.writer.abandon()  # what it committed stays: each file with its records
             self.progress.done()
-        with self.store.transaction():
-            self.store.finish_bulk()
-            self.store.link_supersessions()
-            self.store.set_meta("last_import_at", iso_now())
-            if self.stats.newest_entry_at and self.stats.newest_entry_at > (
-                    self.store.meta("newest_entry_at") or ""):
-                self.store.set_meta("newest_entry_at", self.stats.newest_entry_at)
+        with store.transaction():
+            store.finish_bulk()
+            store.link_supersessions()
+            store.set_meta("last_import_at", iso_now())
+            newest = self.stats.newest_entry_at
+            if newest and newest > (store.meta("newest_entry_at") or ""):
+                store.set_meta("newest_entry_at", newest)
         return self.stats
 
     def _files_to_read(self, roots):
@@ -3213,8 +3211,8 @@ class Importer:
         self._pair(results, calls)
         # Calls still waiting for their result are kept: the file may grow.
         waiting = []
-        for call_id in list(calls):
-            call = _take_call(calls, call_id)
+        for call_id, found in calls.items():
+            call = _call_in(found, call_id)
             if call is not None:
                 waiting.append((path, call_id, call[0], json.dumps(call[1]), call[2]))
         self.stats.calls_without_result += len(waiting)
@@ -3237,14 +3235,14 @@ class Importer:
             if offset == 0:
                 line = f.readline()
                 header = _parse_line(line) if line.endswith(b"\n") else None
-                if header is None or header.get("type") != "session":
+                if not line.endswith(b"\n"):
+                    # empty, or a header still being written: try again next time
+                    self.stats.lines_truncated += bool(line)
+                elif header is None or header.get("type") != "session":
                     status = "not_session"
-                    if not line.endswith(b"\n"):
-                        status = "ok"  # empty, or a header still being written: try again next time
-                        self.stats.lines_truncated += bool(line)
                 else:
                     sid = header.get("id")
-                    session_id = text_of(sid) if isinstance(sid, str) else None
+                    session_id = sid if isinstance(sid, str) else None
                     pos += len(line)
                     self.stats.lines_examined += 1
             if status == "ok" and pos > 0:
@@ -3301,24 +3299,22 @@ class Importer:
         # Merge the records each qmem tool result tells, with its call's arguments.
         stats = self.stats
         for msg, ts in results:
-            name = msg["toolName"]
-            if name not in _QMEM_TOOLS:  # a name of our own needs no cleaning (the common case)
-                name = text_of(str(name))
-            stats.calls[name] = stats.calls.get(name, 0) + 1
+            name = msg["toolName"]  # a str: of no other JSON value does str() start qmem_
+            stats.calls[name] += 1
             if msg.get("isError"):
                 stats.calls_errored += 1
-                stats.errored[name] = stats.errored.get(name, 0) + 1
+                stats.errored[name] += 1
             # only looked up: the ids kept come from the calls, cleaned
             call_id = msg.get("toolCallId")
             if not isinstance(call_id, str) or call_id not in calls:
                 continue  # a result whose call we never saw: nothing to pair it with
             seen = iso_norm(ts)
-            if seen and (stats.newest_entry_at is None or seen > stats.newest_entry_at):
+            if seen and seen > (stats.newest_entry_at or ""):
                 stats.newest_entry_at = seen
             call = calls.pop(call_id)
 
             def call_args(call=call, call_id=call_id):
-                found = _take_call({call_id: call}, call_id)
+                found = _call_in(call, call_id)
                 return found[1] if found else None
             try:
                 for data, view in records_from_call(name, call_args, msg):
@@ -3341,8 +3337,10 @@ class Importer:
             ids = _CALL_ID_IN_LINE.findall(line)
             for call_id in ids:
                 calls[call_id.decode("utf-8", "replace")] = line
-            if not ids:
-                _add_calls(calls, _parse_line(line))
+            if not ids:  # the line's qmem calls, registered now
+                entry = _parse_line(line)
+                for block in _qmem_calls(entry):
+                    calls[block["id"]] = _call_of(block, entry)
         elif _parse_line(line) is None:
             self.stats.lines_skipped += 1
 
@@ -3351,7 +3349,7 @@ class Importer:
         if not isinstance(rid, str):  # an id of the wrong type: nothing to merge
             return
         settled = self.settled.get(rid)
-        if settled is not None and view <= VIEW_FULL and settled == (
+        if settled is not None and settled == (
                 data.get("updated_at") or settled[0], data.get("superseded_by") or settled[1],
                 data.get("deleted_at") or settled[2]):
             return  # a full view of it is merged already and this one adds nothing
@@ -3538,28 +3536,21 @@ def _qmem_calls(entry):
             yield block
 
 
-def _add_calls(calls, entry):
-    # Register the qmem toolCalls of a parsed assistant entry.
-    for block in _qmem_calls(entry):
-        calls[text_of(block["id"])] = _call_of(block, entry)
-
-
 def _call_of(block, entry):
-    # (name, arguments, timestamp) of a toolCall block, as text the index can keep.
+    # (name, arguments, timestamp) of a toolCall block (its name a str: see _qmem_calls),
+    # as text the index can keep.
     ts = entry.get("timestamp")
-    return (text_of(str(block["name"])), block.get("arguments"),
-            text_of(ts) if isinstance(ts, str) else None)
+    return block["name"], block.get("arguments"), ts if isinstance(ts, str) else None
 
 
-def _take_call(calls, call_id):
-    # Remove and return (name, arguments, timestamp) of a qmem toolCall, parsing its
-    # assistant line on first use; None when no such call is known.
-    found = calls.pop(call_id, None)
+def _call_in(found, call_id):
+    # (name, arguments, timestamp) of the qmem toolCall call_id, from what `calls` keeps
+    # of it: that, or its raw assistant line, parsed now; None when the line has no such call.
     if not isinstance(found, bytes):
         return found
     entry = _parse_line(found)
     for block in _qmem_calls(entry):
-        if text_of(block["id"]) == call_id:
+        if block["id"] == call_id:
             return _call_of(block, entry)
     return None
 
@@ -3569,7 +3560,9 @@ _ESCAPED_SURROGATE = LazyPattern(rb"\\u[dD][89a-fA-F]")
 
 
 def _parse_line(line):
-    # One session line (bytes) -> its JSON object, or None.
+    # One session line (bytes) -> its JSON object, or None. Its strings hold no lone
+    # surrogate (strict UTF-8 has none, and a JSON escape of one is cleaned here), so
+    # what the import keeps of it (ids, names, times, records) needs no text_of().
     if not _scan_json:
         import json.scanner
         _scan_json.append(json.scanner.make_scanner(json.JSONDecoder()))
@@ -3756,7 +3749,7 @@ def _near_variants(word, n, near):
     # Near spellings of the n-th query word (of a punctuated one: the token with one of
     # its parts near-spelt: get_event_loop_polcy), for the first MAX_NEAR_WORDS words
     # only; never of digits, hex, versions or ids (one edit away is another thing there).
-    if near is None or n >= MAX_NEAR_WORDS:
+    if n >= MAX_NEAR_WORDS:  # (near is never None here: search_levels has no fuzzy level then)
         return []
     found = []
     for part in list(_PARTS.finditer(word))[:4]:
@@ -3767,30 +3760,38 @@ def _near_variants(word, n, near):
     return found[:MAX_NEAR_SPELLINGS]
 
 
-def fts_expression(level, every, columns="text"):
+def fts_expression(level, every, store):
     # A MATCH expression that can only ever mean 'these words in the text': every term
     # is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
-    # our own filter on the text column (and its identifiers' words), a prefix where
-    # asked; a word's forms joined by OR, the words by AND (every word) or OR (any word).
-    # Project and kind are filters (--project, --kind), not words.
+    # our own filter on the text column (and its identifiers' words, where the store's
+    # index has them), a prefix where asked; a word's forms joined by OR, the words by AND
+    # (every word) or OR (any word). Project and kind are filters (--project, --kind), not
+    # words.
+    columns = "{text words}" if store.fts_words else "text"
+
     def term(text, prefix):
         return '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
     words = ["(%s)" % " OR ".join(term(t, p) for t, p in alternatives) for alternatives in level]
     return (" AND " if every else " OR ").join(words)
 
 
-def near_spellings(store, word):
+def near_spellings(store, word, fts):
     # The index's terms one edit away from word (a typo's likely intent), for a word
     # that the index holds in no form at all (one it holds is no typo): each string one
-    # edit away looked up in the index, never a pass over its terms. Kept for the next
-    # query of this Store (until the index changes).
+    # edit away looked up in the index, never a pass over its terms. Without FTS5 (fts
+    # false): the strings one edit away that are words of its folded texts (folded_words),
+    # for a word no text holds in any form. Kept for the next query of this Store (until
+    # the index changes).
     if word not in store.near:
         forms = [(word, True)] + word_forms(word)
-        known = store.conn.execute(
-            "SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(store.fts_table),
-            (fts_expression([forms], True, _columns(store)),)).fetchone()
-        store.near[word] = ([] if known
-                            else store.terms_among(one_edit_away(word))[:MAX_NEAR_SPELLINGS])
+        if fts:
+            sql = "SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(store.fts_table)
+            params, among = [fts_expression([forms], True, store)], store.terms_among
+        else:
+            where, params = _like_any("folded", _substrings_apart(t for t, _ in forms))
+            sql, among = "SELECT 1 FROM records WHERE %s LIMIT 1" % where, store.folded_words_among
+        known = store.conn.execute(sql, params).fetchone()
+        store.near[word] = [] if known else among(one_edit_away(word))[:MAX_NEAR_SPELLINGS]
     return store.near[word]
 
 
@@ -3813,19 +3814,6 @@ def _substrings_apart(terms):
     return kept
 
 
-def like_near_spellings(store, word):
-    # near_spellings() for a database without FTS5: the strings one edit away that are
-    # words of its folded texts (folded_words), for a word no text holds in any form.
-    if word not in store.near:
-        sql, patterns = _like_any("folded", _substrings_apart(
-            [word] + [t for t, _ in word_forms(word)]))
-        known = store.conn.execute("SELECT 1 FROM records WHERE %s LIMIT 1" % sql,
-                                   patterns).fetchone()
-        store.near[word] = [] if known else store.folded_words_among(
-            one_edit_away(word))[:MAX_NEAR_SPELLINGS]
-    return store.near[word]
-
-
 _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
                    "r.expires_at, r.superseded_by, r.deleted_at, r.private, r.pending, r.origin")
 
@@ -3843,8 +3831,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     where, params = _visibility(filters)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
     use_fts = store.fts and not store.meta("fts_pending")
-    near = ((lambda word: near_spellings(store, word)) if use_fts
-            else (lambda word: like_near_spellings(store, word)) if store.folded else None)
+    near = (lambda word: near_spellings(store, word, use_fts)) if use_fts or store.folded else None
     found, levels, asked, terms = {}, [], set(), []
     for match, level, every in search_levels(tokens, near):
         levels.append((match, level))
@@ -3868,7 +3855,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     rows = [row for row, _ in ranked]
     if use_fts:
         rows = _snippets(store, rows, [sorted(set(terms))], highlight)  # any term asked
-    results = _results(store, cur, [row[:-1] for row in rows], tokens)  # (the rid left out)
+    results = _results(store, cur, rows, tokens)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
     return {"match": results[0]["match"], "results": results}
@@ -3894,9 +3881,8 @@ def _held_only(store, level, every):
 # How a query word matched a record, by the level that asks it: exact; a word form (the
 # word itself as a prefix); from its stem (a stem as a prefix, or with an ending); a near
 # spelling; one part of a punctuated token, anywhere. A record's level is its words' worst.
-_WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}
+_WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}  # the levels, best first
 _STEM_CLASS = 2
-LEVELS = ("all", "stemmed", "fuzzy", "any")  # best first
 
 
 def _ranked(found, levels):
@@ -3912,7 +3898,7 @@ def _ranked(found, levels):
         best = [_best_match(joined, w, terms) for w, terms in zip(words, classes)]
         floor = _WORD_CLASS[match] if match != "any" else 0  # every word matched at least so
         worst = max(floor, min(c for c, _ in best))
-        level = next(m for m in LEVELS if _WORD_CLASS[m] <= worst or m == "any")
+        level = next(m for m in _WORD_CLASS if _WORD_CLASS[m] <= worst or m == "any")
         matched = len(best) if floor else sum(1 for c, _ in best if c)
         scored.append(((-matched, -sum(c + 0.49 * share for c, share in best), n),
                        (row, level)))
@@ -3964,18 +3950,14 @@ def _visibility(f):
     return where or ["1"], params
 
 
-def _columns(store):
-    return "{text words}" if store.fts_words else "text"
-
-
-def _fts_query(store, level, every, where, params, limit, highlight, snippets=True):
+def _fts_query(store, level, every, where, params, limit, highlight, snippets):
     # The rows (each with its snippet, or None when not asked for, and its rid).
     sql = ("SELECT %s, %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid "
            "WHERE {0} MATCH ? AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
            % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where))
            ).format(store.fts_table)
     return sql, (list(highlight) if snippets else []) + [
-        fts_expression(level, every, _columns(store))] + params + [limit]
+        fts_expression(level, every, store)] + params + [limit]
 
 
 _SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Store.fts_table)
@@ -3988,14 +3970,14 @@ def _snippets(store, rows, level, highlight):
     if rids:
         found = dict(store.conn.execute(
             ("SELECT rowid, %s FROM {0} WHERE {0} MATCH ? AND rowid IN (%s)"
-             % (_SNIPPET, ",".join("?" * len(rids)))).format(store.fts_table), list(highlight) + [
-                fts_expression(level, False, _columns(store))] + rids))
+             % (_SNIPPET, _placeholders(rids))).format(store.fts_table), list(highlight) + [
+                fts_expression(level, False, store)] + rids))
         rows = [row if row[-2] is not None else row[:-2] + (found.get(row[-1]), row[-1])
                 for row in rows]
     return rows
 
 
-def _like_query(store, level, every, where, params, limit, highlight, snippets=None):
+def _like_query(store, level, every, where, params, limit, highlight, snippets):
     # The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
     # in the text, so every term acts as a prefix) on the folded text kept at write time
     # (while a bulk import builds an FTS index, folded here), newest first.
@@ -4020,7 +4002,7 @@ def _results(store, cur, rows, tokens):
                    failed=local == LOCAL_FAILED,
                    unverified=rec.pop("origin") == ORIGIN_UNVERIFIED,
                    rank=n,
-                   snippet=row[-1] if row[-1] is not None else _plain_snippet(rec["text"], tokens))
+                   snippet=row[-2] if row[-2] is not None else _plain_snippet(rec["text"], tokens))
         results.append(rec)
     failed = [r["id"] for r in results if r["failed"]]
     reasons = store.failures(failed) if failed else {}
@@ -4114,11 +4096,11 @@ def local_meta(store):
         scopes.setdefault(scope, {})[kind] = n
     group = ("SELECT coalesce(%s, '(none)'), count(*) FROM records WHERE " + live
              + " GROUP BY 1 ORDER BY 2 DESC, 1")
-    return {"scopes": scopes, "projects": dict(q(group % "project_id").fetchall()),
-            "agents": dict(q(group % "agent_id").fetchall()),
-            "superseded": q("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL AND %s"
-                            % live).fetchone()[0],
-            "deleted": q("SELECT count(*) FROM records WHERE deleted_at IS NOT NULL").fetchone()[0]}
+    return {"scopes": scopes, "projects": dict(q(group % "project_id")),
+            "agents": dict(q(group % "agent_id")),
+            "superseded": store._one("SELECT count(*) FROM records WHERE superseded_by IS NOT NULL "
+                                     "AND " + live),
+            "deleted": store._one("SELECT count(*) FROM records WHERE deleted_at IS NOT NULL")}
 
 
 # === Sync: the outbox, flush, pull, enrich ===================================
