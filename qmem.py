@@ -5987,20 +5987,17 @@ class Operations:
                                                          else "no such directory"))
         if not roots:
             roots = [d for d in session_dirs() if os.path.isdir(d)]
-            if not roots:
-                return {"source": "local_sqlite", "looked_in": session_dirs(),
-                        "sessions_found": False, "index_rebuilt": rebuilt,
-                        "stats": ImportStats().as_dict()}
-        stats = Importer(self.store()).run(roots)
-        return {"source": "local_sqlite", "looked_in": roots, "sessions_found": True,
-                "stats": stats.as_dict(), "index_rebuilt": rebuilt}
+        # none of pi's folders here: nothing imported, and no database made for it
+        stats = Importer(self.store()).run(roots) if roots else ImportStats()
+        return {"source": "local_sqlite", "looked_in": roots or session_dirs(),
+                "sessions_found": bool(roots), "stats": stats.as_dict(), "index_rebuilt": rebuilt}
 
     def _index_identifiers(self):
         # Once, for an index made before schema 4 (see _m004_words): made anew, so that
         # identifiers are found by their parts. The number of records it holds, or None.
         store, shown, count = self.store(), Progress("search index"), None
         if store.fts and store.meta("words_pending"):
-            count = store.conn.execute("SELECT count(*) FROM records").fetchone()[0]
+            count = store._one("SELECT count(*) FROM records")
             shown.update("made anew, once, so that identifiers are found by their parts (%d "
                          "records)…" % count)
         rebuilt = store.index_identifiers()  # (or sees what another process did)
@@ -6209,8 +6206,7 @@ class Operations:
             except StoreError as e:  # the database is unusable: the words must not be lost
                 raise _kept_aside(e, {"text": (text or "").strip(),
                                       "project_id": project or "PROJECT",
-                                      "supersedes_id": target},
-                                  os.path.dirname(os.path.abspath(self.config.db_path)))
+                                      "supersedes_id": target}, self.config.db_path)
         if old.get("failed"):
             raise UsageError("%s was refused by the gateway and never stored: there is nothing to "
                              "correct" % target,
@@ -6254,7 +6250,6 @@ class Operations:
         return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
 
     def _write(self, op, payload, queue_only, allow_secret=False):
-        folder = os.path.dirname(os.path.abspath(self.config.db_path))
         found = None if allow_secret else secret_in_write(payload)
         if found:  # kept only in a private file: never in the outbox, a bundle or a retry
             raise _kept_aside(QmemError(
@@ -6262,7 +6257,7 @@ class Operations:
                 "the whole team" % (found[0], found[1], found[2] + 1), kind="secret",
                 hint="take the credential out and store it again (a person who means it: "
                      "`--allow-secret`)"),
-                payload, folder)
+                payload, self.config.db_path)
         gateway = error = None
         if not queue_only:
             try:
@@ -6277,7 +6272,7 @@ class Operations:
             local_id, repeated, token = enqueue_once(store, op, payload, claim,
                                                      max_mb=self.config["outboxMaxMB"])
         except StoreError as e:  # busy, full, unusable: the words must not be lost
-            raise _kept_aside(e, payload, folder)
+            raise _kept_aside(e, payload, self.config.db_path)
         if gateway is not None:
             try:
                 error = self._send_now(store, gateway, local_id, token)
@@ -6285,8 +6280,7 @@ class Operations:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
                                   hint="`qmem.py flush` delivers it")
         row = store.outbox_row(local_id)
-        state = row["state"]
-        if state in WAITING and not queue_only and not self.config["offlineQueue"]:
+        if row["state"] in WAITING and not queue_only and not self.config["offlineQueue"]:
             store.forget_write(local_id)
             if isinstance(error, GatewayError):
                 raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s"
@@ -6459,9 +6453,7 @@ class Operations:
                                  "no outbox here yet: nothing to drop")[1]
         store = self.store()
         for r in rows:
-            r["claimant_gone"] = claimant_is_gone(store.claim_of(r["local_id"]))
-            _check_droppable(r, force, self.clock())
-            del r["claimant_gone"]
+            _check_droppable(r, force, self.clock(), store)
         dependents = store.corrections_of([r["local_id"] for r in rows])
         if dependents:
             correction, target = next(iter(dependents.items()))
@@ -6523,10 +6515,10 @@ class Operations:
         doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
                    failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i
                              in stats.failed])
-        err = stats.stop_error
+        err, delivered = stats.stop_error, stats.synced or stats.duplicate
         if err is not None and err.kind not in AWAY_KINDS:
             doc.update(error_document(err))
-        elif err is not None and not (stats.synced or stats.duplicate):
+        elif err is not None and not delivered:
             hint = "the writes stay queued; `qmem.py flush` again later"
             if err.kind == BREAKER_OPEN:
                 hint += (", or try the gateway now: `qmem.py breaker --reset` (or `qmem.py "
@@ -6538,7 +6530,7 @@ class Operations:
                 "%s refused by the gateway" % plural(len(stats.failed), "write"), kind="rejected",
                 hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or "
                 "`queue --drop ID`")))
-        elif (stats.retry_later or stats.held) and not (stats.synced or stats.duplicate):
+        elif (stats.retry_later or stats.held) and not delivered:
             doc.update(error_document(QmemError(
                 "nothing delivered: %s still queued" % plural(doc["pending"], "write"),
                 kind="not_delivered",
@@ -6608,17 +6600,14 @@ class Operations:
                 raise GatewayError(AMBIGUOUS, "the gateway's search answer has no result list",
                                    detail="answer of the wrong shape")
         except GatewayError as e:
-            doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True,
-                       query=query)
+            doc = dict(self._fallback(e, require_remote), query=query)
             doc.update(self._find_local(query, filters, top_k, highlight))
             return doc
-        results = [_hit(r) for r in results if isinstance(r, dict)]
-        results = [r for r in results if private or r.get("private") is not True][:top_k]
+        results = [_hit(r) for r in results
+                   if isinstance(r, dict) and (private or r.get("private") is not True)][:top_k]
         self._remember(results, VIEW_HIT)
         results += self._queued_matches(query, filters, {r.get("id") for r in results})
-        return self._after_online({"source": "gateway", "degraded": False, "reason": None,
-                                   "breaker_open": False,
-                                   "retry_in_ms": None, "query": query, "results": results})
+        return self._after_online(dict(_ANSWERED, query=query, results=results))
 
     @utf8_arguments
     def get(self, record_id, require_remote=False):
@@ -6662,7 +6651,7 @@ class Operations:
                 raise QmemError("%s is not in the local index, and the gateway cannot be asked "
                                 "(%s)" % (rid, fb["reason"]), kind="unavailable",
                                 hint=hint + "; `qmem.py find` searches this machine meanwhile")
-            return dict(fb, source="local_sqlite", degraded=True, record=_record_out(local))
+            return dict(fb, record=_record_out(local))
         self._remember([resp.data], VIEW_FULL)
         return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
 
@@ -6696,18 +6685,15 @@ class Operations:
             if resp.status != 200:
                 raise _refused(resp, "request")
         except GatewayError as e:
-            doc = dict(self._fallback(e, require_remote), source="local_sqlite", degraded=True,
-                       index_exists=self.has_index())
+            doc = dict(self._fallback(e, require_remote), index_exists=self.has_index())
             doc.update(local_meta(self.store()) if self.has_index() else empty_meta())
             return doc
-        doc = _meta_counts(resp.data)
-        doc.update(source="gateway", degraded=False, reason=None, breaker_open=False,
-                   retry_in_ms=None)
-        return self._after_online(doc)
+        return self._after_online(dict(_meta_counts(resp.data), **_ANSWERED))
 
     def _fallback(self, err, require_remote):
-        # A read the gateway could not answer: the fallback label's parts, or raise
-        # (401 and configuration errors are errors; --require-remote makes any fallback exit 3).
+        # A read the gateway could not answer: the label of its answer from the local index
+        # (source, degraded, the reason and the breaker's state), or raise (401 and
+        # configuration errors are errors; --require-remote makes any fallback exit 3).
         if not err.fallback_ok:
             raise err
         reason = self.failure_reason(err)
@@ -6717,7 +6703,7 @@ class Operations:
                                  hint=err.hint if err.kind == NOT_CONFIGURED else None)
         if not self.config["localFallback"]:
             raise err
-        return reason
+        return dict(reason, source="local_sqlite", degraded=True)
 
     def failure_reason(self, err):
         # Why the gateway did not answer, as one flat phrase, and the breaker's state:
@@ -6813,6 +6799,9 @@ class Operations:
 
 
 MAX_LIMIT = 1000  # results of one find
+# The label of a read the gateway answered (search, meta); _fallback's when it did not.
+_ANSWERED = {"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
+             "retry_in_ms": None}
 PROJECT_HINT = "give it with --project P"  # the MCP server says: pass project_id
 
 
@@ -6844,7 +6833,7 @@ def _record_out(rec):
     return out
 
 
-def _kept_aside(err, payload, folder):
+def _kept_aside(err, payload, db_path):
     # The StoreError of a write that could not be queued, with the user's text saved to
     # a file it names (in the database's folder, else the temporary one), or, when no file
     # can be written either, carried in full for the front end to show.
@@ -6855,7 +6844,7 @@ def _kept_aside(err, payload, folder):
     if payload.get("private"):
         flags += " --private"
     before = err.hint + "; " if err.hint else ""  # the error's own hint comes first
-    for where in (folder, tempfile.gettempdir()):
+    for where in (os.path.dirname(os.path.abspath(db_path)), tempfile.gettempdir()):
         path = os.path.join(where, name)
         try:
             if os.path.isdir(where) and not_private(os.stat(where)):
@@ -6893,7 +6882,7 @@ def _check_id(value, where):
     return value
 
 
-def _check_droppable(row, force, now):
+def _check_droppable(row, force, now, store):
     state = row["state"]
     if state == SYNCED:
         raise UsageError("%s is in shared memory already (as %s): nothing to drop"
@@ -6901,7 +6890,7 @@ def _check_droppable(row, force, now):
                          hint="to change what it says: qmem.py correct %s \"…\""
                          % row["gateway_id"])
     if (state == SENDING and row["lease_until"] and row["lease_until"] > now
-            and not row["claimant_gone"]):
+            and not claimant_is_gone(store.claim_of(row["local_id"]))):
         raise UsageError("%s is being sent right now by another flush" % row["local_id"],
                          hint="try again in a moment")
     if state in WAITING and not force:
@@ -8501,10 +8490,6 @@ def _send(wire_out, reply):
 
 # === Command line ============================================================
 
-def cli_import(ops, a):
-    return ops.import_sessions(a.sessions)
-
-
 MIN_COLUMNS = 40  # the narrowest layout; a smaller COLUMNS gets this one
 
 
@@ -8537,18 +8522,6 @@ def _filters(a):
                      in zip(Filters._fields, Filters())))
 
 
-def cli_status(ops, a):
-    return ops.status()
-
-
-def cli_rules(ops, a):
-    return ops.rules()
-
-
-def cli_install(ops, a):
-    return ops.install(a.bin, uninstall=a.uninstall)
-
-
 def run_mcp(args):
     # `qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
     # first message: the configuration and the database at the first tool call.
@@ -8569,14 +8542,6 @@ def cli_search(ops, a):
 
 def cli_get(ops, a):
     return ops.get(ops.full_ids([a.id], "get")[0], require_remote=a.require_remote)
-
-
-def cli_meta(ops, a):
-    return ops.meta(require_remote=a.require_remote)
-
-
-def cli_breaker(ops, a):
-    return ops.breaker(reset=a.reset)
 
 
 def cli_config(ops, a):
@@ -8684,9 +8649,9 @@ def _decoded_text(data):
 
 
 def _write_options(a):
-    return dict(kind=a.kind, scope=a.scope, agent=a.agent, source=a.source, expires=a.expires,
-                private=a.private,
-                reason=a.reason, queue_only=a.queue_only, allow_secret=a.allow_secret)
+    # The options store and correct share, as the operations' keyword arguments.
+    return {k: getattr(a, k) for k in ("kind", "scope", "agent", "source", "expires", "private",
+                                       "reason", "queue_only", "allow_secret")}
 
 
 def cli_store(ops, a):
@@ -8828,6 +8793,8 @@ def build_parser(only=None):
     built = []
 
     def command(name, func, about, **kw):
+        # func(ops, args) runs the command: a cli_ function above, or where it is one call
+        # of an operation, that call
         built.append(name)
         if only not in (None, name):
             return _Unused()
@@ -8843,7 +8810,7 @@ def build_parser(only=None):
         sp.set_defaults(func=func)
         return sp
 
-    sp = command("import", cli_import,
+    sp = command("import", lambda ops, a: ops.import_sessions(a.sessions),
                  "Index pi session files (incremental; unchanged files are not read).")
     sp.add_argument("--sessions", metavar="DIR", action="append",
                     help="session folder to import (repeatable; default: pi's own)")
@@ -8858,7 +8825,7 @@ def build_parser(only=None):
     add_flag(sp, "--private", "also show private records")
     add_flag(sp, "--include-expired", "also show expired records")
 
-    command("status", cli_status,
+    command("status", lambda ops, a: ops.status(),
             "What the local side knows: records, outbox, coverage, lag, database.")
 
     sp = command("search", cli_search, "Semantic search on the gateway; the local index answers "
@@ -8878,7 +8845,7 @@ def build_parser(only=None):
     sp.add_argument("id", help="the memory id")
     add_remote(sp)
 
-    add_remote(command("meta", cli_meta,
+    add_remote(command("meta", lambda ops, a: ops.meta(require_remote=a.require_remote),
                        "What the memory holds: scope x kind counts, projects, agents, superseded, "
                        "deleted."))
 
@@ -8955,17 +8922,17 @@ def build_parser(only=None):
             "qmem_store, qmem_correct, qmem_meta.",
             epilog="Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
             "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__))
-    command("rules", cli_rules,
+    command("rules", lambda ops, a: ops.rules(),
             "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the "
             "MCP server's instructions).")
 
-    sp = command("install", cli_install,
+    sp = command("install", lambda ops, a: ops.install(a.bin, uninstall=a.uninstall),
                  "Write a launcher, qmem, that runs this file with its compiled code cached "
                  "(faster: python3 qmem.py compiles the whole file on every command).")
     sp.add_argument("--bin", metavar="DIR", help="where to write it (default ~/.local/bin)")
     add_flag(sp, "--uninstall", "remove the launcher written there")
 
-    sp = command("breaker", cli_breaker,
+    sp = command("breaker", lambda ops, a: ops.breaker(reset=a.reset),
                  "Show the circuit breaker shared by every qmem process here (--reset closes it).")
     add_flag(sp, "--reset", "close the breaker now")
 
