@@ -4374,7 +4374,17 @@ class Flusher:
                 break
             done = []
             try:
-                self._send_batch(rows, claimed_at, give_up, budget_s, stats, done, progress)
+                for row in rows:
+                    if self.clock() + self.call_s > claimed_at + self.lease_s:
+                        break  # slow going: give back the rest before the lease could run out
+                    if give_up is not None and time.monotonic() > give_up:
+                        stats.stopped = "time budget of %g s used up" % budget_s
+                        break
+                    done.append(self._send(row, stats))
+                    if progress:
+                        progress.update("%d sent" % len(done))
+                    if stats.stopped is not None:
+                        break
             finally:  # also on Ctrl-C: what was answered is kept, the rest goes back
                 sent = {o.row[0] for o in done}
                 self._finish(token, done + [Outcome(RELEASE, r) for r in rows if r[0] not in sent],
@@ -4385,19 +4395,6 @@ class Flusher:
             with self.store.transaction():
                 self.store.set_meta("last_flush_at", iso_now())
         return stats
-
-    def _send_batch(self, rows, claimed_at, give_up, budget_s, stats, done, progress):
-        for row in rows:
-            if self.clock() + self.call_s > claimed_at + self.lease_s:
-                return  # slow going: give back the rest before the lease could run out
-            if give_up is not None and time.monotonic() > give_up:
-                stats.stopped = "time budget of %g s used up" % budget_s
-                return
-            done.append(self._send(row, stats))
-            if progress:
-                progress.update("%d sent" % len(done))
-            if stats.stopped is not None:
-                return
 
     def _resolve_target(self, target):
         # A correction's supersedes_id, as the gateway knows it: ('ok', id) or
@@ -4452,8 +4449,7 @@ class Flusher:
             return Outcome(RELEASE, row, error=str(e))
         # 30 s doubled for each failed call so far (a call's retries are one call)
         per_call = self.gateway.retries + 1
-        attempts = self.store.conn.execute("SELECT attempts FROM outbox WHERE rid=?",
-                                           (row[0],)).fetchone()[0]
+        attempts = self.store._one("SELECT attempts FROM outbox WHERE rid=?", (row[0],))
         calls = -(-(attempts + self.gateway.tries) // per_call)
         told, delay = "", min(3600, 30 * 2 ** min(10, calls))
         if e.retry_in_ms:
@@ -4596,13 +4592,13 @@ def _merge_page(store, items, next_cursor, since, stats):
     newest = since
     with store.transaction():
         for rec in filter(None, map(normalize_record, items)):
-            was = store.conn.execute("SELECT deleted_at FROM records WHERE id=?",
-                                     (rec["id"],)).fetchone()
+            # (None: no such record here, or one not deleted)
+            was_deleted = store._one("SELECT deleted_at FROM records WHERE id=?", (rec["id"],))
             outcome = store.from_gateway(rec, VIEW_FULL, iso_now())
             stats.new += outcome == "new"
             stats.updated += outcome == "updated"
             stats.same += outcome == "same"
-            stats.deleted += bool(rec["deleted_at"] and (was is None or was[0] is None))
+            stats.deleted += bool(rec["deleted_at"] and was_deleted is None)
             if rec["updated_at"] and (newest is None or rec["updated_at"] > newest):
                 newest = rec["updated_at"]
         store.link_supersessions()
@@ -4992,35 +4988,31 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
     if bulk:
         store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
     try:
-        return _merge_bundle(store, path, header, dry_run, bulk, max_mb, trust)
+        with store.transaction():
+            settle, now, stats = [], iso_now(), LoadStats()  # (now: one time for the load)
+            for kind, part in _parts(path, trust, now, store.bulk_sql and bulk, store.fts):
+                if kind == "rows":
+                    _merge_batch(store, part, stats, trust)
+                elif kind == "record":
+                    _merge_record(store, part[0], part[1], trust, stats, now)
+                elif kind == "outbox":
+                    settle.append(part)
+                else:
+                    stats.skipped += 1
+            for row in settle:
+                _load_outbox_row(store, row, stats, max_mb, trust)
+            store.finish_bulk()
+            store.link_supersessions()
+            if dry_run:
+                raise _DryRun(stats)
+            store.set_meta("last_load_at", iso_now())
+            store.set_meta("last_load_from", header_text(header.get("machine")) or "?")
+        return stats
     finally:
         # rolled back: the index is rebuilt for what is there
         if bulk and store.meta("fts_pending"):
             with store.transaction():
                 store.finish_bulk()
-
-
-def _merge_bundle(store, path, header, dry_run, bulk, max_mb, trust):
-    with store.transaction():
-        settle, now, stats = [], iso_now(), LoadStats()  # (now: one time for the load)
-        for kind, part in _parts(path, trust, now, store.bulk_sql and bulk, store.fts):
-            if kind == "rows":
-                _merge_batch(store, part, stats, trust)
-            elif kind == "record":
-                _merge_record(store, part[0], part[1], trust, stats, now)
-            elif kind == "outbox":
-                settle.append(part)
-            else:
-                stats.skipped += 1
-        for row in settle:
-            _load_outbox_row(store, row, stats, max_mb, trust)
-        store.finish_bulk()
-        store.link_supersessions()
-        if dry_run:
-            raise _DryRun(stats)
-        store.set_meta("last_load_at", iso_now())
-        store.set_meta("last_load_from", header_text(header.get("machine")) or "?")
-    return stats
 
 
 def bundle_parts(path, trust, now, batched, words):
@@ -5038,17 +5030,18 @@ def bundle_parts(path, trust, now, batched, words):
         view = view if view in (VIEW_HIT, VIEW_ARGS, VIEW_FULL) else VIEW_FULL
         if rec is None or not _bounded(rec):
             yield "skipped", None
-        elif item.get("pending"):
+            continue
+        if item.get("pending"):
             continue  # a write of that machine: it comes with its outbox row
-        elif not batched:
+        if trust == UNVERIFIED:  # it never hides anything (nor replaces anything: _merge_record)
+            rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)
+        if not batched:
             yield "record", (rec, view)
-        else:
-            if trust == UNVERIFIED:  # never hides anything: see _merge_record
-                rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)
-            batch.append(_masked(dict(rec, view=view, seen_at=now), words))
-            if len(batch) >= 1000:  # (5,000 raised a load's peak memory by 11 MB)
-                yield "rows", batch
-                batch = []
+            continue
+        batch.append(_masked(dict(rec, view=view, seen_at=now), words))
+        if len(batch) >= 1000:  # (5,000 raised a load's peak memory by 11 MB)
+            yield "rows", batch
+            batch = []
     if batch:
         yield "rows", batch
 
@@ -5145,15 +5138,14 @@ _BOUNDED_FIELDS = operator.itemgetter("kind", "scope", "agent_id", "source", "su
 
 
 def _merge_record(store, rec, view, trust, stats, now):
-    # One record of a bundle (not of a bulk load), by the bundle's trust.
+    # One record of a bundle (not of a bulk load), by the bundle's trust (an unverified
+    # bundle's record hides nothing: bundle_parts cleared what it supersedes).
     origin = store.origin_of(rec["id"])
-    if trust == UNVERIFIED:
-        if origin is not None:  # known here: an unverified view never replaces it
-            stats.records_unchanged += 1
-            return
-        # never hides anything
-        rec.update(supersedes_id=None, supersede_reason=None, superseded_by=None)
-    elif origin == ORIGIN_UNVERIFIED and store.drop_unverified(rec["id"]):  # replaced whole
+    if trust == UNVERIFIED and origin is not None:
+        stats.records_unchanged += 1  # known here: an unverified view never replaces it
+        return
+    # (an unverified bundle's record gets here only when it is new here: origin None)
+    if origin == ORIGIN_UNVERIFIED and store.drop_unverified(rec["id"]):  # replaced whole
         store.upsert(rec, view, now)
         store.set_origin([rec["id"]], ORIGIN_SIGNED)
         stats.records_updated += 1
@@ -5169,7 +5161,7 @@ def _merge_record(store, rec, view, trust, stats, now):
 def _merge_batch(store, batch, stats, trust):
     # A bulk merge (of a bundle into an empty index): the new rows are the bundle's (the
     # transaction holds the write lock: no other process inserted them).
-    before = store.conn.execute("SELECT coalesce(max(rid), 0) FROM records").fetchone()[0]
+    before = store._one("SELECT coalesce(max(rid), 0) FROM records")
     new, updated = store.merge_many(batch, masked=True)
     store.conn.execute("UPDATE records SET origin=? WHERE rid>?",
                        (ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED, before))
@@ -5323,6 +5315,11 @@ def check(name, status, detail, advice=None):
     return {"name": name, "status": status, "detail": detail, "advice": advice}
 
 
+def warn_if(name, bad, detail, advice):
+    # A check that warns, with the advice, when `bad`; else it is ok (and has none).
+    return check(name, "warn" if bad else "ok", detail, advice if bad else None)
+
+
 def doctor_local(config, config_error=None):
     # The checks that need no network: Python, SQLite, the database, the config, the
     # breaker, the outbox and the import lag.
@@ -5331,10 +5328,9 @@ def doctor_local(config, config_error=None):
 
 
 def _doctor_python():
-    old = sys.version_info < (3, 7)
-    return check("python", "warn" if old else "ok", "Python %d.%d.%d" % sys.version_info[:3],
-                 "3.6 cannot bound every read of a TLS answer by the deadline: use 3.7 or "
-                 "newer if you can" if old else None)
+    return warn_if("python", sys.version_info < (3, 7), "Python %d.%d.%d" % sys.version_info[:3],
+                   "3.6 cannot bound every read of a TLS answer by the deadline: use 3.7 or "
+                   "newer if you can")
 
 
 def _doctor_sqlite():
@@ -5345,7 +5341,7 @@ def _doctor_sqlite():
               "with a newer SQLite searches better" if tokenizer is None
               else "SQLite older than 3.24: imports merge row by row (slower)" if not HAS_UPSERT
               else None)
-    return check("sqlite", "warn" if advice else "ok", detail, advice)
+    return warn_if("sqlite", advice, detail, advice)
 
 
 def _doctor_config(config, config_error):
@@ -5366,23 +5362,21 @@ def _doctor_config(config, config_error):
         found.append(check("gateway", "ok", "no gateway configured: offline use (`qmem.py "
                            "config url https://…` sets one)"))
         return found
-    from urllib.parse import urlsplit
-    p = urlsplit(url)
+    scheme, host = gateway_of(url)[:2]  # (a URL _check_config checked)
     if not key and config.key_withheld:
         found.append(check("api key", "fail", "no API key for this gateway: " + config.key_withheld,
                            KEY_ELSEWHERE_HINT))
     elif not key:
         found.append(check("api key", "fail", "no API key configured",
                            "run `qmem.py config apikey`"))
-    if p.scheme == "http" and not is_loopback(p.hostname or ""):
-        found.append(check("plain http", "warn",
-                           "the API key travels unencrypted to %s" % p.hostname,
+    if scheme == "http" and not is_loopback(host):
+        found.append(check("plain http", "warn", "the API key travels unencrypted to %s" % host,
                            "use an https URL unless this network is trusted"))
-    proxy = _proxy_for(p.scheme, p.hostname or "")
+    proxy = _proxy_for(scheme, host)
     if proxy:
         found.append(check("proxy", "ok", "the gateway is reached through the proxy %s:%d" % proxy,
-                           "set no_proxy=%s if it should not be" % p.hostname))
-    ca = config.values.get("caFile")
+                           "set no_proxy=%s if it should not be" % host))
+    ca = config["caFile"]
     if ca and not os.path.isfile(ca):
         found.append(check("ca file", "fail", "caFile %s does not exist" % ca,
                            "`qmem.py config set caFile PATH`"))
@@ -5450,11 +5444,10 @@ def _doctor_open_store(store):
             found.append(check("database mode", "warn",
                                "%s is readable by other users (mode %04o)" % (
                 store.path, os.stat(store.path).st_mode & 0o777), "chmod 600 %s" % store.path))
-        found.append(check("database", "ok" if mode == "wal" else "warn",
-                           "%s: intact, schema %d, journal %s" % (
-            store.path, SCHEMA_VERSION, mode),
-                           None if mode == "wal" else "WAL is not available here: several "
-            "processes at once will wait on each other"))
+        found.append(warn_if("database", mode != "wal", "%s: intact, schema %d, journal %s"
+                             % (store.path, SCHEMA_VERSION, mode),
+                             "WAL is not available here: several processes at once will wait on "
+                             "each other"))
     if store.fts and store.meta("words_pending"):
         found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
                            "not found by their parts yet",
@@ -5519,8 +5512,7 @@ def doctor_link(config, clock=time.time):
     # handshake, GET /v1/status (latency, version, clock skew, the key).
     if not config["url"] or not config["apiKey"]:
         return []
-    from urllib.parse import urlsplit
-    found = _probe_steps(urlsplit(config["url"]), config)
+    found = _probe_steps(config)
     if any(c["status"] == "fail" for c in found):
         return found
     gateway = Gateway(config, Breaker.from_config(config), retries=0, bypass_breaker=True)
@@ -5541,11 +5533,12 @@ def doctor_link(config, clock=time.time):
     return found + _judge_status(resp, time.monotonic() - started, config, clock)
 
 
-def _probe_steps(p, config):
+def _probe_steps(config):
     # DNS, TCP connect and TLS handshake, timed (to the proxy, when one applies).
     budget = config["connectTimeoutMs"] / 1000.0
-    proxy = _proxy_for(p.scheme, p.hostname or "")
-    host, port = proxy or (p.hostname, p.port or (443 if p.scheme == "https" else 80))
+    scheme, host, port = gateway_of(config["url"])  # (a URL _check_config checked)
+    proxy = _proxy_for(scheme, host)
+    host, port = proxy or (host, port)  # where the connection goes
     deadline = _net_classes()["Deadline"](budget, "connect")
     started = time.monotonic()
     try:
@@ -5553,7 +5546,7 @@ def _probe_steps(p, config):
     except OSError as e:
         return [check("dns", "fail", "%s does not resolve (%s)" % (host, _reason(e)),
                       "check the name and the VPN")]
-    found = [_timed("dns", "%s resolved" % host, time.monotonic() - started, budget)]
+    found = [_timed("dns", "%s resolved" % host, started, budget)]
     started = time.monotonic()
     try:
         sock = _open_socket((host, port), deadline)
@@ -5561,36 +5554,35 @@ def _probe_steps(p, config):
         return found + [check("connect", "fail",
                               "could not connect to %s:%d (%s)" % (host, port, _reason(e)),
                               "check the VPN, the firewall and the port")]
-    found.append(_timed("connect", "TCP connect to %s:%d" % (host, port),
-                        time.monotonic() - started, budget))
+    found.append(_timed("connect", "TCP connect to %s:%d" % (host, port), started, budget))
     try:
-        if p.scheme == "https" and not proxy:
+        if scheme == "https" and not proxy:  # (so host is the gateway's)
             import ssl
             started = time.monotonic()
-            ctx = ssl.create_default_context(cafile=config.values.get("caFile") or None)
+            ctx = ssl.create_default_context(cafile=config["caFile"])
             try:
-                sock = ctx.wrap_socket(sock, server_hostname=p.hostname)
+                sock = ctx.wrap_socket(sock, server_hostname=host)
             except OSError as e:  # (an ssl.SSLError is one)
                 plain = "WRONG_VERSION_NUMBER" in str(e) or "EOF" in type(e).__name__ + str(e)
                 return found + [check("tls", "fail", "TLS handshake with %s failed (%s)"
-                                      % (p.hostname, _reason(e)),
+                                      % (host, _reason(e)),
                                       "the server does not speak TLS there: is the URL http://?"
                                       if plain else
                                       "for a private CA set caFile (`qmem.py config set caFile "
                                       "PATH`)")]
-            found.append(_timed("tls", "TLS handshake with %s" % p.hostname,
-                                time.monotonic() - started, budget))
+            found.append(_timed("tls", "TLS handshake with %s" % host, started, budget))
     finally:
         sock.close()
     return found
 
 
-def _timed(name, what, seconds, budget):
-    # A step of the link against the connect budget: too close to it is a warning.
-    slow = seconds > budget / 2
-    return check(name, "warn" if slow else "ok", "%s in %d ms" % (what, seconds * 1000),
-                 "connectTimeoutMs is %d: too tight for this link, use >= %d"
-                 % (budget * 1000, _suggested_budget_ms(seconds)) if slow else None)
+def _timed(name, what, started, budget):
+    # A step of the link, from `started` to now, against the connect budget: too close to
+    # it is a warning.
+    seconds = time.monotonic() - started
+    return warn_if(name, seconds > budget / 2, "%s in %d ms" % (what, seconds * 1000),
+                   "connectTimeoutMs is %d: too tight for this link, use >= %d"
+                   % (budget * 1000, _suggested_budget_ms(seconds)))
 
 
 def _suggested_budget_ms(seconds):
@@ -5602,27 +5594,24 @@ def _judge_status(resp, took, config, clock):
         return [check("status", "fail",
                       "GET /v1/status answered HTTP %d (%s)" % (resp.status, resp.detail()),
                       "is the URL the gateway's base URL?")]
-    slow = took > config["connectTimeoutMs"] / 1000.0 / 2
-    version = resp.data.get("version") if isinstance(resp.data, dict) else None
+    version = resp.data.get("version")  # (a 2xx answer is a JSON object: Gateway._parse)
     parts = [int(n) for n in re.findall(r"\d+", str(version or ""))[:3]]
-    old = parts and parts < [2, 12, 0]
-    found = [check("status", "warn" if slow else "ok", "GET /v1/status took %.1f s" % took,
-                   "connectTimeoutMs is %d: too tight for this link, use >= %d"
-                   % (config["connectTimeoutMs"], _suggested_budget_ms(took)) if slow else None),
+    found = [warn_if("status", took > config["connectTimeoutMs"] / 1000.0 / 2,
+                     "GET /v1/status took %.1f s" % took,
+                     "connectTimeoutMs is %d: too tight for this link, use >= %d"
+                     % (config["connectTimeoutMs"], _suggested_budget_ms(took))),
              check("api key", "ok", "accepted"),
-             check("gateway version", "warn" if old else "ok",
-                   "the gateway is %s" % _shown(version),
-                   "pull needs 2.12.0 or newer (enrich --all works with older ones)" if old
-                   else None)]
+             warn_if("gateway version", parts and parts < [2, 12, 0],
+                     "the gateway is %s" % _shown(version),
+                     "pull needs 2.12.0 or newer (enrich --all works with older ones)")]
     server = _http_date(resp.headers.get("Date") or "")
     if server is not None:
         skew = clock() - server
         said = ("this clock agrees with the gateway's (within the 1 s a Date header shows)"
                 if abs(skew) < 2 else "this clock is %s %s the gateway's" % (
                     duration(abs(skew)), "ahead of" if skew > 0 else "behind"))
-        found.append(check("clock", "warn" if abs(skew) > 60 else "ok", said,
-                           "set the clock right (NTP): leases and expiry dates depend on it"
-                           if abs(skew) > 60 else None))
+        found.append(warn_if("clock", abs(skew) > 60, said,
+                             "set the clock right (NTP): leases and expiry dates depend on it"))
     return found
 
 
@@ -5747,14 +5736,18 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
     if ours is False:
         raise UsageError("%s is not a launcher `qmem.py install` wrote: leaving it alone" % path,
                          hint="move it aside, or choose another folder with --bin DIR")
-    doc = {"action": "uninstall" if uninstall else "install", "launcher": path}
+    # `cache`: where the launcher run by this user caches its code (it works it out itself)
+    base = environ.get("XDG_CACHE_HOME") or ""
+    doc = {"action": "uninstall" if uninstall else "install", "launcher": path,
+           "cache": os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"),
+                                 "qmem")}
     if uninstall:
         try:
             if ours:
                 os.unlink(path)
         except OSError as e:
             raise QmemError("cannot remove %s: %s" % (path, e.strerror or e), kind="io")
-        return dict(doc, removed=bool(ours), cache=_cache_folder(environ, home))
+        return dict(doc, removed=bool(ours))
     python = sys.executable
     if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
         raise UsageError(
@@ -5771,14 +5764,7 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
         raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
     on_path = any(p and os.path.realpath(p) == os.path.realpath(folder)
                   for p in environ.get("PATH", "").split(os.pathsep))
-    return dict(doc, source=source, python=python, cache=_cache_folder(environ, home),
-                on_path=on_path)
-
-
-def _cache_folder(environ, home):
-    # Where the launcher run by this user caches its code (it works it out itself).
-    base = environ.get("XDG_CACHE_HOME") or ""
-    return os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"), "qmem")
+    return dict(doc, source=source, python=python, on_path=on_path)
 
 
 # === Operations ==============================================================
