@@ -382,6 +382,14 @@ def _warn_once(message):
         warn(message)
 
 
+def finite_number(value):
+    # A number a document can carry as it is: an int (not a bool), or a finite float. JSON
+    # reads 1e400 as inf, and math.isfinite() of an int too large for a float raises.
+    import math
+    return (isinstance(value, int) and not isinstance(value, bool)
+            or isinstance(value, float) and math.isfinite(value))
+
+
 def _fit(text, width):
     return text if len(text) <= width else text[:max(0, width - 1)] + "…"
 
@@ -6887,10 +6895,8 @@ def _check_droppable(row, force, now, store):
 def _hit(result):
     # A search result as the gateway sent it, its score kept only when it is a finite
     # number (JSON has no Infinity, and a 1e400 score is no cosine).
-    import math
     hit = dict(result)
-    score = hit.get("score")
-    if not isinstance(score, (int, float)) or isinstance(score, bool) or not math.isfinite(score):
+    if not finite_number(hit.get("score")):
         hit.pop("score", None)
     return hit
 
@@ -7755,12 +7761,9 @@ def _mcp_value(name, value, prop):
 
 def _mcp_number(value, pattern):
     # A finite number, or a string of one that matches pattern; else None.
-    import math
     if isinstance(value, str):
         return float(value) if re.fullmatch(pattern, value) else None
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return value
-    return None
+    return value if finite_number(value) else None
 
 
 MCP_TOOLS = (
@@ -7877,9 +7880,8 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
         out["refused"] = rec.get("failed_reason") or "refused by the gateway"
         out["text"] = "[REFUSED by the gateway, never stored: %s] %s" % (
             _fit(out["refused"], 200), out.get("text") or "")
-    score = rec.get("score")
-    if isinstance(score, (int, float)) and not isinstance(score, bool):
-        out["score"] = round(score, 3)
+    if finite_number(rec.get("score")):
+        out["score"] = round(rec["score"], 3)
     if rec.get("match") in MATCH_LABELS:  # a local result: how its words matched
         out["match"] = MATCH_LABELS[rec["match"]]
     return out

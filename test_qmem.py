@@ -4941,11 +4941,13 @@ class OperationsReadTests(GatewayTestCase):
 
     def test_the_same_payloads_from_the_gateway_are_survived(self):
         bad = dict(record(UUIDS[2], "dal gateway \ud83d"), created_at="0001-01-01T00:00:00+01:00")
-        self.gw.script = [(200, {"results": [dict(bad, score=1e400)]})]
+        huge = dict(record(UUIDS[3], "gateway numbers"), score=10 ** 400)  # no float holds it
+        self.gw.script = [(200, {"results": [dict(bad, score=1e400), huge]})]
         code, out, err = self.run_cli("search", "gateway", "--json")
         self.assertNotRegex(out, "[\ud800-\udfff]")  # a real stdout could not write it
         doc = json.loads(out)
         self.assertNotIn("score", doc["results"][0])
+        self.assertEqual(doc["results"][1]["text"], "gateway numbers")
         self.assertEqual(doc["results"][0]["text"], "dal gateway \ufffd")
         self.assertIn("dal gateway", self.ok("find", "gateway"))
         self.gw.script = [(200, {"items": [bad], "next_cursor": None})]
@@ -5939,6 +5941,7 @@ class McpToolTests(McpTestCase):
                 ("qmem_find", {}, "needs query"),
                 ("qmem_search", {"query": "x", "top_k": "many"}, "whole number"),
                 ("qmem_search", {"query": "x", "top_k": 0}, "between 1 and 50"),
+                ("qmem_search", {"query": "x", "top_k": 10 ** 400}, "between 1 and 50"),
                 ("qmem_find", {"query": "x", "limit": 51}, "between 1 and 50"),
                 ("qmem_store", {"text": "x", "kind": "opinion", "project_id": "p"}, "one of fact"),
                 ("qmem_store", {"text": "x", "projet": "p"}, "takes no argument 'projet'"),
@@ -5954,6 +5957,16 @@ class McpToolTests(McpTestCase):
             self.assertIn("project_from", result["structuredContent"])
         self.assertEqual(server.close(), 0)
         self.assertFalse(os.path.exists(self.db))  # nothing was written for them
+
+    def test_a_gateways_record_with_a_number_past_json_is_still_a_result(self):
+        rec = self.gw.add("Backups run at 02:30")
+        server = self.server()
+        for score, kept in ((float("inf"), False), (10 ** 400, True)):  # Infinity; no float
+            self.gw.records[rec["id"]]["score"] = score
+            got = server.call("qmem_get", id=rec["id"])
+            self.assertIs(got["isError"], False, got)
+            self.assertEqual("score" in got["structuredContent"]["record"], kept)
+        self.assertEqual(server.close(), 0)
 
     def test_models_strings_for_numbers_and_booleans_and_kind_case_are_taken(self):
         server = self.server()
