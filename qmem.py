@@ -530,7 +530,8 @@ def claimant_is_gone(token):
         return False
     host, boot, namespace, pid, start, _ = parts
     mine = process_identity()
-    if not (boot and namespace and start and pid.isdigit()) or (host, boot, namespace) != mine[:3]:
+    if (not (boot and namespace and start and pid.isdecimal())
+            or (host, boot, namespace) != mine[:3]):
         return False
     # (A boot id, a pid namespace and a start time come from /proc: this is Linux, where
     # os.kill(pid, 0) is a probe.)
@@ -1635,7 +1636,9 @@ class Gateway:
         else:
             conn = http.client.HTTPConnection(*peer)
         # Through a plain-http proxy, requests name the gateway in full (absolute-form).
-        self.prefix = "http://%s:%d" % gateway if proxy and self.scheme == "http" else ""
+        # (an IPv6 address in brackets: http://[fd00::1]:8080)
+        self.prefix = "http://%s:%d" % (self.host if ":" not in self.host else "[%s]" % self.host,
+                                        self.port) if proxy and self.scheme == "http" else ""
         conn._create_connection = lambda address, *args, **kw: _open_socket(address, deadline)
         try:
             conn.connect()
@@ -4932,6 +4935,7 @@ def bundle_items(path):
                 try:
                     obj = without_surrogates(obj)
                 except RecursionError:
+                    yield None
                     continue
             if obj.get("type") in ("record", "outbox"):
                 yield obj
@@ -5590,7 +5594,7 @@ def _timed(name, what, started, budget):
     seconds = time.monotonic() - started
     return warn_if(name, seconds > budget / 2, "%s in %d ms" % (what, seconds * 1000),
                    "connectTimeoutMs is %d: too tight for this link, use >= %d"
-                   % (budget * 1000, _suggested_budget_ms(seconds)))
+                   % (round(budget * 1000), _suggested_budget_ms(seconds)))
 
 
 def _suggested_budget_ms(seconds):

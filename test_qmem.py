@@ -711,6 +711,8 @@ class UtilityTests(QmemTestCase):
         self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, pid, "12", "r"))))
         # an older qmem.py's token
         self.assertFalse(qmem.claimant_is_gone("%s:%s:abc" % (host, dead_pid)))
+        # a damaged one ('²' is a digit int() cannot read)
+        self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, ns, "\u00b2", "1", "r"))))
 
     def test_an_unreadable_start_time_proves_nothing(self):
         token = qmem.claim_token()
@@ -1604,6 +1606,11 @@ class GatewayClientTests(GatewayTestCase):
         self.assertIn("the API key travels unencrypted over plain http to gateway.invalid",
                       err.getvalue())
         self.assertEqual(self.gw.requests[-1][1], "http://gateway.invalid:8080/v1/status")
+        # an IPv6 address is written in brackets there
+        os.environ["QMEM_URL"] = "http://[fd00::1]:8080"
+        with contextlib.redirect_stderr(io.StringIO()):
+            self.assertEqual(self.client().call("GET", "/v1/status").status, 200)
+        self.assertEqual(self.gw.requests[-1][1], "http://[fd00::1]:8080/v1/status")
         env = {"https_proxy": "http://proxy.corp:3128", "no_proxy": "internal.example, .vpn"}
         self.assertEqual(qmem._proxy_for("https", "gw.example", env), ("proxy.corp", 3128))
         self.assertIsNone(qmem._proxy_for("https", "qmem.internal.example", env))
@@ -4528,6 +4535,9 @@ class DoctorTests(GatewayTestCase):
         self.assertEqual(found["status"]["status"], "warn")
         self.assertIn("connectTimeoutMs is 400: too tight for this link, use >= 1000",
                       found["status"]["advice"])
+        # a step of the link names the budget as it was set (1.001 s is not 1000 ms)
+        self.assertIn("connectTimeoutMs is 1001:",
+                      qmem._timed("dns", "resolved", time.monotonic() - 1, 1.001)["advice"])
 
     def test_headers_slower_than_the_budget_get_advice_about_it(self):
         # Part 13: headers after 0.3 s against connectTimeoutMs 200 got no word of the budget.
