@@ -383,11 +383,13 @@ def _warn_once(message):
 
 
 def finite_number(value):
-    # A number a document can carry as it is: an int (not a bool), or a finite float. JSON
-    # reads 1e400 as inf, and math.isfinite() of an int too large for a float raises.
+    # An int (not a bool) or a float, finite as a float: what a score can be (JSON reads
+    # 1e400 as inf, and an int past 1.8e308 is no float at all).
     import math
-    return (isinstance(value, int) and not isinstance(value, bool)
-            or isinstance(value, float) and math.isfinite(value))
+    try:
+        return type(value) in (int, float) and math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _fit(text, width):
@@ -530,7 +532,7 @@ def claimant_is_gone(token):
         return False
     host, boot, namespace, pid, start, _ = parts
     mine = process_identity()
-    if (not (boot and namespace and start and pid.isdecimal())
+    if (not (boot and namespace and start and pid.isdecimal() and len(pid) < 10)
             or (host, boot, namespace) != mine[:3]):
         return False
     # (A boot id, a pid namespace and a start time come from /proc: this is Linux, where
@@ -5104,29 +5106,6 @@ def _reader_main(path, trust, now, words):
     return EXIT_OK
 
 
-def dry_run_on_nothing(path, trust):
-    # What a load into an empty machine would do, without making a database.
-    stats = LoadStats()
-    for item in bundle_items(path):
-        if item is None:
-            stats.skipped += 1
-        elif item["type"] == "record" and not item.get("pending"):
-            stats.records_new += 1
-        elif item["type"] == "outbox" and item.get("state") in (SYNCED, DUPLICATE):
-            stats.outbox_not_needed += 1
-        elif item["type"] == "outbox":
-            try:
-                rebuilt = rebuilt_write(item)
-            except ValueError:
-                stats.skipped += 1
-                continue
-            if trust == UNVERIFIED:
-                stats.held.append(_held_summary(item["id"], rebuilt))
-            else:
-                stats.outbox_added += 1
-    return stats
-
-
 class _DryRun(Exception):
     # Leaves a load's transaction rolled back, with what it would have done.
 
@@ -6399,21 +6378,31 @@ class Operations:
                     spool.close()
                 except OSError:  # (only after a failed write: the error said so)
                     pass
-            if dry_run and not self.has_index():  # nothing here yet: everything would be new
-                stats = dry_run_on_nothing(copy, trust)
+            if dry_run and not self.has_index():
+                # Nothing here yet: the dry run loads into a throwaway index instead, so that
+                # it says what the load would do by the load's own rules.
+                with tempfile.TemporaryDirectory(prefix="qmem-dry-run-") as folder:
+                    scratch = Store(os.path.join(folder, "q.sqlite"))
+                    try:
+                        stats = self._load(scratch, copy, header, True, trust)
+                    finally:
+                        scratch.close()
             else:
                 rebuilt = None if dry_run else self._index_identifiers()
-                try:
-                    stats = load_bundle(self.store(), copy, header, dry_run=dry_run,
-                                        max_mb=self.config["outboxMaxMB"], trust=trust)
-                except _DryRun as d:
-                    stats = d.stats
+                stats = self._load(self.store(), copy, header, dry_run, trust)
         finally:
             os.unlink(copy)
         return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run),
                     verified=trust == SIGNED, index_rebuilt=rebuilt,
                     verification=why, machine=header_text(header.get("machine")),
                     created_at=header_text(header.get("created_at")))
+
+    def _load(self, store, copy, header, dry_run, trust):
+        try:
+            return load_bundle(store, copy, header, dry_run=dry_run,
+                               max_mb=self.config["outboxMaxMB"], trust=trust)
+        except _DryRun as d:
+            return d.stats
 
     # -- the doctor
     def doctor(self, offline=False, config_error=None, repair=False):
@@ -7168,7 +7157,7 @@ def show_search(doc, out):
               % (plural(len(results), "result"), STRONG_SCORE, WEAK_SCORE, STRONG_SCORE))
     rows = []
     for r in results:
-        score = r.get("score")  # a finite number or none (Operations.search() saw to it)
+        score = r.get("score")  # a finite number or none (_hit saw to it)
         flags = [f for f, on in (("superseded", r.get("superseded_by")),
                                  ("private", r.get("private") is True),
                                  ("queued here", r.get("pending") is True)) if on]
@@ -7767,7 +7756,7 @@ def _mcp_number(value, pattern):
     # A finite number, or a string of one that matches pattern; else None.
     if isinstance(value, str):
         return float(value) if re.fullmatch(pattern, value) else None
-    return value if finite_number(value) else None
+    return value if type(value) is int or finite_number(value) else None  # (bounds: later)
 
 
 MCP_TOOLS = (
@@ -8489,7 +8478,7 @@ def _terminal_width():
     # The width output fits: COLUMNS where it is set, else the terminal's; None for a
     # pipe (nothing is cut then).
     columns = os.environ.get("COLUMNS", "").strip()
-    if columns.isdecimal() and len(columns) <= 5 and int(columns):
+    if columns and re.fullmatch("[0-9]{1,5}", columns) and int(columns):
         return max(int(columns), MIN_COLUMNS)
     if not sys.stdout.isatty():
         return None

@@ -4378,6 +4378,17 @@ class BundleTrustTests(BundleTestCase):
         self.assertEqual(self.ok_json("load", path, "--dry-run")["skipped"], 2)
         self.assertFalse(os.path.exists(os.environ["QMEM_SQLITE"]))
         self.assertEqual(self.ok_json("load", path)["skipped"], 2)
+        # An unsigned bundle's write holding a credential: skipped by the load, and so said
+        # by the dry run (which showed it as held, its text and all).
+        secret = dict(row, id=UUIDS[62], payload=json.dumps(
+            {"text": "api_key = 'abcd1234efgh'", "kind": "fact", "project_id": "p"}))
+        path = self.crafted([dict(record(UUIDS[63], "si carica"), type="record"), secret],
+                            key=None)
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "none2", "q.sqlite")
+        said = [self.ok_json(*argv) for argv in (("load", path, "--dry-run"), ("load", path))]
+        self.assertEqual([(d["skipped"], d["held"], d["records"]["new"]) for d in said],
+                         [(1, [], 1)] * 2)
+        self.assertNotIn("abcd1234efgh", self.ok("load", path, "--dry-run"))
 
     def test_standard_input_is_judged_by_its_first_bytes_and_lines_are_bounded(self):
         class Endless:
@@ -4956,8 +4967,10 @@ class OperationsReadTests(GatewayTestCase):
         code, out, err = self.run_cli("search", "gateway", "--json")
         self.assertNotRegex(out, "[\ud800-\udfff]")  # a real stdout could not write it
         doc = json.loads(out)
-        self.assertNotIn("score", doc["results"][0])
-        self.assertEqual(doc["results"][1]["text"], "gateway numbers")
+        self.assertEqual([("score" in r, r["text"][:7]) for r in doc["results"]],
+                         [(False, "dal gat"), (False, "gateway")])
+        self.gw.script = [(200, {"results": [huge]})]
+        self.assertIn("gateway numbers", self.ok("search", "gateway"))  # a person's listing too
         self.assertEqual(doc["results"][0]["text"], "dal gateway \ufffd")
         self.assertIn("dal gateway", self.ok("find", "gateway"))
         self.gw.script = [(200, {"items": [bad], "next_cursor": None})]
@@ -5493,6 +5506,9 @@ class OutputTests(GatewayTestCase):
         self.put_record(UUIDS[0], text)
         out = self.ok("find", "deploy")  # no COLUMNS, not a terminal
         self.assertIn(UUIDS[0], out)
+        os.environ["COLUMNS"] = "\u0666\u0660"  # 60 in Arabic digits: no width, as any word
+        self.assertEqual(self.ok("find", "deploy"), out)
+        del os.environ["COLUMNS"]
         self.assertGreater(max(len(line) for line in out.splitlines()), 150)
         os.environ["COLUMNS"] = "60"
         self.assertEqual(self.ok_json("find", "deploy")["results"][0]["id"], UUIDS[0])
@@ -5971,11 +5987,12 @@ class McpToolTests(McpTestCase):
     def test_a_gateways_record_with_a_number_past_json_is_still_a_result(self):
         rec = self.gw.add("Backups run at 02:30")
         server = self.server()
-        for score, kept in ((float("inf"), False), (10 ** 400, True)):  # Infinity; no float
+        for score in (float("inf"), 10 ** 400, 0.71):  # Infinity; no float holds the second
             self.gw.records[rec["id"]]["score"] = score
             got = server.call("qmem_get", id=rec["id"])
             self.assertIs(got["isError"], False, got)
-            self.assertEqual("score" in got["structuredContent"]["record"], kept)
+            self.assertEqual(got["structuredContent"]["record"].get("score"),
+                             0.71 if score == 0.71 else None)
         self.assertEqual(server.close(), 0)
 
     def test_models_strings_for_numbers_and_booleans_and_kind_case_are_taken(self):
