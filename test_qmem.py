@@ -711,8 +711,9 @@ class UtilityTests(QmemTestCase):
         self.assertTrue(qmem.claimant_is_gone("|".join((host, boot, ns, pid, "12", "r"))))
         # an older qmem.py's token
         self.assertFalse(qmem.claimant_is_gone("%s:%s:abc" % (host, dead_pid)))
-        # a damaged one ('²' is a digit int() cannot read)
-        self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, ns, "\u00b2", "1", "r"))))
+        # damaged ones ('²' is a digit int() cannot read; no pid has 30 digits)
+        for pid in ("\u00b2", "9" * 30):
+            self.assertFalse(qmem.claimant_is_gone("|".join((host, boot, ns, pid, "1", "r"))))
 
     def test_an_unreadable_start_time_proves_nothing(self):
         token = qmem.claim_token()
