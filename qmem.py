@@ -6824,7 +6824,8 @@ def _kept_aside(err, payload, db_path):
     # The StoreError of a write that could not be queued, with the user's text saved to
     # a file it names (in the database's folder, else the temporary one), or, when no file
     # can be written either, carried in full for the front end to show.
-    import shlex, tempfile
+    import shlex
+    import tempfile
     name = "qmem-unsaved-%s-%s.txt" % (time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
     flags = "".join(" %s %s" % (flag, shlex.quote(str(payload[key])))
                     for key, flag in _RETRY_FLAGS if payload.get(key))
