@@ -1729,9 +1729,10 @@ def _reason(e):
 
 # UPSERT (INSERT ... ON CONFLICT DO UPDATE) came with SQLite 3.24.
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
-SCHEMA_VERSION = 5  # 2: claim tokens carry the claimant's identity; 3: held writes, origins;
+SCHEMA_VERSION = 6  # 2: claim tokens carry the claimant's identity; 3: held writes, origins;
 #                    4: identifiers' parts indexed, accent-folded text kept without FTS5;
-#                    5: identifiers' parts kept with each record (records.words)
+#                    5: identifiers' parts kept with each record (records.words);
+#                    6: corrections answered 409 duplicate are not applied (failed)
 # Outbox states (the CHECK of the outbox table). Held: from an unverified bundle, never
 # sent until the user releases it.
 PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
@@ -1760,7 +1761,27 @@ OUTBOX_MOVES = {
     "duplicate": ((PENDING, SENDING, FAILED), DUPLICATE,
                   _SETTLE + "duplicate_of=:other, last_error=:error"),
     "failed": ((PENDING, SENDING), FAILED, _SETTLE + "last_error=:error"),
+    # A correction answered 409 duplicate supersedes nothing at the gateway (design.md):
+    # failed, with the memory that holds its text, and never sent again (_RESENDABLE).
+    "not_applied": ((PENDING, SENDING), FAILED,
+                    _SETTLE + "duplicate_of=:other, last_error=:error"),
 }
+NOT_APPLIED = "not_applied"
+NOT_APPLIED_STATUS = 409
+# The failed rows `flush --retry-failed` sends again: not those refused when loaded here
+# (last_status 0), nor corrections not applied (the gateway would refuse the same text again).
+_RESENDABLE = "coalesce(last_status, -1) NOT IN (0, %d)" % NOT_APPLIED_STATUS
+
+
+def not_applied_reason(holder, target):
+    # The reason kept with a correction answered 409 duplicate: what happened.
+    return "not applied: %s already holds that text, so %s is still live" % (
+        holder or "a near-identical memory", target)
+
+
+# What to do about a correction not applied (a write's document fills it in).
+RETIRE_HINT = ("to retire {supersedes_id}, correct it with other words: `qmem.py correct "
+               "{supersedes_id} \"…\"`")
 # records.pending: 0 in shared memory (or seen there), else a write made here that waits
 # in the outbox, or that the gateway refused (its outbox row is failed).
 LOCAL_WAITING, LOCAL_FAILED = 1, 2
@@ -1953,8 +1974,49 @@ def _m005_kept_words(conn):
     """)
 
 
+# Every record that is not superseded yet but that a correction kept here corrects (one
+# not refused, nor from an unverified bundle): superseded by the newest such correction.
+_LINK_SUPERSESSIONS = """
+  UPDATE records SET superseded_by = (
+      SELECT c.id FROM records c WHERE c.supersedes_id = records.id AND c.pending != 2
+        AND c.origin != 2 ORDER BY c.created_at DESC, c.rid DESC LIMIT 1)
+  WHERE superseded_by IS NULL
+    AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL
+               AND pending != 2 AND origin != 2)
+"""
+HEALED = "healed_not_applied"  # meta: what _m006_not_applied made live again, for `doctor`
+
+
+def _m006_not_applied(conn):
+    # Schema 6: a correction the gateway answered 409 duplicate supersedes nothing there,
+    # but a qmem.py of schema 5 settled it 'duplicate' and hid what it corrected behind
+    # the duplicate, so `find` and the gateway disagreed. Each such row becomes a
+    # correction not applied (failed, never sent again) and what it hid is live again.
+    healed = []
+    for local_id, target, other in conn.execute(
+            "SELECT id, target, duplicate_of FROM outbox WHERE op='correct' AND "
+            "state='duplicate'").fetchall():
+        # the target as it is known here now (a write of this machine since delivered)
+        known = conn.execute("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
+                             (target,)).fetchone()
+        target = known[0] if known and known[0] else target
+        conn.execute("UPDATE outbox SET state='failed', last_status=?, last_error=? WHERE id=?",
+                     (NOT_APPLIED_STATUS, not_applied_reason(other, target), local_id))
+        # hidden behind the duplicate, unless that really is a correction of it
+        if target and conn.execute(
+                "UPDATE records SET superseded_by=NULL WHERE id=? AND superseded_by=? AND "
+                "NOT EXISTS (SELECT 1 FROM records WHERE id=? AND supersedes_id=?)",
+                (target, other, other, target)).rowcount:
+            healed.append(target)
+    if healed:
+        conn.execute(_LINK_SUPERSESSIONS)  # another correction of it may still stand
+        conn.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)",
+                     (HEALED, json.dumps({"at": iso_now(), "ids": healed})))
+
+
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
-MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words, _m005_kept_words]
+MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words, _m005_kept_words,
+              _m006_not_applied]
 
 # Tests set this to exercise the LIKE path of a SQLite built without FTS5.
 FORCE_NO_FTS5 = False
@@ -2429,10 +2491,11 @@ class Store:
         elif ids is not None:
             where, params = "WHERE id IN (%s)" % _placeholders(ids), ids
         items = []
-        for (rid, op, st, attempts, created, error, gateway_id, dup, payload, next_at, lease_until
-             ) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, "
-                                    "gateway_id, duplicate_of, payload, next_attempt_at, "
-                                    "lease_until FROM outbox %s ORDER BY rid" % where, params):
+        for (rid, op, st, attempts, created, error, gateway_id, dup, payload, next_at, lease_until,
+             status) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, "
+                                          "gateway_id, duplicate_of, payload, next_attempt_at, "
+                                          "lease_until, last_status FROM outbox %s ORDER BY rid"
+                                          % where, params):
             try:
                 body = json.loads(payload)
             except (ValueError, RecursionError):
@@ -2446,6 +2509,7 @@ class Store:
                           "project_id": body.get("project_id"),
                           "text": body.get("text"), "lease_until": lease_until,
                           "unverified": st == HELD,
+                          "not_applied": st == FAILED and status == NOT_APPLIED_STATUS,
                           "next_attempt_at": iso_from_epoch(next_at) if st == PENDING
                           and next_at > now else None})
         return items
@@ -2488,7 +2552,7 @@ class Store:
         # again, and a correction hides its target again.
         with self.transaction():
             failed = self.conn.execute("SELECT id, target FROM outbox WHERE state='failed' AND "
-                                       "coalesce(last_status, -1) != 0").fetchall()
+                                       + _RESENDABLE).fetchall()
             for local_id, target in failed:
                 self.conn.execute("UPDATE records SET pending=? WHERE id=?",
                                   (LOCAL_WAITING, local_id))
@@ -2496,7 +2560,7 @@ class Store:
                     self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND "
                                       "superseded_by IS NULL",
                                       (local_id, self.current_id(target)))
-            self.move("unfail", "coalesce(last_status, -1) != 0")  # 0: never to be sent
+            self.move("unfail", _RESENDABLE)
 
     def bundle_record_count(self, projects, since):
         where, params = _bundle_filter(projects, since)
@@ -2541,6 +2605,14 @@ class Store:
         # Inside a transaction: a write of this machine that another machine sent and the
         # gateway refused (a bundle says so): failed here too, with the reason.
         self.move("failed", "id=:row", row=local_id, now=time.time(), error=reason)
+        self.mark_failed(local_id)
+
+    def not_applied(self, local_id, other_id):
+        # Inside a transaction: a correction of this machine that another machine sent and
+        # the gateway answered 409 duplicate (a bundle says so): not applied, as here.
+        target = self.current_id(self._one("SELECT target FROM outbox WHERE id=?", (local_id,)))
+        self.move(NOT_APPLIED, "id=:row", row=local_id, now=time.time(), other=other_id,
+                  status=NOT_APPLIED_STATUS, error=not_applied_reason(other_id, target))
         self.mark_failed(local_id)
 
     def settle_write(self, local_id, state, other_id):
@@ -2729,14 +2801,7 @@ class Store:
         for rid, view, project_id, kind, scope in orphans:
             self.upsert(normalize_record({"id": rid, "project_id": project_id, "kind": kind,
                                           "scope": scope}), view)
-        return self.conn.execute("""
-          UPDATE records SET superseded_by = (
-              SELECT c.id FROM records c WHERE c.supersedes_id = records.id AND c.pending != 2
-                AND c.origin != 2 ORDER BY c.created_at DESC, c.rid DESC LIMIT 1)
-          WHERE superseded_by IS NULL
-            AND id IN (SELECT supersedes_id FROM records WHERE supersedes_id IS NOT NULL
-                       AND pending != 2 AND origin != 2)
-        """).rowcount
+        return self.conn.execute(_LINK_SUPERSESSIONS).rowcount
 
     def mark_failed(self, local_id):
         # Inside a transaction: the gateway refused this write. Its record stays, marked
@@ -4280,6 +4345,7 @@ class FlushStats:
 
     def count(self, outcome):
         kept = {SYNCED: self.synced, DUPLICATE: self.duplicate, FAILED: self.failed,
+                NOT_APPLIED: self.failed,
                 RETRY: self.held if outcome.held else self.retry_later}.get(outcome.action)
         if kept is not None:
             kept.append(outcome.row[1])
@@ -4450,7 +4516,7 @@ class Flusher:
         except GatewayError as e:
             outcome = self._failed_call(row, e, stats)
         else:
-            outcome = self._judge(row, resp)
+            outcome = self._judge(row, resp, value)
         outcome.tries = self.gateway.tries
         return outcome
 
@@ -4471,7 +4537,7 @@ class Flusher:
         return Outcome(RETRY, row, error=str(e) + told, status=e.status,
                        delay=min(delay, MAX_STORED_WAIT_S))
 
-    def _judge(self, row, resp):
+    def _judge(self, row, resp, target):
         # The Outcome an answer means; an answer of the wrong shape fails the row with
         # the reason (the same Idempotency-Key makes a later retry safe).
         local_id = row[1]
@@ -4490,6 +4556,10 @@ class Flusher:
             original = data.get("duplicate_of")
             original = original.strip() if isinstance(original, str) else ""
             original = original if UUID_RE.fullmatch(original) else None
+            if row[2] == "correct":  # it superseded nothing there: not done (design.md)
+                self.refused.add(local_id)
+                return Outcome(NOT_APPLIED, row, status=409, duplicate_of=original,
+                               error=not_applied_reason(original, target))
             self.delivered[local_id] = original
             return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
                            error="near-identical memory exists (similarity %s)"
@@ -4529,7 +4599,8 @@ class Flusher:
                      token=token, now=self.clock(), status=o.status, error=o.error, tries=o.tries)
         if o.action in (RELEASE, RETRY):
             return self.store.move(o.action, delay=o.delay, **fence)
-        # SYNCED, DUPLICATE or FAILED; `other`: the record's gateway id, the original, or None
+        # SYNCED, DUPLICATE, FAILED or NOT_APPLIED; `other`: the record's gateway id, the
+        # memory that holds its text, or None
         took = self.store.move(o.action, other=o.record["id"] if o.action == SYNCED
                                else o.duplicate_of, **fence)
         if took:
@@ -5225,6 +5296,9 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
         stats.skipped += 1  # not the write it claims to settle
     elif delivered and here[2] not in (SYNCED, DUPLICATE):  # (a held one was dropped above)
         _settle_loaded(store, row, state, stats)
+    elif state == FAILED and here[2] in WAITING and row.get("last_status") == NOT_APPLIED_STATUS \
+            and here[0] == "correct":
+        _settle_loaded(store, row, NOT_APPLIED, stats)
     elif state == FAILED and here[2] in WAITING:
         reason = row.get("last_error") if isinstance(row.get("last_error"),
                                                      str) else "refused by the gateway"
@@ -5285,7 +5359,15 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
 
 
 def _settle_loaded(store, row, state, stats):
+    # This machine's write, delivered where the bundle was made (SYNCED or DUPLICATE), or a
+    # correction of it that was not applied there (409 duplicate: NOT_APPLIED, whatever
+    # the bundle's qmem.py called it).
     other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
+    if state == NOT_APPLIED or (state == DUPLICATE and row["op"] == "correct"):
+        store.not_applied(row["id"], other if isinstance(other, str)
+                          and UUID_RE.fullmatch(other) else None)
+        stats.outbox_settled += 1
+        return
     # The record it was delivered as must be known (the bundle's records are merged
     # first), and a write is never the duplicate of itself.
     if not (isinstance(other, str) and UUID_RE.fullmatch(other) and other != row["id"]
@@ -5443,7 +5525,21 @@ def _doctor_open_store(store):
         found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
                            "not found by their parts yet",
                            "`qmem.py import` (or `pull`, `load`) makes it anew, once"))
-    return found + [_doctor_outbox(store), _doctor_import_lag(store)]
+    return found + _doctor_healed(store) + [_doctor_outbox(store), _doctor_import_lag(store)]
+
+
+def _doctor_healed(store):
+    # What the schema 6 migration made live again (an older qmem.py hid each record
+    # behind a correction that the gateway had refused), said by every doctor from then on.
+    try:
+        healed = json.loads(store.meta(HEALED) or "null")
+        ids = [i for i in healed["ids"] if isinstance(i, str)]
+    except (ValueError, TypeError, KeyError):
+        return []
+    return [check("corrections", "ok", "healed at %s: %s hidden by a correction the gateway had "
+                  "refused (409 duplicate) %s live again: %s" % (
+                      visible(str(healed.get("at"))), plural(len(ids), "record"),
+                      "is" if len(ids) == 1 else "are", visible(", ".join(ids[:10]))))]
 
 
 def _doctor_outbox(store):
@@ -6271,9 +6367,11 @@ class Operations:
     def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
         # What became of a write (its outbox row), as the document of store and correct.
         state = row["state"]
+        not_applied = state == FAILED and row["last_status"] == NOT_APPLIED_STATUS
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
                "local_id": local_id, "state": state,
-               "id": row["gateway_id"] or row["duplicate_of"] or local_id,
+               "id": local_id if not_applied else row["gateway_id"] or row["duplicate_of"]
+               or local_id,
                "duplicate_of": row["duplicate_of"], "last_error": row["last_error"],
                "queued": state in WAITING,
                "degraded": state in WAITING, "reason": None, "project_id": payload["project_id"],
@@ -6287,7 +6385,12 @@ class Operations:
                 str(error or row["last_error"] or "retry later"))
             if row["next_attempt_at"] > self.clock() + 60:
                 doc["next_attempt_at"] = iso_from_epoch(row["next_attempt_at"])
-        if state == FAILED:
+        if not_applied:
+            doc.update(not_applied=True, supersedes_id=payload["supersedes_id"])
+            doc.update(error_document(QmemError("correction " + row["last_error"],
+                                                kind="not_applied",
+                                                hint=RETIRE_HINT.format(**doc))))
+        elif state == FAILED:
             # A correction of what the gateway does not know cannot be fixed in the row.
             doc["target_unknown"] = op == "correct" and row["last_status"] == 404
             if doc["target_unknown"]:
@@ -6515,7 +6618,8 @@ class Operations:
         elif stats.failed:
             doc.update(error_document(QmemError(
                 "%s refused by the gateway" % plural(len(stats.failed), "write"), kind="rejected",
-                hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed`, or "
+                hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed` (a "
+                "correction not applied: correct what it corrects with other words), or "
                 "`queue --drop ID`")))
         elif (stats.retry_later or stats.held) and not delivered:
             doc.update(error_document(QmemError(
@@ -7296,6 +7400,7 @@ WRITE_SAID = {
     SYNCED: "stored as {id} in the shared memory",
     DUPLICATE: "not stored again: the shared memory already holds a near-identical memory, {id}",
     FAILED: "not stored: the gateway refused it ({last_error})",
+    NOT_APPLIED: "correction {last_error}",
     PENDING: "not shared yet: queued on this machine as {local_id} ({reason})",
     "repeated": "the very same write was already waiting here and is not queued twice",
     "wait": "the next attempt is after {when}",
@@ -7306,7 +7411,8 @@ QUEUED_NOTES = (("repeated", "already_queued"), ("wait", "next_attempt_at"))
 
 def write_said(doc, what=None):
     # WRITE_SAID of a write's document: of its outcome, or of `what`.
-    state = doc["state"] if doc["state"] in WRITE_SAID else PENDING
+    state = (NOT_APPLIED if doc.get("not_applied")
+             else doc["state"] if doc["state"] in WRITE_SAID else PENDING)
     when = when_utc(parse_iso(doc["next_attempt_at"])) if doc.get("next_attempt_at") else None
     return WRITE_SAID[what or state].format(
         when=when, **dict(doc, id=doc["id"] if doc["duplicate_of"] or state != DUPLICATE
@@ -7367,9 +7473,13 @@ def show_queue(doc, out):
     if DUPLICATE in shown:
         out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct "
                   "ID` changes it\n")
-    if FAILED in shown:
+    if any(it["state"] == FAILED and not it["not_applied"] for it in items):
         out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries "
                   "them again, `qmem.py queue --drop ID` discards one\n")
+    if any(it["not_applied"] for it in items):
+        out.write("corrections not applied were refused because another memory holds their "
+                  "text: what they correct is still live; correct it with other words (`qmem.py "
+                  "correct ID \"…\"`), `qmem.py queue --drop ID` discards one\n")
     if HELD in shown:
         out.write("held writes came in an unverified bundle and are never sent: `qmem.py queue "
                   "--release ID` once you have checked one, `qmem.py queue --drop ID` to discard "
@@ -8329,6 +8439,9 @@ def _written(doc, where, corrects=None):
     elif status == "duplicate":
         note = ("%s; if this %s changes what that one says, correct it with qmem_correct and "
                 "that id" % (said, what))
+    elif doc.get("not_applied"):
+        note = ("%s; to retire %s, correct it with other words (qmem_correct)"
+                % (said, doc["supersedes_id"]))
     elif status == "failed" and doc.get("target_unknown"):
         note = ("%s; the memory it corrects is not known to the gateway, so store the text as "
                 "a new memory with qmem_store instead" % said)

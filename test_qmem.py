@@ -1776,6 +1776,39 @@ class StoreTests(GatewayTestCase):
         self.assertEqual(store.conn.execute("PRAGMA user_version").fetchone()[0],
                          qmem.SCHEMA_VERSION)
 
+    def test_a_correction_an_older_qmem_py_settled_as_a_duplicate_is_healed_once(self):
+        """Part 15: schema 5 settled a correction answered 409 duplicate as a duplicate and
+        hid what it corrected behind the duplicate, while the gateway kept it live. The
+        first command heals it: the memory is live again, the correction is not applied
+        (never sent again), and doctor says what was healed."""
+        target = self.gw.add("memoria corretta invano")["id"]
+        holder = self.gw.add("memoria che dice altro")["id"]
+        self.put_records([(target, "memoria corretta invano"), (holder, "memoria che dice altro")])
+        payload = json.dumps({"text": "memoria che dice altro", "kind": "fact",
+                              "project_id": "infra", "supersedes_id": target})
+        conn = sqlite3.connect(self.db)  # as Flusher._record of 07e2fd6 left it
+        conn.execute("INSERT INTO outbox(id, op, payload, target, state, created_at, done_at, "
+                     "duplicate_of, last_status, last_error) VALUES(?, 'correct', ?, ?, "
+                     "'duplicate', 1, 2, ?, 409, 'near-identical memory exists')",
+                     (UUIDS[9], payload, target, holder))
+        conn.execute("UPDATE records SET superseded_by=? WHERE id=?", (holder, target))
+        conn.execute("PRAGMA user_version=5")
+        conn.commit()
+        conn.close()
+        self.assertIn(target, self.find_ids("memoria"))
+        [row] = self.ok_json("queue")["items"]
+        self.assertEqual((row["state"], row["not_applied"]), ("failed", True))
+        self.assertIn("%s already holds that text, so %s is still live" % (holder, target),
+                      row["last_error"])
+        healed = [c for c in self.ok_json("doctor", "--offline")["checks"]
+                  if c["name"] == "corrections"]
+        self.assertIn("1 record hidden by a correction the gateway had refused",
+                      healed[0]["detail"])
+        self.assertIn(target, healed[0]["detail"])
+        self.ok("flush", "--retry-failed")
+        self.assertEqual(self.gw.posts(), [])  # the same text would be refused again
+        self.assertIn(target, self.find_ids("memoria"))
+
     def test_newer_schema_is_refused_and_left_untouched(self):
         os.makedirs(os.path.dirname(self.db))
         conn = sqlite3.connect(self.db)
@@ -4008,6 +4041,40 @@ class BundleTests(BundleTestCase):
         self.assertEqual(self.ok_json("export", "--since", since, back)["counts"]["outbox"], 2)
         self.host("a", False)
         self.assertEqual(self.ok_json("load", back)["outbox"]["settled"], 2)
+
+    def test_a_correction_not_applied_where_it_was_sent_leaves_its_target_live_here(self):
+        """Part 15: a correction from an air-gapped host that the gateway answered 409
+        duplicate supersedes nothing; back on that host its target is live again and the
+        correction is not applied, also when the connected host's qmem.py is older and
+        calls it a duplicate."""
+        target = self.gw.add("memoria da correggere")["id"]
+        holder = self.gw.add("memoria gemella")["id"]
+        self.gw.duplicate_texts["memoria gemella"] = holder
+        for far in ("new", "old"):
+            self.host(far, False)
+            self.db = os.environ["QMEM_SQLITE"]
+            self.put_records([(target, "memoria da correggere"), (holder, "memoria gemella")])
+            self.ok("correct", target, "memoria gemella")
+            self.assertNotIn(target, self.find_ids("memoria"))  # hidden while it waits
+            out = os.path.join(self.home, far + ".bundle")
+            self.ok("export", "--outbox-only", out)
+            self.host("near-" + far, True)
+            self.ok("load", out)
+            code, _, err = self.run_cli("flush")
+            self.assertEqual(code, 1)
+            self.assertIn("not applied: %s already holds that text" % holder, err + _)
+            if far == "old":  # as a qmem.py before part 15 settled it
+                conn = sqlite3.connect(os.environ["QMEM_SQLITE"])
+                conn.execute("UPDATE outbox SET state='duplicate', last_status=409")
+                conn.commit()
+                conn.close()
+            back = os.path.join(self.home, far + "-back.bundle")
+            self.ok("export", back)
+            self.host(far, False)
+            self.assertEqual(self.ok_json("load", back)["outbox"]["settled"], 1)
+            [row] = self.ok_json("queue")["items"]
+            self.assertEqual((row["state"], row["not_applied"]), ("failed", True), far)
+            self.assertIn(target, self.find_ids("memoria"))
 
     def test_a_refusal_travels_back(self):
         self.host("a", False)
@@ -6927,6 +6994,83 @@ class CliTests(GatewayTestCase):
 
 
 # === Across the layers =======================================================
+
+
+class WritePathTests(BundleTestCase, McpTestCase):
+    """Part 15: whatever the gateway answers a write, on every write path (store, correct,
+    queued then flushed, carried from a paired host in a bundle, MCP), the local index
+    ends holding what the gateway holds. A correction answered 409 duplicate supersedes
+    nothing at the gateway: here too its target stays live, and it is not done."""
+
+    ANSWERS = {"201": [], "replay 200": ["drop_after_store"],
+               "404": [(404, {"detail": "supersedes_id not found"})],
+               "409 duplicate": [], "409 busy": [(409, {"detail": "in progress"})],
+               "422": [GatewayTestCase.REFUSE]}
+    PATHS = ("store", "correct", "queued", "bundle", "mcp")
+
+    def known(self, pairs, project):
+        """Complete records, (id, text) each, in the index of the host in use."""
+        self.db = os.environ["QMEM_SQLITE"]
+        self.put_records(pairs, project=project)
+
+    def write(self, path, case, target, text):
+        """The write by one path: (done, what was said)."""
+        if path == "bundle":  # written on a paired air-gapped host, loaded and flushed here
+            self.host("far-%d" % case, False)
+            self.known([(target, "zebra%d old" % case)], "p%d" % case)
+            self.ok("correct", target, text)
+            bundle = os.path.join(self.home, "far-%d.bundle" % case)
+            self.ok("export", "--outbox-only", bundle)
+            self.host("near", True)
+            self.ok("load", bundle)
+            code, out, err = self.run_cli("flush")
+            return code == 0, out + err
+        if path == "mcp":
+            server = self.server()
+            server.initialize()
+            result = server.call("qmem_correct", id=target, text=text)
+            server.close()
+            return not result["isError"], result["structuredContent"]["note"]
+        argv = (["store", text, "--project", "p%d" % case] if path == "store"
+                else ["correct", target, text] + (["--queue-only"] if path == "queued" else []))
+        code, out, err = self.run_cli(*argv)
+        if path == "queued":
+            code, out, err = self.run_cli("flush")
+        return code == 0, out + err
+
+    def test_every_answer_on_every_path_leaves_the_index_as_the_gateway(self):
+        self.host("near", True)
+        for case, (answer, path) in enumerate(
+                (a, p) for a in sorted(self.ANSWERS) for p in self.PATHS):
+            with self.subTest(answer=answer, path=path):
+                project = "p%d" % case
+                target = self.gw.add("zebra%d old" % case, project=project)["id"]
+                holder = self.gw.add("zebra%d holder" % case, project=project)["id"]
+                self.host("near", True)
+                self.known([(target, "zebra%d old" % case), (holder, "zebra%d holder" % case)],
+                           project)
+                text = "zebra%d %s" % (case, "holder" if answer == "409 duplicate" else "new")
+                if answer == "409 duplicate":
+                    self.gw.duplicate_texts[text] = holder
+                self.gw.script[:] = self.ANSWERS[answer]
+                done, said = self.write(path, case, target, text)
+                self.host("near", True)
+                if answer in ("replay 200", "409 busy"):  # kept, and delivered later
+                    self.ok("breaker", "--reset")
+                    self.assertEqual(self.ok_json("flush")["synced"], 1)
+                live_there = {r["id"] for r in self.gw.records.values()
+                              if r["project_id"] == project and not r["superseded_by"]}
+                live_here = {r["id"] for r in self.ok_json("find", "zebra%d" % case, "--project",
+                                                           project)["results"]
+                             if not r["pending"] and not r["failed"]}
+                self.assertEqual(live_here, live_there)
+                refused = answer in ("404", "422") or (answer == "409 duplicate"
+                                                       and path != "store")
+                if answer not in ("replay 200", "409 busy"):
+                    self.assertEqual(done, not refused, said)
+                if refused and answer == "409 duplicate":
+                    self.assertIn("not applied: %s already holds that text, so %s is still "
+                                  "live" % (holder, target), said)
 
 
 class SoakTests(McpTestCase):
