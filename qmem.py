@@ -426,8 +426,24 @@ def warn(message):
     _diagnostics[0](message)
 
 
+# The command that runs this tool here, as a person types it: `qmem` through the
+# launcher, `python3 qmem.py` (or the path used) otherwise. The command line sets it for
+# a real run (command_as_run); qmem's own words name a command `qmem.py …`, and what a
+# person reads (human output, stderr) names it as it was run. --json keeps `qmem.py`.
+_as_run = ["qmem.py"]
+_TOOL_NAMED = LazyPattern(r"`(?:python3 )?qmem\.py ")
+
+
+def as_run(text):
+    # text with each `qmem.py …` (or `python3 qmem.py …`) named as this tool was run.
+    if _as_run[0] == "qmem.py":
+        return text
+    return _TOOL_NAMED.sub(lambda m: "`%s " % _as_run[0], text)
+
+
 def stderr_diagnostic(message):
     # Escaped like human output (a gateway's words may hold an ESC); one line.
+    message = as_run(message)
     line = "qmem: %s\n" % visible(message.replace("\n", "\\n").replace("\t", "\\t"))
     try:
         sys.stderr.write(line)
@@ -6979,7 +6995,7 @@ def _check_droppable(row, force, now, store):
     if state == SYNCED:
         raise UsageError("%s is in shared memory already (as %s): nothing to drop"
                          % (row["local_id"], row["gateway_id"]),
-                         hint="to change what it says: qmem.py correct %s \"…\""
+                         hint="to change what it says: `qmem.py correct %s \"…\"`"
                          % row["gateway_id"])
     if (state == SENDING and row["lease_until"] and row["lease_until"] > now
             and not claimant_is_gone(store.claim_of(row["local_id"]))):
@@ -7115,7 +7131,7 @@ class TerminalText:
         self.short = short if short and width else (lambda record_id: record_id)
 
     def write(self, text, indent=None):
-        text = visible(text)
+        text = visible(as_run(text))
         if self.width:  # what the layout did not fit is wrapped, never lost
             text = text.expandtabs()
             text = "\n".join(part for line in text.split("\n") for part in (
@@ -7424,7 +7440,7 @@ def show_write(doc, out):
     out.write(("correction " if doc["op"] == "correct" and state == SYNCED else "")
               + write_said(doc) + "\n")
     if state == DUPLICATE and doc["duplicate_of"]:
-        out.write("  to change what it says: qmem.py correct %(duplicate_of)s \"…\"\n" % doc)
+        out.write("  to change what it says: `qmem.py correct %(duplicate_of)s \"…\"`\n" % doc)
     elif state == FAILED:
         out.write("  %(hint)s\n" % doc["error"])
     elif state not in (SYNCED, DUPLICATE):
@@ -9074,8 +9090,27 @@ def add_filters(sp):
     sp.add_argument("--scope", help="only this scope")
 
 
+def command_as_run(argv0):
+    # How a person runs this process's qmem.py again (see as_run): `python3 -m qmem`,
+    # `python3 PATH` of a script, or the launcher's name when PATH finds it there.
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name == "qmem":
+        return "python3 -m qmem"
+    if not argv0 or argv0.endswith(".py"):
+        return "python3 " + (argv0 or "qmem.py")
+    import shutil
+    name = os.path.basename(argv0)
+    found = shutil.which(name)
+    try:
+        return name if found and os.path.samefile(found, argv0) else argv0
+    except OSError:
+        return argv0
+
+
 def main(argv=None):
     # Run one qmem command; return its exit code.
+    if argv is None:
+        _as_run[0] = command_as_run(sys.argv[0] if sys.argv else "")
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == [_WRITER_COMMAND] and len(argv) == 2:
         return _run_writer(argv[1])

@@ -4757,6 +4757,10 @@ class LauncherTests(QmemTestCase):
         code, out, _ = self.run_launcher("status", "--json")
         self.assertEqual(code, 0)
         self.assertIn("records", json.loads(out))
+        # Hints name the command as it was run: `qmem …` where PATH finds the launcher.
+        done = subprocess.run(["qmem", "status"], stdout=subprocess.PIPE, env=dict(
+            os.environ, PATH=self.bin + os.pathsep + os.environ.get("PATH", "")))
+        self.assertIn(b"run `qmem import` or `qmem pull`", done.stdout)
         with open(cached, "rb") as f:
             self.assertTrue(f.readline().startswith(("%d %d " % (
                 os.stat(QMEM).st_size, os.stat(QMEM).st_mtime_ns)).encode()))
@@ -6991,6 +6995,7 @@ class CliTests(GatewayTestCase):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
         self.assertEqual(p.returncode, 2)
         self.assertTrue(p.stderr.startswith("qmem: unrecognized arguments: --bogus"), p.stderr)
+        self.assertIn("see `python3 %s --help`" % QMEM, p.stderr)  # the command as it was run
 
 
 # === Across the layers =======================================================
