@@ -977,6 +977,15 @@ class _FileLock:
         return False
 
 
+def prober(token):
+    # ' (pid 4242 on build-7)': the process a probe token names, or '' for a token that
+    # names none (an older qmem.py's, a damaged file's).
+    parts = (token or "").split("|")
+    if len(parts) != 6 or not parts[3].isdecimal():
+        return ""
+    return " (pid %s on %s)" % (parts[3][:12], _fit(parts[0], 60))
+
+
 def why_open(state):
     # 'opened at once: could not connect: …' or 'opened after 3 consecutive failures
     # (last: HTTP 503)'.
@@ -1145,8 +1154,8 @@ class Breaker:
 
     def _refusal(self, state, now):
         ms = self.retry_in(state, now)
-        why = ("another process is probing it" if state["state"] == "half_open"
-               else "breaker open")
+        why = ("another process%s is probing it" % prober(state["probe_token"])
+               if state["state"] == "half_open" else "breaker open")
         message = "gateway not tried: %s, retry in %d s" % (why, ceil_s(ms))
         return GatewayError(BREAKER_OPEN, message, retry_in_ms=ms, detail=state["last_detail"],
                             cause=state["last_kind"], in_a_row=state["opened_after"])
@@ -1174,6 +1183,27 @@ class Breaker:
             self._write(state)
         self.probing = True
         return False
+
+    def probe_now(self):
+        # A person who types `flush` is asking now (design.md): while the open period runs,
+        # take the half-open slot, so that the next call probes at once (admit() lets this
+        # process's probe out; its success closes the breaker, its failure reopens it for
+        # twice as long). Automatic flushes and agents' calls never come here. Returns the
+        # probe token of another process that holds the slot (its call is refused, and
+        # names it), else None.
+        state, now = self.read(), self.clock()
+        if not self.refuses(state, now):
+            return None  # closed, our own probe, or the open period is over: admit() decides
+        with self._lock():
+            state = self.read(fresh=True)
+            if state["state"] == "half_open" and self.refuses(state, now):
+                return state["probe_token"]
+            if self.refuses(state, now):
+                state.update(state="half_open", probe_token=self.token,
+                             probe_until=now + self.lease_s)
+                self._write(state)
+                self.probing = True
+        return None
 
     def success(self):
         # The gateway answered: close (writes only if something changes).
@@ -6617,6 +6647,9 @@ class Operations:
         gateway = self.gateway()
         if not respect_retry_after:
             store.make_due(self.clock())
+        # A person asking now: one probe, even while the breaker is open (the automatic
+        # flush, deliver_ready, honours it).
+        other_prober = gateway.breaker.probe_now()
         stats = self._flush_outbox(store, progress=progress)
         doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
                    failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i
@@ -6626,9 +6659,9 @@ class Operations:
             doc.update(error_document(err))
         elif err is not None and not delivered:
             hint = "the writes stay queued; `qmem.py flush` again later"
-            if err.kind == BREAKER_OPEN:
-                hint += (", or try the gateway now: `qmem.py breaker --reset` (or `qmem.py "
-                         "config test`)")
+            if err.kind == BREAKER_OPEN and other_prober:
+                hint = ("the writes stay queued; another process%s is trying the gateway now: "
+                        "`qmem.py flush` again once it has answered" % prober(other_prober))
             doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message,
                                                    hint=hint)))
         elif stats.failed:

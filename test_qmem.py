@@ -676,7 +676,8 @@ class ErrorTests(GatewayTestCase):
         self.assertEqual(one(1, "pull")["error"]["kind"], "breaker_open")
         self.assertEqual(one(1, "enrich", "some-id")["error"]["kind"], "stopped")
         self.ok("store", "offline", "--project", "p")
-        self.assertEqual(one(1, "flush")["error"]["kind"], "breaker_open")
+        # (an explicit flush probes the gateway even while the breaker is open: issue 34)
+        self.assertEqual(one(1, "flush")["error"]["kind"], "unreachable")
         os.environ["QMEM_URL"] = self.gw.url
         os.environ["QMEM_API_KEY"] = "sk-wrong-000000000000"
         self.ok("breaker", "--reset")
@@ -1166,7 +1167,7 @@ class BreakerTests(GatewayTestCase):
         mine = lambda: qmem.Breaker(self.breaker_file, self.gw.url, lease_s=50)  # noqa: E731
         with self.assertRaises(qmem.GatewayError) as cm:
             mine().admit()
-        self.assertIn("another process is probing it", str(cm.exception))
+        self.assertIn("another process (pid %d on " % proc.pid, str(cm.exception))
         proc.kill()
         proc.wait()
         gw = self.closing(qmem.Gateway(self.config(), breaker=mine()))
@@ -1323,6 +1324,29 @@ class BreakerTests(GatewayTestCase):
         b.failure("ambiguous", "HTTP 503", "HTTP 503")
         b.failure("unreachable", "could not connect", "could not connect: refused")
         self.assertIn("opened at once: could not connect: refused", self.ok("breaker"))
+
+    def test_an_explicit_flush_probes_at_once_and_its_success_closes_the_breaker(self):
+        # Issue 34: with the gateway back, `flush` refused to try while the breaker was open.
+        qmem.Breaker.from_config(qmem.load_config()).failure("unreachable", "refused")
+        self.ok("store", "scritta col breaker aperto", "--project", "p")  # honours it
+        self.ok("store", "e un'altra", "--project", "p")
+        self.assertEqual(self.gw.requests, [])
+        self.assertEqual(self.ok_json("flush")["synced"], 2)
+        self.assertEqual(self.breaker_state()["state"], "closed")
+        self.assertEqual(len(self.gw.records), 2)
+
+    def test_a_flush_while_another_process_probes_names_that_process(self):
+        self.ok("store", "in attesa", "--project", "p", "--queue-only")
+        long_ago = time.time() - 1000
+        other = qmem.Breaker.from_config(qmem.load_config(), clock=lambda: long_ago)
+        other.failure("unreachable", "refused")
+        other.token = "buildhost|boot|ns|4242|99|abcdef"  # a flush of another host, probing
+        other.clock = time.time
+        other.admit()
+        err = self.expect_fail(1, "flush")
+        self.assertIn("another process (pid 4242 on buildhost) is probing it", err)
+        self.assertIn("`qmem.py flush` again once it has answered", err)
+        self.assertEqual(self.gw.requests, [])
 
     def test_two_processes_share_it_and_the_open_one_opens_no_socket(self):
         self.gw.script = [(503, None)] * 3
@@ -3468,11 +3492,14 @@ class FlushTests(GatewayTestCase):
         self.assertEqual(len(self.gw.posts()), 3)
         self.assertIn("3 tries", self.ok("queue"))
 
-    def test_flush_with_the_breaker_open_says_how_to_try_now(self):
+    def test_flush_with_the_breaker_open_tries_the_gateway_itself(self):
+        # Issue 34: it refused to try and hinted `breaker --reset`.
         os.environ["QMEM_URL"] = "http://127.0.0.1:%d" % closed_port()
         self.ok("store", "in coda", "--project", "p")
         err = self.expect_fail(1, "flush")
-        self.assertIn("`qmem.py breaker --reset` (or `qmem.py config test`)", err)
+        self.assertIn("could not connect", err)
+        self.assertNotIn("breaker --reset", err)
+        self.assertEqual(self.breaker_state()["trips"], 2)  # the probe failed: open again
 
     def test_503_leaves_the_row_for_later_with_the_same_key(self):
         self.gw.script = [(503, None, {"Retry-After": "30"})]
