@@ -1214,12 +1214,14 @@ class Breaker:
 
     def release(self):
         # A call ended without telling whether the gateway is up (TLS or configuration
-        # error): give back the probe, if this process held it.
+        # error), or an explicit flush sent nothing: give back the probe, if this process
+        # held it (an open period that probe_now cut short runs on).
         if self.probing:
             with self._lock():
                 state = self.read(fresh=True)
                 if state["probe_token"] == self.token:
-                    state.update(state="open", probe_token=None, open_until=self.clock())
+                    state.update(state="open", probe_token=None,
+                                 open_until=max(self.clock(), state["open_until"]))
                     self._write(state)
             self.probing = False
 
@@ -6650,7 +6652,10 @@ class Operations:
         # A person asking now: one probe, even while the breaker is open (the automatic
         # flush, deliver_ready, honours it).
         other_prober = gateway.breaker.probe_now()
-        stats = self._flush_outbox(store, progress=progress)
+        try:
+            stats = self._flush_outbox(store, progress=progress)
+        finally:
+            gateway.breaker.release()  # a probe taken and never sent (no row was ready)
         doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
                    failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i
                              in stats.failed])

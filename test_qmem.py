@@ -1335,6 +1335,16 @@ class BreakerTests(GatewayTestCase):
         self.assertEqual(self.breaker_state()["state"], "closed")
         self.assertEqual(len(self.gw.records), 2)
 
+    def test_a_probe_taken_by_a_flush_that_sent_nothing_leaves_the_open_period_as_it_was(self):
+        self.breaker().failure("unreachable", "refused")
+        flush = self.breaker()
+        flush.probe_now()
+        self.assertEqual(self.breaker().read()["state"], "half_open")
+        self.assertEqual(self.breaker().probe_now(), flush.token)  # one probe at a time
+        flush.release()
+        state = self.breaker().read()
+        self.assertEqual((state["state"], state["open_until"]), ("open", self.now + 120))
+
     def test_a_flush_while_another_process_probes_names_that_process(self):
         self.ok("store", "in attesa", "--project", "p", "--queue-only")
         long_ago = time.time() - 1000
