@@ -4663,6 +4663,19 @@ class Flusher:
         return took
 
 
+def next_try_at(own, breaker, now):
+    # When a waiting write is really tried next: the later of its own time (a backoff, or
+    # the wait the gateway asked for, held at most MAX_STORED_WAIT_S) and the end of the
+    # breaker's open period (breakerMaxMs may hold every call for days: nothing goes out
+    # before). The one time `store`'s note and `queue` give, and `breaker`'s own when
+    # it is the later. (A half-open breaker is left out: its probe may answer at any
+    # moment. An explicit `flush` tries at once, whatever either says.)
+    state = breaker.read() if breaker is not None else None
+    if state is not None and state["state"] == "open" and breaker.refuses(state, now):
+        return max(own, state["open_until"])
+    return own
+
+
 def _shown(value, scrub=None):
     # A value from the gateway in a message: scrubbed (scrub: the gateway's, which masks
     # the key), escaped, short.
@@ -6011,6 +6024,10 @@ class Operations:
                                     retries=self.retries)
         return self._gateway
 
+    def _breaker(self):
+        # The configured gateway's breaker, to read; None when no gateway is configured.
+        return Breaker.from_config(self.config, clock=self.clock) if self.config["url"] else None
+
     def close(self):
         self.close_gateway()
         if self._store is not None:
@@ -6431,8 +6448,9 @@ class Operations:
             doc["reason"] = "queued on request (--queue-only)" if queue_only else (
                 self.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
                 str(error or row["last_error"] or "retry later"))
-            if row["next_attempt_at"] > self.clock() + 60:
-                doc["next_attempt_at"] = iso_from_epoch(row["next_attempt_at"])
+            when = next_try_at(row["next_attempt_at"], self._breaker(), self.clock())
+            if when > self.clock() + 60:
+                doc["next_attempt_at"] = iso_from_epoch(when)
         if not_applied:
             doc.update(not_applied=True, supersedes_id=payload["supersedes_id"])
             doc.update(error_document(QmemError("correction " + row["last_error"],
@@ -6580,6 +6598,11 @@ class Operations:
         if self.has_index():
             items = self.store().outbox_items(state, self.clock())
             counts = self.store().outbox_counts()
+        breaker, now = self._breaker(), self.clock()
+        for item in items:  # when each waiting write is really tried next
+            if item["state"] == PENDING:
+                when = next_try_at(parse_iso(item["next_attempt_at"] or "") or now, breaker, now)
+                item["next_attempt_at"] = iso_from_epoch(when) if when > now else None
         return {"source": "outbox", "counts": counts, "items": items,
                 "writes_stuck": self.writes_stuck()}
 

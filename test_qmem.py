@@ -3528,6 +3528,19 @@ class FlushTests(GatewayTestCase):
         self.assertIn("the next attempt is after " + when, out)
         self.assertIn("the next attempt is after " + when, self.ok("queue"))
 
+    def test_a_queued_write_names_the_time_the_breaker_lets_it_out(self):
+        # Issue 34: with the breaker open for a day, a store said its next attempt was in an
+        # hour (the row's own wait), and `queue` said so too.
+        for key, value in (("breakerTripAfter", "1"), ("breakerMaxMs", "86400000"),
+                           ("breakerBaseMs", "86400000")):
+            self.ok("config", "set", key, value)
+        self.gw.script = [(503, {"detail": "maintenance"}, {"Retry-After": "86400"})]
+        out = self.ok("store", "dopo la manutenzione", "--project", "p")
+        until = qmem.when_utc(qmem.parse_iso(self.ok_json("breaker")["open_until"]))
+        self.assertIn("the next attempt is after " + until, out)
+        self.assertIn("the next attempt is after " + until, self.ok("queue"))
+        self.assertGreater(qmem.parse_iso(until.replace(" UTC", "")), time.time() + 20 * 3600)
+
     def test_a_retry_after_of_centuries_waits_an_hour_at_most_and_an_explicit_flush_tries_now(self):
         self.gw.script = [(503, {"detail": "later"}, {"Retry-After": "9999999999"})]
         self.ok("store", "parcheggiata", "--project", "p")
