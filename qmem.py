@@ -6800,6 +6800,14 @@ class Operations:
             return {"source": "outbox", "degraded": False, "record": record}
         try:
             resp = self.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
+            if (resp.status == 404 and local is not None and not require_remote
+                    and self.config["localFallback"]):
+                # This machine's copy, labelled as one: the gateway answered, and does not
+                # know the id (deleted there, or another gateway's record).
+                return self._after_online({"source": "local_sqlite", "degraded": True,
+                                           "reason": GATEWAY_404, "breaker_open": False,
+                                           "retry_in_ms": None, "not_at_gateway": True,
+                                           "record": _record_out(local)})
             if resp.status == 404:
                 known = ("; this machine knows it (from pi's sessions, a bundle or an earlier "
                          "answer), so it was deleted there or is another gateway's"
@@ -6967,6 +6975,7 @@ class Operations:
 
 
 MAX_LIMIT = 1000  # results of one find
+GATEWAY_404 = "gateway: not found (404)"  # why `get` shows this machine's copy of a record
 # The label of a read the gateway answered (search, meta); _fallback's when it did not.
 _ANSWERED = {"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
              "retry_in_ms": None}
@@ -7365,6 +7374,9 @@ def show_get(doc, out):
         out.write("queued here, not yet in shared memory (run `qmem.py flush`)\n")
     elif doc["source"] != "gateway":
         out.write(fallback_header(doc, "local copy") + "\n")
+        if doc.get("not_at_gateway"):
+            out.write("  the gateway does not know this id: deleted there, or another gateway's "
+                      "record; this is the copy this machine holds\n")
     if rec.get("complete") is False:
         out.write("(known here only from a search hit: some fields may be missing)\n")
     for key in ("id",) + FIELDS:
@@ -8490,6 +8502,10 @@ def _get_note(doc, record):
                 "other agents" % rid)
     elif doc["source"] == "gateway":
         note = "Memory %s in full, from the shared memory (gateway)" % rid
+    elif doc.get("not_at_gateway"):
+        note = ("Memory %s from the local index on this machine: the gateway does not know it "
+                "(%s: deleted there, or another gateway's record), so other agents may not find "
+                "it" % (rid, doc["reason"]))
     else:
         note = ("Memory %s from the local index on this machine, a fallback: the gateway could not "
                 "be asked (%s), so it may be out of date" % (rid, doc["reason"]))

@@ -4963,11 +4963,19 @@ class OperationsReadTests(GatewayTestCase):
         self.ok("store", "the deploy window is weekly", "--project", "p", "--queue-only")
         self.assertIn("[queued here]", self.ok("search", "deploy window"))
 
-    def test_get_of_a_record_known_here_that_the_gateway_does_not_know_says_why(self):
-        # Part 13: `get` of what `find` lists said only "no such memory".
+    def test_get_of_a_record_the_gateway_does_not_know_shows_the_local_copy_and_why(self):
+        # Part 13: `get` of what `find` lists said only "no such memory"; issue 34: it hid the
+        # copy this machine holds.
         self.put_record(UUIDS[160], "nota dalle sessioni")
-        err = self.expect_fail(1, "get", UUIDS[160])
-        self.assertIn("no such memory", err)
+        out = self.ok("get", UUIDS[160])
+        self.assertIn("fallback: local_sqlite — gateway: not found (404) — local copy", out)
+        self.assertIn("nota dalle sessioni", out)
+        doc = self.ok_json("get", UUIDS[160])
+        self.assertEqual((doc["source"], doc["degraded"], doc["reason"], doc["record"]["text"]),
+                         ("local_sqlite", True, "gateway: not found (404)",
+                          "nota dalle sessioni"))
+        self.assertIn("no such memory", self.expect_fail(1, "get", UUIDS[161]))  # known nowhere
+        err = self.expect_fail(1, "get", UUIDS[160], "--require-remote")
         self.assertIn("this machine knows it (from pi's sessions", err)
 
     def test_get_of_what_is_no_id_is_refused_here_and_asks_no_gateway(self):
@@ -6064,6 +6072,18 @@ class McpProtocolTests(McpTestCase):
 class McpToolTests(McpTestCase):
     """Each tool as an agent calls it, in this process: arguments, projects, notes, online
     and offline, and the background flush after an answer."""
+
+    def test_get_of_a_record_the_gateway_does_not_know_gives_the_local_copy_labelled(self):
+        # Issue 34: qmem_get answered "not found" while this machine holds the record.
+        self.put_record(UUIDS[162], "appunto locale")
+        server = self.server()
+        result = server.call("qmem_get", id=UUIDS[162])
+        got = result["structuredContent"]
+        self.assertIs(result["isError"], False)
+        self.assertEqual((got["source"], got["degraded"], got["reason"], got["record"]["text"]),
+                         ("local_sqlite", True, "gateway: not found (404)", "appunto locale"))
+        self.assertIn("the gateway does not know it", got["note"])
+        self.assertEqual(server.close(), 0)
 
     def test_the_machine_is_named_and_a_refused_write_says_so_in_its_text(self):
         # Part 13: the instructions said memories "name this machine" without naming it, and
