@@ -4128,7 +4128,9 @@ def _results(store, cur, rows, tokens):
                    failed=local == LOCAL_FAILED,
                    unverified=rec.pop("origin") == ORIGIN_UNVERIFIED,
                    rank=n,
-                   snippet=row[-2] if row[-2] is not None else _plain_snippet(rec["text"], tokens))
+                   # (FTS5's snippet() drops what follows each NUL of a text, up to the next word)
+                   snippet=row[-2] if row[-2] is not None and "\x00" not in (rec["text"] or "")
+                   else _plain_snippet(rec["text"] or "", tokens))
         results.append(rec)
     failed = [r["id"] for r in results if r["failed"]]
     reasons = store.failures(failed) if failed else {}
@@ -4138,12 +4140,14 @@ def _results(store, cur, rows, tokens):
 
 
 def _plain_snippet(text, tokens, width=160):
-    # A snippet around the first matched word (the LIKE path has no FTS snippet()).
+    # A snippet around the first matched word (the LIKE path has no FTS snippet(), and a
+    # text with a NUL has none that is whole). Runs of spaces, tabs and line breaks become
+    # one space; any other control character stays, for the output to show it escaped.
     folded = _fold(text)
     starts = [folded.find(_fold(t)) for t in tokens]
     starts = [s for s in starts if s >= 0]
     start = max(0, min(starts) - 40) if starts else 0
-    piece = " ".join(text[start:start + width].split())
+    piece = re.sub("[ \t\r\n]+", " ", text[start:start + width]).strip(" ")
     return ("…" if start else "") + piece + ("…" if start + width < len(text) else "")
 
 

@@ -2605,6 +2605,14 @@ class FindTests(QmemTestCase):
                          [(UUIDS[0], "all"), (UUIDS[1], "any")])
         self.assertEqual(sorted(self.find_ids("circ")), sorted(UUIDS[:2]))
 
+    def test_a_nul_or_a_control_character_is_shown_escaped_in_a_snippet(self):
+        # Issue 34: FTS5's snippet dropped what followed each NUL ("prima partechiave").
+        text = "prima parte\x00 seconda parola chiave e poi\x00 il resto\x1f fine"
+        self.put(0, text)
+        self.assertIn("prima parte\\x00 seconda parola chiave e poi\\x00 il resto\\x1f fine",
+                      self.ok("find", "chiave"))
+        self.assertEqual(self.ok_json("find", "chiave")["results"][0]["text"], text)
+
     def test_no_full_match_falls_back_to_any_word_and_says_so(self):
         self.put(0, "deploy on node-3")
         out = self.ok_json("find", "deploy", "kubernetes")
