@@ -4211,6 +4211,65 @@ def empty_status(db_path):
             "fts": {"available": None, "tokenizer": None}, "machine": machine_identity()}
 
 
+KEPT_ASIDE = "qmem-unsaved-"  # how the name of a text kept aside starts (see _kept_aside)
+
+
+def kept_aside_folders(db_path):
+    # Where a write that could not be queued keeps its text: the database's folder, else the
+    # temporary one (neither where other users may write: see _kept_aside).
+    import tempfile
+    folders = [os.path.dirname(os.path.abspath(db_path))]
+    try:
+        folders.append(tempfile.gettempdir())
+    except OSError:  # no usable temporary folder at all (FileNotFoundError)
+        pass
+    return folders
+
+
+def kept_aside(db_path):
+    # The texts kept aside on this machine and not stored since: this user's regular files
+    # qmem-unsaved-*.txt in either folder. {'count', 'folders', 'files'}, oldest first.
+    mine = os.geteuid() if hasattr(os, "geteuid") else None
+    files = []
+    for folder in sorted(set(kept_aside_folders(db_path))):
+        try:
+            if not_private(os.stat(folder)):
+                continue  # no text is kept where others may write (a shared /tmp)
+            entries = [e for e in os.scandir(folder)
+                       if e.name.startswith(KEPT_ASIDE) and e.name.endswith(".txt")]
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and mine in (None, st.st_uid):
+                files.append(entry.path)
+    files.sort(key=os.path.basename)  # (a name starts with when it was kept)
+    return {"count": len(files), "folders": sorted({os.path.dirname(f) for f in files}),
+            "files": files}
+
+
+def kept_aside_words(found):
+    # (what, how): the texts kept aside, and how to store or delete them; the same words in
+    # `status` and `doctor`.
+    import shlex
+    if found["count"] == 1:
+        one, which = shlex.quote(found["files"][0]), "it"
+    else:
+        one, which = "FILE", "each"
+    what = ("%s kept aside, not stored (for a credential in the text, or a database that could "
+            "not take it), in %s" % (plural(found["count"], "text"),
+                                     " and ".join(found["folders"])))
+    how = ("store %s with `qmem.py store --text-file %s --project P` (take out any credential "
+           "first), then delete it: `rm %s`" % (which, one, one))
+    if found["count"] > 1:
+        how += "; or delete them all: `rm %s`" % " ".join(
+            shlex.quote(folder) + "/" + KEPT_ASIDE + "*.txt" for folder in found["folders"])
+    return what, how
+
+
 def empty_meta():
     # local_meta() of a machine with no index yet.
     return {"scopes": {}, "projects": {}, "agents": {}, "superseded": 0, "deleted": 0}
@@ -5462,7 +5521,8 @@ def doctor_local(config, config_error=None):
     # The checks that need no network: Python, SQLite, the database, the config, the
     # breaker, the outbox and the import lag.
     return ([_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
-            + _doctor_database(config) + [_doctor_breaker(config)])
+            + _doctor_database(config) + [_doctor_breaker(config)]
+            + _doctor_kept_aside(config))
 
 
 def _doctor_python():
@@ -5636,6 +5696,12 @@ def _doctor_import_lag(store):
                      "pi sessions changed %s ago and are not imported yet" % duration(
             max(0, time.time() - newest)), "run `qmem.py import`")
     return check("import", "ok", "last import %s" % (store.meta("last_import_at") or "never"))
+
+
+def _doctor_kept_aside(config):
+    # Texts kept aside and not stored since: a warning that says where and what to do.
+    found = kept_aside(config.db_path)
+    return [check("kept aside", "warn", *kept_aside_words(found))] if found["count"] else []
 
 
 def _doctor_breaker(config):
@@ -6149,11 +6215,12 @@ class Operations:
     def status(self):
         # What the local side knows (an empty account on a fresh machine).
         gateway = mask_url(self.config["url"]) if self.config["url"] else None
+        kept = kept_aside(self.config.db_path)
         if not self.has_index():
             return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None,
-                        gateway=gateway)
+                        gateway=gateway, kept_aside=kept)
         return dict(local_status(self.store()), index_exists=True, gateway=gateway,
-                    writes_stuck=self.writes_stuck())
+                    writes_stuck=self.writes_stuck(), kept_aside=kept)
 
     def install(self, bin_dir=None, uninstall=False):
         # The launcher (see the Launcher section), written or removed.
@@ -7019,14 +7086,13 @@ def _kept_aside(err, payload, db_path):
     # a file it names (in the database's folder, else the temporary one), or, when no file
     # can be written either, carried in full for the front end to show.
     import shlex
-    import tempfile
-    name = "qmem-unsaved-%s-%s.txt" % (time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
+    name = "%s%s-%s.txt" % (KEPT_ASIDE, time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
     flags = "".join(" %s %s" % (flag, shlex.quote(str(payload[key])))
                     for key, flag in _RETRY_FLAGS if payload.get(key))
     if payload.get("private"):
         flags += " --private"
     before = err.hint + "; " if err.hint else ""  # the error's own hint comes first
-    for where in (os.path.dirname(os.path.abspath(db_path)), tempfile.gettempdir()):
+    for where in kept_aside_folders(db_path):
         path = os.path.join(where, name)
         try:
             if os.path.isdir(where) and not_private(os.stat(where)):
@@ -7689,6 +7755,7 @@ def show_status(doc, out):
     if not doc["index_exists"]:
         out.write("no local index yet at %(path)s: run `qmem.py import` or `qmem.py pull`\n"
                   % doc["db"])
+        show_kept_aside(doc, out)
         show_machine(doc, out)
         return
     rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
@@ -7703,6 +7770,7 @@ def show_status(doc, out):
         cov["complete"], cov["search_hit_only"], share))
     out.write("outbox: %s\n" % _counts(doc["outbox"]))
     show_stuck(doc, out)
+    show_kept_aside(doc, out)
     out.write("duplicates: %s stored under more than one id (%s)\n" % (
         plural(doc["duplicates"]["groups"], "text"),
         plural(doc["duplicates"]["records"], "record")))
@@ -7718,6 +7786,11 @@ def show_status(doc, out):
         doc["fts"]["tokenizer"] if doc["fts"]["available"]
         else "LIKE scan (this SQLite has no FTS5)"))
     show_machine(doc, out)
+
+
+def show_kept_aside(doc, out):
+    if doc["kept_aside"]["count"]:
+        out.write("%s\n  %s\n" % kept_aside_words(doc["kept_aside"]))
 
 
 def show_machine(doc, out):

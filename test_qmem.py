@@ -3317,6 +3317,20 @@ class StatusTests(GatewayTestCase):
         text = self.ok("status")
         self.assertIn("records: 3", text)
 
+    def test_status_names_the_texts_kept_aside_and_how_to_store_or_delete_them(self):
+        # Issue 34: `qmem-unsaved-*` files piled up and nothing mentioned them afterwards.
+        self.ok("store", "prima", "--project", "p")
+        err = self.expect_fail(1, "store", "il db: DB_PASSWORD=s3cr3t-pass", "--project", "p")
+        saved = re.search(r"your text is saved in (\S+):", err).group(1)
+        out = self.ok("status")
+        self.assertIn("1 text kept aside, not stored (for a credential in the text, or a database "
+                      "that could not take it), in %s\n" % os.path.dirname(saved), out)
+        self.assertIn("store it with `qmem.py store --text-file %s --project P`" % saved, out)
+        self.assertIn("then delete it: `rm %s`" % saved, out)
+        self.assertEqual(self.ok_json("status")["kept_aside"]["files"], [saved])
+        os.remove(saved)
+        self.assertNotIn("kept aside", self.ok("status"))
+
     def test_status_before_anything_was_imported(self):
         self.assertIn("no local index yet", self.ok("status"))
         doc = self.ok_json("status")
@@ -4618,6 +4632,19 @@ class DoctorTests(GatewayTestCase):
         for name in ("python", "sqlite", "config", "breaker"):
             self.assertIn(name, status)
         self.assertIn("doctor --repair", doc["error"]["hint"])
+
+    def test_texts_kept_aside_are_a_warning_with_where_and_what_to_do(self):
+        # Issue 34: nothing mentioned the texts kept aside (`qmem-unsaved-*`) afterwards.
+        self.ok("store", "prima", "--project", "p")
+        for text in ("token ghp_" + "a1B2" * 9, "DB_PASSWORD=s3cr3t-pass"):
+            self.expect_fail(1, "store", text, "--project", "p")
+        checks = {c["name"]: c for c in self.ok_json("doctor", "--offline")["checks"]}
+        folder = os.path.dirname(self.db)
+        self.assertEqual(checks["kept aside"]["status"], "warn")
+        self.assertIn("2 texts kept aside, not stored", checks["kept aside"]["detail"])
+        advice = checks["kept aside"]["advice"]
+        self.assertIn("`qmem.py store --text-file FILE --project P`", advice)
+        self.assertIn("or delete them all: `rm %s/qmem-unsaved-*.txt`" % folder, advice)
 
     def test_no_gateway_is_offline_use_not_a_warning(self):
         # Part 13: an air-gapped host's doctor warned "no gateway configured".
