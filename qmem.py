@@ -1268,7 +1268,8 @@ class Breaker:
 class Response:
     # One answer: its status, parsed JSON and headers. `scrub` makes any text of the
     # answer safe to store and print (the key masked, controls escaped, bounded).
-    # `not_json`: (what the body holds, whether it is an HTML page) when it is no JSON.
+    # `not_json`: (what the body holds, whether it is an HTML page, the short quote of it a
+    # fallback label carries) when it is no JSON.
     not_json = None
 
     def __init__(self, status, data, headers, scrub):
@@ -1298,7 +1299,8 @@ def _validation_error(item):
 
 
 MAX_BODY = 32 << 20       # bytes; an endless stream is a failure, not a memory leak
-HTML_PAGE = "an HTML page: a captive portal or a proxy login?"
+PROXY_GUESS = "a captive portal or a proxy login?"
+HTML_PAGE = "an HTML page: " + PROXY_GUESS
 NOT_JSON_SHOWN = 200      # bytes of an answer that is not JSON quoted in the error
 MAX_JSON_VALUES = 1000000  # an export page of 500 long records has a few hundred thousand
 
@@ -1544,7 +1546,8 @@ class Gateway:
         return GatewayError(AMBIGUOUS, "gateway answered HTTP %d%s" % (
             status, " (%s)" % resp.detail() if resp.data or resp.not_json else ""), status,
             retry_in_ms=None if delay is None else int(delay * 1000),
-            detail="HTTP %d%s" % (status, ", " + HTML_PAGE if html else ""),
+            detail="HTTP %d%s" % (status, ", not JSON: " + resp.not_json[2] if resp.not_json
+                                  else ""),
             hint=HTML_PAGE if html else None)
 
     def _headers(self, body, idempotency_key):
@@ -1651,10 +1654,9 @@ class Gateway:
         except ValueError:  # not UTF-8 (a UnicodeDecodeError is a ValueError), or not JSON
             parsed, resp.qm_not_json = None, self._not_json(raw, resp)
             if 200 <= resp.status < 300:
-                shown, html = resp.qm_not_json
+                shown, html, quoted = resp.qm_not_json
                 raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s)" % (self.url, shown),
-                                   resp.status, detail="answer not JSON" + (": " + HTML_PAGE
-                                                                            if html else ""),
+                                   resp.status, detail="answer not JSON: " + quoted,
                                    hint=HTML_PAGE if html else "is the URL the gateway's?")
         if 200 <= resp.status < 300 and not isinstance(parsed, dict):
             raise GatewayError(AMBIGUOUS, "answer from %s is not a JSON object" % self.url,
@@ -1664,14 +1666,31 @@ class Gateway:
 
     def _not_json(self, raw, resp):
         # (what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
-        # whether it is an HTML page, as a proxy or a captive portal sends).
+        # whether it is an HTML page, as a proxy or a captive portal sends; the short quote
+        # a fallback label carries: an HTML page's title, else the start).
         kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
-        # Spaces collapsed, then the key masked, then cut: no part of a key is shown.
-        start = " ".join(raw[:1 << 16].decode("utf-8", "replace").split())
-        start = self.mask(start[:NOT_JSON_SHOWN + len(self.key)])[:NOT_JSON_SHOWN]
-        html = kind.lower() == "text/html" or start.lower().startswith(("<!doctype html", "<html"))
-        return "%s, %d bytes: %s" % (self.scrub(kind), len(raw),
-                                     self.scrub(json.dumps(start, ensure_ascii=False))), html
+        text = raw[:1 << 16].decode("utf-8", "replace")
+        html = (kind.lower() == "text/html"
+                or text.lstrip()[:14].lower().startswith(("<!doctype html", "<html")))
+        start = self._quote(text)
+        shown = "%s, %d bytes: %s" % (self.scrub(kind), len(raw), start)
+        if not html:
+            return shown, html, _fit(start, NOT_JSON_SHOWN)
+        # (bounded: no page makes the search take more than a few steps per '<title')
+        title = re.search(r"<title[^>]{0,200}>([^<]{0,500})<", text, re.IGNORECASE)
+        if title and title.group(1).strip():
+            import html as entities
+            page = "an HTML page titled " + self._quote(entities.unescape(title.group(1)))
+        else:
+            page = "an HTML page " + start
+        return shown, html, _fit(page, NOT_JSON_SHOWN) + ": " + PROXY_GUESS
+
+    def _quote(self, text):
+        # Text of an answer, quoted for a message: spaces collapsed, then the key masked, then
+        # cut (no part of a key is shown), then in JSON's quotes and escapes, scrubbed.
+        text = " ".join(text.split())
+        text = self.mask(text[:NOT_JSON_SHOWN + len(self.key)])[:NOT_JSON_SHOWN]
+        return self.scrub(json.dumps(text, ensure_ascii=False))
 
     def _connect(self, deadline):
         # Called by _request only, which then arms self.sock with the deadline.

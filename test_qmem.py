@@ -1518,15 +1518,39 @@ class GatewayClientTests(GatewayTestCase):
         self.addCleanup(retries.stop)
         self.gw.script = ["html"]
         first = self.ok("search", "x").splitlines()[0]
-        self.assertIn("answer not JSON: an HTML page: a captive portal or a proxy login?", first)
+        self.assertIn('answer not JSON: an HTML page "<html><body>Proxy login</body></html>": a '
+                      'captive portal or a proxy login?', first)
         self.gw.script = ["html502"]
         first = self.ok("search", "x").splitlines()[0]
-        self.assertIn("HTTP 502, an HTML page: a captive portal or a proxy login?", first)
+        self.assertIn('HTTP 502, not JSON: an HTML page "<html><body>Bad gateway</body></html>": '
+                      'a captive portal or a proxy login?', first)
         self.gw.script = ["html502"]
         code, out, err = self.run_cli("config", "test")
         self.assertEqual(code, 1)
         self.assertIn("something answered, but not as the gateway does", out)
         self.assertIn('"<html><body>Bad gateway</body></html>"', out + err)
+
+    def test_a_fallback_after_an_answer_not_json_quotes_it_escaped_and_short(self):
+        # Issue 34: the label said "answer not JSON" without a word of what came back.
+        self.put_record(UUIDS[1], "x marks the spot")
+        retries = mock.patch.object(qmem, "RETRIES", 0)  # one answer each, no sleep
+        retries.start()
+        self.addCleanup(retries.stop)
+        page = ("<!DOCTYPE html><html><head><title>Hotel \x1b[2J Wi-Fi &amp; login %s</title>"
+                "</head><body>%s</body></html>" % (API_KEY, "z" * 5000)).encode()
+        cases = ((200, page, 'answer not JSON: an HTML page titled "Hotel \\u001b[2J Wi-Fi & '
+                             'login %s": a captive portal' % qmem.mask_secret(API_KEY)),
+                 (200, b"upstream connect error " + b"y" * 400,
+                  'answer not JSON: "upstream connect error yyy'),
+                 (503, b"no healthy upstream", 'HTTP 503, not JSON: "no healthy upstream"'))
+        for status, body, said in cases:
+            self.gw.script = [(status, None)]
+            with mock.patch.object(qmem.Gateway, "_read_body", return_value=body):
+                label = self.ok_json("search", "x")["reason"]
+            self.assertIn(said, label)
+            self.assertNotIn(API_KEY, label)
+            self.assertNotIn("\x1b", label)
+            self.assertLess(len(label), 300)
 
     def test_a_captive_portal_is_named_with_what_came_back(self):
         self.gw.script = ["html"]
