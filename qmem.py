@@ -593,14 +593,104 @@ class Config:
         self.values, self.sources, self.path, self.raw = values, sources, path, raw
         self.breaker_path, self.home = breaker_path, home
         self.key_withheld = key_withheld  # why the file's API key is not sent to this URL
+        self._local_db = None  # (path, note) of local_db_path(), once asked
 
     def __getitem__(self, key):
         return self.values[key]
 
     @property
     def db_path(self):
-        return self.values["localDbPath"] or os.path.join(self.home, ".local", "share", "pi-qmem",
-                                                           "qmem.sqlite")
+        # The local database this run uses (see local_db_path).
+        return self._db()[0]
+
+    @property
+    def db_note(self):
+        # Why db_path is not the configured file (see local_db_path), or None.
+        return self._db()[1]
+
+    def _db(self):
+        if self._local_db is None:
+            configured = self.values["localDbPath"] or os.path.join(
+                self.home, ".local", "share", "pi-qmem", "qmem.sqlite")
+            given = self.sources["localDbPath"] not in ("default", "file")  # --db, QMEM_SQLITE
+            self._local_db = local_db_path(configured, given)
+        return self._local_db
+
+
+# qmem.py's own file, beside another program's database at its path (see local_db_path).
+QMEM_PY_DB = "qmem-py.sqlite"
+# Where to give qmem.py another database: never localDbPath, a key of the config file the pi
+# extension shares (it would move the extension's database too).
+OWN_DB_PLACES = "--db PATH or QMEM_SQLITE"
+# The tables every qmem.py database has (the Local store section makes them).
+_QMEM_TABLES = {"records", "meta", "files", "open_calls", "outbox"}
+
+
+def local_db_path(path, given):
+    # The local database: (the path qmem.py uses, a note that says why it is not `path`,
+    # or None). A path given for this run (--db, QMEM_SQLITE) is used as it is (Store
+    # refuses another program's database). The default and localDbPath are the pi
+    # extension's too (its config file): where another program's database lies there (the
+    # extension's own index), qmem.py keeps a file of its own beside it, and never touches
+    # that one. (If that file is another program's too, Store refuses it.)
+    own = os.path.join(os.path.dirname(path), QMEM_PY_DB)
+    tables = None if given or os.path.basename(path) == QMEM_PY_DB else another_programs(path)
+    if tables is None:
+        return path, None
+    return own, ("%s is another program's SQLite database (tables: %s), left untouched: qmem.py "
+                 "uses its own file beside it, %s" % (path, table_list(tables), QMEM_PY_DB))
+
+
+def is_another_programs(version, tables):
+    # Is a SQLite database of this schema version (PRAGMA user_version) and with these
+    # tables another program's? Tables, but no version or not all of qmem.py's. (A newer
+    # qmem.py's database has them: Store refuses it for its version.)
+    return bool(tables) and (version == 0 or not _QMEM_TABLES <= tables)
+
+
+def table_list(tables):
+    # The first few of a database's table names, for a message.
+    return ", ".join(sorted(tables)[:5]) or "none"
+
+
+def sqlite_uri(path, query):
+    # An absolute path as a SQLite URI with a query ('mode=ro'): its '%', '?' and '#'
+    # escaped, and Windows' C:\x as /C:/x.
+    if os.sep == "\\":  # pragma: no cover - Windows
+        path = "/" + path.replace("\\", "/")
+    return "file:%s?%s" % (path.replace("%", "%25").replace("?", "%3f").replace("#", "%23"), query)
+
+
+def another_programs(path):
+    # The tables of the SQLite database at path if it is another program's, else None:
+    # also when there is none, it is empty, no SQLite database, or cannot be read just now
+    # (Store's check, under SQLite's locks, then decides).
+    # Read without changing it or making a file beside it (see the rule at the top of the
+    # Local store section): SQLite makes -wal and -shm to read a WAL database, even with
+    # mode=ro, unless both are there (its program is using it, or left them): then mode=ro
+    # reads it as its writers see it. Otherwise immutable=1 reads the file alone, without
+    # locks: a write under way may make that read fail, and a failed read proves nothing.
+    real = os.path.realpath(path)  # (through a symlink, -wal and -shm are beside the target)
+    try:
+        st = os.stat(real)
+        in_use = os.path.exists(real + "-wal") and os.path.exists(real + "-shm")
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+        return None
+    try:
+        conn = sqlite3.connect(sqlite_uri(real, "mode=ro" if in_use else "immutable=1"),
+                               timeout=1.0, uri=True)
+    except sqlite3.Error:
+        return None
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+    return tables if is_another_programs(version, tables) else None
 
 
 # The range of each numeric key: a budget of years, or a breaker that never opens, is a typo.
@@ -2151,7 +2241,6 @@ _INSERT_SQL, _UPDATE_SQL, _MERGE_SQL = _merge_sql()
 # How long a write waits for another process's transaction before it gives up. Tests
 # shorten it; a command that waits longer than this says who held the database.
 BUSY_TIMEOUT_S = 10.0
-_QMEM_TABLES = {"records", "meta", "files", "open_calls", "outbox"}
 
 
 def store_error(e, path):
@@ -2166,8 +2255,7 @@ def store_error(e, path):
     if "readonly" in text or "read-only" in text or "unable to open" in text:
         return StoreError("cannot open local database %s for writing (%s): a read-only file or "
                           "folder?" % (path, text), kind="store_readonly",
-                          hint="check its permissions, or use another place: --db PATH, "
-                          "QMEM_SQLITE or localDbPath")
+                          hint="check its permissions, or use another place: " + OWN_DB_PLACES)
     if "disk I/O" in text:
         return StoreError("local database %s: disk I/O error (a full or failing disk?)" % path,
                           kind="store_io",
@@ -2186,7 +2274,7 @@ def _create_private(path):
         pass
     except OSError as e:
         raise StoreError("cannot create the local database %s: %s" % (path, e.strerror or e),
-                         hint="choose another place with --db PATH, QMEM_SQLITE or localDbPath")
+                         hint="choose another place with " + OWN_DB_PLACES)
 
 
 def _check_private(path):
@@ -2208,8 +2296,8 @@ def _check_private(path):
         if unsafe and not (each in folders and st.st_uid == 0 and not st.st_mode & 0o022):
             raise StoreError("%s is %s: another user could read or replace the local database"
                              % (each, unsafe),
-                             hint="use a folder of your own (--db PATH, QMEM_SQLITE or "
-                             "localDbPath), or chown it to yourself and chmod go-w")
+                             hint="use a folder of your own (%s), or chown it to yourself "
+                             "and chmod go-w" % OWN_DB_PLACES)
 
 
 # The columns of the outbox rows a bundle carries, then done_at (read to choose them, not carried).
@@ -2233,6 +2321,13 @@ def _bundle_filter(projects, since):
     return " AND ".join(where), params
 
 
+def not_ours(path, tables):
+    # The refusal of another program's database (see is_another_programs).
+    return StoreError("%s is another program's SQLite database (tables: %s); left untouched"
+                      % (path, table_list(tables)),
+                      hint="give qmem.py a file of its own: " + OWN_DB_PLACES)
+
+
 class Store:
     # The local SQLite database: records, FTS index, import progress, outbox.
 
@@ -2244,6 +2339,9 @@ class Store:
                                  % path)
             _create_private(path)
         _check_private(path)
+        tables = another_programs(path)  # (read-only: never opened for writing, see there)
+        if tables is not None:
+            raise not_ours(path, tables)
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
         # the one style that behaves the same on every Python (reliability.md §4.1). The
         # timeout is SQLite's busy timeout (every Python's connect sets it: no PRAGMA needed).
@@ -2293,11 +2391,8 @@ class Store:
             raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); "
                              "left untouched" % (self.path, version, SCHEMA_VERSION),
                              hint="use the newer qmem.py")
-        if (version == 0 and tables) or (version > 0 and not _QMEM_TABLES <= tables):
-            raise StoreError("%s is another program's SQLite database (tables: %s); left untouched"
-                             % (self.path, ", ".join(sorted(tables)[:5]) or "none"),
-                             hint="give qmem.py a file of its own: --db PATH, QMEM_SQLITE or "
-                             "localDbPath")
+        if is_another_programs(version, tables) or (version and not tables):  # (nor one of ours)
+            raise not_ours(self.path, tables)
         return version
 
     def _mask_stored_secrets(self):
@@ -5540,8 +5635,14 @@ def doctor_local(config, config_error=None):
     # The checks that need no network: Python, SQLite, the database, the config, the
     # breaker, the outbox and the import lag.
     return ([_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
-            + _doctor_database(config) + [_doctor_breaker(config)]
+            + _doctor_db_note(config) + _doctor_database(config) + [_doctor_breaker(config)]
             + _doctor_kept_aside(config))
+
+
+def _doctor_db_note(config):
+    # qmem.py's own file beside another program's database (see local_db_path): said, as it
+    # is no fault.
+    return [check("database file", "ok", config.db_note)] if config.db_note else []
 
 
 def _doctor_python():
@@ -6235,11 +6336,12 @@ class Operations:
         # What the local side knows (an empty account on a fresh machine).
         gateway = mask_url(self.config["url"]) if self.config["url"] else None
         kept = kept_aside(self.config.db_path)
+        note = self.config.db_note  # qmem.py's own file beside another program's
         if not self.has_index():
             return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None,
-                        gateway=gateway, kept_aside=kept)
+                        gateway=gateway, kept_aside=kept, db_note=note)
         return dict(local_status(self.store()), index_exists=True, gateway=gateway,
-                    writes_stuck=self.writes_stuck(), kept_aside=kept)
+                    writes_stuck=self.writes_stuck(), kept_aside=kept, db_note=note)
 
     def install(self, bin_dir=None, uninstall=False):
         # The launcher (see the Launcher section), written or removed.
@@ -7775,6 +7877,7 @@ def show_status(doc, out):
         out.write("no local index yet at %(path)s: run `qmem.py import` or `qmem.py pull`\n"
                   % doc["db"])
         show_kept_aside(doc, out)
+        show_db_note(doc, out)
         show_machine(doc, out)
         return
     rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
@@ -7804,12 +7907,18 @@ def show_status(doc, out):
         doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
         doc["fts"]["tokenizer"] if doc["fts"]["available"]
         else "LIKE scan (this SQLite has no FTS5)"))
+    show_db_note(doc, out)
     show_machine(doc, out)
 
 
 def show_kept_aside(doc, out):
     if doc["kept_aside"]["count"]:
         out.write("%s\n  %s\n" % kept_aside_words(doc["kept_aside"]))
+
+
+def show_db_note(doc, out):
+    if doc.get("db_note"):
+        out.write("  %(db_note)s\n" % doc)
 
 
 def show_machine(doc, out):

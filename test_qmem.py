@@ -190,6 +190,17 @@ def read_bytes(path):
         return f.read()
 
 
+def other_programs_database(path, table="memories"):
+    """Another program's SQLite database (the pi extension's own index, say): a table of
+    its own, in WAL mode, closed (no -wal or -shm left beside it)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    conn = sqlite3.connect(path)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("CREATE TABLE %s(id TEXT, text TEXT)" % table)
+    conn.commit()
+    conn.close()
+
+
 # --- Session files in pi's formats (pi-sessions.md) ---------------------------
 
 def record(rid, text, kind="fact", project="infra", **extra):
@@ -769,6 +780,38 @@ class ConfigTests(QmemTestCase):
         self.assertEqual(cfg["timeoutMs"], 1234)
         self.assertEqual(cfg.sources["timeoutMs"], "file")
         self.assertEqual(cfg.db_path, "/from/flag.sqlite")
+
+    def test_beside_another_programs_database_qmem_uses_a_file_of_its_own(self):
+        # Part 15: with the pi extension's own index at the default path, every command
+        # failed, and the hint offered localDbPath, which would move the extension too.
+        other_programs_database(self.db)
+        before, folder = read_bytes(self.db), os.path.dirname(self.db)
+        own = os.path.join(folder, "qmem-py.sqlite")
+        self.ok("store", "--queue-only", "--project", "p", "--kind", "fact", "gcc 12 builds it")
+        self.assertEqual(len(self.find_ids("gcc")), 1)
+        self.assertEqual(qmem.load_config().db_path, own)
+        self.assertTrue(read_bytes(self.db) == before)
+        self.assertEqual(sorted(os.listdir(folder)), ["qmem-py.sqlite", "qmem.sqlite"])
+        # localDbPath is a key of the file the extension shares: the same rule there
+        elsewhere = os.path.join(self.home, "ext", "index.sqlite")
+        other_programs_database(elsewhere)
+        os.makedirs(os.path.join(self.home, ".config", "pi-qmem"))
+        write_text(os.path.join(self.home, ".config", "pi-qmem", "config.json"),
+                   json.dumps({"localDbPath": elsewhere}))
+        self.assertEqual(qmem.load_config().db_path,
+                         os.path.join(self.home, "ext", "qmem-py.sqlite"))
+        # a path given for this run is used as it is (and Store refuses it: StoreTests)
+        self.assertEqual(qmem.load_config(overrides={"localDbPath": self.db}).db_path, self.db)
+        os.environ["QMEM_SQLITE"] = elsewhere
+        self.assertEqual(qmem.load_config().db_path, elsewhere)
+
+    def test_a_file_of_its_own_that_is_another_programs_too_is_refused(self):
+        own = os.path.join(os.path.dirname(self.db), "qmem-py.sqlite")
+        other_programs_database(self.db)
+        other_programs_database(own, table="bookmarks")
+        err = self.expect_fail(1, "find", "x")
+        self.assertIn("%s is another program's SQLite database (tables: bookmarks)" % own, err)
+        self.assertIn("--db PATH or QMEM_SQLITE", err)
 
     def test_invalid_config_is_a_usage_error_naming_the_file(self):
         path = os.path.join(self.home, "bad.json")
@@ -1915,11 +1958,33 @@ class StoreTests(GatewayTestCase):
             err = self.expect_fail(1, *argv)
             self.assertIn("is another program's SQLite database (tables: bookmarks); "
                           "left untouched", err)
-            self.assertIn("--db PATH, QMEM_SQLITE or localDbPath", err)
+            # Part 15: never localDbPath, a key of the file the pi extension shares
+            self.assertIn("--db PATH or QMEM_SQLITE", err)
+            self.assertNotIn("localDbPath", err)
         self.assertEqual(read_bytes(other), before)
         conn = sqlite3.connect(other)
         self.assertEqual(conn.execute("PRAGMA user_version").fetchone()[0], 0)
         conn.close()
+
+    def test_another_programs_database_is_judged_without_writing_to_it(self):
+        # Part 15: judged through a connection that could write, the WAL a killed program
+        # left beside its database was checkpointed into it, and deleted.
+        live, other = os.path.join(self.home, "live.db"), os.path.join(self.home, "other.db")
+        conn = sqlite3.connect(live, isolation_level=None)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA wal_autocheckpoint=0")  # its commits stay in the WAL
+        conn.execute("CREATE TABLE bookmarks(url TEXT)")
+        import shutil
+        for suffix in ("", "-wal", "-shm"):  # its files as they are when it is killed
+            shutil.copyfile(live + suffix, other + suffix)
+        conn.close()
+        before = [read_bytes(other + suffix) for suffix in ("", "-wal")]
+        err = self.expect_fail(1, "--db", other, "status")
+        self.assertIn("another program's SQLite database (tables: bookmarks)", err)
+        self.assertTrue(read_bytes(other) == before[0], "its WAL was checkpointed into it")
+        self.assertTrue(os.path.exists(other + "-wal") and os.path.exists(other + "-shm"),
+                        "its WAL was deleted")
+        self.assertTrue(read_bytes(other + "-wal") == before[1], "its WAL was changed")
 
     def test_a_database_folder_that_cannot_be_made_is_an_error_document(self):
         doc = json.loads(self.run_cli("--db", "/proc/no/such/x.db", "store", "hi", "--project",
@@ -3355,6 +3420,25 @@ class StatusTests(GatewayTestCase):
         os.remove(saved)
         self.assertNotIn("kept aside", self.ok("status"))
 
+    def test_status_says_once_that_it_uses_a_file_of_its_own_beside_another_programs(self):
+        # Part 15
+        other_programs_database(self.db)
+        own = os.path.join(os.path.dirname(self.db), "qmem-py.sqlite")
+        for prepare in (None, ("store", "--queue-only", "--project", "p", "x")):
+            if prepare:
+                self.ok(*prepare)
+            code, out, err = self.run_cli("status")
+            self.assertEqual((code, out.count("another program's"), err), (0, 1, ""))
+            self.assertIn("%s is another program's SQLite database (tables: memories), left "
+                          "untouched: qmem.py uses its own file beside it, qmem-py.sqlite"
+                          % self.db, out)
+        self.assertIn("database: %s" % own, out)
+        doc = self.ok_json("status")
+        self.assertEqual(doc["db"]["path"], own)
+        self.assertIn("qmem-py.sqlite", doc["db_note"])
+        os.remove(self.db)
+        self.assertIsNone(self.ok_json("--db", own, "status")["db_note"])
+
     def test_status_before_anything_was_imported(self):
         self.assertIn("no local index yet", self.ok("status"))
         doc = self.ok_json("status")
@@ -4669,6 +4753,14 @@ class DoctorTests(GatewayTestCase):
         advice = checks["kept aside"]["advice"]
         self.assertIn("`qmem.py store --text-file FILE --project P`", advice)
         self.assertIn("or delete them all: `rm %s/qmem-unsaved-*.txt`" % folder, advice)
+
+    def test_doctor_says_once_that_it_uses_a_file_of_its_own_beside_another_programs(self):
+        # Part 15: doctor failed ("another program's SQLite database")
+        other_programs_database(self.db)
+        out = self.ok("doctor", "--offline")
+        self.assertEqual(out.count("another program's"), 1)
+        self.assertIn("ok    database file   %s is another program's SQLite database" % self.db,
+                      out)
 
     def test_no_gateway_is_offline_use_not_a_warning(self):
         # Part 13: an air-gapped host's doctor warned "no gateway configured".
