@@ -4979,6 +4979,19 @@ BUNDLE_FORMAT, BUNDLE_VERSION = "qmem-bundle", 1
 # qmem.py that reads format 1 and knows no signatures ignores the two fields. A bundle
 # that is not signed with this host's key is unverified: it adds, it never replaces.
 SIGNED, UNVERIFIED = "signed", "unverified"
+# How this host's writes reach the shared memory, and what brings it what others stored, in
+# every hint that says so: the gateway's commands, or on a host that exchanges by bundles
+# (by_bundles: an air-gapped one), bundles carried by hand.
+DELIVER_BY = {False: "`qmem.py flush`",
+              True: "`qmem.py export --outbox-only FILE`, then `qmem.py load FILE` on a host "
+                    "with a gateway"}
+REFRESH_BY = {False: "`qmem.py pull`", True: "bundle loaded here (`qmem.py load`)"}
+
+
+def by_bundles(url, store, loading=False):
+    # Does this host exchange with the shared memory by bundles? So it does when no gateway
+    # is configured and a bundle was loaded here (meta last_load_at), or is being loaded.
+    return not url and (loading or store.meta("last_load_at") is not None)
 
 
 def bundle_key_id(key):
@@ -5711,7 +5724,7 @@ def _doctor_database(config):
     except StoreError as e:
         return [check("database", "fail", e.message, e.hint)]
     try:
-        return _doctor_open_store(store)
+        return _doctor_open_store(store, config["url"])
     except (StoreError, sqlite3.Error) as e:  # past what integrity_check could list
         why = e.message if isinstance(e, StoreError) else str(e)
         return [check("database", "fail", "%s is damaged (%s)" % (path, why),
@@ -5742,7 +5755,7 @@ def repair_database(config):
                  "every index rebuilt from its table (REINDEX), the text index from the records")
 
 
-def _doctor_open_store(store):
+def _doctor_open_store(store, url):
     found = []
     verdict, findings = store.integrity(INTEGRITY_BUDGET_S)
     mode = store.journal_mode()
@@ -5770,7 +5783,8 @@ def _doctor_open_store(store):
         found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
                            "not found by their parts yet",
                            "`qmem.py import` (or `pull`, `load`) makes it anew, once"))
-    return found + _doctor_healed(store) + [_doctor_outbox(store), _doctor_import_lag(store)]
+    return found + _doctor_healed(store) + [_doctor_outbox(store, by_bundles(url, store)),
+                                            _doctor_import_lag(store)]
 
 
 def _doctor_healed(store):
@@ -5787,14 +5801,15 @@ def _doctor_healed(store):
                       "is" if len(ids) == 1 else "are", visible(", ".join(ids[:10]))))]
 
 
-def _doctor_outbox(store):
+def _doctor_outbox(store, bundles):
     stuck, oldest = store.unsettled_before(time.time() - 86400)
     if stuck:
         return check("outbox", "warn",
                      "%s waiting or refused for more than a day (the oldest %s)" % (
             plural(stuck, "write"), duration(time.time() - oldest)),
-            "`qmem.py queue` says why: `qmem.py flush` to deliver, `qmem.py queue --drop ID` to "
-            "discard, `qmem.py export --outbox-only FILE` to carry them to a connected host")
+            "`qmem.py queue` says why; to deliver: %s; to discard: `qmem.py queue --drop ID`%s"
+            % (DELIVER_BY[bundles], "" if bundles else "; to carry them to a connected host: "
+               "`qmem.py export --outbox-only FILE`"))
     waiting = store.outbox_waiting()
     return check("outbox", "ok",
                  "%s waiting" % plural(waiting, "write") if waiting else "nothing waiting")
@@ -6637,6 +6652,7 @@ class Operations:
                "already_queued": repeated, "private": payload["private"]}
         if state in WAITING:
             doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
+            doc["by_bundles"] = by_bundles(self.config["url"], self.store())
             doc["reason"] = "queued on request (--queue-only)" if queue_only else (
                 self.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
                 str(error or row["last_error"] or "retry later"))
@@ -6754,6 +6770,7 @@ class Operations:
         finally:
             os.unlink(copy)
         return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run),
+                    by_bundles=by_bundles(self.config["url"], None, loading=True),
                     verified=trust == SIGNED, index_rebuilt=rebuilt,
                     verification=why, machine=header_text(header.get("machine")),
                     created_at=header_text(header.get("created_at")))
@@ -6848,7 +6865,8 @@ class Operations:
         if not dry_run:
             self.store().release_held(ids)
         return {"source": "outbox", "dry_run": bool(dry_run), "released": rows,
-                "counts": self.store().outbox_counts()}
+                "counts": self.store().outbox_counts(),
+                "by_bundles": by_bundles(self.config["url"], self.store())}
 
     def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
         # Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
@@ -6962,6 +6980,7 @@ class Operations:
         except GatewayError as e:
             doc = dict(self._fallback(e, require_remote), query=query)
             doc.update(self._find_local(query, filters, top_k, highlight))
+            doc["by_bundles"] = doc["index_exists"] and by_bundles(self.config["url"], self.store())
             return doc
         results = [_hit(r) for r in results
                    if isinstance(r, dict) and (private or r.get("private") is not True)][:top_k]
@@ -6989,7 +7008,8 @@ class Operations:
             record = _record_out(local)
             if local["failed"]:
                 record["failed_reason"] = self.store().failures([rid]).get(rid)
-            return {"source": "outbox", "degraded": False, "record": record}
+            return {"source": "outbox", "degraded": False, "record": record,
+                    "by_bundles": by_bundles(self.config["url"], self.store())}
         try:
             resp = self.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
             if (resp.status == 404 and local is not None and not require_remote
@@ -7562,7 +7582,8 @@ def show_get(doc, out):
                   "--drop %s`\n" % (
                       rec.get("failed_reason") or "no reason given", rec["id"]))
     elif doc["source"] == "outbox":
-        out.write("queued here, not yet in shared memory (run `qmem.py flush`)\n")
+        out.write("queued here, not yet in shared memory (run %s)\n"
+                  % DELIVER_BY[bool(doc.get("by_bundles"))])
     elif doc["source"] != "gateway":
         out.write(fallback_header(doc, "local copy") + "\n")
         if doc.get("not_at_gateway"):
@@ -7708,7 +7729,8 @@ def show_write(doc, out):
     elif state == FAILED:
         out.write("  %(hint)s\n" % doc["error"])
     elif state not in (SYNCED, DUPLICATE):
-        out.write("  other agents see it once it is delivered (`qmem.py flush`)\n")
+        out.write("  other agents see it once it is delivered (%s)\n"
+                  % DELIVER_BY[bool(doc.get("by_bundles"))])
         for what, key in QUEUED_NOTES:
             if doc.get(key):
                 out.write("  %s\n" % write_said(doc, what))
@@ -7731,7 +7753,9 @@ def show_queue(doc, out):
         out.listing([(it["local_id"], it["state"], _one_line(it["text"], 60))
                      for it in doc["dropped"]], caps=(36, 9), lead=verb)
     for it in doc.get("released", ()):
-        out.write("released %(local_id)s: it will be sent by the next flush\n" % it)
+        then = ("to deliver it: " + DELIVER_BY[True] if doc["by_bundles"]
+                else "it will be sent by the next flush")
+        out.write("released %s: %s\n" % (it["local_id"], then))
     out.write("outbox: %s\n" % _counts(doc["counts"]))
     show_stuck(doc, out)
     items = doc.get("items", ())
@@ -7820,9 +7844,9 @@ def show_load(doc, out):
                  doc["machine"] or "?", doc["created_at"] or "?"))
     show_index_rebuilt(doc, out)
     out.write("  records: %(new)d new, %(updated)d updated, %(unchanged)d unchanged\n" % r)
-    out.write("  outbox: %d added (to deliver with `qmem.py flush`), %d settled (delivered "
+    out.write("  outbox: %d added (to deliver with %s), %d settled (delivered "
               "elsewhere), %d unchanged%s%s\n" % (
-                  o["added"], o["settled"], o["unchanged"],
+                  o["added"], DELIVER_BY[doc["by_bundles"]], o["settled"], o["unchanged"],
                   "; %(not_needed)d delivered by the other host, not needed here" % o
                   if o["not_needed"] else "",
                   "; %(skipped)d lines skipped" % doc if doc["skipped"] else ""))
@@ -8683,7 +8707,8 @@ def _found_note(doc, results, project, where):
         head = "A fallback, as the gateway could not be asked (%s): %s" % (
             doc["reason"], head[:1].lower() + head[1:])
         if indexed:
-            head += "; memories stored elsewhere since the last `qmem.py pull` may be missing"
+            head += ("; memories stored elsewhere since the last %s may be missing"
+                     % REFRESH_BY[bool(doc.get("by_bundles"))])
     hidden = sum((doc.get("hidden") or {}).values())
     if hidden:
         head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
@@ -8747,7 +8772,8 @@ def _written(doc, where, corrects=None):
         note = ("%s; change what it refused and call the tool again (the refused copy stays in "
                 "`qmem.py queue` until it is dropped)" % said)
     else:
-        when = ("once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
+        when = (DELIVER_BY[True] if doc.get("by_bundles") else
+                "once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
                 if doc.get("not_configured") else
                 "after a later call that reaches the gateway, or `qmem.py flush`")
         note = ("%s, project %s; qmem_find finds it here now, other agents once it is delivered "

@@ -4079,6 +4079,26 @@ class BundleTestCase(GatewayTestCase):
 class BundleTests(BundleTestCase):
     """Part 7: knowledge in and writes out of an air-gapped host, as one file, exactly once."""
 
+    def test_a_host_that_exchanges_by_bundles_is_advised_export_and_load(self):
+        # Part 15: a host with no gateway configured, bundles loaded, was advised `flush`.
+        self.host("airgapped", False)
+        flush, carry = "(`qmem.py flush`)", ("`qmem.py export --outbox-only FILE`, then "
+                                             "`qmem.py load FILE` on a host with a gateway")
+        self.assertIn(flush, self.ok("store", "prima del bundle", "--project", "p"))  # none yet
+        payload = {"text": "da portare", "kind": "fact", "project_id": "p"}
+        row = {"type": "outbox", "id": UUIDS[10], "op": "store", "state": "pending",
+               "created_at": time.time(), "payload": json.dumps(payload)}
+        unsigned = self.crafted([row], key=None)  # its write held until released
+        self.assertIn("(to deliver with %s)" % carry, self.ok("load", unsigned))
+        self.assertIn("released %s: to deliver it: %s" % (UUIDS[10], carry),
+                      self.ok("queue", "--release", UUIDS[10], "--yes"))
+        out = self.ok("store", "dopo il bundle", "--project", "p")
+        self.assertIn("other agents see it once it is delivered (%s)" % carry, out)
+        self.assertNotIn("flush", out)
+        local_id = self.ok_json("queue")["items"][-1]["local_id"]
+        self.assertIn("queued here, not yet in shared memory (run %s)" % carry,
+                      self.ok("get", local_id))
+
     def test_a_loaded_write_does_not_carry_the_other_hosts_stale_error(self):
         # Part 13: every row loaded showed the other host's "breaker open, retry in 104 s".
         row = {"type": "outbox", "id": UUIDS[10], "op": "store", "state": "pending",
@@ -4847,6 +4867,17 @@ class DoctorTests(GatewayTestCase):
         found = self.checks("--offline")
         self.assertEqual(found["outbox"]["status"], "warn")
         self.assertIn("more than a day (the oldest 2 d)", found["outbox"]["detail"])
+        # Part 15: a host with no gateway that loaded a bundle was advised `flush` too
+        gateway = os.environ.pop("QMEM_URL")
+        bundle = os.path.join(self.home, "b.qmem")
+        self.ok("export", "--records-only", bundle)
+        self.ok("load", bundle)
+        advice = self.checks("--offline")["outbox"]["advice"]
+        self.assertIn("to deliver: `qmem.py export --outbox-only FILE`, then `qmem.py load FILE` "
+                      "on a host with a gateway", advice)
+        self.assertNotIn("flush", advice)
+        os.environ["QMEM_URL"] = gateway  # a gateway again: delivered by it
+        self.assertIn("to deliver: `qmem.py flush`", self.checks("--offline")["outbox"]["advice"])
 
     def test_a_corrupt_database_fails(self):
         self.put_records((UUIDS[n % 190], "testo numero %d " % n * 20) for n in range(200))
@@ -6392,6 +6423,27 @@ class McpToolTests(McpTestCase):
         self.assertEqual((local["source"], local["results"][0]["id"]), ("local_sqlite", s["id"]))
         self.assertNotIn("score", local["results"][0])
         self.assertIn("no scores", local["note"])
+        self.assertEqual(server.close(), 0)
+
+    def test_a_host_that_exchanges_by_bundles_is_advised_export_and_load(self):
+        # Part 15: with no gateway configured and bundles loaded, the notes said `flush`
+        # and `pull`.
+        del os.environ["QMEM_URL"]
+        self.put_record(UUIDS[0], "la chiave di deploy ruota ogni mese")
+        bundle = os.path.join(self.home, "b.qmem")
+        self.ok("export", bundle)
+        self.ok("load", bundle)
+        server = self.server()
+        server.initialize()
+        note = server.call("qmem_store", text="staging sta su s3",
+                           project_id="infra")["structuredContent"]["note"]
+        self.assertIn("other agents once it is delivered (`qmem.py export --outbox-only FILE`, "
+                      "then `qmem.py load FILE` on a host with a gateway)", note)
+        self.assertNotIn("flush", note)
+        note = server.call("qmem_search", query="chiave deploy")["structuredContent"]["note"]
+        self.assertIn("memories stored elsewhere since the last bundle loaded here (`qmem.py "
+                      "load`) may be missing", note)
+        self.assertNotIn("pull", note)
         self.assertEqual(server.close(), 0)
 
     def test_each_tool_offline_and_the_queued_write_is_delivered_once_later(self):
