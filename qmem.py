@@ -665,22 +665,55 @@ def another_programs(path):
     # The tables of the SQLite database at path if it is another program's, else None:
     # also when there is none, it is empty, no SQLite database, or cannot be read just now
     # (Store's check, under SQLite's locks, then decides).
-    # Read without changing it or making a file beside it (see the rule at the top of the
-    # Local store section): SQLite makes -wal and -shm to read a WAL database, even with
-    # mode=ro, unless both are there (its program is using it, or left them): then mode=ro
-    # reads it as its writers see it. Otherwise immutable=1 reads the file alone, without
-    # locks: a write under way may make that read fail, and a failed read proves nothing.
     real = os.path.realpath(path)  # (through a symlink, -wal and -shm are beside the target)
     try:
-        st = os.stat(real)
-        in_use = os.path.exists(real + "-wal") and os.path.exists(real + "-shm")
+        state = _file_state(real)
     except OSError:
         return None
-    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+    if state[0] is None or not stat.S_ISREG(state[0][0]) or state[0][2] == 0:
         return None
+    known = _JUDGED.get(real)
+    if known is not None and known[0] == state:  # unchanged since it was judged
+        return known[1]
+    schema = _read_schema(real, in_use=state[1] is not None and state[2])
+    if schema is None:
+        return None  # (not kept: a failed read proves nothing)
+    tables = schema[1] if is_another_programs(*schema) else None
+    _JUDGED[real] = (state, tables)
+    return tables
+
+
+# another_programs' last verdict on each file, with the state of the file it judged: each
+# command judges its database twice (Config, then Store), most often unchanged.
+_JUDGED = {}
+
+
+def _file_state(path):
+    # What changes when a SQLite database may have: the mode, inode, size and mtime of its
+    # file and of its -wal (where a WAL database's commits go; None if there is none), and
+    # whether its -shm exists. stat() only.
+    found = []
+    for each in (path, path + "-wal"):
+        try:
+            st = os.stat(each)
+        except FileNotFoundError:
+            found.append(None)
+            continue
+        found.append((st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(found) + (os.path.exists(path + "-shm"),)
+
+
+def _read_schema(path, in_use):
+    # (PRAGMA user_version, the names of its tables) of a SQLite database, or None when it
+    # cannot be read: read without changing it or making a file beside it (see the rule at
+    # the top of the Local store section). SQLite makes -wal and -shm to read a WAL
+    # database, even with mode=ro, unless both are there (in_use: its program is using it,
+    # or left them): then mode=ro reads it as its writers see it. Otherwise immutable=1
+    # reads the file alone, without locks: a write under way may make that read fail.
+    # (mode=ro with it: a SQLite older than 3.8 ignores immutable.)
+    query = "mode=ro" if in_use else "mode=ro&immutable=1"
     try:
-        conn = sqlite3.connect(sqlite_uri(real, "mode=ro" if in_use else "immutable=1"),
-                               timeout=1.0, uri=True)
+        conn = sqlite3.connect(sqlite_uri(path, query), timeout=1.0, uri=True)
     except sqlite3.Error:
         return None
     try:
@@ -690,7 +723,7 @@ def another_programs(path):
         return None
     finally:
         conn.close()
-    return tables if is_another_programs(version, tables) else None
+    return version, tables
 
 
 # The range of each numeric key: a budget of years, or a breaker that never opens, is a typo.
