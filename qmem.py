@@ -593,7 +593,6 @@ class Config:
         self.values, self.sources, self.path, self.raw = values, sources, path, raw
         self.breaker_path, self.home = breaker_path, home
         self.key_withheld = key_withheld  # why the file's API key is not sent to this URL
-        self._local_db = None  # (path, note) of local_db_path(), once asked
 
     def __getitem__(self, key):
         return self.values[key]
@@ -601,20 +600,20 @@ class Config:
     @property
     def db_path(self):
         # The local database this run uses (see local_db_path).
-        return self._db()[0]
+        return self._local_db()[0]
 
     @property
     def db_note(self):
         # Why db_path is not the configured file (see local_db_path), or None.
-        return self._db()[1]
+        return self._local_db()[1]
 
-    def _db(self):
-        if self._local_db is None:
-            configured = self.values["localDbPath"] or os.path.join(
-                self.home, ".local", "share", "pi-qmem", "qmem.sqlite")
-            given = self.sources["localDbPath"] not in ("default", "file")  # --db, QMEM_SQLITE
-            self._local_db = local_db_path(configured, given)
-        return self._local_db
+    def _local_db(self):
+        # Decided each time it is asked (cheaply: another_programs keeps its verdicts): a
+        # long-lived MCP server sees the pi extension's index made after it started.
+        configured = self.values["localDbPath"] or os.path.join(self.home, ".local", "share",
+                                                                 "pi-qmem", "qmem.sqlite")
+        given = self.sources["localDbPath"] not in ("default", "file")  # --db, QMEM_SQLITE
+        return local_db_path(configured, given)
 
 
 # qmem.py's own file, beside another program's database at its path (see local_db_path).

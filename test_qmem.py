@@ -784,9 +784,12 @@ class ConfigTests(QmemTestCase):
     def test_beside_another_programs_database_qmem_uses_a_file_of_its_own(self):
         # Part 15: with the pi extension's own index at the default path, every command
         # failed, and the hint offered localDbPath, which would move the extension too.
+        started = qmem.load_config()  # (an MCP server started before the extension's index)
+        self.assertEqual((started.db_path, started.db_note), (self.db, None))
         other_programs_database(self.db)
         before, folder = read_bytes(self.db), os.path.dirname(self.db)
         own = os.path.join(folder, "qmem-py.sqlite")
+        self.assertEqual(started.db_path, own)
         self.ok("store", "--queue-only", "--project", "p", "--kind", "fact", "gcc 12 builds it")
         self.assertEqual(len(self.find_ids("gcc")), 1)
         self.assertEqual(qmem.load_config().db_path, own)
