@@ -631,13 +631,28 @@ def local_db_path(path, given):
     # refuses another program's database). The default and localDbPath are the pi
     # extension's too (its config file): where another program's database lies there (the
     # extension's own index), qmem.py keeps a file of its own beside it, and never touches
-    # that one. (If that file is another program's too, Store refuses it.)
+    # that one; and keeps using that file once that one is gone (its outbox is there). (If
+    # that file is another program's too, Store refuses it.)
     own = os.path.join(os.path.dirname(path), QMEM_PY_DB)
-    tables = None if given or os.path.basename(path) == QMEM_PY_DB else another_programs(path)
-    if tables is None:
+    if given or os.path.basename(path) == QMEM_PY_DB:
         return path, None
-    return own, ("%s is another program's SQLite database (tables: %s), left untouched: qmem.py "
-                 "uses its own file beside it, %s" % (path, table_list(tables), QMEM_PY_DB))
+    tables = another_programs(path)
+    if tables is not None:
+        return own, ("%s is another program's SQLite database (tables: %s), left untouched: "
+                     "qmem.py uses its own file beside it, %s"
+                     % (path, table_list(tables), QMEM_PY_DB))
+    if _holds_data(own) and not _holds_data(path):
+        return own, ("qmem.py uses its own file %s, made while %s was another program's "
+                     "database" % (own, path))
+    return path, None
+
+
+def _holds_data(path):
+    # Is there a file of some bytes at path? (stat() only.)
+    try:
+        return os.stat(path).st_size > 0
+    except OSError:
+        return False
 
 
 def is_another_programs(version, tables):

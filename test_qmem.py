@@ -795,6 +795,11 @@ class ConfigTests(QmemTestCase):
         self.assertEqual(qmem.load_config().db_path, own)
         self.assertTrue(read_bytes(self.db) == before)
         self.assertEqual(sorted(os.listdir(folder)), ["qmem-py.sqlite", "qmem.sqlite"])
+        os.remove(self.db)  # the extension gone: qmem.py's writes are still where they were
+        self.assertEqual(self.ok_json("queue")["counts"]["pending"], 1)
+        self.assertIn("made while %s was another program's database" % self.db,
+                      self.ok_json("status")["db_note"])
+        other_programs_database(self.db)
         # localDbPath is a key of the file the extension shares: the same rule there
         elsewhere = os.path.join(self.home, "ext", "index.sqlite")
         other_programs_database(elsewhere)
