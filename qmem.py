@@ -2221,6 +2221,19 @@ def _m006_not_applied(conn):
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
 MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words, _m005_kept_words,
               _m006_not_applied]
+# A read-only database is read as it is, without its migrations, from schema 3 on (before,
+# records do not say where each came from: find and export need to). What MIGRATIONS[n]
+# brings, that one of schema n goes without:
+READ_AS_IT_IS_FROM = 3
+SCHEMA_GAINS = {3: "identifiers found by their parts (ThreadPool: thread pool)",
+                4: "identifiers' parts kept with each record (a faster rebuild of the index)",
+                5: "corrections answered 409 duplicate no longer hide what they corrected"}
+
+
+def schema_gains(version):
+    # What the migrations from schema `version` on bring, in one phrase.
+    return "; ".join(SCHEMA_GAINS.get(n, "schema %d" % (n + 1))
+                     for n in range(version, SCHEMA_VERSION))
 
 # Tests set this to exercise the LIKE path of a SQLite built without FTS5.
 FORCE_NO_FTS5 = False
@@ -2299,6 +2312,8 @@ def store_error(e, path):
     if "full" in text:
         return StoreError("local database full: no room left for %s (%s)" % (path, text),
                           hint="free some disk space, then try again", kind="store_full")
+    if ("readonly" in text or "read-only" in text) and read_only_where(path):
+        return read_only_error(path)
     if "readonly" in text or "read-only" in text or "unable to open" in text:
         return StoreError("cannot open local database %s for writing (%s): a read-only file or "
                           "folder?" % (path, text), kind="store_readonly",
@@ -2308,6 +2323,108 @@ def store_error(e, path):
                           kind="store_io",
                           hint="free some space or check the disk, then try again")
     return StoreError("cannot use local database %s: %s" % (path, text))
+
+
+def read_only_where(path):
+    # What keeps this process from writing the database at path: the file itself, or its
+    # folder (a write needs a -wal and a -shm there, which SQLite creates, unless both are
+    # there already and ours to write); None when nothing does. SQLite keeps them beside a
+    # symlink's target. (As root, os.access says no only on a read-only file system.)
+    real = os.path.realpath(path)
+    folder = os.path.dirname(real)
+    if os.path.exists(real) and not os.access(real, os.W_OK):  # (not there yet: SQLite makes it)
+        return real
+    if os.access(folder, os.W_OK | os.X_OK) or all(
+            os.access(real + end, os.W_OK) for end in ("-wal", "-shm")):
+        return None
+    return folder
+
+
+def read_only_error(path, where=None, problem=None):
+    # The one-line StoreError of a database this process cannot write: what is read-only
+    # (the file, or its folder: `where`), whose it is, its mode, and how to fix it.
+    what, fix = _read_only_facts(where or read_only_where(path) or os.path.realpath(path))
+    return StoreError("local database %s is read-only (%s)%s"
+                      % (path, what, ": " + problem if problem else ""), kind="store_readonly",
+                      hint=fix + "or use another database: --db PATH or QMEM_SQLITE")
+
+
+def _read_only_facts(where):
+    # (what keeps `where`, the file or the folder read_only_where named, from being
+    # written; how to fix it).
+    facts, fix = unwritable(where)
+    if os.path.isdir(where):
+        return ("its folder %s is %s: SQLite writes its -wal and -shm there" % (where, facts),
+                fix)
+    return facts, fix
+
+
+def unwritable(where):
+    # (the mode and owner of a file or folder this process cannot write; the start of the
+    # fix, '' or ending with ', ').
+    try:
+        st = os.stat(where)
+    except OSError as e:
+        return e.strerror or str(e), ""
+    mode, owner = st.st_mode & 0o7777, _owner(st.st_uid)
+    facts = "mode %04o, owned by %s" % (mode, owner)
+    if os.name == "posix" and st.st_uid != os.geteuid():
+        return facts, "it is %s's: ask them for write access, " % owner
+    # what its owner lacks: w, and for a folder x (to reach what is in it) as well
+    lacks = "w" * (not mode & 0o200) + "x" * (stat.S_ISDIR(st.st_mode) and not mode & 0o100)
+    if lacks:
+        return facts, "make it writable: `chmod u+%s %s`, " % (lacks, where)
+    # its mode lets its owner write, and yet the system refuses: a read-only mount?
+    return facts + ", on a file system that refuses writes", ""
+
+
+def _owner(uid):
+    # A user's name, or 'uid N' where it has none here.
+    try:
+        import pwd
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return "uid %d" % uid
+
+
+def _read_only_uri(path):
+    # The URI that opens a database this process cannot write (read_only_where), to read
+    # it as it is, creating no file beside it: a plain open would make a -wal and a -shm of
+    # the database's own mode (0400 files that, once the owner makes the database writable
+    # again, make every write of theirs fail), or fail where the folder takes no new file.
+    # SQLite keeps them beside a symlink's target.
+    from urllib.parse import quote
+    real = os.path.realpath(path)
+    uri = "file:%s?" % quote(real)
+    wal = real + "-wal"
+    if os.path.exists(wal) and os.path.exists(real + "-shm"):
+        # mode=ro: a WAL database in use, or left so by a process that died. SQLite finds
+        # both files, creates none, and takes its usual locks: it reads the commits that
+        # are still in the -wal, and sees those of a writer at work (one that opened the
+        # database before its mode changed, or root). A -shm it cannot write is read into
+        # private memory instead (SQLite 3.22+).
+        return uri + "mode=ro"
+    try:
+        wal_frames = os.stat(wal).st_size > 0
+    except FileNotFoundError:
+        wal_frames = False
+    if wal_frames or os.path.exists(real + "-journal"):
+        # Commits in a -wal whose -shm is gone (mode=ro would have to create it), or a
+        # rollback journal (a transaction to undo): only a writable open can bring them in,
+        # and immutable=1 would read the database without them.
+        raise read_only_error(path, problem="its %s holds a transaction that only a writable "
+                              "open can bring in (then any command reads it)"
+                              % os.path.basename(wal if wal_frames else real + "-journal"))
+    # immutable=1: no -wal (or an empty one) and no journal, so the database file alone
+    # holds every commit, and SQLite reads it without locks and without making a -wal or
+    # -shm. Right only because nobody can change the file meanwhile: this user cannot write
+    # it (or create the -wal a write needs in its folder), other users cannot either
+    # (_check_private refused a file or folder they may write), and a connection opened
+    # before the mode changed would have its -wal and -shm beside it (the case above).
+    # What remains: root, or a writer of a database left in rollback mode (qmem.py makes
+    # each WAL: _migrate) that opened it before its mode changed. A read then sees at
+    # worst a page half written: an error or a stale answer, never a write.
+    return uri + "immutable=1"
 
 
 def _create_private(path):
@@ -2389,11 +2506,19 @@ class Store:
         tables = another_programs(path)  # (read-only: never opened for writing, see there)
         if tables is not None:
             raise not_ours(path, tables)
+        # None, or what keeps this process from writing the database (the file, or the
+        # folder of its -wal and -shm): then it is only read, as it is (_read_only_uri), and
+        # every transaction is refused with the read-only error.
+        self.read_only = read_only_where(path)
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
         # the one style that behaves the same on every Python (reliability.md §4.1). The
         # timeout is SQLite's busy timeout (every Python's connect sets it: no PRAGMA needed).
         try:
-            self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            if self.read_only:
+                self.conn = sqlite3.connect(_read_only_uri(path), uri=True,
+                                            timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            else:
+                self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as e:
             raise store_error(e, path)
         self.conn.create_function("qmem_fold", 1, _fold)
@@ -2404,13 +2529,17 @@ class Store:
         self.known = None         # bulk load: hashes of every id in the table
         try:
             version = self._check_ours()
-            if version < SCHEMA_VERSION:
+            if version < SCHEMA_VERSION and self.read_only:
+                self._read_as_it_is(version)
+            elif version < SCHEMA_VERSION:
                 self._migrate(version)
+                version = SCHEMA_VERSION
+            self.version = version  # (older only when read-only: _read_as_it_is)
             self.conn.execute("PRAGMA synchronous=FULL")
             self.fts = self.meta("fts") != "none"
             self.see_index()
             self.folded = self.meta("folded") == "1"  # (no FTS5) records.folded is kept
-            if self.meta("secrets_masked") != SECRETS_MASKED:
+            if self.meta("secrets_masked") != SECRETS_MASKED and not self.read_only:
                 self._mask_stored_secrets()
         except sqlite3.Error as e:
             self.conn.close()
@@ -2441,6 +2570,19 @@ class Store:
         if is_another_programs(version, tables) or (version and not tables):  # (nor one of ours)
             raise not_ours(self.path, tables)
         return version
+
+    def _read_as_it_is(self, version):
+        # A read-only database of an older schema is read without its migrations, from
+        # READ_AS_IT_IS_FROM on; a new one has nothing to read yet.
+        if version == 0:
+            raise read_only_error(self.path, problem="a new database cannot be set up in it")
+        if version < READ_AS_IT_IS_FROM:
+            raise read_only_error(self.path, problem="schema %d, of an older qmem.py, too old "
+                                  "to be read as it is (once it is writable, any command brings "
+                                  "it up to date)" % version)
+        _warn_once("%s: schema %d of an older qmem.py, read as it is (read-only, so not brought "
+                   "up to date); a writable copy would gain %s" % (self.path, version,
+                                                                   schema_gains(version)))
 
     def _mask_stored_secrets(self):
         # Once per database (and per change of the patterns): mask the credentials in the
@@ -2847,7 +2989,7 @@ class Store:
             pending = self.meta("fts_pending")
             found = [m for (m,) in self.conn.execute("PRAGMA integrity_check(20)")
                      if m != "ok" and not (pending and self.fts_table in m)]  # 3.44+ checks FTS5
-            if self.fts and not pending and not found:
+            if self.fts and not pending and not found and not self.read_only:  # (it writes)
                 self._verify_text_index(found)
         except sqlite3.DatabaseError as e:
             if "interrupt" in str(e) or "locked" in str(e) or "busy" in str(e):
@@ -3102,6 +3244,8 @@ class _Transaction:
         self.store, self.conn = store, store.conn
 
     def __enter__(self):
+        if getattr(self.store, "read_only", None):  # never begun: it could only fail
+            raise read_only_error(self.store.path, self.store.read_only)
         try:
             self.conn.execute("BEGIN IMMEDIATE")
             if getattr(self.store, "fts_words", True) is False:  # made anew since we looked?
@@ -4355,7 +4499,7 @@ def local_status(store):
                 **{k: store.meta(k) for k in _LAST_TIMES}},
         "duplicates": {"groups": dups[0], "records": dups[1]},
         "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0)},
-        "db": {"path": store.path, "bytes": size, "schema_version": SCHEMA_VERSION},
+        "db": {"path": store.path, "bytes": size, "schema_version": store.version},
         "fts": {"available": store.fts, "tokenizer": store.meta("fts")},
         "machine": machine_identity(),
     }
@@ -5768,8 +5912,9 @@ def _doctor_database(config):
                       "run `qmem.py import` (or `qmem.py pull`)")]
     try:
         store = Store(path, create=False)
-    except StoreError as e:
-        return [check("database", "fail", e.message, e.hint)]
+    except StoreError as e:  # read-only is no failure: reading what it can is all it needs
+        return [check("database", "warn" if e.kind == "store_readonly" else "fail", e.message,
+                      e.hint)]
     try:
         return _doctor_open_store(store, config["url"])
     except (StoreError, sqlite3.Error) as e:  # past what integrity_check could list
@@ -5795,6 +5940,8 @@ def repair_database(config):
         store.repair()
     except (StoreError, sqlite3.Error) as e:
         err = e if isinstance(e, StoreError) else store_error(e, store.path)
+        if err.kind == "store_readonly":  # nothing is known to be wrong: only the mode
+            return check("repair", "fail", "not repaired: %s" % err.message, err.hint)
         return check("repair", "fail", "REINDEX failed: %s" % err.message, REBUILD_ADVICE)
     finally:
         store.close()
@@ -5822,10 +5969,13 @@ def _doctor_open_store(store, url):
             found.append(check("database mode", "warn",
                                "%s is readable by other users (mode %04o)" % (
                 store.path, os.stat(store.path).st_mode & 0o777), "chmod 600 %s" % store.path))
-        found.append(warn_if("database", mode != "wal", "%s: intact, schema %d, journal %s"
-                             % (store.path, SCHEMA_VERSION, mode),
+        # (opened immutable, SQLite calls the journal of any database 'delete')
+        journal = "read-only" if store.read_only else "journal " + mode
+        found.append(warn_if("database", mode != "wal" and not store.read_only,
+                             "%s: intact, schema %d, %s" % (store.path, store.version, journal),
                              "WAL is not available here: several processes at once will wait on "
                              "each other"))
+    found += _doctor_read_only(store)
     if store.fts and store.meta("words_pending"):
         found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
                            "not found by their parts yet",
@@ -5846,6 +5996,22 @@ def _doctor_healed(store):
                   "refused (409 duplicate) %s live again: %s" % (
                       visible(str(healed.get("at"))), plural(len(ids), "record"),
                       "is" if len(ids) == 1 else "are", visible(", ".join(ids[:10]))))]
+
+
+def _doctor_read_only(store):
+    # A database this process cannot write: a warning with the fix (every read works, no
+    # write does), and what an older schema, read as it is, goes without.
+    if not store.read_only:
+        return []
+    err = read_only_error(store.path, store.read_only)
+    found = [check("read-only", "warn", "%s: commands that read work, those that write (store, "
+                   "import, pull, load) fail" % err.message, err.hint)]
+    if store.version < SCHEMA_VERSION:
+        found.append(check("schema", "warn", "schema %d of an older qmem.py, read as it is: a "
+                           "writable copy would gain %s" % (store.version,
+                                                            schema_gains(store.version)),
+                           "make it writable, and the next command brings it up to date"))
+    return found
 
 
 def _doctor_outbox(store, bundles):
@@ -7107,9 +7273,11 @@ class Operations:
 
     def _remember(self, records, view):
         # Keep what the gateway said in the local index: an index that cannot take it
-        # (corrupt, read-only, full) costs a warning, not the answer.
+        # (corrupt, full) costs a warning, not the answer; a read-only one is not asked to.
         try:
-            self.store().merge_seen(records, view)
+            store = self.store()
+            if not store.read_only:
+                store.merge_seen(records, view)
         except (StoreError, sqlite3.Error) as e:
             warn("the local index could not keep this answer: %s" % getattr(e, "message", e))
 
@@ -7213,6 +7381,8 @@ class Operations:
         if gateway is None or not gateway.answered or gateway.key_rejected or not self.has_index():
             return False
         store, now = self.store(), self.clock()
+        if store.read_only:  # what it delivered could not be recorded: nothing is sent
+            return False
         return bool(store.outbox_ready(now)
                     or any(claimant_is_gone(t) for t in store.claim_tokens(now)))
 

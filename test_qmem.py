@@ -163,6 +163,27 @@ class QmemTestCase(unittest.TestCase):
         self.addCleanup(end)
         return proc
 
+    def run_as_owner(self, steps, listed=()):
+        """Commands of a user whose file modes bind: ONE child process runs qmem.main(argv)
+        for each (argv, env) step in turn (a None in env unsets), as uid 65534 when the suite
+        runs as root (HOME and all in it given to that uid first), as we are otherwise. The
+        {code, out, err} of each step, and the names in each folder of `listed` after them."""
+        uid = other_uid()
+        if uid is not None:
+            for folder, dirs, names in os.walk(self.home):
+                for name in dirs + names:
+                    os.lchown(os.path.join(folder, name), uid, uid)
+            os.chown(self.home, uid, uid)
+        qmem_command()  # (its code compiled once for the run: the child loads it)
+        job = json.dumps({"file": QMEM, "code": _COMPILED[0], "uid": uid, "steps": steps,
+                          "listed": listed})
+        proc = subprocess.run([sys.executable, "-S", "-c", _AS_OWNER], input=job, timeout=60,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        done = json.loads(proc.stdout)
+        return done["results"], done["listed"]
+
     def need_other_uid(self):
         """The cases of another user's files need root (to chown); without it they say so
         and are skipped."""
@@ -631,6 +652,70 @@ def closed_port():
 def other_uid():
     """A uid that is not ours, for the other-user cases: only root can make files of it."""
     return 65534 if hasattr(os, "geteuid") and os.geteuid() == 0 else None
+
+
+# QmemTestCase.run_as_owner's child. What qmem.py imports inside its functions is imported
+# first, as root: the interpreter's own files may lie where uid 65534 cannot read them.
+_AS_OWNER = r"""
+import contextlib, importlib, io, json, marshal, os, re, sys, types
+job = json.loads(sys.stdin.read())
+qmem = sys.modules["qmem"] = types.ModuleType("qmem")
+qmem.__file__ = job["file"]
+with open(job["code"], "rb") as f:
+    exec(marshal.load(f), qmem.__dict__)
+with open(qmem.__file__, encoding="utf-8") as f:
+    names = set(re.findall(r"^\s+(?:import|from) ([\w.]+)", f.read(), re.M))
+    for name in names | {"encodings.idna"}:  # (and the codec getaddrinfo looks up)
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+if job["uid"] is not None:
+    os.setgroups([])
+    os.setgid(job["uid"])
+    os.setuid(job["uid"])
+results = []
+for argv, env in job["steps"]:
+    for name, value in env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    for state in (qmem._warned, qmem._FLUSH_ERRORS, qmem._BREAKER_IN_MEMORY):
+        state.clear()  # each step as a process of its own
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = qmem.main(argv)
+        except SystemExit as e:
+            code = e.code
+    results.append({"code": code, "out": out.getvalue(), "err": err.getvalue()})
+print(json.dumps({"results": results,
+                  "listed": {f: sorted(os.listdir(f)) for f in job["listed"]}}))
+"""
+
+
+def old_schema_db(path, version, pairs):
+    """A database as a qmem.py of schema `version` left it (the migrations up to it, no
+    more), holding complete records, (id, text) each, and one queued write."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.create_function("qmem_fold", 1, qmem._fold)
+    conn.create_function("qmem_words", 1, qmem.identifier_words)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("BEGIN")
+    for n in range(version):
+        qmem.MIGRATIONS[n](*((conn, qmem.fts5_tokenizer()) if n == 0 else (conn,)))
+    for rid, text in pairs:
+        conn.execute("INSERT INTO records(id, text, kind, project_id, view, created_at) "
+                     "VALUES(?, ?, 'fact', 'infra', 2, '2026-11-30T09:17:18.955Z')", (rid, text))
+    conn.execute("INSERT INTO outbox(id, op, payload, created_at) VALUES(?, 'store', ?, ?)",
+                 (UUIDS[150], json.dumps({"text": "queued then", "project_id": "infra"}),
+                  time.time()))
+    index = "records_index" if version >= 4 else "records_fts"  # (made anew by schema 4)
+    conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(index))
+    conn.execute("PRAGMA user_version=%d" % version)
+    conn.execute("COMMIT")
+    conn.close()
 
 
 # === Errors ==================================================================
@@ -2202,6 +2287,157 @@ class StoreTests(GatewayTestCase):
         self.assertEqual(self.local_record(UUIDS[0])["text"], "secret: [masked] nel vecchio indice")
         self.assertEqual(self.find_ids("vecchio"), [UUIDS[0]])
         self.assertEqual(self.ok_json("doctor", "--offline")["summary"]["fail"], 0)
+
+    def read_only_commands(self, file_mode, folder_mode):
+        """Part 15: the database made read-only (its file, or its folder), and every command
+        run on it by its owner in one child: those that only read, then those that must
+        write. Returns the steps' results by name and the names left in its folder."""
+        self.db = os.path.join(self.home, "db", "q.sqlite")
+        os.environ["QMEM_SQLITE"] = self.db
+        self.put_records([(UUIDS[0], "deploy with a blue green switch")])
+        self.enqueue(1)  # a write waiting: no command sends it (its outcome could not be kept)
+        remote = self.gw.add("the deploy runbook lives on the gateway")["id"]
+        bundle, out = os.path.join(self.home, "in.bundle"), os.path.join(self.home, "out.bundle")
+        self.ok("export", bundle)
+        session = Session(self.sessions, "s.jsonl")
+        session.store(record(UUIDS[1], "imported from a session"))
+        session.write()
+        os.mkdir(os.path.join(self.home, "tmp"), 0o700)  # where a kept-aside text may go
+        os.chmod(self.db, file_mode)
+        os.chmod(os.path.dirname(self.db), folder_mode)
+        self.addCleanup(os.chmod, os.path.dirname(self.db), 0o700)
+        online = {"QMEM_URL": self.gw.url}
+        dead = {"QMEM_URL": "http://127.0.0.1:%d" % closed_port()}
+        steps = [("find", ["find", "deploy", "--json"], {"TMPDIR": os.path.join(self.home, "tmp")}),
+                 ("status", ["status", "--json"], {}),
+                 ("get local", ["get", UUIDS[0], "--json"], {"QMEM_URL": None}),
+                 ("get", ["get", remote, "--json"], online),
+                 ("search", ["search", "runbook", "--json"], {}),
+                 ("not kept", ["find", "runbook", "--json"], {}),
+                 ("export", ["export", out], {}),
+                 ("queue", ["queue", "--json"], {}),
+                 ("doctor", ["doctor", "--offline", "--json"], {}),
+                 ("store", ["store", "a fact to keep", "--project", "p"], {}),
+                 ("import", ["import"], {}),
+                 ("pull", ["pull"], {}),
+                 ("load", ["load", bundle], {}),
+                 ("repair", ["doctor", "--offline", "--repair"], {}),
+                 ("fallback", ["search", "deploy", "--json"], dead)]
+        results, listed = self.run_as_owner([(argv, env) for _, argv, env in steps],
+                                            [os.path.dirname(self.db)])
+        return dict(zip([name for name, _, _ in steps], results)), listed[os.path.dirname(self.db)]
+
+    def assert_read_only_database_used(self, done, left, where):
+        """What read_only_commands must find, whichever of the two was made read-only."""
+        for name in ("find", "status", "get local", "get", "search", "not kept", "export",
+                     "queue", "doctor", "fallback"):
+            self.assertEqual(done[name]["code"], 0, (name, done[name]))
+        for name in ("find", "get local", "get", "search", "not kept"):
+            self.assertEqual(done[name]["err"], "", name)  # no warning: nothing tried to write
+        self.assertEqual([r["id"] for r in json.loads(done["find"]["out"])["results"]], [UUIDS[0]])
+        self.assertEqual(json.loads(done["get local"]["out"])["record"]["text"],
+                         "deploy with a blue green switch")
+        self.assertEqual(json.loads(done["get"]["out"])["source"], "gateway")
+        self.assertEqual(len(json.loads(done["search"]["out"])["results"]), 1)
+        self.assertEqual(json.loads(done["not kept"]["out"])["results"], [])  # nothing cached
+        self.assertEqual(json.loads(done["queue"]["out"])["counts"]["pending"], 1)
+        fallback = json.loads(done["fallback"]["out"])
+        self.assertEqual((fallback["source"], [r["id"] for r in fallback["results"]]),
+                         ("local_sqlite", [UUIDS[0]]))
+        self.assertEqual(self.gw.posts(), [])  # the waiting write was not sent
+        # doctor: a warning with the fix, never damaged, never a repair for it
+        checks = json.loads(done["doctor"]["out"])["checks"]
+        status = {c["name"]: c["status"] for c in checks}
+        self.assertEqual((status["database"], status["read-only"]), ("ok", "warn"), checks)
+        self.assertNotIn("fail", status.values())
+        warned = [c for c in checks if c["name"] == "read-only"][0]
+        owner = qmem._owner(other_uid() if other_uid() is not None else os.getuid())
+        self.assertIn("is read-only (%s" % ("mode 0400, owned by %s" % owner if where == self.db
+                                            else "its folder %s is mode 0500, owned by %s"
+                                            % (where, owner)), warned["detail"])
+        self.assertIn("chmod u+w %s" % where, warned["advice"])
+        self.assertNotIn("damaged", done["doctor"]["out"] + done["repair"]["out"])
+        # those that must write: one line, read-only, whose, its mode, the fix; exit 1
+        for name in ("store", "import", "pull", "load", "repair"):
+            err = done[name]["err"]
+            self.assertEqual((done[name]["code"], err.count("\n")), (1, 1), (name, err))
+            self.assertIn("is read-only", err, name)
+            self.assertIn("chmod u+w %s" % where, err, name)
+            self.assertNotIn("move it aside", err, name)
+        kept = re.search(r"your text is saved in (\S+):", done["store"]["err"]).group(1)
+        self.assertEqual(read_bytes(kept), b"a fact to keep\n")
+        self.assertEqual([n for n in left if not n.startswith("qmem-unsaved-")], ["q.sqlite"])
+
+    def test_a_read_only_database_file_is_read_and_never_written(self):
+        # Part 15: doctor called a 0400 database damaged and left a 0400 -shm and -wal
+        # beside it (which then failed every write, once the file was writable again).
+        done, left = self.read_only_commands(0o400, 0o700)
+        self.assert_read_only_database_used(done, left, self.db)
+
+    def test_a_database_in_a_read_only_folder_is_read_and_never_written(self):
+        # Part 15: find and status failed ("cannot open local database ... for writing").
+        done, left = self.read_only_commands(0o600, 0o500)
+        self.assert_read_only_database_used(done, left, os.path.dirname(self.db))
+
+    def test_a_read_only_database_is_read_as_it_is_commits_in_its_wal_and_older_schemas(self):
+        """Part 15: what SQLite's immutable open would misread is read through its -wal, or
+        refused when that cannot be done without creating a file; an older schema is read
+        without its migrations, and says what a writable copy would gain."""
+        folder = os.path.join(self.home, "db")
+        os.mkdir(folder, 0o700)
+        live, torn = os.path.join(folder, "live.sqlite"), os.path.join(folder, "torn.sqlite")
+        self.db = live
+        self.put_record(UUIDS[0], "checkpointed into the file")
+        store = qmem.Store(live)  # a writer still at work (root, or one from before a chmod)
+        self.addCleanup(store.close)
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[1], "only in the wal")), 2)
+        for end in ("", "-wal"):  # a copy whose -shm is gone
+            with open(live + end, "rb") as f, open(torn + end, "wb") as copy:
+                copy.write(f.read())
+        old_schema_db(os.path.join(folder, "s2.sqlite"), 2, [(UUIDS[2], "schema two")])
+        for version in (3, 4):
+            old_schema_db(os.path.join(folder, "s%d.sqlite" % version), version,
+                          [(UUIDS[version], "schema %d ThreadPool" % version)])
+        for name in os.listdir(folder):
+            os.chmod(os.path.join(folder, name), 0o400)
+        before = sorted(os.listdir(folder))
+        steps = [(["--db", live, "find", "wal", "--json"], {}),
+                 (["--db", torn, "find", "file", "--json"], {})]
+        for version in (2, 3, 4):
+            db = os.path.join(folder, "s%d.sqlite" % version)
+            steps += [(["--db", db, "find", "ThreadPool", "--json"], {}),
+                      (["--db", db, "status", "--json"], {}),
+                      (["--db", db, "export", os.path.join(self.home, "%d.bundle" % version)], {}),
+                      (["--db", db, "doctor", "--offline", "--json"], {})]
+        done, listed = self.run_as_owner(steps, [folder])
+        self.assertEqual(self.finds(done[0]), [UUIDS[1]])
+        self.assertEqual(done[1]["code"], 1)
+        self.assertIn("its torn.sqlite-wal holds a transaction that only a writable open can "
+                      "bring in", done[1]["err"])
+        self.assertIn("too old to be read as it is", done[2]["err"])  # schema 2: no origins
+        self.assertEqual([r["code"] for r in done[2:6]], [1, 1, 1, 0])
+        too_old = {c["name"]: c for c in json.loads(done[5]["out"])["checks"]}["database"]
+        self.assertEqual(too_old["status"], "warn")  # read-only: no failure of the doctor's
+        self.assertIn("chmod u+w", too_old["advice"])
+        for version, at in ((3, 6), (4, 10)):
+            find, status, export, doctor = done[at:at + 4]
+            self.assertEqual(self.finds(find), [UUIDS[version]])
+            self.assertIn("schema %d of an older qmem.py, read as it is" % version, find["err"])
+            self.assertIn("a writable copy would gain", find["err"])
+            self.assertIn("identifiers' parts kept with each record", find["err"])
+            self.assertEqual(json.loads(status["out"])["db"]["schema_version"], version)
+            self.assertEqual(export["code"], 0, export)
+            checks = {c["name"]: c for c in json.loads(doctor["out"])["checks"]}
+            self.assertEqual(checks["schema"]["status"], "warn")
+            self.assertEqual(checks["database"]["status"], "ok")
+        self.assertIn("identifiers found by their parts", done[6]["err"])  # what 4 brings
+        self.assertEqual(listed[folder], before)  # no file made beside any of them
+
+    def finds(self, step):
+        """The ids a `find --json` step of run_as_owner found."""
+        self.assertEqual(step["code"], 0, step)
+        return [r["id"] for r in json.loads(step["out"])["results"]]
 
     def test_two_processes_write_at_once(self):
         qmem.Store(self.db).close()
