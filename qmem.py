@@ -5837,10 +5837,10 @@ def warn_if(name, bad, detail, advice):
 
 def doctor_local(config, config_error=None):
     # The checks that need no network: Python, SQLite, the database, the config, the
-    # breaker, the outbox and the import lag.
+    # breaker, the outbox, the import lag and the folders qmem.py writes in.
     return ([_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
             + _doctor_db_note(config) + _doctor_database(config) + [_doctor_breaker(config)]
-            + _doctor_kept_aside(config))
+            + _doctor_kept_aside(config) + _doctor_folders(config))
 
 
 def _doctor_db_note(config):
@@ -6071,6 +6071,47 @@ def _doctor_breaker(config):
                      "`qmem.py breaker --reset` (or `qmem.py config test`) tries the gateway now")
     return check("breaker", "ok", state["state"] + (" (%d of %d failures counted)" % (
         state["failures"], config["breakerTripAfter"]) if state["failures"] else ""))
+
+
+def _doctor_folders(config):
+    # HOME, and the folders of the config, the database and the breaker's file: each
+    # must take new files (one not made yet: the nearest folder that is, must). A warning
+    # with the fix for each that cannot; not for the database's folder again when the
+    # read-only check named it already.
+    db = config.db_path
+    seen = {read_only_where(db) if os.path.isfile(db) else None}
+    found = []
+    for name, label, folder, why, elsewhere in (
+            ("home", "HOME", config.home, "nothing qmem.py keeps under it can be made or changed",
+             "or run qmem.py with a HOME you can write"),
+            ("config folder", "the config folder", os.path.dirname(os.path.abspath(config.path)),
+             "`qmem.py config` cannot save a setting", "or set QMEM_CONFIG to a file elsewhere"),
+            ("db folder", "the database's folder", os.path.dirname(os.path.realpath(db)),
+             "the database, its -wal and -shm, and texts kept aside cannot be made there",
+             "or use another database: --db PATH or QMEM_SQLITE"),
+            ("breaker folder", "the breaker's folder",
+             os.path.dirname(os.path.abspath(config.breaker_path)),
+             "the breaker's state stays in each process's memory",
+             "or set QMEM_BREAKER_FILE to a file elsewhere")):
+        folder = os.path.abspath(folder)
+        where = _nearest_folder(folder)
+        if where in seen:
+            continue
+        seen.add(where)
+        if not os.access(where, os.W_OK | os.X_OK):
+            facts, fix = unwritable(where)
+            made = "" if where == folder else " cannot be made: %s" % where
+            found.append(check(name, "warn", "%s %s%s cannot be written (%s): %s"
+                               % (label, folder, made, facts, why), fix + elsewhere))
+    return found or [check("folders", "ok", "HOME, and the folders of the config, the database "
+                           "and the breaker, can be written")]
+
+
+def _nearest_folder(path):
+    # path (absolute), or its nearest parent that exists (where it would be made).
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def doctor_link(config, clock=time.time):

@@ -4978,6 +4978,22 @@ class BundleTrustTests(BundleTestCase):
 class DoctorTests(GatewayTestCase):
     """Part 7: doctor names what is wrong, staged one condition at a time."""
 
+    def test_a_home_that_cannot_be_written_is_a_warning_with_the_fix(self):
+        # Part 15: doctor passed a HOME where every write failed.
+        folders = {"folders", "home", "config folder", "db folder", "breaker folder"}
+        checks = [c for c in self.ok_json("doctor", "--offline")["checks"] if c["name"] in folders]
+        self.assertEqual([(c["name"], c["status"]) for c in checks], [("folders", "ok")])
+        os.chmod(self.home, 0o500)
+        self.addCleanup(os.chmod, self.home, 0o700)
+        (done,), _ = self.run_as_owner([(["doctor", "--offline", "--json"], {})])
+        self.assertEqual(done["code"], 0, done)
+        checks = [c for c in json.loads(done["out"])["checks"] if c["name"] in folders]
+        # one warning: the folders of the config, the database and the breaker are not made
+        # yet, and would be made in HOME
+        self.assertEqual([(c["name"], c["status"]) for c in checks], [("home", "warn")])
+        self.assertIn("HOME %s cannot be written (mode 0500" % self.home, checks[0]["detail"])
+        self.assertIn("chmod u+w %s" % self.home, checks[0]["advice"])
+
     def test_a_database_with_pages_overwritten_is_a_failed_check_among_the_others(self):
         # Part 13: doctor stopped with one store error and no other check.
         store = qmem.Store(self.db)
