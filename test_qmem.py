@@ -702,6 +702,7 @@ def old_schema_db(path, version, pairs):
     conn.create_function("qmem_fold", 1, qmem._fold)
     conn.create_function("qmem_words", 1, qmem.identifier_words)
     conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=OFF")  # (a test's file: no fsync)
     conn.execute("BEGIN")
     for n in range(version):
         qmem.MIGRATIONS[n](*((conn, qmem.fts5_tokenizer()) if n == 0 else (conn,)))
@@ -2288,10 +2289,11 @@ class StoreTests(GatewayTestCase):
         self.assertEqual(self.find_ids("vecchio"), [UUIDS[0]])
         self.assertEqual(self.ok_json("doctor", "--offline")["summary"]["fail"], 0)
 
-    def read_only_commands(self, file_mode, folder_mode):
+    def read_only_commands(self, file_mode, folder_mode, more=(), listed=()):
         """Part 15: the database made read-only (its file, or its folder), and every command
         run on it by its owner in one child: those that only read, then those that must
-        write. Returns the steps' results by name and the names left in its folder."""
+        write, then `more` steps (name, argv, env). Returns the steps' results by name, and
+        the names in its folder and in each of `listed` after them."""
         self.db = os.path.join(self.home, "db", "q.sqlite")
         os.environ["QMEM_SQLITE"] = self.db
         self.put_records([(UUIDS[0], "deploy with a blue green switch")])
@@ -2308,7 +2310,8 @@ class StoreTests(GatewayTestCase):
         self.addCleanup(os.chmod, os.path.dirname(self.db), 0o700)
         online = {"QMEM_URL": self.gw.url}
         dead = {"QMEM_URL": "http://127.0.0.1:%d" % closed_port()}
-        steps = [("find", ["find", "deploy", "--json"], {"TMPDIR": os.path.join(self.home, "tmp")}),
+        tmp = {"TMPDIR": os.path.join(self.home, "tmp")}
+        steps = [("find", ["find", "deploy", "--json"], tmp),
                  ("status", ["status", "--json"], {}),
                  ("get local", ["get", UUIDS[0], "--json"], {"QMEM_URL": None}),
                  ("get", ["get", remote, "--json"], online),
@@ -2322,13 +2325,14 @@ class StoreTests(GatewayTestCase):
                  ("pull", ["pull"], {}),
                  ("load", ["load", bundle], {}),
                  ("repair", ["doctor", "--offline", "--repair"], {}),
-                 ("fallback", ["search", "deploy", "--json"], dead)]
-        results, listed = self.run_as_owner([(argv, env) for _, argv, env in steps],
-                                            [os.path.dirname(self.db)])
-        return dict(zip([name for name, _, _ in steps], results)), listed[os.path.dirname(self.db)]
+                 ("fallback", ["search", "deploy", "--json"], dead)] + list(more)
+        results, left = self.run_as_owner([(argv, env) for _, argv, env in steps],
+                                          [os.path.dirname(self.db)] + list(listed))
+        return dict(zip([name for name, _, _ in steps], results)), left
 
-    def assert_read_only_database_used(self, done, left, where):
+    def assert_read_only_database_used(self, done, listed, where):
         """What read_only_commands must find, whichever of the two was made read-only."""
+        left = listed[os.path.dirname(self.db)]
         for name in ("find", "status", "get local", "get", "search", "not kept", "export",
                      "queue", "doctor", "fallback"):
             self.assertEqual(done[name]["code"], 0, (name, done[name]))
@@ -2370,24 +2374,27 @@ class StoreTests(GatewayTestCase):
 
     def test_a_read_only_database_file_is_read_and_never_written(self):
         # Part 15: doctor called a 0400 database damaged and left a 0400 -shm and -wal
-        # beside it (which then failed every write, once the file was writable again).
-        done, left = self.read_only_commands(0o400, 0o700)
-        self.assert_read_only_database_used(done, left, self.db)
+        # beside it (which then failed every write, once the file was writable again). In
+        # the same child: the databases of older_and_live_databases.
+        steps, folder, before = self.older_and_live_databases()
+        done, listed = self.read_only_commands(0o400, 0o700, steps, [folder])
+        self.assert_read_only_database_used(done, listed, self.db)
+        self.assert_older_and_live_databases_read([done[name] for name, _, _ in steps])
+        self.assertEqual(listed[folder], before)  # no file made beside any of them
 
     def test_a_database_in_a_read_only_folder_is_read_and_never_written(self):
         # Part 15: find and status failed ("cannot open local database ... for writing").
-        done, left = self.read_only_commands(0o600, 0o500)
-        self.assert_read_only_database_used(done, left, os.path.dirname(self.db))
+        done, listed = self.read_only_commands(0o600, 0o500)
+        self.assert_read_only_database_used(done, listed, os.path.dirname(self.db))
 
-    def test_a_read_only_database_is_read_as_it_is_commits_in_its_wal_and_older_schemas(self):
-        """Part 15: what SQLite's immutable open would misread is read through its -wal, or
-        refused when that cannot be done without creating a file; an older schema is read
-        without its migrations, and says what a writable copy would gain."""
-        folder = os.path.join(self.home, "db")
+    def older_and_live_databases(self):
+        """Part 15: read-only databases (0400) that SQLite's immutable open would misread
+        (commits still in their -wal), and of older schemas (2, 3, 4), in a folder of their
+        own: the steps that read them, the folder, and the names in it."""
+        folder = os.path.join(self.home, "older")
         os.mkdir(folder, 0o700)
         live, torn = os.path.join(folder, "live.sqlite"), os.path.join(folder, "torn.sqlite")
-        self.db = live
-        self.put_record(UUIDS[0], "checkpointed into the file")
+        qmem.Store(live).close()
         store = qmem.Store(live)  # a writer still at work (root, or one from before a chmod)
         self.addCleanup(store.close)
         with store.transaction():
@@ -2401,16 +2408,20 @@ class StoreTests(GatewayTestCase):
                           [(UUIDS[version], "schema %d ThreadPool" % version)])
         for name in os.listdir(folder):
             os.chmod(os.path.join(folder, name), 0o400)
-        before = sorted(os.listdir(folder))
-        steps = [(["--db", live, "find", "wal", "--json"], {}),
-                 (["--db", torn, "find", "file", "--json"], {})]
+        steps = [("live", ["--db", live, "find", "wal", "--json"], {}),
+                 ("torn", ["--db", torn, "find", "file", "--json"], {})]
         for version in (2, 3, 4):
             db = os.path.join(folder, "s%d.sqlite" % version)
-            steps += [(["--db", db, "find", "ThreadPool", "--json"], {}),
-                      (["--db", db, "status", "--json"], {}),
-                      (["--db", db, "export", os.path.join(self.home, "%d.bundle" % version)], {}),
-                      (["--db", db, "doctor", "--offline", "--json"], {})]
-        done, listed = self.run_as_owner(steps, [folder])
+            steps += [("%d %s" % (version, argv[0]), ["--db", db] + argv, {}) for argv in (
+                ["find", "ThreadPool", "--json"], ["status", "--json"],
+                ["export", os.path.join(self.home, "tmp", "%d.bundle" % version)],
+                ["doctor", "--offline", "--json"])]
+        return steps, folder, sorted(os.listdir(folder))
+
+    def assert_older_and_live_databases_read(self, done):
+        """What the steps of older_and_live_databases must find: what is in a -wal read
+        through it, or refused when that cannot be done without creating a file; an older
+        schema read without its migrations, saying what a writable copy would gain."""
         self.assertEqual(self.finds(done[0]), [UUIDS[1]])
         self.assertEqual(done[1]["code"], 1)
         self.assertIn("its torn.sqlite-wal holds a transaction that only a writable open can "
@@ -2432,7 +2443,6 @@ class StoreTests(GatewayTestCase):
             self.assertEqual(checks["schema"]["status"], "warn")
             self.assertEqual(checks["database"]["status"], "ok")
         self.assertIn("identifiers found by their parts", done[6]["err"])  # what 4 brings
-        self.assertEqual(listed[folder], before)  # no file made beside any of them
 
     def finds(self, step):
         """The ids a `find --json` step of run_as_owner found."""
