@@ -2402,29 +2402,35 @@ def _read_only_uri(path):
         # both files, creates none, and takes its usual locks: it reads the commits that
         # are still in the -wal, and sees those of a writer at work (one that opened the
         # database before its mode changed, or root). A -shm it cannot write is read into
-        # private memory instead (SQLite 3.22+).
+        # private memory instead (SQLite 3.22+; an older one says it cannot open it).
         return uri + "mode=ro"
-    try:
-        wal_frames = os.stat(wal).st_size > 0
-    except FileNotFoundError:
-        wal_frames = False
-    if wal_frames or os.path.exists(real + "-journal"):
-        # Commits in a -wal whose -shm is gone (mode=ro would have to create it), or a
-        # rollback journal (a transaction to undo): only a writable open can bring them in,
-        # and immutable=1 would read the database without them.
-        raise read_only_error(path, problem="its %s holds a transaction that only a writable "
-                              "open can bring in (then any command reads it)"
-                              % os.path.basename(wal if wal_frames else real + "-journal"))
-    # immutable=1: no -wal (or an empty one) and no journal, so the database file alone
+    for held in (wal, real + "-journal"):
+        if _size(held):
+            # Commits in a -wal whose -shm is gone (mode=ro would have to create it), or a
+            # rollback journal (a transaction to undo): only a writable open can bring them
+            # in, and immutable=1 would read the database without them.
+            raise read_only_error(path, problem="its %s holds a transaction that only a "
+                                  "writable open can bring in (then any command reads it)"
+                                  % os.path.basename(held))
+    # immutable=1: no -wal or journal (or empty ones), so the database file alone
     # holds every commit, and SQLite reads it without locks and without making a -wal or
-    # -shm. Right only because nobody can change the file meanwhile: this user cannot write
-    # it (or create the -wal a write needs in its folder), other users cannot either
-    # (_check_private refused a file or folder they may write), and a connection opened
-    # before the mode changed would have its -wal and -shm beside it (the case above).
-    # What remains: root, or a writer of a database left in rollback mode (qmem.py makes
-    # each WAL: _migrate) that opened it before its mode changed. A read then sees at
-    # worst a page half written: an error or a stale answer, never a write.
+    # -shm (SQLite 3.8+). Right only because nobody can change the file meanwhile: this
+    # user cannot write it (or create in its folder the -wal, or the -journal, that a
+    # write needs), other users cannot either (_check_private refused a file or folder they
+    # may write), and a connection opened before the mode changed would have its -wal and
+    # -shm beside it (the case above). What remains: root, or a writer that opened before
+    # its mode changed a database left in rollback mode (qmem.py makes each WAL: _migrate).
+    # A read then sees at worst a page half written: an error or a stale answer, never a
+    # write.
     return uri + "immutable=1"
+
+
+def _size(path):
+    # The size of a file, 0 when there is none.
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _create_private(path):
