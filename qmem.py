@@ -2303,12 +2303,20 @@ _INSERT_SQL, _UPDATE_SQL, _MERGE_SQL = _merge_sql()
 BUSY_TIMEOUT_S = 10.0
 
 
-def store_error(e, path):
-    # A sqlite3 error as the StoreError a user can act on.
+def is_busy(e):
+    # SQLite's SQLITE_BUSY ('database is locked') or SQLITE_LOCKED ('... table is locked').
     text = str(e)
-    if "locked" in text or "busy" in text:
-        return StoreError("local database busy: %s is held by another process for more than %g s"
-                          % (path, BUSY_TIMEOUT_S), hint="try again in a moment", kind="store_busy")
+    return "locked" in text or "busy" in text
+
+
+def store_error(e, path, waited=None):
+    # A sqlite3 error as the StoreError a user can act on. waited: the seconds this
+    # command waited for a busy database (patiently() measures them).
+    text = str(e)
+    if is_busy(e):
+        return StoreError("local database busy: %s is held by another process%s" % (
+            path, "" if waited is None else " (waited %.1f s)" % waited),
+            hint="try again in a moment", kind="store_busy")
     if "full" in text:
         return StoreError("local database full: no room left for %s (%s)" % (path, text),
                           hint="free some disk space, then try again", kind="store_full")
@@ -2433,6 +2441,30 @@ def _size(path):
         return 0
 
 
+def patiently(path, attempt):
+    # attempt(), tried again while SQLite answers busy, for at most BUSY_TIMEOUT_S from
+    # the start of the try that met the first busy answer; then the busy StoreError, with
+    # how long it waited. Most busy answers come after SQLite's busy handler waited for
+    # the lock; some come at once, whatever the busy timeout, and are waited out here like
+    # those: a read transaction that would turn into a write after another process wrote
+    # (reliability.md §4.1), as PRAGMA journal_mode=WAL does inside SQLite while another
+    # process sets up a new database. Every other error leaves as it came.
+    since, pause = None, 0.001
+    while True:
+        began = time.monotonic()
+        try:
+            return attempt()
+        except sqlite3.Error as e:
+            if not is_busy(e):
+                raise
+            since = began if since is None else since
+            waited = time.monotonic() - since
+            if waited >= BUSY_TIMEOUT_S:
+                raise store_error(e, path, waited)
+        time.sleep(min(pause, BUSY_TIMEOUT_S - waited))
+        pause = min(pause * 2, 0.05)
+
+
 def _create_private(path):
     # A new, empty database file, 0600 from its creation (SQLite gives its -wal and
     # -shm files the same mode), in folders made 0700. O_EXCL: never a file that exists
@@ -2534,19 +2566,7 @@ class Store:
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
         self.known = None         # bulk load: hashes of every id in the table
         try:
-            version = self._check_ours()
-            if version < SCHEMA_VERSION and self.read_only:
-                self._read_as_it_is(version)
-            elif version < SCHEMA_VERSION:
-                self._migrate(version)
-                version = SCHEMA_VERSION
-            self.version = version  # (older only when read-only: _read_as_it_is)
-            self.conn.execute("PRAGMA synchronous=FULL")
-            self.fts = self.meta("fts") != "none"
-            self.see_index()
-            self.folded = self.meta("folded") == "1"  # (no FTS5) records.folded is kept
-            if self.meta("secrets_masked") != SECRETS_MASKED and not self.read_only:
-                self._mask_stored_secrets()
+            patiently(path, self._set_up)
         except sqlite3.Error as e:
             self.conn.close()
             if "not a database" in str(e):  # SQLite read the header and wrote nothing
@@ -2556,6 +2576,22 @@ class Store:
         except StoreError:
             self.conn.close()
             raise
+
+    def _set_up(self):
+        # Check, migrate and read the database (again, whole, after a busy answer).
+        version = self._check_ours()
+        if version < SCHEMA_VERSION and self.read_only:
+            self._read_as_it_is(version)
+        elif version < SCHEMA_VERSION:
+            self._migrate(version)
+            version = SCHEMA_VERSION
+        self.version = version  # (older only when read-only: _read_as_it_is)
+        self.conn.execute("PRAGMA synchronous=FULL")
+        self.fts = self.meta("fts") != "none"
+        self.see_index()
+        self.folded = self.meta("folded") == "1"  # (no FTS5) records.folded is kept
+        if self.meta("secrets_masked") != SECRETS_MASKED and not self.read_only:
+            self._mask_stored_secrets()
 
     def _check_ours(self):
         # The schema version of a database this qmem.py may use; StoreError for one of
@@ -2657,6 +2693,19 @@ class Store:
 
     def transaction(self):
         return _Transaction(self)
+
+    def begin(self):
+        # BEGIN IMMEDIATE (every transaction that writes), waited for patiently().
+        patiently(self.path, self._begin)
+
+    def _begin(self):
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            if getattr(self, "fts_words", True) is False:  # made anew since we looked?
+                self.see_index()
+        except sqlite3.Error:
+            self.conn.execute("ROLLBACK")
+            raise
 
     def snapshot(self):
         # A read transaction: every query inside sees the database as it was at the first.
@@ -3253,25 +3302,23 @@ class _Transaction:
         if getattr(self.store, "read_only", None):  # never begun: it could only fail
             raise read_only_error(self.store.path, self.store.read_only)
         try:
-            self.conn.execute("BEGIN IMMEDIATE")
-            if getattr(self.store, "fts_words", True) is False:  # made anew since we looked?
-                self.store.see_index()
-        except sqlite3.OperationalError as e:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
+            self.store.begin()
+        except sqlite3.Error as e:
             raise store_error(e, self.store.path)
         return self.conn
 
     def __exit__(self, exc_type, exc, tb):
+        waited = None  # (a busy COMMIT: how long SQLite waited for the readers to end)
         try:
             if exc_type is None:
+                began = time.monotonic()
                 self.conn.execute("COMMIT")
         except sqlite3.Error as e:
-            exc_type, exc = type(e), e
+            exc_type, exc, waited = type(e), e, time.monotonic() - began
         if exc_type is not None and self.conn.in_transaction:
             self.conn.execute("ROLLBACK")
         if isinstance(exc, sqlite3.Error):
-            raise store_error(exc, self.store.path) from exc
+            raise store_error(exc, self.store.path, waited) from exc
         return False
 
 
@@ -3643,7 +3690,7 @@ class Importer:
             self.stats.files_not_sessions += 1
             warn("skipped %s: not a pi session file (line 1 is not a session header)" % path)
         if self.writer is None and not conn.in_transaction:
-            conn.execute("BEGIN IMMEDIATE")
+            self.store.begin()
             self.batch_started = time.monotonic()
         self._pair(results, calls)
         # Calls still waiting for their result are kept: the file may grow.
@@ -3948,7 +3995,7 @@ def _writer_main(db_path):
     try:
         for job in frames(sys.stdin.buffer):
             if not conn.in_transaction:
-                conn.execute("BEGIN IMMEDIATE")
+                store.begin()
                 started = time.monotonic()
             _apply_file(store, job, stats)
             if time.monotonic() - started > BATCH_S:
