@@ -2309,6 +2309,22 @@ def is_busy(e):
     return "locked" in text or "busy" in text
 
 
+# What SQLite says of a database whose pages or text index are damaged (FTS5 says it in
+# its own words: a shadow table gone or overwritten).
+_DAMAGED = LazyPattern(r"malformed|corrupt|vtable constructor failed|invalid fts5 file format"
+                       r"|^SQL logic error")
+REBUILD_ADVICE = ("move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export "
+                  "the outbox first if you can: `qmem.py export --outbox-only FILE`)")
+REPAIR_ADVICE = ("run `qmem.py doctor --repair` (REINDEX and a rebuild of the text index, inside "
+                 "SQLite); if that does not mend it, " + REBUILD_ADVICE)
+
+
+def damaged(path):
+    # What every command says of a damaged database (doctor adds what it found).
+    return StoreError("local database %s is damaged" % path, hint=REPAIR_ADVICE,
+                      kind="store_damaged")
+
+
 def store_error(e, path, waited=None):
     # A sqlite3 error as the StoreError a user can act on. waited: the seconds this
     # command waited for a busy database (patiently() measures them).
@@ -2317,6 +2333,8 @@ def store_error(e, path, waited=None):
         return StoreError("local database busy: %s is held by another process%s" % (
             path, "" if waited is None else " (waited %.1f s)" % waited),
             hint="try again in a moment", kind="store_busy")
+    if _DAMAGED.search(text):  # one plain sentence, whatever SQLite's words were
+        return damaged(path)
     if "full" in text:
         return StoreError("local database full: no room left for %s (%s)" % (path, text),
                           hint="free some disk space, then try again", kind="store_full")
@@ -5971,16 +5989,13 @@ def _doctor_database(config):
     try:
         return _doctor_open_store(store, config["url"])
     except (StoreError, sqlite3.Error) as e:  # past what integrity_check could list
-        why = e.message if isinstance(e, StoreError) else str(e)
-        return [check("database", "fail", "%s is damaged (%s)" % (path, why),
-                      "run `qmem.py doctor --repair`; if that does not mend it, " + REBUILD_ADVICE)]
+        err = e if isinstance(e, StoreError) else store_error(e, path)
+        return [check("database", "fail", err.message, err.hint)]
     finally:
         store.close()
 
 
 INTEGRITY_BUDGET_S = 30.0  # doctor's integrity check: a larger index is said to be unchecked
-REBUILD_ADVICE = ("move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export "
-                  "the outbox first if you can: `qmem.py export --outbox-only FILE`)")
 
 
 def repair_database(config):
@@ -6008,10 +6023,9 @@ def _doctor_open_store(store, url):
     mode = store.journal_mode()
     if verdict == "damaged":
         more = "; %d more" % (len(findings) - 1) if len(findings) > 1 else ""
-        found.append(check("database", "fail", "%s is damaged (integrity_check: %s%s)" % (
-            store.path, visible(findings[0])[:200], more), "run `qmem.py doctor --repair` (REINDEX "
-            "and a rebuild of the text index, inside SQLite); if that does not mend it, "
-            + REBUILD_ADVICE))
+        err = damaged(store.path)
+        found.append(check("database", "fail", "%s (integrity_check: %s%s)" % (
+            err.message, visible(findings[0])[:200], more), err.hint))
     elif verdict == "unfinished":
         found.append(check("database", "warn", "%s: the integrity check did not finish within %d s "
                            "(a busy machine, or another process writing)"
@@ -7308,8 +7322,9 @@ class Operations:
             if self.has_index():  # a local id of a write delivered since: its gateway id
                 rid = self.store().current_id(rid)
                 local = self.store().get(rid)
-        except StoreError as e:  # the gateway can still answer
-            warn("the local index cannot be read (%s): asking the gateway only" % e.message)
+        except (StoreError, sqlite3.Error) as e:  # the gateway can still answer
+            err = e if isinstance(e, StoreError) else store_error(e, self.config.db_path)
+            warn("the local index cannot be read (%s): asking the gateway only" % err.message)
         if local is not None and (local["pending"] or local["failed"]):
             # Written here and still queued (or refused): the gateway does not know this id.
             record = _record_out(local)
@@ -7373,7 +7388,8 @@ class Operations:
             if not store.read_only:
                 store.merge_seen(records, view)
         except (StoreError, sqlite3.Error) as e:
-            warn("the local index could not keep this answer: %s" % getattr(e, "message", e))
+            err = e if isinstance(e, StoreError) else store_error(e, self.config.db_path)
+            warn("the local index could not keep this answer: %s" % err.message)
 
     def meta(self, require_remote=False):
         # What the memory holds; from the local index (labelled) when the gateway cannot say.
@@ -9862,7 +9878,7 @@ def _run_writer(db_path):
              "import`)")
         return EXIT_USAGE
     except sqlite3.Error as e:
-        warn("cannot write %s: %s" % (db_path, e))
+        warn(str(store_error(e, db_path)))
         return EXIT_FAIL
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

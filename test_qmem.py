@@ -1848,6 +1848,14 @@ class GatewayClientTests(GatewayTestCase):
 # === Local store =============================================================
 
 
+def damage_the_text_index(db):
+    """The text index's own table gone (FTS5's 'vtable constructor failed' from then on)."""
+    conn = sqlite3.connect(db)
+    conn.execute("DROP TABLE records_index_data")
+    conn.commit()
+    conn.close()
+
+
 class StoreTests(GatewayTestCase):
     """The database file: its schema, its merge rule, its locks, and files it must not touch."""
 
@@ -2461,6 +2469,40 @@ class StoreTests(GatewayTestCase):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
         self.assertEqual(store.conn.execute("SELECT count(*) FROM records").fetchone()[0], 400)
+
+    def test_a_damaged_database_is_one_plain_sentence_from_every_command(self):
+        # Part 15: some commands said SQLite's words ("vtable constructor failed:
+        # records_index", "database disk image is malformed"), doctor its own.
+        self.no_gateway()
+        self.put_records([(UUIDS[n], "ricordo numero %d" % n) for n in range(100)])
+        session = Session(self.sessions, "s.jsonl")
+        session.store(record(UUIDS[150], "dalla sessione"))
+        session.write()
+        said = "qmem: local database %s is damaged" % self.db
+        damage_the_text_index(self.db)
+        for argv in (["find", "ricordo"], ["store", "un altro", "--project", "p"]):
+            err = self.expect_fail(1, *argv)
+            self.assertTrue(err.startswith(said), err)
+            self.assertIn("run `qmem.py doctor --repair`", err)
+        self.assertEqual(json.loads(self.run_cli("find", "ricordo", "--json")[1])["error"]["kind"],
+                         "store_damaged")
+        code, out, err = self.run_cli("doctor", "--offline")
+        self.assertIn("FAIL  database        local database %s is damaged (integrity_check: "
+                      % self.db, out)
+        # and the records' own pages overwritten (a failing disk)
+        conn = sqlite3.connect(self.db)
+        root, size = conn.execute("SELECT rootpage, (SELECT page_size FROM pragma_page_size) "
+                                  "FROM sqlite_master WHERE name='records'").fetchone()
+        conn.close()
+        with open(self.db, "r+b") as f:
+            f.seek((root - 1) * size)
+            f.write(b"\xa5" * size)
+        for argv in (["status"], ["export", os.path.join(self.home, "b")], ["import"]):
+            err = self.expect_fail(1, *argv)
+            self.assertTrue(err.startswith(said), (argv, err))
+        err = self.expect_fail(1, "get", UUIDS[0])
+        self.assertIn("the local index cannot be read (local database %s is damaged)" % self.db,
+                      err)
 
     # -- commands at the same instant on a new database (part 15)
     def setting_up(self):
@@ -6675,6 +6717,17 @@ class McpToolTests(McpTestCase):
             "[REFUSED by the gateway, never stored: text too vague] vague idea"),
             found["results"][0])
         self.assertEqual(server.close(), 0)
+
+    def test_a_damaged_database_is_said_as_the_command_line_says_it(self):
+        # Part 15: qmem_find said SQLite's own words (vtable constructor failed).
+        self.put_record(UUIDS[0], "ricordo")
+        damage_the_text_index(self.db)
+        result = self.server().call("qmem_find", query="ricordo", project_id="*")
+        self.assertIs(result["isError"], True)
+        self.assertEqual(result["structuredContent"]["error"], "store_damaged")
+        self.assertTrue(result["structuredContent"]["note"].startswith(
+            "local database %s is damaged. Next: run `qmem.py doctor --repair`" % self.db),
+            result["structuredContent"]["note"])
 
     def test_bad_arguments_are_results_that_say_what_to_do(self):
         server = self.server()
