@@ -689,7 +689,7 @@ def another_programs(path):
     known = _JUDGED.get(real)
     if known is not None and known[0] == state:  # unchanged since it was judged
         return known[1]
-    schema = _read_schema(real, in_use=state[1] is not None and state[2])
+    schema = _read_schema(real)
     if schema is None:
         return None  # (not kept: a failed read proves nothing)
     tables = schema[1] if is_another_programs(*schema) else None
@@ -717,18 +717,58 @@ def _file_state(path):
     return tuple(found) + (os.path.exists(path + "-shm"),)
 
 
-def _read_schema(path, in_use):
-    # (PRAGMA user_version, the names of its tables) of a SQLite database, or None when it
-    # cannot be read: read without changing it or making a file beside it (see the rule at
-    # the top of the Local store section). SQLite makes -wal and -shm to read a WAL
-    # database, even with mode=ro, unless both are there (in_use: its program is using it,
-    # or left them): then mode=ro reads it as its writers see it. Otherwise immutable=1
-    # reads the file alone, without locks: a write under way may make that read fail.
-    # (mode=ro with it: a SQLite older than 3.8 ignores immutable.)
-    query = "mode=ro" if in_use else "mode=ro&immutable=1"
+def read_only_uri(path):
+    # The URI that reads the SQLite database at path as it is, creating no file beside it
+    # (a plain open would make a -wal and a -shm of the database's own mode: 0400 files
+    # that, once the owner makes the database writable again, make every write of theirs
+    # fail; or fail where the folder takes no new file); None where only a writable open
+    # can read it whole. SQLite keeps -wal and -shm beside a symlink's target.
+    real = os.path.realpath(path)
+    wal = real + "-wal"
+    if os.path.exists(wal) and os.path.exists(real + "-shm"):
+        # mode=ro: a WAL database in use, or left so by a process that died. SQLite finds
+        # both files, creates none, and takes its usual locks: it reads the commits that
+        # are still in the -wal, and sees those of a writer at work (one that opened the
+        # database before its mode changed, or root). A -shm it cannot write is read into
+        # private memory instead (SQLite 3.22+; an older one says it cannot open it).
+        return sqlite_uri(real, "mode=ro")
+    if _size(wal) or _size(real + "-journal"):
+        # Commits in a -wal whose -shm is gone (mode=ro would have to create it), or a
+        # rollback journal (a transaction to undo): only a writable open can bring them
+        # in, and immutable=1 would read the database without them.
+        return None
+    # immutable=1: no -wal or journal (or empty ones), so the database file alone holds
+    # every commit, and SQLite reads it without locks and without making a -wal or -shm
+    # (SQLite 3.8+; mode=ro with it for an older one, which ignores immutable). Right only
+    # where nobody changes the file meanwhile. For a database this user cannot write
+    # (Store): other users cannot either (_check_private refused a file or folder they may
+    # write), and a connection opened before the mode changed would have its -wal and -shm
+    # beside it (the case above); what remains is root, or a writer that opened, before its
+    # mode changed, a database left in rollback mode (qmem.py makes each WAL: _migrate).
+    # For another program's database (another_programs), a write under way may make the
+    # read fail. Either way a read sees at worst a page half written: an error or a stale
+    # answer, never a write.
+    return sqlite_uri(real, "mode=ro&immutable=1")
+
+
+def _size(path):
+    # The size of a file, 0 when there is none.
     try:
-        conn = sqlite3.connect(sqlite_uri(path, query), timeout=1.0, uri=True)
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _read_schema(path):
+    # (PRAGMA user_version, the names of its tables) of a SQLite database, or None when it
+    # cannot be read: read without changing it or making a file beside it (read_only_uri;
+    # see the rule at the top of the Local store section).
+    uri = read_only_uri(path)
+    try:
+        conn = sqlite3.connect(uri, timeout=1.0, uri=True) if uri else None
     except sqlite3.Error:
+        return None
+    if conn is None:
         return None
     try:
         version = conn.execute("PRAGMA user_version").fetchone()[0]
@@ -2413,52 +2453,6 @@ def _owner(uid):
         return "uid %d" % uid
 
 
-def _read_only_uri(path):
-    # The URI that opens a database this process cannot write (read_only_where), to read
-    # it as it is, creating no file beside it: a plain open would make a -wal and a -shm of
-    # the database's own mode (0400 files that, once the owner makes the database writable
-    # again, make every write of theirs fail), or fail where the folder takes no new file.
-    # SQLite keeps them beside a symlink's target.
-    from urllib.parse import quote
-    real = os.path.realpath(path)
-    uri = "file:%s?" % quote(real)
-    wal = real + "-wal"
-    if os.path.exists(wal) and os.path.exists(real + "-shm"):
-        # mode=ro: a WAL database in use, or left so by a process that died. SQLite finds
-        # both files, creates none, and takes its usual locks: it reads the commits that
-        # are still in the -wal, and sees those of a writer at work (one that opened the
-        # database before its mode changed, or root). A -shm it cannot write is read into
-        # private memory instead (SQLite 3.22+; an older one says it cannot open it).
-        return uri + "mode=ro"
-    for held in (wal, real + "-journal"):
-        if _size(held):
-            # Commits in a -wal whose -shm is gone (mode=ro would have to create it), or a
-            # rollback journal (a transaction to undo): only a writable open can bring them
-            # in, and immutable=1 would read the database without them.
-            raise read_only_error(path, problem="its %s holds a transaction that only a "
-                                  "writable open can bring in (then any command reads it)"
-                                  % os.path.basename(held))
-    # immutable=1: no -wal or journal (or empty ones), so the database file alone
-    # holds every commit, and SQLite reads it without locks and without making a -wal or
-    # -shm (SQLite 3.8+). Right only because nobody can change the file meanwhile: this
-    # user cannot write it (or create in its folder the -wal, or the -journal, that a
-    # write needs), other users cannot either (_check_private refused a file or folder they
-    # may write), and a connection opened before the mode changed would have its -wal and
-    # -shm beside it (the case above). What remains: root, or a writer that opened before
-    # its mode changed a database left in rollback mode (qmem.py makes each WAL: _migrate).
-    # A read then sees at worst a page half written: an error or a stale answer, never a
-    # write.
-    return uri + "immutable=1"
-
-
-def _size(path):
-    # The size of a file, 0 when there is none.
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return 0
-
-
 def patiently(path, attempt):
     # attempt(), tried again while SQLite answers busy, for at most BUSY_TIMEOUT_S from
     # the start of the try that met the first busy answer; then the busy StoreError, with
@@ -2563,16 +2557,22 @@ class Store:
         if tables is not None:
             raise not_ours(path, tables)
         # None, or what keeps this process from writing the database (the file, or the
-        # folder of its -wal and -shm): then it is only read, as it is (_read_only_uri), and
+        # folder of its -wal and -shm): then it is only read, as it is (read_only_uri), and
         # every transaction is refused with the read-only error.
         self.read_only = read_only_where(path)
+        uri = read_only_uri(path) if self.read_only else None
+        if self.read_only and uri is None:
+            held = "-wal" if _size(os.path.realpath(path) + "-wal") else "-journal"
+            raise read_only_error(path, problem="its %s holds a transaction that only a writable "
+                                  "open can bring in (then any command reads it)"
+                                  % os.path.basename(os.path.realpath(path) + held))
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
         # the one style that behaves the same on every Python (reliability.md §4.1). The
         # timeout is SQLite's busy timeout (every Python's connect sets it: no PRAGMA needed).
         try:
             if self.read_only:
-                self.conn = sqlite3.connect(_read_only_uri(path), uri=True,
-                                            timeout=BUSY_TIMEOUT_S, isolation_level=None)
+                self.conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S,
+                                            isolation_level=None)
             else:
                 self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
         except sqlite3.Error as e:
