@@ -5728,6 +5728,10 @@ def _merge_record(store, rec, view, trust, stats, now):
     outcome = store.upsert(rec, view, now)
     if outcome == "new":
         store.set_origin([rec["id"]], ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED)
+    elif outcome == "updated" and origin == ORIGIN_HERE:
+        # What a signed bundle changed of a record known here (from a search hit, say) is
+        # the bundle's view now: the gateway's next complete view replaces it whole.
+        store.set_origin([rec["id"]], ORIGIN_SIGNED)
     stats.records_new += outcome == "new"
     stats.records_updated += outcome == "updated"
     stats.records_unchanged += outcome == "same"

@@ -5120,6 +5120,65 @@ class BundleTrustTests(BundleTestCase):
         out = os.path.join(self.home, "b.bundle")
         self.assertEqual(self.ok_json("export", out)["counts"], {"records": 0, "outbox": 0})
 
+    def test_the_gateways_answer_replaces_a_bundles_view_however_the_record_was_first_known(self):
+        """Part 15: a record first known here (from a search hit, say) took a signed bundle's
+        view without being marked the bundle's, so the gateway's complete view (get, pull)
+        no longer replaced it. The table: first known by a search hit, a get, a pull, an
+        import or nothing; then a bundle (unsigned, or signed) views it otherwise; then the
+        gateway answers by a get, a search hit or a pull (a signed bundle's complete view
+        gives way to a complete one only): the record here is the gateway's view, of origin
+        here. (The unsigned rows held before; the signed ones after a search hit, a get, a
+        pull or an import did not.)"""
+        firsts, answers = ("hit", "get", "pull", "import", "nothing"), ("get", "hit", "pull")
+        cases = [(f, trust, a) for f in firsts for trust in ("unsigned", "signed")
+                 for a in answers if not (trust == "signed" and a == "hit")]
+        self.host("b", True)
+        made = {}
+        for stage in ("pulled first", "the others"):
+            for case in cases:
+                if (case[0] == "pull") == (stage == "pulled first"):
+                    made[case] = self.gw.add("memoria primo%s %s risposta%s" % case,
+                                             agent_id="pi", source="sessione")["id"]
+            if stage == "pulled first":
+                self.ok("pull")
+        ops = qmem.Operations(qmem.load_config())  # what `search` and `get` run (and faster)
+        self.addCleanup(ops.close)
+        ops.search("primohit")
+        session = Session(self.sessions, "s.jsonl")
+        for (first, _, _), rid in made.items():
+            if first == "get":
+                ops.get(rid)
+            elif first == "import":
+                session.store(self.gw.records[rid])
+        session.write()
+        self.ok("import")
+        for trust, key in (("unsigned", None), ("signed", BUNDLE_KEY)):
+            views = [dict(self.gw.records[rid], type="record", view=2, text="falsa", kind="episode",
+                          agent_id="altro", source="altro", updated_at="2099-01-01T00:00:00.000Z",
+                          deleted_at="2099-01-01T00:00:00.000Z")
+                     for case, rid in made.items() if case[1] == trust]
+            self.ok("load", self.crafted(views, key=key))
+        for case, rid in made.items():
+            if case[2] == "get":
+                ops.get(rid)
+        ops.search("rispostahit")
+        self.assert_the_gateways([c for c in cases if c[2] != "pull"], made)
+        self.ok("pull", "--full")
+        self.assert_the_gateways([c for c in cases if c[2] == "pull"], made)
+
+    def assert_the_gateways(self, cases, made):
+        store = qmem.Store(os.environ["QMEM_SQLITE"])
+        try:
+            for case in cases:
+                rid = made[case]
+                here, want = store.get(rid), qmem.normalize_record(self.gw.records[rid])
+                want["private"] = bool(want["private"])
+                self.assertEqual({f: here[f] for f in qmem.FIELDS},
+                                 {f: want[f] for f in qmem.FIELDS}, case)
+                self.assertEqual(store.origin_of(rid), qmem.ORIGIN_HERE, case)
+        finally:
+            store.close()
+
     def test_the_bundle_key_is_made_once_read_from_stdin_and_always_masked(self):
         os.environ["QMEM_CONFIG"] = os.path.join(self.home, "new.json")
         doc = self.ok_json("config", "bundle-key", "--new")
