@@ -2868,7 +2868,7 @@ class Store:
         op = row.get("op") if row.get("op") in ("store", "correct") else "store"
         self.conn.execute("INSERT OR IGNORE INTO outbox(id, op, payload, created_at, state, "
                           "last_status, last_error, done_at) VALUES(?, ?, ?, ?, 'failed', 0, ?, ?)",
-                          (local_id, op, row["payload"],
+                          (local_id, op, text_of(row["payload"]),  # (kept, never sent)
                            created if 0 < created < 1e11 else time.time(),
                            "refused when loaded here: %s" % reason[:300], time.time()))
 
@@ -4782,7 +4782,7 @@ def check_outbox_room(store, size, max_mb, held=False):
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
     # Inside a transaction: an outbox row and the local record of its write (marked
     # waiting, or refused for a failed row); a correction hides its target at once.
-    payload = without_surrogates(json.loads(payload_text))  # a bundle's payload may spell one
+    payload = json.loads(payload_text)  # (valid UTF-8: a loaded write was checked)
     target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
     store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, "
                        "done_at) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
@@ -5516,8 +5516,10 @@ def bundle_items(path):
             except BundleError:
                 yield None
                 continue
-            # only a JSON escape can spell one
-            if b"\\u" in line and _ESCAPED_SURROGATE.search(line):
+            # only a JSON escape can spell one; a record is cleaned as the gateway's answers
+            # are, an outbox row's write is judged as it was written (rebuilt_write)
+            if (b"\\u" in line and obj.get("type") == "record"
+                    and _ESCAPED_SURROGATE.search(line)):
                 try:
                     obj = without_surrogates(obj)
                 except RecursionError:
@@ -5528,11 +5530,11 @@ def bundle_items(path):
 
 
 def header_text(value):
-    # A header's words as they may be shown: one line, bounded (a newline in a machine
-    # name must not print a forged line).
+    # A header's words as they may be shown and kept: one line, bounded (a newline in a
+    # machine name must not print a forged line), lone surrogates as U+FFFD.
     if not isinstance(value, str):
         return None
-    return value.replace("\r", "\\r").replace("\n", "\\n")[:200]
+    return text_of(value).replace("\r", "\\r").replace("\n", "\\n")[:200]
 
 
 def _open_bundle(path):
@@ -5754,7 +5756,7 @@ def rebuilt_write(row):
     # and bounds of `store` (an expiry judged against when the write was made); ValueError
     # names what is wrong. Fields qmem does not write are dropped.
     try:
-        body, created = without_surrogates(json.loads(row["payload"])), row.get("created_at")
+        body, created = json.loads(row["payload"]), row.get("created_at")
     except (TypeError, ValueError, RecursionError, KeyError):
         raise ValueError("not a write of qmem.py")
     if isinstance(created, bool) or not isinstance(created, (int, float)):
@@ -5768,6 +5770,13 @@ def rebuilt_write(row):
         raise ValueError("a correction names what it corrects, a store does not")
     if supersedes and not UUID_RE.fullmatch(supersedes):
         raise ValueError("supersedes_id is not a memory id")
+    for field in ("text", "project_id", "kind", "scope", "agent_id", "source", "expires_at",
+                  "supersede_reason"):  # sent as they are, or not at all
+        try:
+            (get(field) or "").encode("utf-8")  # fails on a lone surrogate only
+        except UnicodeEncodeError as e:
+            raise ValueError("the %s is not valid UTF-8 (a lone surrogate at character %d)"
+                             % (field.replace("_", " "), e.start + 1))
     try:
         payload = _write_payload(get("text"), get("project_id"), get("kind"), get("scope"),
                                  get("agent_id"),

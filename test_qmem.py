@@ -4751,14 +4751,14 @@ class BundleTests(BundleTestCase):
         self.put_record(UUIDS[0], "un record che esiste")
         good = {"type": "outbox", "id": UUIDS[10], "op": "store", "state": "pending",
                 "created_at": time.time(),
-                "payload": json.dumps({"text": "buona \ud83d", "kind": "fact", "project_id": "p"})}
+                "payload": json.dumps({"text": "buona", "kind": "fact", "project_id": "p"})}
         bad = [dict(good, id=UUIDS[11], payload="[1, 2]"),
                dict(good, id=UUIDS[12], created_at=float("inf")),
                dict(good, id=UUIDS[0]), dict(good, id="not-an-id"), {"type": "record", "id": ["x"]}]
         doc = self.ok_json("load", self.crafted([good] + bad))
         self.assertEqual((doc["outbox"]["added"], doc["skipped"]), (1, 5))
         self.assertEqual(self.local_record(UUIDS[0])["pending"], False)  # not taken over
-        self.assertEqual(self.local_record(UUIDS[10])["text"], "buona \ufffd")
+        self.assertEqual(self.local_record(UUIDS[10])["text"], "buona")  # (a lone surrogate: below)
         with mock.patch.object(qmem, "MAX_BUNDLE_LINE", 1000):
             err = self.expect_fail(1, "load",
                                    self.crafted([good, {"type": "record", "text": "x" * 5000}]))
@@ -5042,6 +5042,39 @@ class BundleTrustTests(BundleTestCase):
         with gzip.open(back, "rb") as f:
             states = {o["id"]: o["state"] for o in map(json.loads, f) if o.get("type") == "outbox"}
         self.assertEqual((states[UUIDS[21]], states[UUIDS[22]]), ("failed", "failed"))
+
+    def test_a_write_holding_a_lone_surrogate_is_refused_never_sent_altered(self):
+        """Part 15: a paired host's write whose text held a lone surrogate was loaded and later
+        sent with U+FFFD in its place; `store` refuses such a text. Spelled in the bundle's
+        line or in the payload's own JSON, it is refused and counted now (an unsigned
+        bundle's is skipped, not held). A record's text is a view, not a write: it is kept
+        with U+FFFD in its place, as a gateway's answer or an imported one is; so is the
+        header's machine name, which ended the load in an internal error."""
+        self.host("b", True)
+        row = {"type": "outbox", "id": UUIDS[40], "op": "store", "state": "pending",
+               "created_at": time.time(),
+               "payload": json.dumps({"text": "buona", "kind": "fact", "project_id": "p"})}
+        in_line = dict(row, id=UUIDS[41], payload=json.dumps(
+            {"text": "metà \ud800", "kind": "fact", "project_id": "p"}, ensure_ascii=False))
+        in_payload = dict(row, id=UUIDS[42], payload=json.dumps(
+            {"text": "metà", "kind": "fact", "project_id": "p", "scope": "s", "source": "\udc80"}))
+        seen = dict(record(UUIDS[43], "vista \ud83d"), type="record")
+        doc = self.ok_json("load", self.crafted([row, in_line, in_payload, seen],
+                                                machine="host \ud800"))
+        self.assertEqual((doc["outbox"]["added"], doc["skipped"], doc["records"]["new"]),
+                         (1, 2, 1))
+        self.assertEqual(doc["machine"], "host \ufffd")  # (the header's: an internal error)
+        failed = {i["local_id"]: i["last_error"]
+                  for i in self.ok_json("queue", "--state", "failed")["items"]}
+        self.assertIn("the text is not valid UTF-8 (a lone surrogate at character 6)",
+                      failed[UUIDS[41]])
+        self.assertIn("the source is not valid UTF-8", failed[UUIDS[42]])
+        self.assertEqual(self.ok_json("flush", "--retry-failed")["synced"], 1)
+        self.assertEqual([p[3]["text"] for p in self.gw.posts()], ["buona"])
+        self.assertEqual(self.here(UUIDS[43])["text"], "vista \ufffd")
+        unsigned = [dict(in_line, id=UUIDS[44]), dict(in_payload, id=UUIDS[45])]
+        doc = self.ok_json("load", self.crafted(unsigned, key=None))
+        self.assertEqual((doc["held"], doc["skipped"]), ([], 2))
 
     def test_loaded_writes_pass_the_checks_of_store_and_a_dry_run_makes_no_database(self):
         row = {"type": "outbox", "id": UUIDS[60], "op": "store", "state": "pending",
