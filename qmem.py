@@ -8365,6 +8365,11 @@ def render_error(err, json_mode, out=None):
 
 MCP_VERSIONS = ("2025-11-25", "2025-06-18", "2025-03-26", "2024-11-05")  # the newest first
 MAX_MESSAGE = 16 << 20    # bytes in one message (clients allow 10 MiB)
+# JSON values in one message: a client's holds a few dozen. Each parsed value, and the answer
+# to each request of a batch, takes memory of its own: 8 MiB of '[{},{},...]' took 214 MB
+# more, of '[0,0,...]' 2.9 GB; with this bound no message takes more than ~50 MB.
+MAX_MESSAGE_VALUES = 1000
+MAX_RPC_ID = 200          # characters of a request's id (echoed in its answer); clients' are short
 RESULT_TEXT_CHARS = 1000  # of a memory's text in a list of results; qmem_get gives it whole
 # of one search: a model's context is small (Claude Code caps a result at 25k tokens)
 MCP_MAX_RESULTS = 50
@@ -8388,6 +8393,34 @@ def _json_kind(value):
 
 def rpc_error(rid, code, message):
     return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}}
+
+
+_JSON_MARK = LazyPattern(rb'[,\[{"]')  # what may add a value, or start a string
+_JSON_STRING = LazyPattern(rb'(?s)"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_values_over(raw, most):
+    # Does the JSON text raw (bytes) hold more than `most` values, before it is parsed? Every
+    # value but the first follows a ',' or is an array or an object, so one more than the
+    # count of ',', '[' and '{' outside strings bounds the values. Counted first over every
+    # byte (at C speed; an over-estimate, as those in strings count too), then, where that
+    # says too many, outside strings, stopping at `most`: about 3 * most steps at most.
+    if raw.count(b",") + raw.count(b"[") + raw.count(b"{") < most:
+        return False
+    count, at = 0, 0
+    while count < most:
+        mark = _JSON_MARK.search(raw, at)
+        if mark is None:
+            return False
+        at = mark.end()
+        if mark.group() == b'"':
+            string = _JSON_STRING.match(raw, mark.start())
+            if string is None:
+                return False  # a string without its end: not JSON, as the parser will say
+            at = string.end()
+        else:
+            count += 1
+    return True
 
 
 def git_root(folder):
@@ -8669,12 +8702,15 @@ class McpServer:
 
     # -- messages
     def handle_line(self, raw):
-        # One line off the wire (bytes) -> the reply, or None.
-        raw = raw.strip()
+        # One line off the wire (bytes) -> the reply, or None. (No copy of the line is
+        # made but its text: json.loads takes the whitespace around a message.)
         if raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark some writers put first
             raw = raw[3:]
-        if not raw:
+        if not raw or raw.isspace():
             return None
+        if json_values_over(raw, MAX_MESSAGE_VALUES):
+            return rpc_error(None, RPC_INVALID, "Invalid request: more than %d JSON values in "
+                             "one message" % MAX_MESSAGE_VALUES)
         try:
             message = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError:
@@ -8703,6 +8739,9 @@ class McpServer:
         rid = msg["id"]
         if isinstance(rid, bool) or not isinstance(rid, (str, int)):
             return rpc_error(None, RPC_INVALID, "Invalid request: an id is a string or an integer")
+        if isinstance(rid, str) and len(rid) > MAX_RPC_ID:
+            return rpc_error(None, RPC_INVALID, "Invalid request: an id of more than %d characters"
+                             % MAX_RPC_ID)
         method = msg.get("method")
         if msg.get("jsonrpc") != "2.0" or not isinstance(method, str):
             return rpc_error(rid, RPC_INVALID,

@@ -6646,7 +6646,7 @@ class McpProtocolTests(McpTestCase):
     def test_malformed_messages_get_json_rpc_errors_and_the_server_goes_on(self):
         server = self.server()
         cases = [(b"{not json\n", -32700), (b"\xff\xfe{}\n", -32700),
-                 (b"[" * 100000 + b"\n", -32700),
+                 (b"[" * 100000 + b"\n", -32600),  # (too many values: refused unparsed)
                  (b"42\n", -32600), (b"[]\n", -32600),
                  (b'{"jsonrpc":"2.0","id":null,"method":"ping"}\n', -32600),
                  (b'{"jsonrpc":"2.0","id":true,"method":"ping"}\n', -32600),
@@ -6660,6 +6660,31 @@ class McpProtocolTests(McpTestCase):
         self.assertEqual(server.request("ping")["result"], {})
         self.assertEqual(server.close(), 0)
         self.assertNotIn("Traceback", server.stderr())
+
+    def test_a_message_is_bounded_in_values_as_well_as_in_bytes(self):
+        """Part 15: one message of 8 MiB of '[{},{},...]' raised the server's peak memory by
+        214 MB (of '[0,0,...]', by 2.9 GB: an answer to each). Its values are counted before
+        it is parsed; commas and brackets inside strings are no values. An id is echoed in
+        its answer: one of 16 MiB raised it by 96 MB, a long one is refused too."""
+        server = self.server()
+        most = qmem.MAX_MESSAGE_VALUES
+
+        def ping(zeros, text=""):  # a message of zeros + 7 values: 7 of the request's own
+            return ('{"jsonrpc":"2.0","id":5,"method":"ping","params":{"pad":[%s],"x":"%s"}}\n'
+                    % (",".join("0" * zeros), text)).encode()
+        refused = {"jsonrpc": "2.0", "id": None, "error": {
+            "code": -32600, "message": "Invalid request: more than %d JSON values in one message"
+            % most}}
+        for message in (ping(most - 6), b"[" + b"0," * most + b"0]\n"):
+            server.send(message)
+            self.assertEqual(server.recv(), refused)
+        server.send(ping(most - 7, text="[{,\\\"" * most))  # (the longest answered: most values)
+        self.assertEqual(server.recv(), {"jsonrpc": "2.0", "id": 5, "result": {}})
+        self.assertEqual(server.request("ping", rid="i" * qmem.MAX_RPC_ID)["result"], {})
+        server.send({"jsonrpc": "2.0", "id": "i" * (qmem.MAX_RPC_ID + 1), "method": "ping"})
+        self.assertEqual(server.recv()["error"], {"code": -32600, "message": "Invalid request: "
+                                                  "an id of more than 200 characters"})
+        self.assertEqual(server.close(), 0)
 
     def test_a_line_with_a_byte_order_mark_is_answered(self):
         server = self.server()
