@@ -4106,6 +4106,11 @@ def query_was_cut(query):
     return len(query) > MAX_QUERY_CHARS or len(_tokens(query)) > len(query_tokens(query))
 
 
+# What every front end says of a query that query_was_cut().
+QUERY_CUT = "only the first %d words and %d characters of the query were searched" % (
+    MAX_QUERY_TOKENS, MAX_QUERY_CHARS)
+
+
 # What a search shows: of a project, kind, scope (None: any), and what it hides unless
 # asked (deleted: True for only tombstones, None for both); queued: only this host's
 # writes still waiting (not held ones).
@@ -7312,7 +7317,8 @@ class Operations:
                 raise GatewayError(AMBIGUOUS, "the gateway's search answer has no result list",
                                    detail="answer of the wrong shape")
         except GatewayError as e:
-            doc = dict(self._fallback(e, require_remote), query=query)
+            doc = dict(self._fallback(e, require_remote), query=query,
+                       query_cut=query_was_cut(query))
             doc.update(self._find_local(query, filters, top_k, highlight))
             doc["by_bundles"] = doc["index_exists"] and by_bundles(self.config["url"], self.store())
             return doc
@@ -7829,8 +7835,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     if doc["match"] == "none" and not query_tokens(doc.get("query") or ""):
         out.write("(the query has no words to search for)\n")
     if doc.get("query_cut"):
-        out.write("(only the first %d words and %d characters of the query were searched)\n" % (
-            MAX_QUERY_TOKENS, MAX_QUERY_CHARS))
+        out.write("(%s)\n" % QUERY_CUT)
     rows = []
     for r in results:
         flags = [f for f, on
@@ -8952,6 +8957,9 @@ class McpServer:
         hidden = {k: v for k, v in (doc.get("hidden") or {}).items() if v}
         if hidden:
             out["hidden"] = hidden
+        if doc.get("query_cut"):  # (the local index's bounds: the gateway takes it whole)
+            out["query_cut"] = {"searched_words": MAX_QUERY_TOKENS,
+                                "searched_chars": MAX_QUERY_CHARS, "query_chars": len(doc["query"])}
         out["results"] = results
         return out
 
@@ -9091,6 +9099,8 @@ def _found_note(doc, results, project, where):
     hidden = sum((doc.get("hidden") or {}).values())
     if hidden:
         head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
+    if doc.get("query_cut"):
+        head += "; " + QUERY_CUT
     return head + ("" if n or not indexed else _wider(project, where)) + "."
 
 

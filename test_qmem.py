@@ -6997,6 +6997,23 @@ class McpToolTests(McpTestCase):
         self.assertNotIn("pull", note)
         self.assertEqual(server.close(), 0)
 
+    def test_a_query_cut_to_the_bound_of_a_search_says_so(self):
+        """Part 15: qmem_find (and qmem_search's fallback) searched a query cut to its first
+        500 characters or 32 words and said nothing of it."""
+        self.put_record(UUIDS[1], "la parola lontana")
+        self.offline()
+        server = self.server()
+        query = "lontana " + "x" * 600
+        cut = {"searched_words": qmem.MAX_QUERY_TOKENS, "searched_chars": qmem.MAX_QUERY_CHARS,
+               "query_chars": 608}
+        for tool in ("qmem_find", "qmem_search"):
+            found = server.call(tool, query=query, project_id="*")["structuredContent"]
+            self.assertEqual((found["results"][0]["id"], found["query_cut"]), (UUIDS[1], cut))
+            self.assertIn("; only the first 32 words and 500 characters of the query were "
+                          "searched.", found["note"])
+        self.assertNotIn("query_cut", server.call("qmem_find", query="lontana")["structuredContent"])
+        self.assertEqual(server.close(), 0)
+
     def test_each_tool_offline_and_the_queued_write_is_delivered_once_later(self):
         known = self.gw.add("Deploys use blue/green on node-3")
         self.ok("search", "deploys")  # the local index knows it
