@@ -7011,7 +7011,8 @@ class McpToolTests(McpTestCase):
             self.assertEqual((found["results"][0]["id"], found["query_cut"]), (UUIDS[1], cut))
             self.assertIn("; only the first 32 words and 500 characters of the query were "
                           "searched.", found["note"])
-        self.assertNotIn("query_cut", server.call("qmem_find", query="lontana")["structuredContent"])
+        whole = server.call("qmem_find", query="lontana")["structuredContent"]
+        self.assertNotIn("query_cut", whole)
         self.assertEqual(server.close(), 0)
 
     def test_each_tool_offline_and_the_queued_write_is_delivered_once_later(self):
