@@ -4950,6 +4950,11 @@ class BundleTrustTests(BundleTestCase):
         err = self.expect_fail(1, "load", genuine)
         self.assertIn("is signed with another bundle key (id %s; this host's is %s)" % (
             qmem.bundle_key_id(BUNDLE_KEY), qmem.bundle_key_id("f" * 32)), err)
+        self.assertEqual(self.dump("b"), before)
+        self.pair(None)  # a host with no key to check it with: loaded, unverified (README)
+        doc = self.ok_json("load", genuine, "--dry-run")
+        self.assertEqual((doc["verified"], doc["verification"], len(doc["held"])),
+                         (False, "signed, but this host has no bundle key to check it with", 1))
         self.pair(BUNDLE_KEY)
         import gzip
         with gzip.open(genuine, "rb") as f:
