@@ -2412,7 +2412,7 @@ def read_only_error(path, where=None, problem=None):
     what, fix = _read_only_facts(where or read_only_where(path) or os.path.realpath(path))
     return StoreError("local database %s is read-only (%s)%s"
                       % (path, what, ": " + problem if problem else ""), kind="store_readonly",
-                      hint=fix + "or use another database: --db PATH or QMEM_SQLITE")
+                      hint=fix + "or use another database: " + OWN_DB_PLACES)
 
 
 def _read_only_facts(where):
@@ -2562,10 +2562,11 @@ class Store:
         self.read_only = read_only_where(path)
         uri = read_only_uri(path) if self.read_only else None
         if self.read_only and uri is None:
-            held = "-wal" if _size(os.path.realpath(path) + "-wal") else "-journal"
+            real = os.path.realpath(path)
+            held = real + "-wal" if _size(real + "-wal") else real + "-journal"
             raise read_only_error(path, problem="its %s holds a transaction that only a writable "
                                   "open can bring in (then any command reads it)"
-                                  % os.path.basename(os.path.realpath(path) + held))
+                                  % os.path.basename(held))
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
         # the one style that behaves the same on every Python (reliability.md §4.1). The
         # timeout is SQLite's busy timeout (every Python's connect sets it: no PRAGMA needed).
