@@ -6174,7 +6174,7 @@ def _doctor_folders(config):
              "`qmem.py config` cannot save a setting", "or set QMEM_CONFIG to a file elsewhere"),
             ("db folder", "the database's folder", os.path.dirname(os.path.realpath(db)),
              "the database, its -wal and -shm, and texts kept aside cannot be made there",
-             "or use another database: --db PATH or QMEM_SQLITE"),
+             "or use another database: " + OWN_DB_PLACES),
             ("breaker folder", "the breaker's folder",
              os.path.dirname(os.path.abspath(config.breaker_path)),
              "the breaker's state stays in each process's memory",
