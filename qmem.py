@@ -2392,14 +2392,17 @@ def store_error(e, path, waited=None):
 
 
 def read_only_where(path):
-    # What keeps this process from writing the database at path: the file itself, or its
-    # folder (a write needs a -wal and a -shm there, which SQLite creates, unless both are
-    # there already and ours to write); None when nothing does. SQLite keeps them beside a
-    # symlink's target. (As root, os.access says no only on a read-only file system.)
+    # What keeps this process from writing the database at path: the file itself, its -wal
+    # or its -shm (one left 0400 by an open of the 0400 database: SQLite opens it read-only,
+    # and then every write fails), or its folder (a write needs a -wal and a -shm there,
+    # which SQLite creates, unless both are there already and ours to write); None when
+    # nothing does. SQLite keeps them beside a symlink's target. (As root, os.access says
+    # no only on a read-only file system.)
     real = os.path.realpath(path)
     folder = os.path.dirname(real)
-    if os.path.exists(real) and not os.access(real, os.W_OK):  # (not there yet: SQLite makes it)
-        return real
+    for each in (real, real + "-wal", real + "-shm"):  # (not there yet: SQLite makes it)
+        if os.path.exists(each) and not os.access(each, os.W_OK):
+            return each
     if os.access(folder, os.W_OK | os.X_OK) or all(
             os.access(real + end, os.W_OK) for end in ("-wal", "-shm")):
         return None
@@ -2422,6 +2425,8 @@ def _read_only_facts(where):
     if os.path.isdir(where):
         return ("its folder %s is %s: SQLite writes its -wal and -shm there" % (where, facts),
                 fix)
+    if where.endswith(("-wal", "-shm")):
+        return "its %s is %s" % (os.path.basename(where), facts), fix
     return facts, fix
 
 

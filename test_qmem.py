@@ -2401,6 +2401,32 @@ class StoreTests(GatewayTestCase):
         done, listed = self.read_only_commands(0o600, 0o500)
         self.assert_read_only_database_used(done, listed, os.path.dirname(self.db))
 
+    def test_a_read_only_wal_beside_a_writable_database_is_named_not_called_damaged(self):
+        # A 0400 database opened by its owner left a 0400 -wal and -shm beside it; made
+        # writable again (chmod u+w of the file, as the advice said), every write failed,
+        # said as "a read-only file or folder?", and doctor called it damaged.
+        self.db = os.path.join(self.home, "db", "q.sqlite")
+        os.environ["QMEM_SQLITE"] = self.db
+        self.put_records([(UUIDS[0], "deploy with a blue green switch")])
+        store = qmem.Store(self.db)  # a process still at work: its -wal and -shm are there
+        self.addCleanup(store.close)
+        with store.transaction():
+            store.upsert(qmem.normalize_record(record(UUIDS[1], "deploy only in the wal")), 2)
+        for end in ("-wal", "-shm"):
+            os.chmod(self.db + end, 0o400)
+        done, _ = self.run_as_owner([(["find", "deploy", "--json"], {}),
+                                     (["store", "a fact to keep", "--project", "p"], {}),
+                                     (["doctor", "--offline", "--json"], {})])
+        find, stored, doctor = done
+        self.assertEqual(sorted(self.finds(find)), sorted(UUIDS[:2]))
+        self.assertEqual(stored["code"], 1)
+        self.assertIn("is read-only (its q.sqlite-wal is mode 0400", stored["err"])
+        self.assertIn("chmod u+w %s-wal" % self.db, stored["err"])
+        checks = {c["name"]: c for c in json.loads(doctor["out"])["checks"]}
+        self.assertEqual(checks["read-only"]["status"], "warn")
+        self.assertNotIn("fail", [c["status"] for c in checks.values()])
+        self.assertNotIn("damaged", doctor["out"])
+
     def older_and_live_databases(self):
         """Part 15: read-only databases (0400) that SQLite's immutable open would misread
         (commits still in their -wal), and of older schemas (2, 3, 4), in a folder of their
