@@ -2380,10 +2380,15 @@ def store_error(e, path, waited=None):
                           hint="free some disk space, then try again", kind="store_full")
     if ("readonly" in text or "read-only" in text) and read_only_where(path):
         return read_only_error(path)
-    if "readonly" in text or "read-only" in text or "unable to open" in text:
+    if "readonly" in text or "read-only" in text:
         return StoreError("cannot open local database %s for writing (%s): a read-only file or "
                           "folder?" % (path, text), kind="store_readonly",
                           hint="check its permissions, or use another place: " + OWN_DB_PLACES)
+    if "unable to open" in text:  # (no command can use it: not one that reads either)
+        return StoreError("cannot open local database %s (%s): is it a file this user can read "
+                          "and write?" % (path, text), kind="store_open",
+                          hint="check what it is and its permissions, or use another place: "
+                          + OWN_DB_PLACES)
     if "disk I/O" in text:
         return StoreError("local database %s: disk I/O error (a full or failing disk?)" % path,
                           kind="store_io",

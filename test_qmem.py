@@ -5283,6 +5283,17 @@ class DoctorTests(GatewayTestCase):
         self.assertIn("HOME %s cannot be written (mode 0500" % self.home, checks[0]["detail"])
         self.assertIn("chmod u+w %s" % self.home, checks[0]["advice"])
 
+    def test_a_database_no_command_can_open_is_a_failed_check_not_a_warning(self):
+        # Part 15 made a read-only database a warning; one that is a folder (or that this
+        # user cannot read) was one too, by the same kind, while every command failed on it.
+        os.makedirs(self.db)
+        self.assertEqual(self.run_cli("find", "x")[0], 1)
+        code, out, err = self.run_cli("doctor", "--offline", "--json")
+        self.assertEqual(code, 1, err)
+        check = {c["name"]: c for c in json.loads(out)["checks"]}["database"]
+        self.assertEqual(check["status"], "fail", check)
+        self.assertNotIn("for writing", check["detail"])
+
     def test_a_database_with_pages_overwritten_is_a_failed_check_among_the_others(self):
         # Part 13: doctor stopped with one store error and no other check.
         store = qmem.Store(self.db)
