@@ -6175,8 +6175,8 @@ def _doctor_folders(config):
     # with the fix for each that cannot; not for the database's folder again when the
     # read-only check named it already.
     db = config.db_path
-    seen = {read_only_where(db) if os.path.isfile(db) else None}
-    found = []
+    named = read_only_where(db) if os.path.isfile(db) else None
+    seen, found = {named}, []
     for name, label, folder, why, elsewhere in (
             ("home", "HOME", config.home, "nothing qmem.py keeps under it can be made or changed",
              "or run qmem.py with a HOME you can write"),
@@ -6199,8 +6199,10 @@ def _doctor_folders(config):
             made = "" if where == folder else " cannot be made: %s" % where
             found.append(check(name, "warn", "%s %s%s cannot be written (%s): %s"
                                % (label, folder, made, facts, why), fix + elsewhere))
-    return found or [check("folders", "ok", "HOME, and the folders of the config, the database "
-                           "and the breaker, can be written")]
+    if found or (named is not None and os.path.isdir(named)):  # (a folder left unchecked)
+        return found
+    return [check("folders", "ok", "HOME, and the folders of the config, the database and the "
+                  "breaker, can be written")]
 
 
 def _nearest_folder(path):

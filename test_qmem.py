@@ -2400,6 +2400,9 @@ class StoreTests(GatewayTestCase):
         # Part 15: find and status failed ("cannot open local database ... for writing").
         done, listed = self.read_only_commands(0o600, 0o500)
         self.assert_read_only_database_used(done, listed, os.path.dirname(self.db))
+        # the read-only check named the folder: no other check says it can be written
+        checks = {c["name"]: c for c in json.loads(done["doctor"]["out"])["checks"]}
+        self.assertNotIn("folders", checks)
 
     def test_a_read_only_wal_beside_a_writable_database_is_named_not_called_damaged(self):
         # A 0400 database opened by its owner left a 0400 -wal and -shm beside it; made
