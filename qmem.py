@@ -2913,6 +2913,10 @@ class Store:
                               (local_id,))
             self.drop_local(local_id, None)
 
+    def resendable(self):
+        # How many refused rows `flush --retry-failed` would send again.
+        return self._one("SELECT count(*) FROM outbox WHERE state='failed' AND " + _RESENDABLE)
+
     def outbox_counts(self):
         counts = dict.fromkeys(OUTBOX_STATES, 0)
         counts.update(self.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state"))
@@ -7228,7 +7232,7 @@ class Operations:
         if store is not None and retry_failed:
             store.retry_failed()
         if store is None or not store.outbox_waiting():
-            refused = store.outbox_counts()[FAILED] if store is not None else 0
+            refused = store.resendable() if store is not None else 0
             return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[],
                         refused_here=refused)
         gateway = self.gateway()

@@ -3923,6 +3923,20 @@ class FlushTests(GatewayTestCase):
         self.assertIn("`qmem.py flush --retry-failed` tries again", out)
         self.assertEqual(self.ok_json("flush")["refused_here"], 1)
 
+    def test_a_flush_does_not_offer_retry_failed_for_a_correction_not_applied(self):
+        # Part 15: "1 write refused by the gateway waits in the outbox: ... `flush
+        # --retry-failed` tries again", of a correction that --retry-failed never sends.
+        target = self.gw.add("il vecchio testo")["id"]
+        holder = self.gw.add("il testo di un altro")["id"]
+        self.gw.duplicate_texts["il testo di un altro"] = holder
+        self.expect_fail(1, "correct", target, "il testo di un altro")
+        posts = len(self.gw.posts())
+        for argv in (("flush",), ("flush", "--retry-failed")):
+            out = self.ok(*argv)
+            self.assertEqual(out, "flush: nothing queued\n")
+            self.assertEqual(self.ok_json(*argv)["refused_here"], 0)
+        self.assertEqual(len(self.gw.posts()), posts)
+
     def test_offline_store_is_queued_searchable_at_once_and_delivered_by_flush(self):
         self.offline()
         out = self.ok("store", "La coda locale è cercabile subito", "--project", "infra")
