@@ -5579,6 +5579,7 @@ class LoadStats:
     outbox_added = outbox_settled = outbox_unchanged = skipped = 0
     outbox_full = 0  # writes not loaded: past outboxMaxMB
     outbox_not_needed = 0  # delivered where they were made, unknown here
+    outbox_not_applied = 0  # corrections of this host's that the gateway did not apply
 
     def __init__(self):
         self.held = []  # what each write held from an unverified bundle is, for the user to judge
@@ -5588,7 +5589,8 @@ class LoadStats:
                             "unchanged": self.records_unchanged},
                 "outbox": {"added": self.outbox_added, "settled": self.outbox_settled,
                            "unchanged": self.outbox_unchanged,
-                           "not_needed": self.outbox_not_needed},
+                           "not_needed": self.outbox_not_needed,
+                           "not_applied": self.outbox_not_applied},
                 "not_loaded_outbox_full": self.outbox_full, "held": self.held,
                 "skipped": self.skipped}
 
@@ -5912,7 +5914,7 @@ def _settle_loaded(store, row, state, stats):
     if state == NOT_APPLIED or (state == DUPLICATE and row["op"] == "correct"):
         store.not_applied(row["id"], other if isinstance(other, str)
                           and UUID_RE.fullmatch(other) else None)
-        stats.outbox_settled += 1
+        stats.outbox_not_applied += 1
         return
     # The record it was delivered as must be known (the bundle's records are merged
     # first), and a write is never the duplicate of itself.
@@ -8212,6 +8214,14 @@ def show_load(doc, out):
                   "; %(not_needed)d delivered by the other host, not needed here" % o
                   if o["not_needed"] else "",
                   "; %(skipped)d lines skipped" % doc if doc["skipped"] else ""))
+    if o["not_applied"] == 1:
+        out.write("  1 correction not applied where the bundle was made (another memory holds its "
+                  "text): what it corrects is still live; `qmem.py queue --state failed` says "
+                  "which\n")
+    elif o["not_applied"]:
+        out.write("  %d corrections not applied where the bundle was made (other memories hold "
+                  "their texts): what they correct is still live; `qmem.py queue --state failed` "
+                  "says which\n" % o["not_applied"])
     if doc.get("not_loaded_outbox_full"):
         out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load "
                   "it again\n" % plural(doc["not_loaded_outbox_full"], "write"))

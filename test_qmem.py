@@ -4576,9 +4576,10 @@ class BundleTests(BundleTestCase):
         self.host("connected", True)
         doc = self.ok_json("load", out_bundle)
         self.assertEqual(doc["outbox"], {"added": 3, "settled": 0, "unchanged": 0,
-                                         "not_needed": 0})
+                                         "not_needed": 0, "not_applied": 0})
         self.assertEqual(self.ok_json("load", out_bundle)["outbox"],
-                         {"added": 0, "settled": 0, "unchanged": 3, "not_needed": 0})
+                         {"added": 0, "settled": 0, "unchanged": 3, "not_needed": 0,
+                          "not_applied": 0})
         self.assertEqual(self.ok_json("flush")["synced"], 3)
         self.ok("pull")
         in_bundle = os.path.join(self.home, "in.bundle")
@@ -4598,7 +4599,8 @@ class BundleTests(BundleTestCase):
         # Part 13: a fresh host was told of "3 unchanged" outbox rows that `queue` lacked.
         self.host("fresh", False)
         self.assertEqual(self.ok_json("load", in_bundle)["outbox"],
-                         {"added": 0, "settled": 0, "unchanged": 0, "not_needed": 3})
+                         {"added": 0, "settled": 0, "unchanged": 0, "not_needed": 3,
+                          "not_applied": 0})
         self.assertIn("3 delivered by the other host, not needed here", self.ok("load", in_bundle))
         self.assertEqual(self.ok_json("queue")["items"], [])
 
@@ -4722,7 +4724,10 @@ class BundleTests(BundleTestCase):
             back = os.path.join(self.home, far + "-back.bundle")
             self.ok("export", back)
             self.host(far, False)
-            self.assertEqual(self.ok_json("load", back)["outbox"]["settled"], 1)
+            loaded = self.ok_json("load", back, "--dry-run")["outbox"]
+            self.assertEqual((loaded["settled"], loaded["not_applied"]), (0, 1))  # not delivered
+            self.assertIn("1 correction not applied where the bundle was made (another memory "
+                          "holds its text): what it corrects is still live", self.ok("load", back))
             [row] = self.ok_json("queue")["items"]
             self.assertEqual((row["state"], row["not_applied"]), ("failed", True), far)
             self.assertIn(target, self.find_ids("memoria"))
