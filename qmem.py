@@ -2449,7 +2449,8 @@ def unwritable(where):
     # what its owner lacks: w, and for a folder x (to reach what is in it) as well
     lacks = "w" * (not mode & 0o200) + "x" * (stat.S_ISDIR(st.st_mode) and not mode & 0o100)
     if lacks:
-        return facts, "make it writable: `chmod u+%s %s`, " % (lacks, where)
+        import shlex
+        return facts, "make it writable: `chmod u+%s %s`, " % (lacks, shlex.quote(where))
     # its mode lets its owner write, and yet the system refuses: a read-only mount?
     return facts + ", on a file system that refuses writes", ""
 
@@ -9817,18 +9818,20 @@ def add_filters(sp):
 def command_as_run(argv0):
     # How a person runs this process's qmem.py again (see as_run): `python3 -m qmem`,
     # `python3 PATH` of a script, or the launcher's name when PATH finds it there.
+    # (A path is quoted as a shell needs it: the hint is to be pasted.)
+    import shlex
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name == "qmem":
         return "python3 -m qmem"
     if not argv0 or argv0.endswith(".py"):
-        return "python3 " + (argv0 or "qmem.py")
+        return "python3 " + shlex.quote(argv0 or "qmem.py")
     import shutil
     name = os.path.basename(argv0)
     found = shutil.which(name)
     try:
-        return name if found and os.path.samefile(found, argv0) else argv0
+        return name if found and os.path.samefile(found, argv0) else shlex.quote(argv0)
     except OSError:
-        return argv0
+        return shlex.quote(argv0)
 
 
 def main(argv=None):

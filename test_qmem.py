@@ -7903,6 +7903,16 @@ class CliTests(GatewayTestCase):
         self.assertTrue(p.stderr.startswith("qmem: unrecognized arguments: --bogus"), p.stderr)
         self.assertIn("see `python3 %s --help`" % QMEM, p.stderr)  # the command as it was run
 
+    def test_a_hint_names_a_path_as_a_shell_takes_it(self):
+        # Part 15's hints named `python3 /a dir/qmem.py flush` and `chmod u+w /a dir`: pasted,
+        # a shell runs something else.
+        odd = os.path.join(self.home, "a dir #1")
+        self.assertEqual(qmem.command_as_run(os.path.join(odd, "qmem.py")),
+                         "python3 '%s/qmem.py'" % odd)
+        os.mkdir(odd, 0o500)
+        self.addCleanup(os.chmod, odd, 0o700)
+        self.assertIn("`chmod u+w '%s'`" % odd, qmem.unwritable(odd)[1])
+
 
 # === Across the layers =======================================================
 
