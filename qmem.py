@@ -3050,10 +3050,13 @@ class Store:
     def not_applied(self, local_id, other_id):
         # Inside a transaction: a correction of this machine that another machine sent and
         # the gateway answered 409 duplicate (a bundle says so): not applied, as here.
+        # True if it was waiting here (else it was settled here already: nothing changes).
         target = self.current_id(self._one("SELECT target FROM outbox WHERE id=?", (local_id,)))
-        self.move(NOT_APPLIED, "id=:row", row=local_id, now=time.time(), other=other_id,
-                  status=NOT_APPLIED_STATUS, error=not_applied_reason(other_id, target))
+        if not self.move(NOT_APPLIED, "id=:row", row=local_id, now=time.time(), other=other_id,
+                         status=NOT_APPLIED_STATUS, error=not_applied_reason(other_id, target)):
+            return False
         self.mark_failed(local_id)
+        return True
 
     def settle_write(self, local_id, state, other_id):
         # Inside a transaction: a write of this machine that another machine delivered
@@ -5913,9 +5916,11 @@ def _settle_loaded(store, row, state, stats):
     # the bundle's qmem.py called it).
     other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
     if state == NOT_APPLIED or (state == DUPLICATE and row["op"] == "correct"):
-        store.not_applied(row["id"], other if isinstance(other, str)
-                          and UUID_RE.fullmatch(other) else None)
-        stats.outbox_not_applied += 1
+        if store.not_applied(row["id"], other if isinstance(other, str)
+                             and UUID_RE.fullmatch(other) else None):
+            stats.outbox_not_applied += 1
+        else:
+            stats.outbox_unchanged += 1
         return
     # The record it was delivered as must be known (the bundle's records are merged
     # first), and a write is never the duplicate of itself.

@@ -4730,6 +4730,8 @@ class BundleTests(BundleTestCase):
                           "holds its text): what it corrects is still live", self.ok("load", back))
             [row] = self.ok_json("queue")["items"]
             self.assertEqual((row["state"], row["not_applied"]), ("failed", True), far)
+            loaded = self.ok_json("load", back)["outbox"]  # again: nothing changes
+            self.assertEqual((loaded["not_applied"], loaded["unchanged"]), (0, 1), far)
             self.assertIn(target, self.find_ids("memoria"))
 
     def test_a_refusal_travels_back(self):
