@@ -2238,8 +2238,8 @@ def _m006_not_applied(conn):
     # correction not applied (failed, never sent again) and what it hid is live again.
     healed = []
     for local_id, target, other in conn.execute(
-            "SELECT id, target, duplicate_of FROM outbox WHERE op='correct' AND "
-            "state='duplicate'").fetchall():
+            "SELECT id, target, duplicate_of FROM outbox WHERE target IS NOT NULL AND "
+            "state='duplicate'").fetchall():  # (a correction, or a store --supersedes)
         # the target as it is known here now (a write of this machine since delivered)
         known = conn.execute("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
                              (target,)).fetchone()
@@ -5067,7 +5067,8 @@ class Flusher:
             original = data.get("duplicate_of")
             original = original.strip() if isinstance(original, str) else ""
             original = original if UUID_RE.fullmatch(original) else None
-            if row[2] == "correct":  # it superseded nothing there: not done (design.md)
+            if row[4]:  # a correction (or an older store --supersedes) superseded nothing
+                # there: not done (design.md)
                 self.refused.add(local_id)
                 return Outcome(NOT_APPLIED, row, status=409, duplicate_of=original,
                                error=not_applied_reason(original, target))
@@ -6896,7 +6897,10 @@ class Operations:
         payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires,
                                  private,
                                  supersedes, reason)
-        return self._write("store", payload, queue_only, allow_secret)
+        # (with --supersedes it is a correction, on every path: a 409 duplicate does not
+        # apply it, and a paired host loads it as one)
+        return self._write("correct" if supersedes else "store", payload, queue_only,
+                           allow_secret)
 
     @utf8_arguments
     def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None,

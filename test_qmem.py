@@ -4734,6 +4734,20 @@ class BundleTests(BundleTestCase):
             self.assertEqual((loaded["not_applied"], loaded["unchanged"]), (0, 1), far)
             self.assertIn(target, self.find_ids("memoria"))
 
+    def test_a_store_that_supersedes_travels_as_the_correction_it_is(self):
+        # `store TEXT --supersedes ID` on an air-gapped host was refused when loaded ("a
+        # correction names what it corrects, a store does not"): it never reached the gateway.
+        target = self.gw.add("la porta è 8080")["id"]
+        self.host("far", False)
+        self.ok("store", "la porta è 9090", "--project", "infra", "--supersedes", target,
+                "--reason", "cambiata")
+        out = os.path.join(self.home, "far.bundle")
+        self.ok("export", "--outbox-only", out)
+        self.host("near", True)
+        self.assertEqual(self.ok_json("load", out)["outbox"]["added"], 1)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertIsNotNone(self.gw.records[target]["superseded_by"])
+
     def test_a_refusal_travels_back(self):
         self.host("a", False)
         self.ok("store", "rifiutata altrove", "--project", "p")
@@ -7929,7 +7943,7 @@ class WritePathTests(BundleTestCase, McpTestCase):
                "404": [(404, {"detail": "supersedes_id not found"})],
                "409 duplicate": [], "409 busy": [(409, {"detail": "in progress"})],
                "422": [GatewayTestCase.REFUSE]}
-    PATHS = ("store", "correct", "queued", "bundle", "mcp")
+    PATHS = ("store", "correct", "store --supersedes", "queued", "bundle", "mcp")
 
     def known(self, pairs, project):
         """Complete records, (id, text) each, in the index of the host in use."""
@@ -7955,6 +7969,8 @@ class WritePathTests(BundleTestCase, McpTestCase):
             server.close()
             return not result["isError"], result["structuredContent"]["note"]
         argv = (["store", text, "--project", "p%d" % case] if path == "store"
+                else ["store", text, "--project", "p%d" % case, "--supersedes", target,
+                      "--reason", "newer"] if path == "store --supersedes"
                 else ["correct", target, text] + (["--queue-only"] if path == "queued" else []))
         code, out, err = self.run_cli(*argv)
         if path == "queued":
