@@ -732,11 +732,18 @@ def read_only_uri(path):
         # database before its mode changed, or root). A -shm it cannot write is read into
         # private memory instead (SQLite 3.22+; an older one says it cannot open it).
         return sqlite_uri(real, "mode=ro")
-    if _size(wal) or _size(real + "-journal"):
-        # Commits in a -wal whose -shm is gone (mode=ro would have to create it), or a
-        # rollback journal (a transaction to undo): only a writable open can bring them
-        # in, and immutable=1 would read the database without them.
+    if _size(wal):
+        # Commits in a -wal whose -shm is gone (mode=ro would have to create it): only a
+        # writable open can bring them in, and immutable=1 would read the database without
+        # them.
         return None
+    if _size(real + "-journal"):
+        # A rollback journal: a writer at work (another program, mid-transaction), or one
+        # that died (a transaction to undo). mode=ro reads under SQLite's locks and makes no
+        # file (a database in rollback mode has no -wal or -shm): the committed pages while
+        # the writer works (busy while it commits), an error where only a writable open
+        # could undo what a dead one left; immutable=1 would read half-written pages.
+        return sqlite_uri(real, "mode=ro")
     # immutable=1: no -wal or journal (or empty ones), so the database file alone holds
     # every commit, and SQLite reads it without locks and without making a -wal or -shm
     # (SQLite 3.8+; mode=ro with it for an older one, which ignores immutable). Right only
@@ -2546,6 +2553,14 @@ def _bundle_filter(projects, since):
     return " AND ".join(where), params
 
 
+def _held_back(path, end):
+    # The read-only error of a database whose -wal (commits whose -shm is gone) or -journal
+    # (what a writer that died left to undo) only a writable open can bring in.
+    return read_only_error(path, problem="its %s holds a transaction that only a writable "
+                           "open can bring in (then any command reads it)"
+                           % os.path.basename(os.path.realpath(path) + end))
+
+
 def not_ours(path, tables):
     # The refusal of another program's database (see is_another_programs).
     return StoreError("%s is another program's SQLite database (tables: %s); left untouched"
@@ -2573,11 +2588,7 @@ class Store:
         self.read_only = read_only_where(path)
         uri = read_only_uri(path) if self.read_only else None
         if self.read_only and uri is None:
-            real = os.path.realpath(path)
-            held = real + "-wal" if _size(real + "-wal") else real + "-journal"
-            raise read_only_error(path, problem="its %s holds a transaction that only a writable "
-                                  "open can bring in (then any command reads it)"
-                                  % os.path.basename(held))
+            raise _held_back(path, "-wal")
         # isolation_level=None: transactions are explicit BEGIN IMMEDIATE / COMMIT,
         # the one style that behaves the same on every Python (reliability.md §4.1). The
         # timeout is SQLite's busy timeout (every Python's connect sets it: no PRAGMA needed).
@@ -2602,6 +2613,9 @@ class Store:
             if "not a database" in str(e):  # SQLite read the header and wrote nothing
                 raise StoreError("%s is not a SQLite database; refusing to touch it (move it "
                                  "aside or set QMEM_SQLITE)" % path)
+            if self.read_only and "readonly" in str(e) and _size(os.path.realpath(path)
+                                                                 + "-journal"):
+                raise _held_back(path, "-journal")  # a dead writer's, to undo: it may not
             raise store_error(e, path)
         except StoreError:
             self.conn.close()

@@ -905,6 +905,20 @@ class ConfigTests(QmemTestCase):
         os.environ["QMEM_SQLITE"] = elsewhere
         self.assertEqual(qmem.load_config().db_path, elsewhere)
 
+    def test_another_programs_database_mid_write_in_rollback_mode_is_still_judged(self):
+        # Its -journal made the judge give up (no read-only open for it), so every command
+        # run while that program wrote failed: "another program's SQLite database".
+        os.makedirs(os.path.dirname(self.db))
+        conn = sqlite3.connect(self.db, isolation_level=None)  # (rollback mode: a -journal)
+        self.addCleanup(conn.close)
+        conn.execute("CREATE TABLE memories(id TEXT, text TEXT)")
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO memories VALUES('1', 'being written')")
+        self.assertTrue(os.path.getsize(self.db + "-journal"))
+        self.assertEqual(qmem.load_config().db_path,
+                         os.path.join(os.path.dirname(self.db), "qmem-py.sqlite"))
+        conn.execute("COMMIT")
+
     def test_a_file_of_its_own_that_is_another_programs_too_is_refused(self):
         own = os.path.join(os.path.dirname(self.db), "qmem-py.sqlite")
         other_programs_database(self.db)
