@@ -4592,7 +4592,9 @@ def local_status(store):
     outbox.update(counts("SELECT state, count(*) FROM outbox GROUP BY state"))
     dups = q("""SELECT count(*), coalesce(sum(n), 0) FROM (
                   SELECT count(*) AS n FROM records WHERE text != '' AND deleted_at IS NULL
-                  GROUP BY lower(trim(text)) HAVING count(DISTINCT id) > 1)""").fetchone()
+                    AND pending != %d  -- (a refused write is stored nowhere)
+                  GROUP BY lower(trim(text)) HAVING count(DISTINCT id) > 1)""" % LOCAL_FAILED
+             ).fetchone()
     size = sum(os.path.getsize(store.path + s) for s in ("", "-wal")
                if os.path.exists(store.path + s))
     files = counts("SELECT status, count(*) FROM files GROUP BY status")

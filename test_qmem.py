@@ -3843,6 +3843,16 @@ QUESTIONS = [
 class StatusTests(GatewayTestCase):
     """status: what the local index holds and what waits to be shared."""
 
+    def test_a_correction_not_applied_is_no_duplicate_of_the_memory_holding_its_text(self):
+        # Part 15: each correction not applied made status say its text was "stored under
+        # more than one id": it is stored under one, the memory that holds it.
+        target = self.gw.add("la porta è 8080")["id"]
+        holder = self.gw.add("la porta è 9090")["id"]
+        self.gw.duplicate_texts["la porta è 9090"] = holder
+        self.ok("pull")
+        self.expect_fail(1, "correct", target, "la porta è 9090")
+        self.assertEqual(self.ok_json("status")["duplicates"], {"groups": 0, "records": 0})
+
     def test_status_says_whether_a_gateway_is_configured(self):
         # Part 13: a fresh machine's status never said that no gateway is configured.
         for var in ("QMEM_URL", "QMEM_API_KEY"):
