@@ -2964,6 +2964,7 @@ class Store:
                           "text": body.get("text"), "lease_until": lease_until,
                           "unverified": st == HELD,
                           "not_applied": st == FAILED and status == NOT_APPLIED_STATUS,
+                          "refused_here": st == FAILED and status == 0,  # (see refuse_loaded)
                           "next_attempt_at": iso_from_epoch(next_at) if st == PENDING
                           and next_at > now else None})
         return items
@@ -8167,9 +8168,14 @@ def show_queue(doc, out):
     if DUPLICATE in shown:
         out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct "
                   "ID` changes it\n")
-    if any(it["state"] == FAILED and not it["not_applied"] for it in items):
+    if any(it["state"] == FAILED and not (it["not_applied"] or it["refused_here"])
+           for it in items):
         out.write("failed writes were refused by the gateway: `qmem.py flush --retry-failed` tries "
                   "them again, `qmem.py queue --drop ID` discards one\n")
+    if any(it["refused_here"] for it in items):
+        out.write("writes refused when a bundle was loaded here failed its checks and are never "
+                  "sent (the bundle back tells the host that wrote them): `qmem.py queue --drop "
+                  "ID` discards one\n")
     if any(it["not_applied"] for it in items):
         out.write("corrections not applied were refused because another memory holds their "
                   "text: what they correct is still live; correct it with other words (`qmem.py "

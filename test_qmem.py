@@ -5124,6 +5124,10 @@ class BundleTrustTests(BundleTestCase):
                   for i in self.ok_json("queue", "--state", "failed")["items"]}
         self.assertIn("refused when loaded here: the scope is 5000 characters", failed[UUIDS[21]])
         self.assertIn("already past", failed[UUIDS[22]])
+        shown = self.ok("queue")  # never said to be tried again: they are never sent
+        self.assertIn("writes refused when a bundle was loaded here failed its checks and are "
+                      "never sent", shown)
+        self.assertNotIn("--retry-failed", shown)
         self.assertEqual(self.ok_json("flush", "--retry-failed")["synced"], 1)
         self.assertEqual([p[3] for p in self.gw.posts()],
                          [{"text": "buona", "kind": "fact", "project_id": "p",
