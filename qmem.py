@@ -2024,6 +2024,11 @@ NOT_APPLIED_STATUS = 409
 _RESENDABLE = "coalesce(last_status, -1) NOT IN (0, %d)" % NOT_APPLIED_STATUS
 
 
+def was_not_applied(state, last_status):
+    # Is an outbox row (its state and last_status) a correction that was not applied?
+    return state == FAILED and last_status == NOT_APPLIED_STATUS
+
+
 def not_applied_reason(holder, target):
     # The reason kept with a correction answered 409 duplicate: what happened.
     return "not applied: %s already holds that text, so %s is still live" % (
@@ -2963,7 +2968,7 @@ class Store:
                           "project_id": body.get("project_id"),
                           "text": body.get("text"), "lease_until": lease_until,
                           "unverified": st == HELD,
-                          "not_applied": st == FAILED and status == NOT_APPLIED_STATUS,
+                          "not_applied": was_not_applied(st, status),
                           "refused_here": st == FAILED and status == 0,  # (see refuse_loaded)
                           "next_attempt_at": iso_from_epoch(next_at) if st == PENDING
                           and next_at > now else None})
@@ -5866,7 +5871,7 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
         stats.skipped += 1  # not the write it claims to settle
     elif delivered and here[2] not in (SYNCED, DUPLICATE):  # (a held one was dropped above)
         _settle_loaded(store, row, state, stats)
-    elif state == FAILED and here[2] in WAITING and row.get("last_status") == NOT_APPLIED_STATUS \
+    elif was_not_applied(state, row.get("last_status")) and here[2] in WAITING \
             and here[0] == "correct":
         _settle_loaded(store, row, NOT_APPLIED, stats)
     elif state == FAILED and here[2] in WAITING:
@@ -7024,7 +7029,7 @@ class Operations:
     def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
         # What became of a write (its outbox row), as the document of store and correct.
         state = row["state"]
-        not_applied = state == FAILED and row["last_status"] == NOT_APPLIED_STATUS
+        not_applied = was_not_applied(state, row["last_status"])
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
                "local_id": local_id, "state": state,
                "id": local_id if not_applied else row["gateway_id"] or row["duplicate_of"]
