@@ -8192,11 +8192,15 @@ class SoakTests(McpTestCase):
         import collections
         stored = collections.Counter(r["text"] for r in self.gw.records.values())
         self.assertGreaterEqual(len(self.told), 20)
-        self.assertEqual([t for t in self.told if stored[t] != 1], [], "told: not exactly once")
-        self.assertEqual([t for t in self.untold if stored[t] > 1], [], "untold: delivered twice")
-        self.assertEqual(set(stored) - set(self.told) - set(self.untold), set())
         conn = sqlite3.connect(self.db)
         self.addCleanup(conn.close)
+        bad = {t: stored[t] for t in self.told if stored[t] != 1}
+        rows = [r for r in conn.execute("SELECT payload, state, attempts, last_status, "
+                                        "last_error FROM outbox") if json.loads(r[0])["text"] in bad]
+        self.assertEqual(bad, {}, "told: not exactly once; their rows: %r; beside the database: %s"
+                         % (rows, os.listdir(os.path.dirname(self.db))))
+        self.assertEqual([t for t in self.untold if stored[t] > 1], [], "untold: delivered twice")
+        self.assertEqual(set(stored) - set(self.told) - set(self.untold), set())
         self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
         left = conn.execute("SELECT state, count(*) FROM outbox WHERE state != 'synced' "
                             "GROUP BY state").fetchall()
