@@ -8196,7 +8196,8 @@ class SoakTests(McpTestCase):
         self.addCleanup(conn.close)
         bad = {t: stored[t] for t in self.told if stored[t] != 1}
         rows = [r for r in conn.execute("SELECT payload, state, attempts, last_status, "
-                                        "last_error FROM outbox") if json.loads(r[0])["text"] in bad]
+                                        "last_error FROM outbox")
+                if json.loads(r[0])["text"] in bad]
         self.assertEqual(bad, {}, "told: not exactly once; their rows: %r; beside the database: %s"
                          % (rows, os.listdir(os.path.dirname(self.db))))
         self.assertEqual([t for t in self.untold if stored[t] > 1], [], "untold: delivered twice")
