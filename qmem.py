@@ -431,14 +431,14 @@ def warn(message):
 # a real run (command_as_run); qmem's own words name a command `qmem.py …`, and what a
 # person reads (human output, stderr) names it as it was run. --json keeps `qmem.py`.
 _as_run = ["qmem.py"]
-_TOOL_NAMED = LazyPattern(r"`(?:python3 )?qmem\.py ")
 
 
 def as_run(text):
     # text with each `qmem.py …` (or `python3 qmem.py …`) named as this tool was run.
     if _as_run[0] == "qmem.py":
         return text
-    return _TOOL_NAMED.sub(lambda m: "`%s " % _as_run[0], text)
+    return text.replace("`python3 qmem.py ", "`qmem.py ").replace("`qmem.py ",
+                                                                  "`%s " % _as_run[0])
 
 
 def stderr_diagnostic(message):
@@ -679,42 +679,28 @@ def another_programs(path):
     # The tables of the SQLite database at path if it is another program's, else None:
     # also when there is none, it is empty, no SQLite database, or cannot be read just now
     # (Store's check, under SQLite's locks, then decides).
-    real = os.path.realpath(path)  # (through a symlink, -wal and -shm are beside the target)
     try:
-        state = _file_state(real)
+        st = os.stat(path)  # (through a symlink: its target)
     except OSError:
         return None
-    if state[0] is None or not stat.S_ISREG(state[0][0]) or state[0][2] == 0:
+    if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
         return None
-    known = _JUDGED.get(real)
-    if known is not None and known[0] == state:  # unchanged since it was judged
+    known = _JUDGED.get(path)
+    if known is not None and known[0] == (st.st_dev, st.st_ino):
         return known[1]
-    schema = _read_schema(real)
+    schema = _read_schema(path)
     if schema is None:
         return None  # (not kept: a failed read proves nothing)
     tables = schema[1] if is_another_programs(*schema) else None
-    _JUDGED[real] = (state, tables)
+    if schema[1]:  # (a database with no tables yet may still become either program's)
+        _JUDGED[path] = ((st.st_dev, st.st_ino), tables)
     return tables
 
 
-# another_programs' last verdict on each file, with the state of the file it judged: each
-# command judges its database twice (Config, then Store), most often unchanged.
+# another_programs' verdict on each file that has tables, with the file it judged: a
+# database stays the same program's while it is the same file (each command asks up to
+# five times: Config, then Store; a read of its schema costs a SQLite connection).
 _JUDGED = {}
-
-
-def _file_state(path):
-    # What changes when a SQLite database may have: the mode, inode, size and mtime of its
-    # file and of its -wal (where a WAL database's commits go; None if there is none), and
-    # whether its -shm exists. stat() only.
-    found = []
-    for each in (path, path + "-wal"):
-        try:
-            st = os.stat(each)
-        except FileNotFoundError:
-            found.append(None)
-            continue
-        found.append((st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(found) + (os.path.exists(path + "-shm"),)
 
 
 def read_only_uri(path):

@@ -1621,22 +1621,22 @@ class GatewayClientTests(GatewayTestCase):
 
     def test_headers_trickled_one_byte_every_100ms_fail_at_the_budget(self):
         import time as t
-        self.gw.script = ["trickle"]
+        self.gw.script = ["trickle"]  # (each byte in time for a per-read timeout: not the budget)
         started = t.monotonic()
-        self.assert_fails("unreachable", self.client(connectTimeoutMs=1000), "GET", "/v1/status")
+        self.assert_fails("unreachable", self.client(connectTimeoutMs=500), "GET", "/v1/status")
         elapsed = t.monotonic() - started
-        self.assertLess(elapsed, 1.3)
-        self.assertGreater(elapsed, 0.95)
+        self.assertLess(elapsed, 0.8)
+        self.assertGreater(elapsed, 0.45)
 
     def test_stalled_body_is_ambiguous_and_retried(self):
         import time as t
         self.gw.script = ["stall_body", "stall_body"]
         sleeps = []
         started = t.monotonic()
-        err = self.assert_fails("ambiguous", self.client(sleeps, timeoutMs=300), "GET",
+        err = self.assert_fails("ambiguous", self.client(sleeps, timeoutMs=150), "GET",
                                 "/v1/status", None, None, 1)
         self.assertIn("stalled", str(err))
-        self.assertLess(t.monotonic() - started, 1.5)
+        self.assertLess(t.monotonic() - started, 1.0)
         self.assertEqual(len(sleeps), 1)  # one retry
         self.assertEqual(len(self.gw.requests), 2)
         self.assertEqual(self.breaker_state()["failures"], 2)  # every failed attempt counts
