@@ -758,12 +758,15 @@ def _read_schema(path):
     # see the rule at the top of the Local store section).
     uri = read_only_uri(path)
     try:
-        conn = sqlite3.connect(uri, timeout=1.0, uri=True) if uri else None
+        conn = sqlite3.connect(uri, timeout=1.0, uri=True, isolation_level=None) if uri else None
     except sqlite3.Error:
         return None
     if conn is None:
         return None
     try:
+        # One read transaction: a qmem.py setting the database up between two reads would
+        # show its tables without its version, as another program's (seen in CI).
+        conn.execute("BEGIN")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     except sqlite3.Error:

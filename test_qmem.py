@@ -919,6 +919,38 @@ class ConfigTests(QmemTestCase):
                          os.path.join(os.path.dirname(self.db), "qmem-py.sqlite"))
         conn.execute("COMMIT")
 
+    def test_a_database_set_up_while_it_is_judged_is_judged_at_one_instant(self):
+        # Part 15: the judge of another program's database read the version, then the
+        # tables; a qmem.py that set the database up between the two reads showed qmem's
+        # tables without their version, and commands started with it went to a file of
+        # their own beside qmem's database (seen in CI, 1 round in ~30).
+        os.makedirs(os.path.dirname(self.db))
+        writer = sqlite3.connect(self.db, isolation_level=None)
+        self.addCleanup(writer.close)
+        writer.execute("PRAGMA journal_mode=WAL")
+        writer.execute("BEGIN IMMEDIATE")
+        for table in sorted(qmem._QMEM_TABLES):
+            writer.execute("CREATE TABLE %s(x)" % table)
+        writer.execute("PRAGMA user_version=%d" % qmem.SCHEMA_VERSION)
+        connect = sqlite3.connect
+
+        class Judge:  # the judge's connection: the writer commits after its first read
+            def __init__(self, *args, **kwargs):
+                self.conn = connect(*args, **kwargs)
+
+            def execute(self, sql, *params):
+                cur = self.conn.execute(sql, *params)
+                if sql.startswith("PRAGMA user_version") and writer.in_transaction:
+                    writer.execute("COMMIT")
+                return cur
+
+            def close(self):
+                self.conn.close()
+        with mock.patch.object(qmem.sqlite3, "connect", Judge):
+            self.assertIsNone(qmem.another_programs(self.db))
+        self.assertFalse(writer.in_transaction)  # (the commit came between the reads)
+        self.assertEqual(qmem.load_config().db_path, self.db)
+
     def test_a_file_of_its_own_that_is_another_programs_too_is_refused(self):
         own = os.path.join(os.path.dirname(self.db), "qmem-py.sqlite")
         other_programs_database(self.db)
