@@ -538,15 +538,30 @@ def claim_token():
     return "|".join(process_identity() + (os.urandom(6).hex(),))
 
 
+def claimant(token):
+    # (host, boot, pid namespace, pid, start time) of the process a claim token names, or
+    # None for a token that names none (an older qmem.py's, a damaged file's).
+    parts = (token or "").split("|")
+    return tuple(parts[:5]) if len(parts) == 6 else None
+
+
+def prober(token):
+    # ' (pid 4242 on build-7)': the process a probe token names, or ''.
+    named = claimant(token)
+    if named is None or not named[3].isdecimal():
+        return ""
+    return " (pid %s on %s)" % (named[3][:12], _fit(named[0], 60))
+
+
 def claimant_is_gone(token):
     # Does the token prove that the process that claimed is dead (same host, same boot,
     # same pid namespace, and its pid gone, a zombie, or reused since)? Anything less proves
     # nothing: a claim of another machine, of a container, of an older qmem.py, or from
     # a system without /proc waits for its lease to run out.
-    parts = (token or "").split("|")
-    if len(parts) != 6:
+    named = claimant(token)
+    if named is None:
         return False
-    host, boot, namespace, pid, start, _ = parts
+    host, boot, namespace, pid, start = named
     mine = process_identity()
     if (not (boot and namespace and start and pid.isdecimal() and len(pid) < 10)
             or (host, boot, namespace) != mine[:3]):
@@ -757,11 +772,11 @@ def _read_schema(path):
     # cannot be read: read without changing it or making a file beside it (read_only_uri;
     # see the rule at the top of the Local store section).
     uri = read_only_uri(path)
-    try:
-        conn = sqlite3.connect(uri, timeout=1.0, uri=True, isolation_level=None) if uri else None
-    except sqlite3.Error:
+    if uri is None:
         return None
-    if conn is None:
+    try:
+        conn = sqlite3.connect(uri, timeout=1.0, uri=True, isolation_level=None)
+    except sqlite3.Error:
         return None
     try:
         # One read transaction: a qmem.py setting the database up between two reads would
@@ -1148,15 +1163,6 @@ class _FileLock:
             os.close(self.fd)  # closing releases the lock
             self.fd = None
         return False
-
-
-def prober(token):
-    # ' (pid 4242 on build-7)': the process a probe token names, or '' for a token that
-    # names none (an older qmem.py's, a damaged file's).
-    parts = (token or "").split("|")
-    if len(parts) != 6 or not parts[3].isdecimal():
-        return ""
-    return " (pid %s on %s)" % (parts[3][:12], _fit(parts[0], 60))
 
 
 def why_open(state):
