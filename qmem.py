@@ -2937,8 +2937,9 @@ class Store:
         counts.update(self.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state"))
         return counts
 
-    def outbox_items(self, state, now, ids=None):
-        # Outbox rows as documents, oldest first: all, those in `state`, or those of `ids`.
+    def outbox_items(self, state, now, ids=None, not_before=0):
+        # Outbox rows as documents, oldest first: all, those in `state`, or those of `ids`;
+        # a waiting row is tried next at its own time, or not_before if that is later.
         where, params = "", ()
         if state:
             where, params = "WHERE state=?", (state,)
@@ -2965,8 +2966,8 @@ class Store:
                           "unverified": st == HELD,
                           "not_applied": was_not_applied(st, status),
                           "refused_here": st == FAILED and status == 0,  # (see refuse_loaded)
-                          "next_attempt_at": iso_from_epoch(next_at) if st == PENDING
-                          and next_at > now else None})
+                          "next_attempt_at": iso_from_epoch(max(next_at, not_before))
+                          if st == PENDING and max(next_at, not_before) > now else None})
         return items
 
     def claim_of(self, local_id):
@@ -5144,17 +5145,17 @@ class Flusher:
         return took
 
 
-def next_try_at(own, breaker, now):
-    # When a waiting write is really tried next: the later of its own time (a backoff, or
-    # the wait the gateway asked for, held at most MAX_STORED_WAIT_S) and the end of the
-    # breaker's open period (breakerMaxMs may hold every call for days: nothing goes out
-    # before). The one time `store`'s note and `queue` give, and `breaker`'s own when
-    # it is the later. (A half-open breaker is left out: its probe may answer at any
+def breaker_holds_until(breaker, now):
+    # The end of the breaker's open period, or 0: a waiting write is really tried next at
+    # the later of its own time (a backoff, or the wait the gateway asked for, held at most
+    # MAX_STORED_WAIT_S) and this (breakerMaxMs may hold every call for days: nothing goes
+    # out before). The one time `store`'s note and `queue` give, and `breaker`'s own when
+    # it is the later. (A half-open breaker holds nothing: its probe may answer at any
     # moment. An explicit `flush` tries at once, whatever either says.)
     state = breaker.read() if breaker is not None else None
     if state is not None and state["state"] == "open" and breaker.refuses(state, now):
-        return max(own, state["open_until"])
-    return own
+        return state["open_until"]
+    return 0
 
 
 def _shown(value, scrub=None):
@@ -7041,7 +7042,7 @@ class Operations:
             doc["reason"] = "queued on request (--queue-only)" if queue_only else (
                 self.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
                 str(error or row["last_error"] or "retry later"))
-            when = next_try_at(row["next_attempt_at"], self._breaker(), self.clock())
+            when = max(row["next_attempt_at"], breaker_holds_until(self._breaker(), self.clock()))
             if when > self.clock() + 60:
                 doc["next_attempt_at"] = iso_from_epoch(when)
         if not_applied:
@@ -7190,13 +7191,10 @@ class Operations:
         # The outbox, oldest first (empty on a fresh machine).
         counts, items = dict.fromkeys(OUTBOX_STATES, 0), []
         if self.has_index():
-            items = self.store().outbox_items(state, self.clock())
+            now = self.clock()
+            items = self.store().outbox_items(
+                state, now, not_before=breaker_holds_until(self._breaker(), now))
             counts = self.store().outbox_counts()
-        breaker, now = self._breaker(), self.clock()
-        for item in items:  # when each waiting write is really tried next
-            if item["state"] == PENDING:
-                when = next_try_at(parse_iso(item["next_attempt_at"] or "") or now, breaker, now)
-                item["next_attempt_at"] = iso_from_epoch(when) if when > now else None
         return {"source": "outbox", "counts": counts, "items": items,
                 "writes_stuck": self.writes_stuck()}
 
