@@ -2373,8 +2373,11 @@ def damaged(path):
 
 
 def store_error(e, path, waited=None):
-    # A sqlite3 error as the StoreError a user can act on. waited: the seconds this
-    # command waited for a busy database (patiently() measures them).
+    # A sqlite3 error as the StoreError a user can act on (a StoreError is one already).
+    # waited: the seconds this command waited for a busy database (patiently() measures
+    # them).
+    if isinstance(e, StoreError):
+        return e
     text = str(e)
     if is_busy(e):
         return StoreError("local database busy: %s is held by another process%s" % (
@@ -6049,7 +6052,7 @@ def _doctor_database(config):
     try:
         return _doctor_open_store(store, config["url"])
     except (StoreError, sqlite3.Error) as e:  # past what integrity_check could list
-        err = e if isinstance(e, StoreError) else store_error(e, path)
+        err = store_error(e, path)
         return [check("database", "fail", err.message, err.hint)]
     finally:
         store.close()
@@ -6067,7 +6070,7 @@ def repair_database(config):
     try:
         store.repair()
     except (StoreError, sqlite3.Error) as e:
-        err = e if isinstance(e, StoreError) else store_error(e, store.path)
+        err = store_error(e, store.path)
         if err.kind == "store_readonly":  # nothing is known to be wrong: only the mode
             return check("repair", "fail", "not repaired: %s" % err.message, err.hint)
         return check("repair", "fail", "REINDEX failed: %s" % err.message, REBUILD_ADVICE)
@@ -7386,7 +7389,7 @@ class Operations:
                 rid = self.store().current_id(rid)
                 local = self.store().get(rid)
         except (StoreError, sqlite3.Error) as e:  # the gateway can still answer
-            err = e if isinstance(e, StoreError) else store_error(e, self.config.db_path)
+            err = store_error(e, self.config.db_path)
             warn("the local index cannot be read (%s): asking the gateway only" % err.message)
         if local is not None and (local["pending"] or local["failed"]):
             # Written here and still queued (or refused): the gateway does not know this id.
@@ -7451,7 +7454,7 @@ class Operations:
             if not store.read_only:
                 store.merge_seen(records, view)
         except (StoreError, sqlite3.Error) as e:
-            err = e if isinstance(e, StoreError) else store_error(e, self.config.db_path)
+            err = store_error(e, self.config.db_path)
             warn("the local index could not keep this answer: %s" % err.message)
 
     def meta(self, require_remote=False):
@@ -7522,7 +7525,7 @@ class Operations:
             stats = Flusher(store, self.gateway(), clock=self.clock).run(**run)
             clear_flush_error(store)
         except (StoreError, sqlite3.Error) as e:
-            err = e if isinstance(e, StoreError) else store_error(e, store.path)
+            err = store_error(e, store.path)
             note_flush_error(store.path, store, err.message)
             raise err
         return stats
