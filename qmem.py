@@ -430,13 +430,15 @@ def warn(message):
 # launcher, `python3 qmem.py` (or the path used) otherwise. The command line sets it for
 # a real run (command_as_run); qmem's own words name a command `qmem.py …`, and what a
 # person reads (human output, stderr) names it as it was run. --json keeps `qmem.py`.
-_as_run = ["qmem.py"]
+_as_run = ["qmem.py"]  # the name, or the function that works it out at the first hint
 
 
 def as_run(text):
     # text with each `qmem.py …` (or `python3 qmem.py …`) named as this tool was run.
-    if _as_run[0] == "qmem.py":
+    if "qmem.py " not in text or _as_run[0] == "qmem.py":
         return text
+    if callable(_as_run[0]):
+        _as_run[0] = _as_run[0]()
     return text.replace("`python3 qmem.py ", "`qmem.py ").replace("`qmem.py ",
                                                                   "`%s " % _as_run[0])
 
@@ -9868,8 +9870,9 @@ def command_as_run(argv0):
 
 def main(argv=None):
     # Run one qmem command; return its exit code.
-    if argv is None:
-        _as_run[0] = command_as_run(sys.argv[0] if sys.argv else "")
+    if argv is None:  # (worked out where a hint needs it: most commands print none)
+        argv0 = sys.argv[0] if sys.argv else ""
+        _as_run[0] = lambda: command_as_run(argv0)
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == [_WRITER_COMMAND] and len(argv) == 2:
         return _run_writer(argv[1])
