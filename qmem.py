@@ -3627,7 +3627,11 @@ BATCH_S = 1.0
 
 
 class Importer:
-    # Incremental, streaming import of pi session files into the Store.
+    """Incremental, streaming import of pi session files into the Store.
+
+    The writing is done in this process: a child writer cut the records-only import by 22%
+    on two CPUs, under the 25% a child must earn (part 16).
+    """
 
     def __init__(self, store, stats=None):
         self.store = store
@@ -3635,9 +3639,7 @@ class Importer:
         self.progress = Progress("import")
         self.batch_started = 0.0
         self.settled = {}
-        self.bulk = None    # rows for Store.merge_many, when the store allows it
-        self.writer = None  # the _WriterProcess that applies them, for a large import
-        self.writer_tried = False
+        self.bulk = None  # the file's rows for Store.merge_many, when the store allows it
 
     def run(self, roots):
         store = self.store
@@ -3656,8 +3658,6 @@ class Importer:
         finally:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            if self.writer is not None:
-                self.writer.abandon()  # what it committed stays: each file with its records
             self.progress.done()
         with store.transaction():
             store.finish_bulk()
@@ -3707,31 +3707,19 @@ class Importer:
     def _read_all(self, todo):
         # Read the files, committing in batches of about a second (a commit per file
         # would cost more than the reading; a file's progress row commits with its
-        # records). Past PARALLEL_MIN_ROWS merged rows, a child process takes over the
-        # writing.
+        # records).
         conn = self.store.conn
-        rows = 0
         for n, (path, st, offset) in enumerate(todo):
             self.progress.update("%d/%d files" % (n + 1, len(todo)))
-            rows += self._import_file(path, st, offset)
+            self._import_file(path, st, offset)
             if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
                 conn.execute("COMMIT")
-            more_to_come = n + 1 < len(todo)
-            if (self.bulk is not None and not self.writer_tried and rows >= PARALLEL_MIN_ROWS
-                    and more_to_come and _cores() > 1):
-                if conn.in_transaction:
-                    conn.execute("COMMIT")  # the child takes over the writing from here
-                self.writer_tried = True  # once: without a child, the writing stays here
-                self.writer = _WriterProcess.start(self.store.path)
         if conn.in_transaction:
             conn.execute("COMMIT")
-        if self.writer is not None:
-            self.writer, writer = None, self.writer
-            writer.finish(self.stats)
 
     def _import_file(self, path, st, offset):
         # Read one session file from `offset`; merge what its memory calls tell; keep
-        # the calls still waiting for a result. Returns the number of rows merged.
+        # the calls still waiting for a result.
         conn = self.store.conn
         # toolCall id -> (name, arguments, timestamp) or the raw assistant line
         calls = {call_id: (name, json.loads(args) if args else {}, ts)
@@ -3741,13 +3729,13 @@ class Importer:
             results, session_id, status, pos = self._read_file(path, offset, calls)
         except OSError as e:  # unreadable, or gone since it was listed: the next import tries again
             warn("skipped %s: %s" % (path, e.strerror or e))
-            return 0
+            return
         self.stats.bytes_read += pos - offset
         self.stats.files_read += 1
         if status != "ok":
             self.stats.files_not_sessions += 1
             warn("skipped %s: not a pi session file (line 1 is not a session header)" % path)
-        if self.writer is None and not conn.in_transaction:
+        if not conn.in_transaction:
             self.store.begin()
             self.batch_started = time.monotonic()
         self._pair(results, calls)
@@ -3758,15 +3746,22 @@ class Importer:
             if call is not None:
                 waiting.append((path, call_id, call[0], json.dumps(call[1]), call[2]))
         self.stats.calls_without_result += len(waiting)
-        job = (self.bulk or [], path, waiting,
-               (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
+        self._write_file(path, waiting,
+                         (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
+
+    def _write_file(self, path, waiting, progress):
+        # Write what one session file gave, inside the batch's transaction: its records
+        # (merged in bulk, where the store allows it), the calls still waiting for a
+        # result, its progress row.
+        conn = self.store.conn
         if self.bulk:
+            new, updated = self.store.merge_many(self.bulk)
+            self.stats.records_new += new
+            self.stats.records_updated += updated
             self.bulk = []
-        if self.writer is not None:
-            self.writer.put(job)
-        else:
-            _apply_file(self.store, job, self.stats)
-        return len(job[0])
+        conn.execute("DELETE FROM open_calls WHERE path=?", (path,))
+        conn.executemany("INSERT INTO open_calls VALUES(?, ?, ?, ?, ?)", waiting)
+        conn.execute("INSERT OR REPLACE INTO files VALUES(?, ?, ?, ?, ?, ?, ?)", progress)
 
     def _read_file(self, path, offset, calls):
         # Scan a file from `offset` for the lines that mention qmem_; returns (tool
@@ -3911,161 +3906,6 @@ class Importer:
                 self.settled.clear()
             self.settled[rid] = (data.get("updated_at"), data.get("superseded_by"),
                                  data.get("deleted_at"))
-
-
-def _apply_file(store, job, stats):
-    # Write what one session file gave, inside the caller's transaction: its records
-    # (for merge_many), the calls still waiting for a result, its progress row.
-    rows, path, waiting, progress = job
-    if rows:
-        new, updated = store.merge_many(rows)
-        stats.records_new += new
-        stats.records_updated += updated
-    store.conn.execute("DELETE FROM open_calls WHERE path=?", (path,))
-    store.conn.executemany("INSERT INTO open_calls VALUES(?, ?, ?, ?, ?)", waiting)
-    store.conn.execute("INSERT OR REPLACE INTO files VALUES(?, ?, ?, ?, ?, ?, ?)", progress)
-
-
-# A large cold import hands its writing to a child process once it has merged this
-# many rows, where it may run on a second core: SQLite's half of the work then runs
-# beside the parsing. Measured on bench.py's records tree (about 100,000 memory calls),
-# the import into an empty index, median of 3 (2026-12-02): on two cores 6.39 s
-# without the child, 4.40 s with it; on one core 6.38 s without, 7.07 s with (so it
-# is started only where the process may use two). A tree of few records never pays
-# for the child's start; a thread does not help: it fights the parser for the GIL.
-PARALLEL_MIN_ROWS = 10000
-_WRITER_COMMAND = "_import-writer"  # the child's hidden command line: qmem.py _import-writer DB
-
-
-def frame(value):
-    # A value as a parent and its qmem.py child pass it: length-prefixed marshal data
-    # (tuples, lists and dicts of str/int/None; nothing is executed).
-    import marshal
-    data = marshal.dumps(value)
-    return len(data).to_bytes(4, "little") + data
-
-
-def frames(stream):
-    # The values of frame()s read from a stream, to its end; one cut short raises
-    # EOFError or ValueError.
-    import marshal
-    while True:
-        head = stream.read(4)
-        if len(head) < 4:
-            return
-        yield marshal.loads(stream.read(int.from_bytes(head, "little")))
-
-
-class _WriterProcess:
-    # The parent's end of the import writer: jobs go down the child's stdin as frame()s.
-
-    @classmethod
-    def start(cls, db_path):
-        # A running writer, or None where a child cannot be started (then the import
-        # simply writes in-process).
-        import subprocess
-        proc = start_child([_WRITER_COMMAND, db_path], stdin=subprocess.PIPE)
-        if proc is None:
-            return None
-        writer = cls()
-        writer.proc = proc
-        return writer
-
-    def put(self, job):
-        try:
-            self.proc.stdin.write(frame(job))
-        except OSError:  # a broken pipe among others
-            self.finish(None)  # raises the child's own error
-            raise StoreError("the import writer process ended early")
-
-    def finish(self, stats):
-        # Wait for the child to commit and end; add its counts to stats.
-        try:
-            out, err = self.proc.communicate()  # closes its stdin: the end of the jobs
-        except OSError:  # its stdin was gone already
-            out, err = self.proc.stdout.read(), self.proc.stderr.read()
-            self.proc.wait()
-        child_ended(self.proc, err, "import writer")
-        if stats is not None:
-            counts = json.loads(out.decode("utf-8"))
-            stats.records_new += counts["new"]
-            stats.records_updated += counts["updated"]
-
-    def abandon(self):
-        # After an error or an interrupt here: end the child; it rolls back only the
-        # batch it had not committed yet.
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.communicate()
-
-
-def start_child(command, stdin=None):
-    # qmem.py running `command` (a hidden one) in a child process, its stdout and stderr
-    # piped; None where none can be started.
-    import subprocess
-    script = os.path.abspath(__file__)
-    if not os.path.isfile(script):
-        return None
-    try:
-        isolated = ["-I"] if sys.flags.isolated else []  # as the launcher runs qmem.py
-        return subprocess.Popen([sys.executable] + isolated + [script] + command, stdin=stdin,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                env=_child_environment())
-    except OSError:
-        return None
-
-
-def child_ended(proc, err, what):
-    # A StoreError with the last line a child said, if it failed.
-    if proc.returncode != 0:
-        lines = err.decode("utf-8", "replace").strip().splitlines()
-        raise StoreError("the %s process failed: %s" % (what, (
-            lines[-1][len("qmem: "):] if lines and lines[-1].startswith("qmem: ") else
-            "killed by signal %d" % -proc.returncode if proc.returncode < 0 else
-            "exit status %s" % proc.returncode)))
-
-
-def _cores():
-    # The CPUs this process may run on.
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def _child_environment():
-    # What a child process needs of the environment, and no secret (QMEM_API_KEY, a
-    # proxy's password, tokens): the writer needs no gateway at all.
-    keep = ("PATH HOME TMPDIR TEMP TMP LANG LC_ALL LC_CTYPE SYSTEMROOT PYTHONPATH PYTHONIOENCODING "
-            "PYTHONUTF8").split()
-    return {k: v for k, v in os.environ.items() if k in keep}
-
-
-def _writer_main(db_path):
-    # The child's side of _WriterProcess: apply jobs from stdin, commit every BATCH_S
-    # seconds (each file's progress row with its records), print the counts.
-    store = Store(db_path, create=False)
-    conn = store.conn
-    conn.execute("PRAGMA synchronous=NORMAL")
-    conn.execute("PRAGMA cache_size=-4096")
-    store.known = {hash(i) for (i,) in conn.execute("SELECT id FROM records")}
-    stats, started = ImportStats(), 0.0
-    try:
-        for job in frames(sys.stdin.buffer):
-            if not conn.in_transaction:
-                store.begin()
-                started = time.monotonic()
-            _apply_file(store, job, stats)
-            if time.monotonic() - started > BATCH_S:
-                conn.execute("COMMIT")
-        if conn.in_transaction:
-            conn.execute("COMMIT")
-    finally:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        store.close()
-    sys.stdout.write(json.dumps({"new": stats.records_new, "updated": stats.records_updated}))
-    return EXIT_OK
 
 
 def _qmem_calls(entry):
@@ -5624,23 +5464,27 @@ class LoadStats:
 
 
 def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
-    # Merge a checked bundle, in one transaction (rolled back for a dry run).
-    #
-    # Signed with this host's key: records under the merge rule (replacing what an
-    # unverified bundle said); outbox rows this machine lacks, added with their own local
-    # ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
-    # bundle shows delivered settle the same rows here (same id, op and payload), without
-    # a request. Unverified: records only where this host knows no record of that id,
-    # never superseding anything; no settlement; its writes held, never sent until the
-    # user releases them. Every write is rebuilt from qmem's own fields, checked as
-    # `store` checks them.
+    """Merge a checked bundle, in one transaction (rolled back for a dry run).
+
+    Signed with this host's key: records under the merge rule (replacing what an
+    unverified bundle said); outbox rows this machine lacks, added with their own local
+    ids (= Idempotency-Keys: delivered once however many hosts load them); rows the
+    bundle shows delivered settle the same rows here (same id, op and payload), without
+    a request. Unverified: records only where this host knows no record of that id,
+    never superseding anything; no settlement; its writes held, never sent until the
+    user releases them. Every write is rebuilt from qmem's own fields, checked as
+    `store` checks them.
+
+    The bundle is read in this process: a child reader cut the load of the records-only
+    export by 20% on two CPUs, under the 25% a child must earn (part 16).
+    """
     bulk = not dry_run and store.is_empty()
     if bulk:
         store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
     try:
         with store.transaction():
             settle, now, stats = [], iso_now(), LoadStats()  # (now: one time for the load)
-            for kind, part in _parts(path, trust, now, store.bulk_sql and bulk, store.fts):
+            for kind, part in bundle_parts(path, trust, now, store.bulk_sql and bulk, store.fts):
                 if kind == "rows":
                     _merge_batch(store, part, stats, trust)
                 elif kind == "record":
@@ -5666,10 +5510,12 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
 
 
 def bundle_parts(path, trust, now, batched, words):
-    # What a checked copy holds, in order, as a load merges it: ("rows", rows for
-    # merge_many, masked, with their identifiers' words if asked) in batches where it merges
-    # in bulk, else ("record", (record, view)) each; ("outbox", row); ("skipped", None) for
-    # an item that is none of them.
+    """What a checked copy holds, in order, as a load merges it.
+
+    ("rows", rows for Store.merge_many, masked, with their identifiers' words if asked) in
+    batches where it merges in bulk, else ("record", (record, view)) each; ("outbox", row);
+    ("skipped", None) for an item that is none of them.
+    """
     batch = []
     for item in bundle_items(path):
         if item is None or item["type"] == "outbox":
@@ -5694,52 +5540,6 @@ def bundle_parts(path, trust, now, batched, words):
             batch = []
     if batch:
         yield "rows", batch
-
-
-# A large bulk load reads its copy in a child process, as a large import writes in one:
-# the child parses, checks and masks the records (and finds their identifiers' words) while
-# this process writes them, still in one transaction. Measured on bench.py's records
-# bundle (84,487 records), into an empty index, two cores, median of 5 (2026-12-03): 9.5 s
-# in one process, 7.4 s with the child. Started only where the process may use two cores.
-_READER_COMMAND = "_load-reader"  # the child's hidden command: qmem.py _load-reader COPY ...
-
-
-def _parts(path, trust, now, batched, words):
-    # bundle_parts, from a child process where that pays: a large bulk load that may use
-    # two cores.
-    proc = (start_child([_READER_COMMAND, path, trust, now, "1" if words else ""])
-            if batched and _cores() > 1 and os.path.getsize(path) >= 650 * PARALLEL_MIN_ROWS
-            else None)  # (bytes a record)
-    if proc is None:
-        return bundle_parts(path, trust, now, batched, words)
-    return _parts_of_child(proc)
-
-
-def _parts_of_child(proc):
-    # The parts the load reader sends, to its end; its failure, or a part cut short, is a
-    # StoreError (the load's transaction is then rolled back).
-    try:
-        try:
-            for part in frames(proc.stdout):
-                yield part
-        except (EOFError, ValueError, TypeError):  # cut short: the child's end says why
-            child_ended(proc, proc.communicate()[1], "load reader")
-            raise StoreError("the load reader process ended early")
-    except BaseException:  # an error here, or an interrupt: the child is no longer needed
-        if proc.returncode is None:  # (not ended and waited for already)
-            proc.kill()
-            proc.communicate()
-        raise
-    child_ended(proc, proc.communicate()[1], "load reader")
-
-
-def _reader_main(path, trust, now, words):
-    # The child's side of _parts: bundle_parts as frames on stdout (JSON values).
-    out = sys.stdout.buffer
-    for part in bundle_parts(path, trust, now, True, words):
-        out.write(frame(part))
-    out.flush()
-    return EXIT_OK
 
 
 class _DryRun(Exception):
@@ -9874,10 +9674,6 @@ def main(argv=None):
         argv0 = sys.argv[0] if sys.argv else ""
         _as_run[0] = lambda: command_as_run(argv0)
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == [_WRITER_COMMAND] and len(argv) == 2:
-        return _run_writer(argv[1])
-    if argv[:1] == [_READER_COMMAND] and len(argv) == 5:
-        return _run_reader(*argv[1:])
     argv, json_mode, debug = _global_options(argv)
     set_diagnostics(stderr_diagnostic)  # the command line's own: one line each on stderr
     ops = doc_out = None  # doc_out: where documents go when stdout carries data (export -)
@@ -9982,33 +9778,6 @@ def _command_word(argv):
         elif not word.startswith("-"):
             return word
     return None
-
-
-def _run_reader(path, trust, now, words):
-    try:
-        return _reader_main(path, trust, now, words)
-    except (QmemError, OSError) as e:
-        warn(str(e))
-        return EXIT_FAIL
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
-
-
-def _run_writer(db_path):
-    try:
-        return _writer_main(db_path)
-    except QmemError as e:
-        warn(str(e))
-        return e.exit_code
-    except (ValueError, EOFError, TypeError, IndexError):  # marshal: not what an import sends
-        warn("the import writer got input that is not an import's (it is started by `qmem.py "
-             "import`)")
-        return EXIT_USAGE
-    except sqlite3.Error as e:
-        warn(str(store_error(e, db_path)))
-        return EXIT_FAIL
-    except KeyboardInterrupt:
-        return EXIT_INTERRUPTED
 
 
 def exit_now(code):

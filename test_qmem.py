@@ -2325,7 +2325,7 @@ class StoreTests(GatewayTestCase):
         s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
         s.store(record(UUIDS[9], "il token del bot è ghp_" + "a1B2" * 9))
         s.write()
-        self.ok("import")  # through the import's writer
+        self.ok("import")  # through the import's bulk merge
         self.assertEqual(self.local_record(UUIDS[9])["text"],
                          "il token del bot è [masked: GitHub token]")
         self.gw.add("la chiave è AKIAIOSFODNN7EXAMPLE")
@@ -2753,72 +2753,69 @@ class ImportTests(QmemTestCase):
                 f.write(line if isinstance(line, bytes) else line.encode("utf-8"))
                 f.write(b"\n")
 
-    def test_a_large_import_writes_in_a_child_process_with_the_same_result(self):
+    def test_an_import_into_an_empty_index_merges_in_bulk_with_the_same_result(self):
+        """Each file's rows go to Store.merge_many in one statement; the same tree merged
+        record by record (Store.upsert) leaves the same index and the same counts."""
         self.mixed_tree()
-        in_process = self.import_json()
-        table = "SELECT id, view, %s FROM records ORDER BY id" % ", ".join(qmem.FIELDS)
+        real, merged = qmem.Store.merge_many, []
+        with mock.patch.object(qmem.Store, "merge_many",
+                               lambda store, rows: merged.append(rows) or real(store, rows)):
+            in_bulk = self.import_json()
+        self.assertEqual(len(merged), 4)  # one bulk merge a file
+        table = "SELECT id, view, words, %s FROM records ORDER BY id" % ", ".join(qmem.FIELDS)
         store = qmem.Store(self.db)
         expected = store.conn.execute(table).fetchall()
         store.close()
-        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "child.sqlite")
-        started = []
-        real_start = qmem._WriterProcess.start
-        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
-                mock.patch.object(qmem, "_cores", lambda: 2), \
-                mock.patch.object(qmem._WriterProcess, "start",
-                                  lambda db: started.append(db) or real_start(db)):
-            in_child = self.import_json()
-        self.assertEqual(started, [os.environ["QMEM_SQLITE"]])
-        self.assertEqual(in_child, in_process)
+        os.environ["QMEM_SQLITE"] = os.path.join(self.home, "one.sqlite")
+        with mock.patch.object(qmem.Store, "bulk_sql", False):
+            one_by_one = self.import_json()
+        self.assertEqual(one_by_one, in_bulk)
         store = qmem.Store(os.environ["QMEM_SQLITE"])
         self.addCleanup(store.close)
         self.assertEqual(store.conn.execute(table).fetchall(), expected)
         self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
 
-    def test_on_one_core_the_import_writes_in_its_own_process(self):
+    def test_an_interrupted_import_keeps_the_files_it_committed_and_reads_the_rest_again(self):
         self.mixed_tree()
-        started = []
-        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
-                mock.patch.object(qmem, "_cores", lambda: 1), \
-                mock.patch.object(qmem._WriterProcess, "start", started.append):
-            self.import_json()
-        self.assertEqual(started, [])
+        real = qmem.Importer._write_file
+
+        def interrupted(importer, path, waiting, progress):
+            if path.endswith("s2.jsonl"):
+                raise KeyboardInterrupt
+            real(importer, path, waiting, progress)
+        with mock.patch.object(qmem, "BATCH_S", 0), \
+                mock.patch.object(qmem.Importer, "_write_file", interrupted):
+            self.assertEqual(self.run_cli("import"), (130, "", "qmem: interrupted\n"))
+        # each of the first two files was committed with its records (12 stored, 3 seen in
+        # a search); the third was rolled back
+        self.assertEqual(self.ok_json("status")["records"]["total"], 15)
+        self.assertEqual(self.import_json()["files_read"], 2)
         self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
 
-    def test_a_failing_writer_process_is_a_clear_error_and_nothing_is_half_done(self):
-        import subprocess as sp
+    def test_a_full_disk_stops_an_import_with_a_clear_error_and_nothing_half_done(self):
         self.mixed_tree()
+        s = Session(os.path.join(self.sessions, "--home-dev-p4--"), "s4.jsonl")
+        s.store(record(UUIDS[50], "una memoria lunga " + "x" * 20000))  # more than a page
+        s.write()
+        real_init = qmem.Store.__init__
 
-        def broken(db):
-            w = qmem._WriterProcess()
-            w.proc = sp.Popen([sys.executable, "-c", "import sys; sys.stdin.buffer.read(10); "
-                               "sys.stderr.write('qmem: database or disk is full\\n'); "
-                               "sys.exit(1)"],
-                              stdin=sp.PIPE, stdout=sp.PIPE, stderr=sp.PIPE)
-            return w
-        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
-                mock.patch.object(qmem, "_cores", lambda: 2), \
-                mock.patch.object(qmem._WriterProcess, "start", broken):
-            err = self.expect_fail(1, "import")
-        self.assertIn("import writer process failed: database or disk is full", err)
-        # The first file was written here, before the child took over; no file the child
-        # had counts as imported, so the next import reads those again.
-        self.assertEqual(self.import_json()["files_read"], 3)
+        def full(store, *args, **kw):  # a file that may not grow: SQLite answers SQLITE_FULL
+            real_init(store, *args, **kw)
+            pages = store.conn.execute("PRAGMA page_count").fetchone()[0]
+            store.conn.execute("PRAGMA max_page_count=%d" % pages)
+        store = qmem.Store(self.db)
+        store.conn.execute("VACUUM")  # no free page left by its migrations
+        store.close()
+        with mock.patch.object(qmem.Store, "__init__", full):
+            code, out, err = self.run_cli("import")
+        self.assertEqual(code, 1)
+        self.assertIn("qmem: local database full: no room left for %s" % self.db, err)
+        self.assertIn("free some disk space, then try again", err)
+        self.assertEqual(err.count("\n"), 1, err)  # one line
+        self.assertEqual(self.ok_json("status")["records"]["total"], 0)
+        self.assertEqual(self.import_json()["files_read"], 5)
         self.assertEqual(len(self.find_ids("citta", "--limit", "100")), 24)
-
-    def test_the_import_writer_gets_no_secret(self):
-        seen = {}
-
-        class FakePopen:
-            def __init__(self, argv, **kw):
-                seen.update(kw.get("env") or {"inherited": "everything"})
-                raise OSError("not really")
-        os.environ["QMEM_API_KEY"] = API_KEY
-        with mock.patch("subprocess.Popen", FakePopen):
-            self.assertIsNone(qmem._WriterProcess.start(self.db))
-        self.assertNotIn("QMEM_API_KEY", seen)
-        self.assertNotIn("inherited", seen)
-        self.assertNotIn(API_KEY, json.dumps(seen))
+        self.assertEqual(self.find_ids("lunga"), [UUIDS[50]])
 
     def test_store_results_in_every_shape_become_records(self):
         s = Session(os.path.join(self.sessions, "--home-dev-projects-infra--"), "a.jsonl")
@@ -3018,12 +3015,7 @@ class ImportTests(QmemTestCase):
         self.assertIn("--sessions %s: not a directory" % a_file,
                       self.expect_fail(2, "import", "--sessions", a_file))
 
-    def test_the_writer_child_and_odd_files_in_a_sessions_folder(self):
-        qmem.Store(self.db).close()
-        proc = subprocess.run(qmem_command() + ["_import-writer", self.db], input=b"abcdefgh",
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60)
-        self.assertNotIn(b"Traceback", proc.stderr)
-        self.assertEqual(proc.returncode, 2)
+    def test_a_fifo_in_a_sessions_folder_is_skipped(self):
         os.makedirs(self.sessions)
         os.mkfifo(os.path.join(self.sessions, "pipe.jsonl"))
         code, out, err = self.run_cli("import")  # must not hang on the FIFO
@@ -4686,47 +4678,43 @@ class BundleTests(BundleTestCase):
                        {"text": "da portare", "kind": "fact", "project_id": "p"})}]
         return self.crafted(items)
 
-    def test_a_large_load_parses_in_a_child_process_with_the_same_result(self):
+    def test_a_load_into_an_empty_index_merges_in_bulk_with_the_same_result(self):
+        """The records go to Store.merge_many in batches; the same bundle merged record by
+        record (Store.upsert) leaves the same index and says the same."""
         bundle = self.load_items()
-        self.host("here", False)
-        in_process = self.ok_json("load", bundle)
-        self.host("child", False)
-        started, real_start = [], qmem.start_child
-        with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
-                mock.patch.object(qmem, "_cores", lambda: 2), \
-                mock.patch.object(qmem, "start_child",
-                                  lambda command, **kw: started.append(command[0])
-                                  or real_start(command, **kw)):
-            in_child = self.ok_json("load", bundle)
-        self.assertEqual(started, ["_load-reader"])
-        self.assertEqual(in_child, in_process)
-        self.assertEqual((in_child["records"]["new"], in_child["skipped"]), (12, 2))
+        self.host("bulk", False)
+        real, merged = qmem.Store.merge_many, []
+        with mock.patch.object(qmem.Store, "merge_many",
+                               lambda store, rows, **kw: merged.append(rows)
+                               or real(store, rows, **kw)):
+            in_bulk = self.ok_json("load", bundle)
+        self.assertEqual([len(rows) for rows in merged], [12])
+        self.host("one", False)
+        with mock.patch.object(qmem.Store, "bulk_sql", False):
+            one_by_one = self.ok_json("load", bundle)
+        self.assertEqual(one_by_one, in_bulk)
+        self.assertEqual((in_bulk["records"]["new"], in_bulk["skipped"]), (12, 2))
 
         def rows(name):  # all but when each was seen
             conn = sqlite3.connect(os.path.join(self.home, name + ".sqlite"))
             self.addCleanup(conn.close)
             return conn.execute("SELECT id, view, origin, words, pending, %s FROM records ORDER "
                                 "BY id" % ", ".join(qmem.FIELDS)).fetchall()
-        self.assertEqual(rows("child"), rows("here"))
+        self.assertEqual(rows("one"), rows("bulk"))
         self.assertEqual(len(self.find_ids("memoria", "--limit", "100")), 12)
         self.assertEqual(self.ok_json("queue")["counts"]["pending"], 1)
 
-    def test_a_failing_reader_process_is_a_clear_error_and_nothing_is_loaded(self):
-        import subprocess as sp
+    def test_an_interrupted_or_failing_load_loads_nothing(self):
         bundle = self.load_items()
-        self.host("child", False)
-
-        for code, said in (("sys.stderr.write('qmem: cannot read the copy\\n'); sys.exit(1)",
-                            "load reader process failed: cannot read the copy"),
-                           ("sys.exit(0)", "load reader process ended early")):  # a part cut
-            def broken(command, **kw):
-                return sp.Popen([sys.executable, "-c", "import sys; sys.stdout.buffer.write("
-                                 "b'\\x10\\0\\0\\0\\xa9'); sys.stdout.flush(); " + code],
-                                stdout=sp.PIPE, stderr=sp.PIPE)
-            with mock.patch.object(qmem, "PARALLEL_MIN_ROWS", 0), \
-                    mock.patch.object(qmem, "_cores", lambda: 2), \
-                    mock.patch.object(qmem, "start_child", broken):
-                self.assertIn(said, self.expect_fail(1, "load", bundle))
+        self.host("b", False)
+        for failure, code, said in (
+                (KeyboardInterrupt, 130, "qmem: interrupted\n"),
+                (sqlite3.OperationalError("database or disk is full"), 1,
+                 "qmem: local database full: no room left for %s (database or disk is full): "
+                 "free some disk space, then try again\n" % os.environ["QMEM_SQLITE"])):
+            # (the records are merged by then: the outbox rows come last)
+            with mock.patch.object(qmem, "_load_outbox_row", side_effect=failure):
+                self.assertEqual(self.run_cli("load", bundle), (code, "", said))
         self.assertEqual(self.ok_json("status")["records"]["total"], 0)
         self.assertEqual(self.ok_json("queue")["items"], [])
         self.assertEqual(self.ok_json("load", bundle)["records"]["new"], 12)
