@@ -2314,7 +2314,7 @@ def _fold(text):
     return "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
 
 
-_MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # a row of Store.merge_many, in order
+_MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # the keys of a row to merge
 
 
 def _merge_sql():
@@ -2800,16 +2800,18 @@ class Store:
         # step row by row, and on a SQLite that has UPSERT.
         return self.known is not None and (self.defer_index or not self.fts) and HAS_UPSERT
 
-    def merge_many(self, rows, masked=False):
-        # Bulk-merge rows (values in _MERGE_KEYS order; masked: dicts that _masked made),
-        # in order, inside the caller's transaction; return (new, updated). New rows are
-        # counted by the rowids they took (each insert takes max(rid) + 1), not by what this
-        # process knew: another import may have inserted the same records since (a rowcount
-        # counts those as nothing).
-        self.known.update(hash(row["id"] if masked else row[0]) for row in rows)
+    def merge_many(self, rows):
+        """Bulk-merge rows, in order, inside the caller's transaction; return (new, updated).
+
+        A row is a record from normalize_record() with its view and seen_at (the keys
+        _MERGE_KEYS); its credentials are masked here (_masked, which changes it). New rows
+        are counted by the rowids they took (each insert takes max(rid) + 1), not by what
+        this process knew: another import may have inserted the same records since (a
+        rowcount counts those as nothing).
+        """
+        self.known.update(hash(row["id"]) for row in rows)
         before = self._one("SELECT coalesce(max(rid), 0) FROM records")
-        bound = rows if masked else (_masked(dict(zip(_MERGE_KEYS, row)), self.fts)
-                                     for row in rows)
+        bound = (_masked(row, self.fts) for row in rows)
         changed = self.conn.executemany(_MERGE_SQL, bound).rowcount
         new = self._one("SELECT coalesce(max(rid), 0) FROM records") - before
         return new, changed - new
@@ -3387,7 +3389,6 @@ def _row_dict(cur):
 
 
 _TEXT_FIELDS = tuple(f for f in FIELDS if f != "private" and not f.endswith("_at"))
-_FIELD_VALUES = operator.itemgetter(*FIELDS)  # rec -> its FIELDS values, in order
 _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
 
 
@@ -3480,8 +3481,7 @@ def mask_secrets(text):
 
 def _masked(bound, words):
     # A record to merge, its text and reason masked (mask_secrets), and with words=True
-    # its identifiers' words (records.words); in the import's writer child, this is off the
-    # reader's path.
+    # its identifiers' words (records.words).
     bound["text"] = mask_secrets(bound["text"])
     bound["supersede_reason"] = mask_secrets(bound["supersede_reason"])
     bound["words"] = identifier_words(bound["text"]) if words else None
@@ -3894,7 +3894,7 @@ class Importer:
         if rec is None:
             return
         if self.bulk is not None:
-            self.bulk.append((rec["id"], view, seen_at) + _FIELD_VALUES(rec))
+            self.bulk.append(dict(rec, view=view, seen_at=seen_at))
         else:
             outcome = self.store.upsert(rec, view, seen_at)
             if outcome == "new":
@@ -5484,7 +5484,7 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
     try:
         with store.transaction():
             settle, now, stats = [], iso_now(), LoadStats()  # (now: one time for the load)
-            for kind, part in bundle_parts(path, trust, now, store.bulk_sql and bulk, store.fts):
+            for kind, part in bundle_parts(path, trust, now, store.bulk_sql and bulk):
                 if kind == "rows":
                     _merge_batch(store, part, stats, trust)
                 elif kind == "record":
@@ -5509,12 +5509,12 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
                 store.finish_bulk()
 
 
-def bundle_parts(path, trust, now, batched, words):
+def bundle_parts(path, trust, now, batched):
     """What a checked copy holds, in order, as a load merges it.
 
-    ("rows", rows for Store.merge_many, masked, with their identifiers' words if asked) in
-    batches where it merges in bulk, else ("record", (record, view)) each; ("outbox", row);
-    ("skipped", None) for an item that is none of them.
+    ("rows", rows for Store.merge_many) in batches where it merges in bulk, else
+    ("record", (record, view)) each; ("outbox", row); ("skipped", None) for an item that
+    is none of them.
     """
     batch = []
     for item in bundle_items(path):
@@ -5534,7 +5534,7 @@ def bundle_parts(path, trust, now, batched, words):
         if not batched:
             yield "record", (rec, view)
             continue
-        batch.append(_masked(dict(rec, view=view, seen_at=now), words))
+        batch.append(dict(rec, view=view, seen_at=now))
         if len(batch) >= 1000:  # (5,000 raised a load's peak memory by 11 MB)
             yield "rows", batch
             batch = []
@@ -5593,7 +5593,7 @@ def _merge_batch(store, batch, stats, trust):
     # A bulk merge (of a bundle into an empty index): the new rows are the bundle's (the
     # transaction holds the write lock: no other process inserted them).
     before = store._one("SELECT coalesce(max(rid), 0) FROM records")
-    new, updated = store.merge_many(batch, masked=True)
+    new, updated = store.merge_many(batch)
     store.conn.execute("UPDATE records SET origin=? WHERE rid>?",
                        (ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED, before))
     stats.records_new += new

@@ -2280,8 +2280,7 @@ class StoreTests(GatewayTestCase):
         bulk.begin_bulk()
         self.assertTrue(bulk.bulk_sql)
         with bulk.transaction():
-            rows = [(r["id"], v, s) + qmem._FIELD_VALUES(r)
-                    for r, v, s in ((qmem.normalize_record(d), v, s) for d, v, s in views)]
+            rows = [dict(qmem.normalize_record(d), view=v, seen_at=s) for d, v, s in views]
             new, updated = 0, 0
             for chunk in (rows[i:i + 37] for i in range(0, len(rows), 37)):
                 n, u = bulk.merge_many(chunk)
@@ -4685,8 +4684,7 @@ class BundleTests(BundleTestCase):
         self.host("bulk", False)
         real, merged = qmem.Store.merge_many, []
         with mock.patch.object(qmem.Store, "merge_many",
-                               lambda store, rows, **kw: merged.append(rows)
-                               or real(store, rows, **kw)):
+                               lambda store, rows: merged.append(rows) or real(store, rows)):
             in_bulk = self.ok_json("load", bundle)
         self.assertEqual([len(rows) for rows in merged], [12])
         self.host("one", False)
