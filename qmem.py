@@ -1974,6 +1974,16 @@ def _reason(e):
 # and their later commits are lost. stat() and lstat() are fine; so is creating a file
 # that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
 # Each thread opens its own connection (the MCP server's background flush too).
+#
+# The database is one Store: its connection, set-up, migrations, transactions, meta table
+# and checks. Its two jobs are two parts of it, over that one connection and through its
+# one transaction helper: store.records (Records: the searchable index of records, their
+# text index and words, supersession links) and store.outbox (Outbox: the writes queued
+# here and their moves, OUTBOX_MOVES). Store keeps its name and its constructor: it is
+# what every command opens, and neither part could write alone (a transaction is the
+# database's). What a change of one part means for the other (a write delivered: its row
+# settled, then its record adopts the gateway id) the part whose job it is does, calling
+# the other by name: store.outbox.settle_write calls store.records.adopt.
 
 # UPSERT (INSERT ... ON CONFLICT DO UPDATE) came with SQLite 3.24.
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
@@ -1988,7 +1998,7 @@ PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
 # records.origin: where a record's view came from.
 ORIGIN_HERE, ORIGIN_SIGNED, ORIGIN_UNVERIFIED = 0, 1, 2  # here or the gateway; a bundle
 WAITING = (PENDING, SENDING)  # written here, will still be sent
-# Every change of an outbox row, all made by Store.move (the one UPDATE of the outbox):
+# Every change of an outbox row, all made by Outbox.move (the one UPDATE of the outbox):
 # name -> (the states it moves a row from, the state it moves it to, what else it sets).
 # `attempts` counts the requests a row's sending made (:tries of each), retries included.
 _UNCLAIM = "claim_token=NULL, lease_until=NULL, "
@@ -2016,6 +2026,21 @@ OUTBOX_MOVES = {
 }
 NOT_APPLIED = "not_applied"
 NOT_APPLIED_STATUS = 409
+UNSETTLED = WAITING + (FAILED,)  # not in shared memory: waiting here, or refused
+
+
+def state_is(*states):
+    """SQL: an outbox row is in one of these states ("state='held'", "state IN ('pending',
+    'sending')"), as every query outside OUTBOX_MOVES selects rows by their state."""
+    if len(states) == 1:
+        return "state='%s'" % states[0]
+    return "state IN ('%s')" % "', '".join(states)
+
+
+# The rows a flush may take now: pending ones whose time has come, and sending ones whose
+# lease has run out (their claimant's; one proven dead is unleased at once).
+READY = "(%s AND next_attempt_at<=:now OR %s AND lease_until<:now)" % (state_is(PENDING),
+                                                                       state_is(SENDING))
 # The failed rows `flush --retry-failed` sends again: not those refused when loaded here
 # (last_status 0), nor corrections not applied (the gateway would refuse the same text again).
 _RESENDABLE = "coalesce(last_status, -1) NOT IN (0, %d)" % NOT_APPLIED_STATUS
@@ -2574,7 +2599,10 @@ def not_ours(path, tables):
 
 
 class Store:
-    # The local SQLite database: records, FTS index, import progress, outbox.
+    """The local SQLite database: its one connection, set-up and migrations, transactions,
+    meta table and checks. Its two jobs are its two parts, over that connection:
+    `records`, the searchable index of records (Records), and `outbox`, the writes queued
+    here (Outbox)."""
 
     def __init__(self, path, create=True):
         self.path = path
@@ -2607,10 +2635,7 @@ class Store:
             raise store_error(e, path)
         self.conn.create_function("qmem_fold", 1, _fold)
         self.conn.create_function("qmem_words", 1, identifier_words)
-        self.near = {}  # near_spellings() of each word, until the index changes
-        self._terms = None  # (no FTS5) folded_words_among(), when they cannot be kept
-        self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
-        self.known = None         # bulk load: hashes of every id in the table
+        self.records, self.outbox = Records(self), Outbox(self)
         try:
             patiently(path, self._set_up)
         except sqlite3.Error as e:
@@ -2636,11 +2661,9 @@ class Store:
             version = SCHEMA_VERSION
         self.version = version  # (older only when read-only: _read_as_it_is)
         self.conn.execute("PRAGMA synchronous=FULL")
-        self.fts = self.meta("fts") != "none"
-        self.see_index()
-        self.folded = self.meta("folded") == "1"  # (no FTS5) records.folded is kept
+        self.records.read_index()
         if self.meta("secrets_masked") != SECRETS_MASKED and not self.read_only:
-            self._mask_stored_secrets()
+            self.records.mask_stored_secrets()
 
     def _check_ours(self):
         # The schema version of a database this qmem.py may use; StoreError for one of
@@ -2675,54 +2698,6 @@ class Store:
                    "up to date); a writable copy would gain %s" % (self.path, version,
                                                                    schema_gains(version)))
 
-    def _mask_stored_secrets(self):
-        # Once per database (and per change of the patterns): mask the credentials in the
-        # records stored before qmem.py masked them (see mask_secrets).
-        try:
-            with self.transaction():
-                for rid, text, project, kind, reason in self.conn.execute(
-                        "SELECT rid, text, project_id, kind, supersede_reason FROM records"
-                        ).fetchall():
-                    masked = mask_secrets(text)
-                    if masked != text:
-                        self.conn.execute("UPDATE records SET text=? WHERE rid=?", (masked, rid))
-                        self._reindex((rid, text, project, kind))
-                    masked = mask_secrets(reason)
-                    if masked != reason:
-                        self.conn.execute("UPDATE records SET supersede_reason=? WHERE rid=?",
-                                          (masked, rid))
-                self.set_meta("secrets_masked", SECRETS_MASKED)
-        except StoreError:  # busy or read-only: the next command that can write does it
-            pass
-
-    def begin_bulk(self):
-        # Prepare for merging many records: remember which ids exist (so a new one costs
-        # no lookup) and, on an empty table, build the FTS index once at the end instead of
-        # row by row (measured four times cheaper). The 'fts_pending' mark makes `find`
-        # use the LIKE scan until finish_bulk(), even if this process dies first.
-        self.known = {hash(i) for (i,) in self.conn.execute("SELECT id FROM records")}
-        if self.fts and not self.known:
-            self.defer_index = True
-            with self.transaction():
-                self.set_meta("fts_pending", "1")
-
-    def finish_bulk(self):
-        # Inside a transaction: rebuild the FTS index if a bulk load left it pending.
-        self.known, self.defer_index = None, False
-        if self.fts and self.meta("fts_pending"):
-            self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
-            self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
-
-    def see_index(self):
-        # Read which FTS index the database has (another process may have made it anew
-        # since this Store looked): fts_words, the index holds identifier_words.
-        self.fts_words = self.meta("fts_words") == "1"
-
-    @property
-    def fts_table(self):
-        # The FTS index: records_index (schema 4), or records_fts until it is made anew.
-        return "records_index" if self.fts_words else "records_fts"
-
     def _migrate(self, version):
         if self._one("PRAGMA journal_mode=WAL").lower() != "wal":
             warn("%s: WAL journal not available here; concurrent use will be slower" % self.path)
@@ -2741,23 +2716,24 @@ class Store:
             self.conn.execute("PRAGMA user_version=%d" % SCHEMA_VERSION)
 
     def transaction(self):
+        """A write transaction, as a context manager: see _Transaction."""
         return _Transaction(self)
 
     def begin(self):
-        # BEGIN IMMEDIATE (every transaction that writes), waited for patiently().
+        """BEGIN IMMEDIATE (every transaction that writes), waited for patiently()."""
         patiently(self.path, self._begin)
 
     def _begin(self):
         self.conn.execute("BEGIN IMMEDIATE")
         try:
-            if getattr(self, "fts_words", True) is False:  # made anew since we looked?
-                self.see_index()
+            if self.records.fts_words is False:  # made anew since we looked?
+                self.records.see_index()
         except sqlite3.Error:
             self.conn.execute("ROLLBACK")
             raise
 
     def snapshot(self):
-        # A read transaction: every query inside sees the database as it was at the first.
+        """A read transaction: every query inside sees the database as it was at the first."""
         import contextlib
 
         @contextlib.contextmanager
@@ -2771,6 +2747,7 @@ class Store:
         return reading()
 
     def close(self):
+        """Close the connection (both parts use it)."""
         self.conn.close()
 
     def _one(self, sql, params=(), default=None):
@@ -2779,13 +2756,144 @@ class Store:
         return row[0] if row else default
 
     def meta(self, key, default=None):
+        """The value kept under `key` in the meta table, or default."""
         return self._one("SELECT value FROM meta WHERE key=?", (key,), default)
 
     def set_meta(self, key, value):
+        """Inside a transaction: keep `value` under `key` in the meta table."""
         self.conn.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, value))
 
+    def journal_mode(self):
+        """SQLite's journal mode of the database ('wal' once set up)."""
+        return self._one("PRAGMA journal_mode")
+
+    def integrity(self, budget_s):
+        """Check every page, every index against its table (PRAGMA integrity_check:
+        quick_check skips that), and the text index against the records, for at most
+        budget_s seconds. Returns ('ok' | 'damaged' | 'unfinished', what it found). A text
+        index left empty on purpose (a bulk import still to finish it: fts_pending) is not
+        damage."""
+        give_up = time.monotonic() + budget_s
+        index = self.records
+        self.conn.set_progress_handler(lambda: time.monotonic() > give_up, 1000)
+        try:
+            pending = self.meta("fts_pending")
+            found = [m for (m,) in self.conn.execute("PRAGMA integrity_check(20)")
+                     if m != "ok" and not (pending and index.fts_table in m)]  # 3.44+ checks FTS5
+            if index.fts and not pending and not found and not self.read_only:  # (it writes)
+                index.verify_index(found)
+        except sqlite3.DatabaseError as e:
+            if "interrupt" in str(e) or "locked" in str(e) or "busy" in str(e):
+                return "unfinished", []  # out of time, or another process writing for longer
+            found = [str(e)]  # the check itself could not read: damaged beyond a list
+        finally:
+            self.conn.set_progress_handler(None, 0)
+        return ("damaged" if found else "ok"), found
+
+    def repair(self):
+        """Rebuild every index from its table (REINDEX) and the text index from the
+        records, inside SQLite, in one transaction. What a table itself lost it cannot bring
+        back."""
+        with self.transaction():
+            self.conn.execute("REINDEX")
+            self.records.rebuild_index()
+
+    def ids_starting(self, prefix, tables=("records", "outbox"), limit=11):
+        """The ids here (of records, of outbox rows or both) that start with prefix, in
+        order: a range on each table's unique index, never a scan."""
+        ends = (prefix, prefix + "\U0010ffff")
+        sql = " UNION ".join("SELECT id FROM %s WHERE id >= ? AND id < ?" % t for t in tables)
+        return [row[0] for row in self.conn.execute(
+            sql + " ORDER BY id LIMIT ?", ends * len(tables) + (limit,))]
+
+
+class Records:
+    """The record index of a Store (store.records): records merged under the merge rule,
+    their text index (FTS5; without it, accent-folded text and its words for a LIKE scan),
+    supersession links, and what a bundle carries of them."""
+
+    def __init__(self, store):
+        self.store, self.conn = store, store.conn
+        self.fts = self.fts_words = self.folded = None  # read_index() reads them
+        self.near = {}  # near_spellings() of each word, until the index changes
+        self._terms = None  # (no FTS5) folded_words_among(), when they cannot be kept
+        self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
+        self.known = None         # bulk load: hashes of every id in the table
+
+    def read_index(self):
+        """Read, at set-up, which text index the database has: FTS5 (fts), or a LIKE scan
+        of accent-folded text kept by triggers (folded)."""
+        self.fts = self.store.meta("fts") != "none"
+        self.see_index()
+        self.folded = self.store.meta("folded") == "1"  # (no FTS5) records.folded is kept
+
+    def see_index(self):
+        """Read which FTS index the database has (another process may have made it anew
+        since this Store looked): fts_words, the index holds identifier_words."""
+        self.fts_words = self.store.meta("fts_words") == "1"
+
+    @property
+    def fts_table(self):
+        """The FTS index: records_index (schema 4), or records_fts until it is made anew."""
+        return "records_index" if self.fts_words else "records_fts"
+
+    def mask_stored_secrets(self):
+        """Once per database (and per change of the patterns): mask the credentials in the
+        records stored before qmem.py masked them (see mask_secrets)."""
+        try:
+            with self.store.transaction():
+                for rid, text, project, kind, reason in self.conn.execute(
+                        "SELECT rid, text, project_id, kind, supersede_reason FROM records"
+                        ).fetchall():
+                    masked = mask_secrets(text)
+                    if masked != text:
+                        self.conn.execute("UPDATE records SET text=? WHERE rid=?", (masked, rid))
+                        self._reindex((rid, text, project, kind))
+                    masked = mask_secrets(reason)
+                    if masked != reason:
+                        self.conn.execute("UPDATE records SET supersede_reason=? WHERE rid=?",
+                                          (masked, rid))
+                self.store.set_meta("secrets_masked", SECRETS_MASKED)
+        except StoreError:  # busy or read-only: the next command that can write does it
+            pass
+
+    def begin_bulk(self):
+        """Prepare for merging many records: remember which ids exist (so a new one costs
+        no lookup) and, on an empty table, build the FTS index once at the end instead of
+        row by row (measured four times cheaper). The 'fts_pending' mark makes `find` use
+        the LIKE scan until finish_bulk(), even if this process dies first."""
+        self.known = {hash(i) for (i,) in self.conn.execute("SELECT id FROM records")}
+        if self.fts and not self.known:
+            self.defer_index = True
+            with self.store.transaction():
+                self.store.set_meta("fts_pending", "1")
+
+    def finish_bulk(self):
+        """Inside a transaction: rebuild the FTS index if a bulk load left it pending."""
+        self.known, self.defer_index = None, False
+        if self.fts and self.store.meta("fts_pending"):
+            self.rebuild_index()
+
+    def rebuild_index(self):
+        """Inside a transaction: the FTS index made anew from the records (no longer left
+        pending by a bulk load)."""
+        if self.fts:
+            self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
+            self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
+
+    def verify_index(self, found):
+        """Check the FTS index against the records it indexes; what is wrong is added to
+        the list `found`."""
+        try:  # rank 1: against the records it indexes (external content), not only itself
+            self.conn.execute("INSERT INTO {0}({0}, rank) VALUES('integrity-check', 1)"
+                              .format(self.fts_table))
+        except sqlite3.DatabaseError as e:
+            if "malformed" not in str(e) and "corrupt" not in str(e):
+                raise
+            found.append("the text index does not match the records (%s)" % e)
+
     def get(self, record_id):
-        # One record as a dict, or None.
+        """One record as a dict, or None."""
         rec = _row_dict(self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
                                           % ", ".join(FIELDS), (record_id,)))
         if rec:
@@ -2794,10 +2902,14 @@ class Store:
                        failed=local == LOCAL_FAILED)
         return rec
 
+    def is_empty(self):
+        """True when the index holds no record at all."""
+        return self.store._one("SELECT 1 FROM records LIMIT 1") is None
+
     @property
     def bulk_sql(self):
-        # May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
-        # step row by row, and on a SQLite that has UPSERT.
+        """May a bulk load merge with _MERGE_SQL? Only while no FTS index needs keeping in
+        step row by row, and on a SQLite that has UPSERT."""
         return self.known is not None and (self.defer_index or not self.fts) and HAS_UPSERT
 
     def merge_many(self, rows):
@@ -2810,16 +2922,16 @@ class Store:
         rowcount counts those as nothing).
         """
         self.known.update(hash(row["id"]) for row in rows)
-        before = self._one("SELECT coalesce(max(rid), 0) FROM records")
+        before = self.store._one("SELECT coalesce(max(rid), 0) FROM records")
         bound = (_masked(row, self.fts) for row in rows)
         changed = self.conn.executemany(_MERGE_SQL, bound).rowcount
-        new = self._one("SELECT coalesce(max(rid), 0) FROM records") - before
+        new = self.store._one("SELECT coalesce(max(rid), 0) FROM records") - before
         return new, changed - new
 
     def upsert(self, rec, view, seen_at=None):
-        # Merge one view of a record into the index under the merge rule (_merge_sql),
-        # its credentials masked (every path into the index comes here, to merge_many or to
-        # adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record().
+        """Merge one view of a record into the index under the merge rule (_merge_sql), its
+        credentials masked (every path into the index comes here, to merge_many or to
+        adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record()."""
         bound = _masked(dict(rec, view=view, seen_at=seen_at), self.fts)
         old = None
         if self.known is None or hash(rec["id"]) in self.known:
@@ -2845,108 +2957,322 @@ class Store:
                                  % key, (value,)).fetchone()
 
     def merge_seen(self, records, view):
-        # Merge records the gateway returned (one transaction); the malformed are skipped.
+        """Merge records the gateway returned (one transaction); the malformed are skipped."""
         now = iso_now()
-        with self.transaction():
+        with self.store.transaction():
             for data in records:
                 rec = normalize_record(data)
                 if rec is not None:
                     self.from_gateway(rec, view, now)
             self.link_supersessions()
 
-    def outbox_row(self, local_id):
-        # One outbox row's outcome: state, gateway_id, duplicate_of, last_error, last_status.
-        return _row_dict(self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, "
-                                           "last_status, next_attempt_at FROM outbox WHERE id=?",
-                                           (local_id,)))
-
     def from_gateway(self, rec, view, seen_at):
-        # upsert() of a view the gateway gave: it replaces what a bundle said of the record
-        # (an unverified bundle's always, a signed one's when this view is complete).
+        """upsert() of a view the gateway gave: it replaces what a bundle said of the
+        record (an unverified bundle's always, a signed one's when this view is complete)."""
         self.drop_unverified(rec["id"], ORIGIN_SIGNED if view == VIEW_FULL else ORIGIN_UNVERIFIED)
         return self.upsert(rec, view, seen_at)
 
     def drop_unverified(self, record_id, least=ORIGIN_UNVERIFIED):
-        # Inside a transaction: forget what a bundle (of origin `least` or less trusted)
-        # said of this id (the record, and a held write of that id); True if there was
-        # one. A trusted view of the id takes its place. One indexed query on every view
-        # the gateway gives.
-        if self._one("SELECT 1 FROM records WHERE id=? AND origin>=? AND pending != 2",
-                     (record_id, least)) is None:
+        """Inside a transaction: forget what a bundle (of origin `least` or less trusted)
+        said of this id (the record, and a held write of that id); True if there was one.
+        A trusted view of the id takes its place. One indexed query on every view the
+        gateway gives."""
+        if self.store._one("SELECT 1 FROM records WHERE id=? AND origin>=? AND pending != 2",
+                           (record_id, least)) is None:
             return False
-        self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (record_id,))
+        self.store.outbox.delete_held(record_id)
         self.delete(record_id)
         return True
 
     def origin_of(self, record_id):
-        return self._one("SELECT origin FROM records WHERE id=?", (record_id,))
+        """Where the record's view came from (ORIGIN_*), or None for an unknown id."""
+        return self.store._one("SELECT origin FROM records WHERE id=?", (record_id,))
 
     def set_origin(self, record_ids, origin):
+        """Inside a transaction: these records' views came from `origin` (ORIGIN_*)."""
         self.conn.executemany("UPDATE records SET origin=? WHERE id=?",
                               [(origin, i) for i in record_ids])
 
-    def outbox_write(self, local_id):
-        # (op, payload, state) of an outbox row, or None.
+    def ids_to_enrich(self, every=False):
+        """Ids worth fetching in full: those known only from search hits (or every record
+        here); never a write still local to this machine."""
+        sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % (
+            "" if every else " AND view<?")
+        return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
+
+    def count_in_bundle(self, projects, since):
+        """How many records a bundle of these projects, changed since `since`, carries."""
+        where, params = _bundle_filter(projects, since)
+        return self.store._one("SELECT count(*) FROM records WHERE pending=0 AND " + where,
+                               params)
+
+    def in_bundle(self, projects, since):
+        """The records a bundle carries (not this machine's own writes: their outbox rows
+        carry them), as dicts, streamed."""
+        where, params = _bundle_filter(projects, since)
+        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s "
+                                "ORDER BY rid"
+                                % (", ".join(FIELDS), where), params)
+        names = [d[0] for d in cur.description]
+        for row in cur:
+            rec = dict(zip(names, row))
+            rec["private"] = bool(rec["private"])
+            yield rec
+
+    def adopt(self, local_id, data, referenced=True, sent=None):
+        """A record written here got its gateway id: the local row takes it (and the
+        gateway's view of every field), and local references follow it. Only local
+        corrections refer to a local id: referenced=False (the caller knows there is none)
+        saves two scans of the table."""
+        rec = _masked(normalize_record(data), False)
+        gid = rec["id"]
+        if gid != local_id:
+            self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
+        # What the index holds for this row is what was sent; re-index only if that changed.
+        row = None
+        if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f in _INDEXED):
+            row = self._indexed("id", local_id)
+        try:
+            # The gateway's view of every field it gave wins: it is the complete record.
+            given = [f for f in FIELDS if rec[f] is not None]
+            self.conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?"
+                              % "".join(", %s=?" % f for f in given),
+                              [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
+        # the gateway id is here already (pulled meanwhile): keep that row
+        except sqlite3.IntegrityError:
+            self.delete(local_id)
+            self.upsert(rec, VIEW_FULL, iso_now())
+        else:
+            if row:
+                self._reindex(row)
+        if referenced and gid != local_id:
+            self._remap(local_id, gid)
+
+    def drop_local(self, local_id, replacement):
+        """A write that will not reach the shared memory (a duplicate, or not kept): remove
+        its record; references move to `replacement`."""
+        self.delete(local_id)
+        self._remap(local_id, replacement)
+
+    def _remap(self, old, new):
+        self.conn.execute("UPDATE records SET supersedes_id=? WHERE supersedes_id=?", (new, old))
+        self.conn.execute("UPDATE records SET superseded_by=? WHERE superseded_by=?", (new, old))
+
+    def delete(self, record_id):
+        """Inside a transaction: the record of this id, gone from the table and its index."""
+        row = self._indexed("id", record_id)
+        if row:
+            self._index(row, "delete")
+            self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
+
+    def _index(self, row, command=None, words=None):
+        # Index a row's (rid, text, project_id, kind), as _indexed reads it, and its
+        # identifiers' words (`words`, when they were computed already); command='delete'
+        # removes them (FTS5's external-content index needs the values it indexed).
+        if self.fts and not self.defer_index:
+            values = (command, row[0], row[1] or "", row[2], row[3])
+            if self.fts_words:
+                values += (identifier_words(row[1]) if words is None else words,)
+            self.conn.execute("INSERT INTO {0}({0}, rowid, {1}{2}) VALUES({3})".format(
+                self.fts_table, _FTS_COLUMNS, ", words" if self.fts_words else "",
+                _placeholders(values)), values)
+
+    def index_identifiers(self):
+        """An index made before schema 4 made anew with its identifiers' words (once: see
+        _m004_words); True if it was."""
+        self.see_index()
+        if not (self.fts and self.store.meta("words_pending")):
+            return False
+        with self.store.transaction():
+            if self.store.meta("words_pending"):  # (another process may have done it meanwhile)
+                _index_words(self.conn)
+        self.fts_words = True
+        return True
+
+    def _reindex(self, old):
+        # Keep the index in step with a row just changed: old is its (rid, text, project_id,
+        # kind) as indexed (_indexed), the row is read again.
+        if self.fts and not self.defer_index:
+            new = self._indexed("rid", old[0])
+            if new != old:  # (both tuples)
+                self._index(old, "delete")
+                self._index(new)
+
+    def link_supersessions(self):
+        """Mark every record that some other record corrects as superseded by its newest
+        correction, and let a correction that came without project or kind inherit its
+        target's. Derived from supersedes_id: the order records arrive in never matters."""
+        orphans = self.conn.execute("""
+          SELECT c.id, c.view, t.project_id, t.kind, t.scope FROM records c
+          JOIN records t ON t.id = c.supersedes_id
+          WHERE (c.project_id IS NULL AND t.project_id IS NOT NULL)
+             OR (c.kind IS NULL AND t.kind IS NOT NULL)""").fetchall()
+        for rid, view, project_id, kind, scope in orphans:
+            self.upsert(normalize_record({"id": rid, "project_id": project_id, "kind": kind,
+                                          "scope": scope}), view)
+        return self.conn.execute(_LINK_SUPERSESSIONS).rowcount
+
+    def mark_waiting(self, local_id, target):
+        """Inside a transaction: a write of this machine waits (again) to be sent: its
+        record says so, and a correction hides `target`, the id it corrects, at once."""
+        self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_WAITING, local_id))
+        if target:
+            self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND "
+                              "superseded_by IS NULL",
+                              (local_id, self.store.outbox.current_id(target)))
+
+    def mark_failed(self, local_id):
+        """Inside a transaction: the gateway refused this write. Its record stays, marked
+        refused, and a correction no longer hides what it meant to correct."""
+        self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
+        if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?",
+                             (local_id,)).rowcount:
+            self.link_supersessions()  # another correction of it may still stand
+
+    def refresh(self):
+        """Forget what was cached from the index (its terms) once it has changed, here or in
+        another connection: for a long-lived process, such as the MCP server."""
+        mark = (self.store._one("PRAGMA data_version"), self.conn.total_changes)
+        if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
+            self.near, self._terms, self._mark = {}, None, mark
+            self.see_index()
+
+    def folded_words_among(self, candidates):
+        """(No FTS5) those of the candidates that are words of the folded texts: looked up
+        in folded_words, made anew first when a text changed since it was made (a scan,
+        0.3 s for 20,000 texts, paid once, not by every process); in this process's memory
+        when the database cannot be written."""
+        changes = self.store.meta("folded_changes")
+        if self._terms is None and self.store.meta("folded_words_at") != changes:
+            self._make_folded_words(changes)
+        if self._terms is not None:
+            return [t for t in candidates if t in self._terms]
+        return [t for (t,) in self._among("SELECT term FROM folded_words", candidates)]
+
+    def _among(self, select, candidates):
+        # The rows of `select ... WHERE term IN (candidates)`, asked in chunks (an older
+        # SQLite binds 999 values at most): one lookup of the table's key each.
+        found = []
+        for at in range(0, len(candidates), 900):
+            chunk = candidates[at:at + 900]
+            found += self.conn.execute("%s WHERE term IN (%s)" % (select, _placeholders(chunk)),
+                                       chunk)
+        return found
+
+    def _make_folded_words(self, changes):
+        words = set()
+        for (text,) in self.conn.execute("SELECT folded FROM records"):
+            words.update(_PARTS.findall(text or ""))
+        try:
+            with self.store.transaction():
+                self.conn.execute("DELETE FROM folded_words")
+                self.conn.executemany("INSERT INTO folded_words VALUES(?)", ((w,) for w in words))
+                self.store.set_meta("folded_words_at", changes)  # (as read before the scan)
+        except StoreError:  # busy or read-only: this process keeps them
+            self._terms = words
+
+    def terms_among(self, candidates):
+        """Those of the candidates the full-text index holds, the most widely used first:
+        each looked up in the index's own b-tree (through an fts5vocab table in this
+        connection's temp schema, nothing written to the database), never a scan."""
+        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_terms USING "
+                          "fts5vocab(main, {0}, row)".format(self.fts_table))
+        found = self._among("SELECT term, doc FROM temp.%s_terms" % self.fts_table, candidates)
+        return [term for term, _ in sorted(found, key=lambda row: -row[1])]
+
+
+class Outbox:
+    """The outbox of a Store (store.outbox): the writes queued here to be sent, each a row
+    whose state changes only through move() (OUTBOX_MOVES), and what is asked of them."""
+
+    def __init__(self, store):
+        self.store, self.conn = store, store.conn
+
+    def move(self, name, where, **params):
+        """Move the outbox rows that `where` selects (and that are in a state the move
+        starts from) as OUTBOX_MOVES[name] says; the number moved. Inside a transaction."""
+        froms, to, sets = OUTBOX_MOVES[name]
+        bound = dict(dict.fromkeys(("now", "error", "status", "other")), tries=0)
+        bound.update(params)
+        return self.conn.execute("UPDATE outbox SET state='%s', %s WHERE %s AND %s"
+                                 % (to, sets, state_is(*froms), where), bound).rowcount
+
+    def row(self, local_id):
+        """One outbox row's outcome: state, gateway_id, duplicate_of, last_error,
+        last_status, next_attempt_at; or None."""
+        return _row_dict(self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, "
+                                           "last_status, next_attempt_at FROM outbox WHERE id=?",
+                                           (local_id,)))
+
+    def write_of(self, local_id):
+        """(op, payload, state) of an outbox row, or None."""
         return self.conn.execute("SELECT op, payload, state FROM outbox WHERE id=?",
                                  (local_id,)).fetchone()
 
     def refuse_loaded(self, local_id, row, reason):
-        # Inside a transaction: a paired host's write refused here (it fails the checks of
-        # `store`), kept as a failed row of its own (last_status 0: never retried), so that
-        # the bundle back tells that host, by id, and nothing of it is sent.
+        """Inside a transaction: a paired host's write refused here (it fails the checks of
+        `store`), kept as a failed row of its own (last_status 0: never retried), so that
+        the bundle back tells that host, by id, and nothing of it is sent."""
         try:
             created = float(row["created_at"])
         except (TypeError, ValueError):
             created = time.time()
         op = row.get("op") if row.get("op") in ("store", "correct") else "store"
         self.conn.execute("INSERT OR IGNORE INTO outbox(id, op, payload, created_at, state, "
-                          "last_status, last_error, done_at) VALUES(?, ?, ?, ?, 'failed', 0, ?, ?)",
+                          "last_status, last_error, done_at) VALUES(?, ?, ?, ?, ?, 0, ?, ?)",
                           (local_id, op, text_of(row["payload"]),  # (kept, never sent)
-                           created if 0 < created < 1e11 else time.time(),
+                           created if 0 < created < 1e11 else time.time(), FAILED,
                            "refused when loaded here: %s" % reason[:300], time.time()))
 
-    def move(self, name, where, **params):
-        # Move the outbox rows that `where` selects (and that are in a state the move
-        # starts from) as OUTBOX_MOVES[name] says; the number moved. Inside a transaction.
-        froms, to, sets = OUTBOX_MOVES[name]
-        bound = dict(dict.fromkeys(("now", "error", "status", "other")), tries=0)
-        bound.update(params)
-        return self.conn.execute("UPDATE outbox SET state='%s', %s WHERE state IN ('%s') AND %s"
-                                 % (to, sets, "', '".join(froms), where), bound).rowcount
-
     def release_held(self, local_ids):
-        # Held writes -> pending (queue --release): the user vouches for them now.
-        with self.transaction():
+        """Held writes -> pending (queue --release): the user vouches for them now."""
+        records = self.store.records
+        with self.store.transaction():
             for local_id in local_ids:
                 self.move("unhold", "id=:row", row=local_id)
-                self.conn.execute("UPDATE records SET origin=0 WHERE id=?", (local_id,))
-            self.link_supersessions()  # a released correction hides what it corrects
+                records.set_origin([local_id], ORIGIN_HERE)
+            records.link_supersessions()  # a released correction hides what it corrects
+
+    def delete_held(self, local_id):
+        """Inside a transaction: the held write of this id gone from the outbox (not its
+        record)."""
+        self.conn.execute("DELETE FROM outbox WHERE id=? AND " + state_is(HELD), (local_id,))
 
     def drop_held(self, local_id):
-        # Inside a transaction: a held write and its record, gone (a signed row of the same
-        # id replaces it).
-        self.conn.execute("DELETE FROM outbox WHERE id=? AND state='held'", (local_id,))
-        self.drop_local(local_id, None)
+        """Inside a transaction: a held write and its record, gone (a signed row of the same
+        id replaces it)."""
+        self.delete_held(local_id)
+        self.store.records.drop_local(local_id, None)
 
-    def forget_write(self, local_id):
-        # Remove a write that is still waiting, and its local record (one transaction).
-        with self.transaction():
-            self.conn.execute("DELETE FROM outbox WHERE id=? AND state IN ('pending', 'sending')",
+    def forget(self, local_id):
+        """Remove a write that is still waiting, and its local record (one transaction)."""
+        with self.store.transaction():
+            self.conn.execute("DELETE FROM outbox WHERE id=? AND " + state_is(*WAITING),
                               (local_id,))
-            self.drop_local(local_id, None)
+            self.store.records.drop_local(local_id, None)
+
+    def drop(self, local_ids):
+        """Discard outbox rows and their local records (one transaction); what a dropped
+        correction hid is shown again."""
+        with self.store.transaction():
+            for local_id in local_ids:
+                self.conn.execute("DELETE FROM outbox WHERE id=?", (local_id,))
+                self.store.records.drop_local(local_id, None)
 
     def resendable(self):
-        # How many refused rows `flush --retry-failed` would send again.
-        return self._one("SELECT count(*) FROM outbox WHERE state='failed' AND " + _RESENDABLE)
+        """How many refused rows `flush --retry-failed` would send again."""
+        return self.store._one("SELECT count(*) FROM outbox WHERE %s AND %s"
+                               % (state_is(FAILED), _RESENDABLE))
 
-    def outbox_counts(self):
+    def counts(self):
+        """{state: how many rows are in it}, for every state."""
         counts = dict.fromkeys(OUTBOX_STATES, 0)
         counts.update(self.conn.execute("SELECT state, count(*) FROM outbox GROUP BY state"))
         return counts
 
-    def outbox_items(self, state, now, ids=None, not_before=0):
-        # Outbox rows as documents, oldest first: all, those in `state`, or those of `ids`;
-        # a waiting row is tried next at its own time, or not_before if that is later.
+    def items(self, state, now, ids=None, not_before=0):
+        """Outbox rows as documents, oldest first: all, those in `state`, or those of `ids`;
+        a waiting row is tried next at its own time, or not_before if that is later."""
         where, params = "", ()
         if state:
             where, params = "WHERE state=?", (state,)
@@ -2978,77 +3304,40 @@ class Store:
         return items
 
     def claim_of(self, local_id):
-        # The claim token of an outbox row (None when no flusher holds it).
-        return self._one("SELECT claim_token FROM outbox WHERE id=?", (local_id,))
+        """The claim token of an outbox row (None when no flusher holds it)."""
+        return self.store._one("SELECT claim_token FROM outbox WHERE id=?", (local_id,))
 
     def corrections_of(self, local_ids):
-        # {correction's local id: the id it corrects} for unsettled corrections of these
-        # writes, beyond the writes themselves.
+        """{correction's local id: the id it corrects} for unsettled corrections of these
+        writes, beyond the writes themselves."""
         marks = _placeholders(local_ids)
         return dict(self.conn.execute(
-            "SELECT id, target FROM outbox WHERE target IN (%s) AND id NOT IN (%s) AND state IN "
-            "('pending', 'sending', 'failed')" % (marks, marks), local_ids * 2))
-
-    def drop_writes(self, local_ids):
-        # Discard outbox rows and their local records (one transaction); what a dropped
-        # correction hid is shown again.
-        with self.transaction():
-            for local_id in local_ids:
-                self.conn.execute("DELETE FROM outbox WHERE id=?", (local_id,))
-                self.drop_local(local_id, None)
-
-    def ids_to_enrich(self, every=False):
-        # Ids worth fetching in full: those known only from search hits (or every record
-        # here); never a write still local to this machine.
-        sql = "SELECT id FROM records WHERE pending=0%s ORDER BY rid" % (
-            "" if every else " AND view<?")
-        return [i for (i,) in self.conn.execute(sql, () if every else (VIEW_FULL,))]
+            "SELECT id, target FROM outbox WHERE target IN (%s) AND id NOT IN (%s) AND %s"
+            % (marks, marks, state_is(*UNSETTLED)), local_ids * 2))
 
     def make_due(self, now):
-        # Every waiting write may be sent now (an explicit flush does not wait out a
-        # backoff or a Retry-After).
-        with self.transaction():
+        """Every waiting write may be sent now (an explicit flush does not wait out a
+        backoff or a Retry-After)."""
+        with self.store.transaction():
             self.move("due", "next_attempt_at > :now", now=now)
 
     def retry_failed(self):
-        # Make every failed write pending again (flush --retry-failed): its record waits
-        # again, and a correction hides its target again.
-        with self.transaction():
-            failed = self.conn.execute("SELECT id, target FROM outbox WHERE state='failed' AND "
-                                       + _RESENDABLE).fetchall()
+        """Make every failed write pending again (flush --retry-failed): its record waits
+        again, and a correction hides its target again."""
+        with self.store.transaction():
+            failed = self.conn.execute("SELECT id, target FROM outbox WHERE %s AND %s"
+                                       % (state_is(FAILED), _RESENDABLE)).fetchall()
             for local_id, target in failed:
-                self.conn.execute("UPDATE records SET pending=? WHERE id=?",
-                                  (LOCAL_WAITING, local_id))
-                if target:
-                    self.conn.execute("UPDATE records SET superseded_by=? WHERE id=? AND "
-                                      "superseded_by IS NULL",
-                                      (local_id, self.current_id(target)))
+                self.store.records.mark_waiting(local_id, target)
             self.move("unfail", _RESENDABLE)
 
-    def bundle_record_count(self, projects, since):
-        where, params = _bundle_filter(projects, since)
-        return self._one("SELECT count(*) FROM records WHERE pending=0 AND " + where, params)
-
-    def bundle_records(self, projects, since):
-        # The records a bundle carries (not this machine's own writes: their outbox rows
-        # carry them), as dicts, streamed.
-        where, params = _bundle_filter(projects, since)
-        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s "
-                                "ORDER BY rid"
-                                % (", ".join(FIELDS), where), params)
-        names = [d[0] for d in cur.description]
-        for row in cur:
-            rec = dict(zip(names, row))
-            rec["private"] = bool(rec["private"])
-            yield rec
-
-    def bundle_outbox(self, projects, since):
-        # The outbox rows a bundle carries, as dicts: those of the projects asked for,
-        # changed (made or settled) since `since`, and the rows they correct, so that a
-        # correction never travels without its target.
+    def in_bundle(self, projects, since):
+        """The outbox rows a bundle carries, as dicts: those of the projects asked for,
+        changed (made or settled) since `since`, and the rows they correct, so that a
+        correction never travels without its target."""
         rows = [dict(zip(_OUTBOX_BUNDLE_COLUMNS, row)) for row in self.conn.execute(
-            "SELECT %s FROM outbox WHERE state != 'held' ORDER BY rid" % ", ".join(
-                _OUTBOX_BUNDLE_COLUMNS))]
+            "SELECT %s FROM outbox WHERE NOT %s ORDER BY rid" % (
+                ", ".join(_OUTBOX_BUNDLE_COLUMNS), state_is(HELD)))]
         wanted = {r["id"] for r in rows
                   if (not since
                       or iso_from_epoch(max(r["created_at"], r["done_at"] or 0)) >= since)
@@ -3065,290 +3354,88 @@ class Store:
                 yield r
 
     def refuse_write(self, local_id, reason):
-        # Inside a transaction: a write of this machine that another machine sent and the
-        # gateway refused (a bundle says so): failed here too, with the reason.
+        """Inside a transaction: a write of this machine that another machine sent and the
+        gateway refused (a bundle says so): failed here too, with the reason."""
         self.move("failed", "id=:row", row=local_id, now=time.time(), error=reason)
-        self.mark_failed(local_id)
+        self.store.records.mark_failed(local_id)
 
     def not_applied(self, local_id, other_id):
-        # Inside a transaction: a correction of this machine that another machine sent and
-        # the gateway answered 409 duplicate (a bundle says so): not applied, as here.
-        # True if it was waiting here (else it was settled here already: nothing changes).
-        target = self.current_id(self._one("SELECT target FROM outbox WHERE id=?", (local_id,)))
+        """Inside a transaction: a correction of this machine that another machine sent and
+        the gateway answered 409 duplicate (a bundle says so): not applied, as here. True if
+        it was waiting here (else it was settled here already: nothing changes)."""
+        target = self.current_id(self.store._one("SELECT target FROM outbox WHERE id=?",
+                                                 (local_id,)))
         if not self.move(NOT_APPLIED, "id=:row", row=local_id, now=time.time(), other=other_id,
                          status=NOT_APPLIED_STATUS, error=not_applied_reason(other_id, target)):
             return False
-        self.mark_failed(local_id)
+        self.store.records.mark_failed(local_id)
         return True
 
     def settle_write(self, local_id, state, other_id):
-        # Inside a transaction: a write of this machine that another machine delivered
-        # (a bundle says so): it takes the gateway id (or is the duplicate of one).
+        """Inside a transaction: a write of this machine that another machine delivered (a
+        bundle says so): it takes the gateway id (or is the duplicate of one)."""
         self.move(state, "id=:row", row=local_id, now=time.time(), other=other_id)
         if state == SYNCED:
-            self.adopt(local_id, {"id": other_id})
+            self.store.records.adopt(local_id, {"id": other_id})
         else:
-            self.drop_local(local_id, other_id)
-
-    def journal_mode(self):
-        return self._one("PRAGMA journal_mode")
-
-    def integrity(self, budget_s):
-        # Check every page, every index against its table (PRAGMA integrity_check: quick_check
-        # skips that), and the text index against the records, for at most budget_s seconds.
-        # Returns ('ok' | 'damaged' | 'unfinished', what it found). A text index left empty
-        # on purpose (a bulk import still to finish it: fts_pending) is not damage.
-        give_up = time.monotonic() + budget_s
-        self.conn.set_progress_handler(lambda: time.monotonic() > give_up, 1000)
-        try:
-            pending = self.meta("fts_pending")
-            found = [m for (m,) in self.conn.execute("PRAGMA integrity_check(20)")
-                     if m != "ok" and not (pending and self.fts_table in m)]  # 3.44+ checks FTS5
-            if self.fts and not pending and not found and not self.read_only:  # (it writes)
-                self._verify_text_index(found)
-        except sqlite3.DatabaseError as e:
-            if "interrupt" in str(e) or "locked" in str(e) or "busy" in str(e):
-                return "unfinished", []  # out of time, or another process writing for longer
-            found = [str(e)]  # the check itself could not read: damaged beyond a list
-        finally:
-            self.conn.set_progress_handler(None, 0)
-        return ("damaged" if found else "ok"), found
-
-    def _verify_text_index(self, found):
-        try:  # rank 1: against the records it indexes (external content), not only itself
-            self.conn.execute("INSERT INTO {0}({0}, rank) VALUES('integrity-check', 1)"
-                              .format(self.fts_table))
-        except sqlite3.DatabaseError as e:
-            if "malformed" not in str(e) and "corrupt" not in str(e):
-                raise
-            found.append("the text index does not match the records (%s)" % e)
-
-    def repair(self):
-        # Rebuild every index from its table (REINDEX) and the text index from the records,
-        # inside SQLite, in one transaction. What a table itself lost it cannot bring back.
-        with self.transaction():
-            self.conn.execute("REINDEX")
-            if self.fts:
-                self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
-                self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
+            self.store.records.drop_local(local_id, other_id)
 
     def unsettled_before(self, when):
-        # (count, oldest creation time) of writes still waiting or refused, made before when.
-        return self.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE state IN "
-                                 "('pending', 'sending', 'failed') AND created_at < ?",
-                                 (when,)).fetchone()
+        """(count, oldest creation time) of writes still waiting or refused, made before
+        when."""
+        return self.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE %s AND "
+                                 "created_at < ?" % state_is(*UNSETTLED), (when,)).fetchone()
 
-    def is_empty(self):
-        return self._one("SELECT 1 FROM records LIMIT 1") is None
+    def payload_bytes(self, held=False):
+        """The bytes of the payloads of writes not yet settled (waiting or refused), or of
+        the held ones."""
+        states = (HELD,) if held else UNSETTLED
+        return self.store._one("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
+                               "FROM outbox WHERE " + state_is(*states))
 
-    def outbox_bytes(self, held=False):
-        # The bytes of the payloads of writes not yet settled (waiting or refused), or of
-        # the held ones.
-        states = "('held')" if held else "('pending', 'sending', 'failed')"
-        return self._one("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
-                         "FROM outbox WHERE state IN %s" % states)
+    def waiting(self):
+        """Writes made here that are not in shared memory yet and will be sent."""
+        return self.store._one("SELECT count(*) FROM outbox WHERE " + state_is(*WAITING))
 
-    def outbox_waiting(self):
-        # Writes made here that are not in shared memory yet and will be sent.
-        return self._one("SELECT count(*) FROM outbox WHERE state IN ('pending', 'sending')")
-
-    def outbox_ready(self, now):
-        # Writes a flush would send now (not counting those of a claimant since gone).
-        return self._one("SELECT count(*) FROM outbox WHERE state='pending' AND "
-                         "next_attempt_at<=? OR state='sending' AND lease_until<?", (now, now))
+    def ready(self, now):
+        """Writes a flush would send now (not counting those of a claimant since gone)."""
+        return self.store._one("SELECT count(*) FROM outbox WHERE " + READY, {"now": now})
 
     def claim_tokens(self, now):
-        # The claims on writes being sent, whose leases still run.
+        """The claims on writes being sent, whose leases still run."""
         return [t for (t,) in self.conn.execute(
-            "SELECT DISTINCT claim_token FROM outbox WHERE state='sending' AND lease_until>=?",
-            (now,))]
+            "SELECT DISTINCT claim_token FROM outbox WHERE %s AND lease_until>=?"
+            % state_is(SENDING), (now,))]
 
     def current_id(self, record_id):
-        # The id a record is known by here now: a local id of a write that has since
-        # been delivered maps to its gateway id (or, for a duplicate, to the original).
-        return self._one("SELECT coalesce(gateway_id, duplicate_of) FROM outbox WHERE id=?",
-                         (record_id,)) or record_id
-
-    def ids_starting(self, prefix, tables=("records", "outbox"), limit=11):
-        # The ids here (of records, of outbox rows or both) that start with prefix, in
-        # order: a range on each table's unique index, never a scan.
-        ends = (prefix, prefix + "\U0010ffff")
-        sql = " UNION ".join("SELECT id FROM %s WHERE id >= ? AND id < ?" % t for t in tables)
-        return [row[0] for row in self.conn.execute(
-            sql + " ORDER BY id LIMIT ?", ends * len(tables) + (limit,))]
-
-    def adopt(self, local_id, data, referenced=True, sent=None):
-        # A record written here got its gateway id: the local row takes it (and the
-        # gateway's view of every field), and local references follow it. Only local
-        # corrections refer to a local id: referenced=False (the caller knows there is
-        # none) saves two scans of the table.
-        rec = _masked(normalize_record(data), False)
-        gid = rec["id"]
-        if gid != local_id:
-            self.drop_unverified(gid)  # planted by an unsigned bundle: this write is the record
-        # What the index holds for this row is what was sent; re-index only if that changed.
-        row = None
-        if sent is None or any(rec[f] is not None and rec[f] != sent.get(f) for f in _INDEXED):
-            row = self._indexed("id", local_id)
-        try:
-            # The gateway's view of every field it gave wins: it is the complete record.
-            given = [f for f in FIELDS if rec[f] is not None]
-            self.conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?"
-                              % "".join(", %s=?" % f for f in given),
-                              [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
-        # the gateway id is here already (pulled meanwhile): keep that row
-        except sqlite3.IntegrityError:
-            self.delete(local_id)
-            self.upsert(rec, VIEW_FULL, iso_now())
-        else:
-            if row:
-                self._reindex(row)
-        if referenced and gid != local_id:
-            self._remap(local_id, gid)
-
-    def drop_local(self, local_id, replacement):
-        # A write that will not reach the shared memory (a duplicate, or not kept):
-        # remove its record; references move to `replacement`.
-        self.delete(local_id)
-        self._remap(local_id, replacement)
-
-    def _remap(self, old, new):
-        self.conn.execute("UPDATE records SET supersedes_id=? WHERE supersedes_id=?", (new, old))
-        self.conn.execute("UPDATE records SET superseded_by=? WHERE superseded_by=?", (new, old))
-
-    def delete(self, record_id):
-        row = self._indexed("id", record_id)
-        if row:
-            self._index(row, "delete")
-            self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
-
-    def _index(self, row, command=None, words=None):
-        # Index a row's (rid, text, project_id, kind), as _indexed reads it, and its
-        # identifiers' words (`words`, when they were computed already); command='delete'
-        # removes them (FTS5's external-content index needs the values it indexed).
-        if self.fts and not self.defer_index:
-            values = (command, row[0], row[1] or "", row[2], row[3])
-            if self.fts_words:
-                values += (identifier_words(row[1]) if words is None else words,)
-            self.conn.execute("INSERT INTO {0}({0}, rowid, {1}{2}) VALUES({3})".format(
-                self.fts_table, _FTS_COLUMNS, ", words" if self.fts_words else "",
-                _placeholders(values)), values)
-
-    def index_identifiers(self):
-        # An index made before schema 4 made anew with its identifiers' words (once: see
-        # _m004_words); True if it was.
-        self.see_index()
-        if not (self.fts and self.meta("words_pending")):
-            return False
-        with self.transaction():
-            if self.meta("words_pending"):  # (another process may have done it meanwhile)
-                _index_words(self.conn)
-        self.fts_words = True
-        return True
-
-    def _reindex(self, old):
-        # Keep the index in step with a row just changed: old is its (rid, text, project_id,
-        # kind) as indexed (_indexed), the row is read again.
-        if self.fts and not self.defer_index:
-            new = self._indexed("rid", old[0])
-            if new != old:  # (both tuples)
-                self._index(old, "delete")
-                self._index(new)
-
-    def link_supersessions(self):
-        # Mark every record that some other record corrects as superseded by its newest
-        # correction, and let a correction that came without project or kind inherit its
-        # target's. Derived from supersedes_id: the order records arrive in never matters.
-        orphans = self.conn.execute("""
-          SELECT c.id, c.view, t.project_id, t.kind, t.scope FROM records c
-          JOIN records t ON t.id = c.supersedes_id
-          WHERE (c.project_id IS NULL AND t.project_id IS NOT NULL)
-             OR (c.kind IS NULL AND t.kind IS NOT NULL)""").fetchall()
-        for rid, view, project_id, kind, scope in orphans:
-            self.upsert(normalize_record({"id": rid, "project_id": project_id, "kind": kind,
-                                          "scope": scope}), view)
-        return self.conn.execute(_LINK_SUPERSESSIONS).rowcount
-
-    def mark_failed(self, local_id):
-        # Inside a transaction: the gateway refused this write. Its record stays, marked
-        # refused, and a correction no longer hides what it meant to correct.
-        self.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
-        if self.conn.execute("UPDATE records SET superseded_by=NULL WHERE superseded_by=?",
-                             (local_id,)).rowcount:
-            self.link_supersessions()  # another correction of it may still stand
-
-    def refresh(self):
-        # Forget what was cached from the index (its terms) once it has changed, here or in
-        # another connection: for a long-lived process, such as the MCP server.
-        mark = (self._one("PRAGMA data_version"), self.conn.total_changes)
-        if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
-            self.near, self._terms, self._mark = {}, None, mark
-            self.see_index()
-
-    def folded_words_among(self, candidates):
-        # (No FTS5) those of the candidates that are words of the folded texts: looked up
-        # in folded_words, made anew first when a text changed since it was made (a scan,
-        # 0.3 s for 20,000 texts, paid once, not by every process); in this process's memory
-        # when the database cannot be written.
-        changes = self.meta("folded_changes")
-        if self._terms is None and self.meta("folded_words_at") != changes:
-            self._make_folded_words(changes)
-        if self._terms is not None:
-            return [t for t in candidates if t in self._terms]
-        return [t for (t,) in self._among("SELECT term FROM folded_words", candidates)]
-
-    def _among(self, select, candidates):
-        # The rows of `select ... WHERE term IN (candidates)`, asked in chunks (an older
-        # SQLite binds 999 values at most): one lookup of the table's key each.
-        found = []
-        for at in range(0, len(candidates), 900):
-            chunk = candidates[at:at + 900]
-            found += self.conn.execute("%s WHERE term IN (%s)" % (select, _placeholders(chunk)),
-                                       chunk)
-        return found
-
-    def _make_folded_words(self, changes):
-        words = set()
-        for (text,) in self.conn.execute("SELECT folded FROM records"):
-            words.update(_PARTS.findall(text or ""))
-        try:
-            with self.transaction():
-                self.conn.execute("DELETE FROM folded_words")
-                self.conn.executemany("INSERT INTO folded_words VALUES(?)", ((w,) for w in words))
-                self.set_meta("folded_words_at", changes)  # (as read before the scan)
-        except StoreError:  # busy or read-only: this process keeps them
-            self._terms = words
-
-    def terms_among(self, candidates):
-        # Those of the candidates the full-text index holds, the most widely used first:
-        # each looked up in the index's own b-tree (through an fts5vocab table in this
-        # connection's temp schema, nothing written to the database), never a scan.
-        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_terms USING "
-                          "fts5vocab(main, {0}, row)".format(self.fts_table))
-        found = self._among("SELECT term, doc FROM temp.%s_terms" % self.fts_table, candidates)
-        return [term for term, _ in sorted(found, key=lambda row: -row[1])]
+        """The id a record is known by here now: a local id of a write that has since been
+        delivered maps to its gateway id (or, for a duplicate, to the original)."""
+        return self.store._one("SELECT coalesce(gateway_id, duplicate_of) FROM outbox "
+                               "WHERE id=?", (record_id,)) or record_id
 
     def unsent_targets(self, local_id, most=100):
-        # The writes still waiting here that this one corrects, directly or through
-        # others, oldest first.
+        """The writes still waiting here that this one corrects, directly or through
+        others, oldest first."""
         chain, current = [], local_id
         for _ in range(most):
-            current = self._one("SELECT t.id FROM outbox o JOIN outbox t ON t.id = o.target "
-                                "WHERE o.id=? AND t.state IN (?, ?)", (current,) + WAITING)
+            current = self.store._one("SELECT t.id FROM outbox o JOIN outbox t ON "
+                                      "t.id = o.target WHERE o.id=? AND t.state IN (?, ?)",
+                                      (current,) + WAITING)
             if current is None:
                 break
             chain.insert(0, current)
         return chain
 
     def waiting_write(self, op, payload_text):
-        # The local id of a write with exactly this payload still waiting to be sent, or None.
-        return self._one("SELECT id FROM outbox WHERE op=? AND payload=? AND state IN (?, ?) "
-                         "LIMIT 1", (op, payload_text) + WAITING)
+        """The local id of a write with exactly this payload still waiting to be sent, or
+        None."""
+        return self.store._one("SELECT id FROM outbox WHERE op=? AND payload=? AND "
+                               "state IN (?, ?) LIMIT 1", (op, payload_text) + WAITING)
 
     def failures(self, local_ids):
-        # {local id: why the gateway refused it} for these writes.
-        return dict(self.conn.execute("SELECT id, last_error FROM outbox WHERE state='failed' AND "
-                                      "id IN (%s)" % _placeholders(local_ids), local_ids))
+        """{local id: why the gateway refused it} for these writes."""
+        return dict(self.conn.execute("SELECT id, last_error FROM outbox WHERE %s AND id IN (%s)"
+                                      % (state_is(FAILED), _placeholders(local_ids)), local_ids))
 
 
 class _Transaction:
@@ -3639,7 +3726,7 @@ class Importer:
         self.progress = Progress("import")
         self.batch_started = 0.0
         self.settled = {}
-        self.bulk = None  # the file's rows for Store.merge_many, when the store allows it
+        self.bulk = None  # the file's rows for Records.merge_many, when the store allows it
 
     def run(self, roots):
         store = self.store
@@ -3650,8 +3737,8 @@ class Importer:
         conn.execute("PRAGMA cache_size=-4096")  # 4 MiB: measured as fast as 16, and leaner
         todo = self._files_to_read(roots)
         if todo:
-            store.begin_bulk()
-            if store.bulk_sql:
+            store.records.begin_bulk()
+            if store.records.bulk_sql:
                 self.bulk = []
         try:
             self._read_all(todo)
@@ -3660,8 +3747,8 @@ class Importer:
                 conn.execute("ROLLBACK")
             self.progress.done()
         with store.transaction():
-            store.finish_bulk()
-            store.link_supersessions()
+            store.records.finish_bulk()
+            store.records.link_supersessions()
             store.set_meta("last_import_at", iso_now())
             newest = self.stats.newest_entry_at
             if newest and newest > (store.meta("newest_entry_at") or ""):
@@ -3755,7 +3842,7 @@ class Importer:
         # result, its progress row.
         conn = self.store.conn
         if self.bulk:
-            new, updated = self.store.merge_many(self.bulk)
+            new, updated = self.store.records.merge_many(self.bulk)
             self.stats.records_new += new
             self.stats.records_updated += updated
             self.bulk = []
@@ -3896,7 +3983,7 @@ class Importer:
         if self.bulk is not None:
             self.bulk.append(dict(rec, view=view, seen_at=seen_at))
         else:
-            outcome = self.store.upsert(rec, view, seen_at)
+            outcome = self.store.records.upsert(rec, view, seen_at)
             if outcome == "new":
                 self.stats.records_new += 1
             elif outcome == "updated":
@@ -4154,7 +4241,7 @@ def fts_expression(level, every, store):
     # index has them), a prefix where asked; a word's forms joined by OR, the words by AND
     # (every word) or OR (any word). Project and kind are filters (--project, --kind), not
     # words.
-    columns = "{text words}" if store.fts_words else "text"
+    columns = "{text words}" if store.records.fts_words else "text"
 
     def term(text, prefix):
         return '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
@@ -4169,17 +4256,18 @@ def near_spellings(store, word, fts):
     # false): the strings one edit away that are words of its folded texts (folded_words),
     # for a word no text holds in any form. Kept for the next query of this Store (until
     # the index changes).
-    if word not in store.near:
+    if word not in store.records.near:
         forms = [(word, True)] + word_forms(word)
         if fts:
-            sql = "SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(store.fts_table)
-            params, among = [fts_expression([forms], True, store)], store.terms_among
+            sql = "SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(store.records.fts_table)
+            params, among = [fts_expression([forms], True, store)], store.records.terms_among
         else:
             where, params = _like_any("folded", _substrings_apart(t for t, _ in forms))
-            sql, among = "SELECT 1 FROM records WHERE %s LIMIT 1" % where, store.folded_words_among
+            sql = "SELECT 1 FROM records WHERE %s LIMIT 1" % where
+            among = store.records.folded_words_among
         known = store.conn.execute(sql, params).fetchone()
-        store.near[word] = [] if known else among(one_edit_away(word))[:MAX_NEAR_SPELLINGS]
-    return store.near[word]
+        store.records.near[word] = [] if known else among(one_edit_away(word))[:MAX_NEAR_SPELLINGS]
+    return store.records.near[word]
 
 
 MAX_NEAR_SPELLINGS = 8
@@ -4217,8 +4305,9 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
         return {"match": "none", "results": []}
     where, params = _visibility(filters)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
-    use_fts = store.fts and not store.meta("fts_pending")
-    near = (lambda word: near_spellings(store, word, use_fts)) if use_fts or store.folded else None
+    use_fts = store.records.fts and not store.meta("fts_pending")
+    near = ((lambda word: near_spellings(store, word, use_fts))
+            if use_fts or store.records.folded else None)
     found, levels, asked, terms = {}, [], set(), []
     for match, level, every in search_levels(tokens, near):
         levels.append((match, level))
@@ -4254,11 +4343,12 @@ def _held_only(store, level, every):
     # when a word every record must match has none left. What the index holds is asked
     # once per term, and kept with the near spellings (until the index changes).
     asked = [t for alternatives in level for t, prefix in alternatives
-             if not prefix and not _is_phrase(t) and ("held", t) not in store.near]
+             if not prefix and not _is_phrase(t) and ("held", t) not in store.records.near]
     if asked:
-        found = set(store.terms_among(asked))
-        store.near.update((("held", t), t in found) for t in asked)
-    level = [[(t, p) for t, p in alternatives if p or _is_phrase(t) or store.near[("held", t)]]
+        found = set(store.records.terms_among(asked))
+        store.records.near.update((("held", t), t in found) for t in asked)
+    level = [[(t, p) for t, p in alternatives
+              if p or _is_phrase(t) or store.records.near[("held", t)]]
              for alternatives in level]
     if every:
         return level if all(level) else []
@@ -4342,12 +4432,12 @@ def _fts_query(store, level, every, where, params, limit, highlight, snippets):
     sql = ("SELECT %s, %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid "
            "WHERE {0} MATCH ? AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
            % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where))
-           ).format(store.fts_table)
+           ).format(store.records.fts_table)
     return sql, (list(highlight) if snippets else []) + [
         fts_expression(level, every, store)] + params + [limit]
 
 
-_SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Store.fts_table)
+_SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Records.fts_table)
 
 
 def _snippets(store, rows, level, highlight):
@@ -4357,7 +4447,7 @@ def _snippets(store, rows, level, highlight):
     if rids:
         found = dict(store.conn.execute(
             ("SELECT rowid, %s FROM {0} WHERE {0} MATCH ? AND rowid IN (%s)"
-             % (_SNIPPET, _placeholders(rids))).format(store.fts_table), list(highlight) + [
+             % (_SNIPPET, _placeholders(rids))).format(store.records.fts_table), list(highlight) + [
                 fts_expression(level, False, store)] + rids))
         rows = [row if row[-2] is not None else row[:-2] + (found.get(row[-1]), row[-1])
                 for row in rows]
@@ -4368,7 +4458,7 @@ def _like_query(store, level, every, where, params, limit, highlight, snippets):
     # The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
     # in the text, so every term acts as a prefix) on the folded text kept at write time
     # (while a bulk import builds an FTS index, folded here), newest first.
-    column = "r.folded" if store.folded else "qmem_fold(r.text)"
+    column = "r.folded" if store.records.folded else "qmem_fold(r.text)"
     words = [_like_any(column, _substrings_apart(t for t, _ in alternatives))
              for alternatives in level]
     sql = ("SELECT %s, NULL, r.rid FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC "
@@ -4394,7 +4484,7 @@ def _results(store, cur, rows, tokens):
                    else _plain_snippet(rec["text"] or "", tokens))
         results.append(rec)
     failed = [r["id"] for r in results if r["failed"]]
-    reasons = store.failures(failed) if failed else {}
+    reasons = store.outbox.failures(failed) if failed else {}
     for rec in results:
         rec["failed_reason"] = reasons.get(rec["id"])
     return results
@@ -4458,7 +4548,7 @@ def local_status(store):
         "duplicates": {"groups": dups[0], "records": dups[1]},
         "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0)},
         "db": {"path": store.path, "bytes": size, "schema_version": store.version},
-        "fts": {"available": store.fts, "tokenizer": store.meta("fts")},
+        "fts": {"available": store.records.fts, "tokenizer": store.meta("fts")},
         "machine": machine_identity(),
     }
 
@@ -4642,7 +4732,7 @@ def enqueue_once(store, op, payload, claim=None, max_mb=None):
     # None).
     payload_text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     with store.transaction():
-        waiting = store.waiting_write(op, payload_text)
+        waiting = store.outbox.waiting_write(op, payload_text)
         if waiting is not None:
             return waiting, True, None
         check_outbox_room(store, len(payload_text.encode("utf-8")), max_mb)
@@ -4657,7 +4747,7 @@ def check_outbox_room(store, size, max_mb, held=False):
     # payloads of the writes not yet settled: waiting or refused; settled ones do not
     # count). Held writes have a bound of their own: a bundle nobody vouched for must not
     # fill the room of the user's own writes.
-    if max_mb is not None and store.outbox_bytes(held) + size > max_mb << 20:
+    if max_mb is not None and store.outbox.payload_bytes(held) + size > max_mb << 20:
         raise OutboxFull(
             "the outbox is full: the writes waiting here take more than outboxMaxMB (%d MB)"
             % max_mb,
@@ -4676,14 +4766,14 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
                        (local_id, op, payload_text, target, created_at, state, last_error,
                         created_at if state == FAILED else None))
     when = iso_from_epoch(created_at)
-    store.upsert(normalize_record(dict(payload, id=local_id, created_at=when, updated_at=when)),
-                 VIEW_FULL, when)
+    store.records.upsert(normalize_record(dict(payload, id=local_id, created_at=when,
+                                               updated_at=when)), VIEW_FULL, when)
     store.conn.execute("UPDATE records SET pending=? WHERE id=?",
                        (LOCAL_FAILED if state == FAILED else LOCAL_WAITING, local_id))
     if target and state == PENDING:  # not a refused one, nor a held one (nothing vouches for it)
         store.conn.execute(
             "UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
-            (local_id, store.current_id(target)))
+            (local_id, store.outbox.current_id(target)))
 
 
 # What a flush does with a claimed row, beside the final states.
@@ -4781,27 +4871,26 @@ class Flusher:
     def _reclaim_dead(self, now):
         # Rows whose claimant is proven dead are free at once: a killed flusher must not
         # hold them for the rest of its lease. Nothing else ends a lease early.
-        for token in self.store.claim_tokens(now):
+        for token in self.store.outbox.claim_tokens(now):
             if claimant_is_gone(token):
-                self.store.move("unlease", "claim_token=:token", token=token)
+                self.store.outbox.move("unlease", "claim_token=:token", token=token)
 
     def claim_new(self, local_id):
         # Inside the transaction that queues a write: claim it for its writer at once, so
         # that no other flusher takes it before its writer sends it. Returns the token.
         token = claim_token()
-        self.store.move("claim", "id=:row AND state='pending'", row=local_id, token=token,
-                        now=self.clock(), lease=self.lease_s)
+        self.store.outbox.move("claim", "id=:row AND " + state_is(PENDING), row=local_id,
+                               token=token, now=self.clock(), lease=self.lease_s)
         return token
 
     def claim(self, only=None):
         # Take up to `batch` ready rows (committed before any HTTP): pending ones whose
         # time has come, and sending ones whose lease has run out.
         now, token = self.clock(), claim_token()
-        ready = ("(state='pending' AND next_attempt_at<=:now OR state='sending' AND "
-                 "lease_until<:now)" + (" AND id=:only" if only is not None else ""))
+        ready = READY + (" AND id=:only" if only is not None else "")
         with self.store.transaction():
             self._reclaim_dead(now)
-            self.store.move(
+            self.store.outbox.move(
                 "claim", "rid IN (SELECT rid FROM outbox WHERE %s ORDER BY rid LIMIT :n)" % ready,
                 token=token, now=now, lease=self.lease_s, n=self.batch, only=only)
             rows = self._claimed(token)
@@ -4810,7 +4899,7 @@ class Flusher:
     def _claimed(self, token):
         # The rows a claim still holds.
         return self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE "
-                                       "claim_token=? AND state='sending' ORDER BY rid",
+                                       "claim_token=? AND %s ORDER BY rid" % state_is(SENDING),
                                        (token,)).fetchall()
 
     def run(self, only=None, budget_s=None, progress=None, claimed=None):
@@ -4970,23 +5059,24 @@ class Flusher:
     def _record(self, o, token, targets):
         # One outcome, fenced; returns whether it took (the row was still ours).
         local_id = o.row[1]
-        fence = dict(where="rid=:rid AND claim_token=:token AND state='sending'", rid=o.row[0],
-                     token=token, now=self.clock(), status=o.status, error=o.error, tries=o.tries)
+        fence = dict(where="rid=:rid AND claim_token=:token AND " + state_is(SENDING),
+                     rid=o.row[0], token=token, now=self.clock(), status=o.status, error=o.error,
+                     tries=o.tries)
         if o.action in (RELEASE, RETRY):
-            return self.store.move(o.action, delay=o.delay, **fence)
+            return self.store.outbox.move(o.action, delay=o.delay, **fence)
         # SYNCED, DUPLICATE, FAILED or NOT_APPLIED; `other`: the record's gateway id, the
         # memory that holds its text, or None
-        took = self.store.move(o.action, other=o.record["id"] if o.action == SYNCED
-                               else o.duplicate_of, **fence)
+        took = self.store.outbox.move(o.action, other=o.record["id"] if o.action == SYNCED
+                                      else o.duplicate_of, **fence)
         if took:
             if o.action == SYNCED:
                 # corrections are the only local references: to this row, or from it
-                self.store.adopt(local_id, o.record,
-                                 referenced=local_id in targets or bool(o.row[4]), sent=o.sent)
+                self.store.records.adopt(local_id, o.record, sent=o.sent,
+                                         referenced=local_id in targets or bool(o.row[4]))
             elif o.action == DUPLICATE:
-                self.store.drop_local(local_id, o.duplicate_of)
+                self.store.records.drop_local(local_id, o.duplicate_of)
             else:
-                self.store.mark_failed(local_id)
+                self.store.records.mark_failed(local_id)
         return took
 
 
@@ -5066,14 +5156,14 @@ def _merge_page(store, items, next_cursor, since, stats):
         for rec in filter(None, map(normalize_record, items)):
             # (None: no such record here, or one not deleted)
             was_deleted = store._one("SELECT deleted_at FROM records WHERE id=?", (rec["id"],))
-            outcome = store.from_gateway(rec, VIEW_FULL, iso_now())
+            outcome = store.records.from_gateway(rec, VIEW_FULL, iso_now())
             stats.new += outcome == "new"
             stats.updated += outcome == "updated"
             stats.same += outcome == "same"
             stats.deleted += bool(rec["deleted_at"] and was_deleted is None)
             if rec["updated_at"] and (newest is None or rec["updated_at"] > newest):
                 newest = rec["updated_at"]
-        store.link_supersessions()
+        store.records.link_supersessions()
         store.conn.execute("DELETE FROM meta WHERE key='pull_cursor'")
         if next_cursor:
             store.set_meta("pull_cursor", next_cursor)
@@ -5092,7 +5182,7 @@ def enrich(store, gateway, ids, progress=None):
     batch = []
 
     def commit():
-        store.merge_seen(batch, VIEW_FULL)  # (one transaction)
+        store.records.merge_seen(batch, VIEW_FULL)  # (one transaction)
         del batch[:]
     for n, rid in enumerate(ids):
         try:
@@ -5214,8 +5304,8 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
     writer = _BundleWriter(out, key)
     try:
         with store.snapshot():
-            rows = list(store.bundle_outbox(projects, since)) if outbox else []
-            counts = {"records": store.bundle_record_count(projects, since) if records else 0,
+            rows = list(store.outbox.in_bundle(projects, since)) if outbox else []
+            counts = {"records": store.records.count_in_bundle(projects, since) if records else 0,
                       "outbox": len(rows)}
             writer.put({"format": BUNDLE_FORMAT, "format_version": BUNDLE_VERSION,
                         "qmem_version": __version__,
@@ -5223,7 +5313,7 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
                         "filters": {"projects": projects or None, "since": since,
                                     "records": records,
                                     "outbox": outbox}})
-            for rec in store.bundle_records(projects, since) if records else ():
+            for rec in store.records.in_bundle(projects, since) if records else ():
                 writer.put(dict(rec, type="record"))
             for row in rows:
                 writer.put(dict(row, type="outbox"))
@@ -5478,13 +5568,13 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
     The bundle is read in this process: a child reader cut the load of the records-only
     export by 20% on two CPUs, under the 25% a child must earn (part 16).
     """
-    bulk = not dry_run and store.is_empty()
+    bulk = not dry_run and store.records.is_empty()
     if bulk:
-        store.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
+        store.records.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
     try:
         with store.transaction():
             settle, now, stats = [], iso_now(), LoadStats()  # (now: one time for the load)
-            for kind, part in bundle_parts(path, trust, now, store.bulk_sql and bulk):
+            for kind, part in bundle_parts(path, trust, now, store.records.bulk_sql and bulk):
                 if kind == "rows":
                     _merge_batch(store, part, stats, trust)
                 elif kind == "record":
@@ -5495,8 +5585,8 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
                     stats.skipped += 1
             for row in settle:
                 _load_outbox_row(store, row, stats, max_mb, trust)
-            store.finish_bulk()
-            store.link_supersessions()
+            store.records.finish_bulk()
+            store.records.link_supersessions()
             if dry_run:
                 raise _DryRun(stats)
             store.set_meta("last_load_at", iso_now())
@@ -5506,13 +5596,13 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
         # rolled back: the index is rebuilt for what is there
         if bulk and store.meta("fts_pending"):
             with store.transaction():
-                store.finish_bulk()
+                store.records.finish_bulk()
 
 
 def bundle_parts(path, trust, now, batched):
     """What a checked copy holds, in order, as a load merges it.
 
-    ("rows", rows for Store.merge_many) in batches where it merges in bulk, else
+    ("rows", rows for Records.merge_many) in batches where it merges in bulk, else
     ("record", (record, view)) each; ("outbox", row); ("skipped", None) for an item that
     is none of them.
     """
@@ -5567,23 +5657,24 @@ _BOUNDED_FIELDS = operator.itemgetter("kind", "scope", "agent_id", "source", "su
 def _merge_record(store, rec, view, trust, stats, now):
     # One record of a bundle (not of a bulk load), by the bundle's trust (an unverified
     # bundle's record hides nothing: bundle_parts cleared what it supersedes).
-    origin = store.origin_of(rec["id"])
+    origin = store.records.origin_of(rec["id"])
     if trust == UNVERIFIED and origin is not None:
         stats.records_unchanged += 1  # known here: an unverified view never replaces it
         return
     # (an unverified bundle's record gets here only when it is new here: origin None)
-    if origin == ORIGIN_UNVERIFIED and store.drop_unverified(rec["id"]):  # replaced whole
-        store.upsert(rec, view, now)
-        store.set_origin([rec["id"]], ORIGIN_SIGNED)
+    if origin == ORIGIN_UNVERIFIED and store.records.drop_unverified(rec["id"]):  # replaced whole
+        store.records.upsert(rec, view, now)
+        store.records.set_origin([rec["id"]], ORIGIN_SIGNED)
         stats.records_updated += 1
         return
-    outcome = store.upsert(rec, view, now)
+    outcome = store.records.upsert(rec, view, now)
     if outcome == "new":
-        store.set_origin([rec["id"]], ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED)
+        store.records.set_origin([rec["id"]],
+                                 ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED)
     elif outcome == "updated" and origin == ORIGIN_HERE:
         # What a signed bundle changed of a record known here (from a search hit, say) is
         # the bundle's view now: the gateway's next complete view replaces it whole.
-        store.set_origin([rec["id"]], ORIGIN_SIGNED)
+        store.records.set_origin([rec["id"]], ORIGIN_SIGNED)
     stats.records_new += outcome == "new"
     stats.records_updated += outcome == "updated"
     stats.records_unchanged += outcome == "same"
@@ -5593,7 +5684,7 @@ def _merge_batch(store, batch, stats, trust):
     # A bulk merge (of a bundle into an empty index): the new rows are the bundle's (the
     # transaction holds the write lock: no other process inserted them).
     before = store._one("SELECT coalesce(max(rid), 0) FROM records")
-    new, updated = store.merge_many(batch)
+    new, updated = store.records.merge_many(batch)
     store.conn.execute("UPDATE records SET origin=? WHERE rid>?",
                        (ORIGIN_UNVERIFIED if trust == UNVERIFIED else ORIGIN_SIGNED, before))
     stats.records_new += new
@@ -5657,9 +5748,9 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
             and state != HELD and isinstance(row.get("payload"), str)):
         stats.skipped += 1
         return
-    here = store.outbox_write(local_id)
+    here = store.outbox.write_of(local_id)
     if here is not None and here[2] == HELD and trust == SIGNED:
-        store.drop_held(local_id)  # an unverified row must not pre-plant a real id
+        store.outbox.drop_held(local_id)  # an unverified row must not pre-plant a real id
         here = None
     delivered = state in (SYNCED, DUPLICATE)
     if here is None and not delivered:
@@ -5678,7 +5769,7 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
     elif state == FAILED and here[2] in WAITING:
         reason = row.get("last_error") if isinstance(row.get("last_error"),
                                                      str) else "refused by the gateway"
-        store.refuse_write(local_id, "refused where it was sent: %s" % text_of(reason)[:500])
+        store.outbox.refuse_write(local_id, "refused where it was sent: %s" % text_of(reason)[:500])
         stats.outbox_settled += 1
     else:
         stats.outbox_unchanged += 1
@@ -5701,10 +5792,10 @@ def _same_payload(a, b):
 def _add_loaded_write(store, row, stats, max_mb, trust):
     local_id = row["id"]
     if trust == SIGNED:
-        store.drop_unverified(local_id)  # an unsigned bundle must not pre-plant a real id
+        store.records.drop_unverified(local_id)  # an unsigned bundle must not pre-plant a real id
     try:
         payload = rebuilt_write(row)
-        if store.get(local_id) is not None:  # a crafted row must not take over a record
+        if store.records.get(local_id) is not None:  # a crafted row must not take over a record
             raise ValueError("its id is a record's here")
         check_outbox_room(store, len(payload.encode("utf-8")), max_mb, held=trust == UNVERIFIED)
     except OutboxFull:
@@ -5713,8 +5804,8 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
         return
     except ValueError as e:
         stats.skipped += 1
-        if trust == SIGNED and store.get(local_id) is None and _is_object(row["payload"]):
-            store.refuse_loaded(local_id, row, str(e))  # so that the return bundle says so
+        if trust == SIGNED and store.records.get(local_id) is None and _is_object(row["payload"]):
+            store.outbox.refuse_loaded(local_id, row, str(e))  # so that the return bundle says so
         return
     if trust == UNVERIFIED:
         # nobody vouched for it: it must not wait to be let out
@@ -5722,7 +5813,7 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
             stats.skipped += 1
             return
         add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)
-        store.set_origin([local_id], ORIGIN_UNVERIFIED)
+        store.records.set_origin([local_id], ORIGIN_UNVERIFIED)
         stats.held.append(_held_summary(local_id, payload))
         return
     # Only a refusal's reason is the write's own; "breaker open, retry in 104 s" was the
@@ -5740,8 +5831,8 @@ def _settle_loaded(store, row, state, stats):
     # the bundle's qmem.py called it).
     other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
     if state == NOT_APPLIED or (state == DUPLICATE and row["op"] == "correct"):
-        if store.not_applied(row["id"], other if isinstance(other, str)
-                             and UUID_RE.fullmatch(other) else None):
+        if store.outbox.not_applied(row["id"], other if isinstance(other, str)
+                                    and UUID_RE.fullmatch(other) else None):
             stats.outbox_not_applied += 1
         else:
             stats.outbox_unchanged += 1
@@ -5749,10 +5840,10 @@ def _settle_loaded(store, row, state, stats):
     # The record it was delivered as must be known (the bundle's records are merged
     # first), and a write is never the duplicate of itself.
     if not (isinstance(other, str) and UUID_RE.fullmatch(other) and other != row["id"]
-            and store.get(other) is not None):
+            and store.records.get(other) is not None):
         stats.skipped += 1
         return
-    store.settle_write(row["id"], state, other)
+    store.outbox.settle_write(row["id"], state, other)
     stats.outbox_settled += 1
 
 
@@ -5908,7 +5999,7 @@ def _doctor_open_store(store, url):
                              "WAL is not available here: several processes at once will wait on "
                              "each other"))
     found += _doctor_read_only(store)
-    if store.fts and store.meta("words_pending"):
+    if store.records.fts and store.meta("words_pending"):
         found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
                            "not found by their parts yet",
                            "`qmem.py import` (or `pull`, `load`) makes it anew, once"))
@@ -5947,7 +6038,7 @@ def _doctor_read_only(store):
 
 
 def _doctor_outbox(store, bundles):
-    stuck, oldest = store.unsettled_before(time.time() - 86400)
+    stuck, oldest = store.outbox.unsettled_before(time.time() - 86400)
     if stuck:
         return check("outbox", "warn",
                      "%s waiting or refused for more than a day (the oldest %s)" % (
@@ -5955,7 +6046,7 @@ def _doctor_outbox(store, bundles):
             "`qmem.py queue` says why; to deliver: %s; to discard: `qmem.py queue --drop ID`%s"
             % (DELIVER_BY[bundles], "" if bundles else "; to carry them to a connected host: "
                "`qmem.py export --outbox-only FILE`"))
-    waiting = store.outbox_waiting()
+    waiting = store.outbox.waiting()
     return check("outbox", "ok",
                  "%s waiting" % plural(waiting, "write") if waiting else "nothing waiting")
 
@@ -6429,7 +6520,7 @@ class Operations:
     def refresh(self):
         # Before each call of a long-lived front end: see the index as it is now.
         if self._store is not None:
-            self._store.refresh()
+            self._store.records.refresh()
 
     # -- short ids: what a narrow terminal shows, and what a person types back
     def full_ids(self, values, where, tables=("records", "outbox")):
@@ -6527,11 +6618,11 @@ class Operations:
         # Once, for an index made before schema 4 (see _m004_words): made anew, so that
         # identifiers are found by their parts. The number of records it holds, or None.
         store, shown, count = self.store(), Progress("search index"), None
-        if store.fts and store.meta("words_pending"):
+        if store.records.fts and store.meta("words_pending"):
             count = store._one("SELECT count(*) FROM records")
             shown.update("made anew, once, so that identifiers are found by their parts (%d "
                          "records)…" % count)
-        rebuilt = store.index_identifiers()  # (or sees what another process did)
+        rebuilt = store.records.index_identifiers()  # (or sees what another process did)
         shown.done()
         return count if rebuilt else None
 
@@ -6738,7 +6829,7 @@ class Operations:
         old = {}
         if self.has_index():
             try:
-                old = self.store().get(self.store().current_id(target)) or {}
+                old = self.store().records.get(self.store().outbox.current_id(target)) or {}
             except StoreError as e:  # the database is unusable: the words must not be lost
                 raise _kept_aside(e, {"text": (text or "").strip(),
                                       "project_id": project or "PROJECT",
@@ -6762,7 +6853,7 @@ class Operations:
         # Send a write just queued, after the queued writes it corrects (oldest first:
         # it waits for them); the first error that stopped a send, or None.
         error = None
-        for earlier in store.unsent_targets(local_id):
+        for earlier in store.outbox.unsent_targets(local_id):
             error = Flusher(store, gateway, clock=self.clock).run(only=earlier).stop_error
             if error is not None:
                 break
@@ -6815,9 +6906,9 @@ class Operations:
             except KeyboardInterrupt:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
                                   hint="`qmem.py flush` delivers it")
-        row = store.outbox_row(local_id)
+        row = store.outbox.row(local_id)
         if row["state"] in WAITING and not queue_only and not self.config["offlineQueue"]:
-            store.forget_write(local_id)
+            store.outbox.forget(local_id)
             if isinstance(error, GatewayError):
                 raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s"
                                    % error.message,
@@ -6997,9 +7088,9 @@ class Operations:
         counts, items = dict.fromkeys(OUTBOX_STATES, 0), []
         if self.has_index():
             now = self.clock()
-            items = self.store().outbox_items(
+            items = self.store().outbox.items(
                 state, now, not_before=breaker_holds_until(self._breaker(), now))
-            counts = self.store().outbox_counts()
+            counts = self.store().outbox.counts()
         return {"source": "outbox", "counts": counts, "items": items,
                 "writes_stuck": self.writes_stuck()}
 
@@ -7012,7 +7103,7 @@ class Operations:
         store = self.store()
         for r in rows:
             _check_droppable(r, force, self.clock(), store)
-        dependents = store.corrections_of([r["local_id"] for r in rows])
+        dependents = store.outbox.corrections_of([r["local_id"] for r in rows])
         if dependents:
             correction, target = next(iter(dependents.items()))
             raise UsageError("%s is a correction of %s and would point at nothing"
@@ -7020,9 +7111,9 @@ class Operations:
                              hint="drop both: `qmem.py queue --drop %s %s --yes --force`"
                              % (target, correction))
         if not dry_run:
-            store.drop_writes([r["local_id"] for r in rows])
+            store.outbox.drop([r["local_id"] for r in rows])
         return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
-                "counts": store.outbox_counts()}
+                "counts": store.outbox.counts()}
 
     def _outbox_rows(self, ids, usage, no_outbox=None):
         # The ids given to queue --drop or --release (blanks left out) and their outbox
@@ -7033,7 +7124,7 @@ class Operations:
             raise UsageError(usage)
         if no_outbox and not self.has_index():
             raise UsageError(no_outbox)
-        rows = self.store().outbox_items(None, self.clock(), ids=ids) if self.has_index() else []
+        rows = self.store().outbox.items(None, self.clock(), ids=ids) if self.has_index() else []
         unknown = sorted(set(ids) - {r["local_id"] for r in rows})
         if unknown:
             raise UsageError("no write %s in the outbox" % ", ".join(unknown),
@@ -7051,9 +7142,9 @@ class Operations:
                              % not_held[0],
                              hint="`qmem.py queue --state held` lists them")
         if not dry_run:
-            self.store().release_held(ids)
+            self.store().outbox.release_held(ids)
         return {"source": "outbox", "dry_run": bool(dry_run), "released": rows,
-                "counts": self.store().outbox_counts(),
+                "counts": self.store().outbox.counts(),
                 "by_bundles": by_bundles(self.config["url"], self.store())}
 
     def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
@@ -7062,14 +7153,14 @@ class Operations:
         # honours it). Nothing queued: no gateway needed, and no database created.
         store = self.store() if self.has_index() else None
         if store is not None and retry_failed:
-            store.retry_failed()
-        if store is None or not store.outbox_waiting():
-            refused = store.resendable() if store is not None else 0
+            store.outbox.retry_failed()
+        if store is None or not store.outbox.waiting():
+            refused = store.outbox.resendable() if store is not None else 0
             return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[],
                         refused_here=refused)
         gateway = self.gateway()
         if not respect_retry_after:
-            store.make_due(self.clock())
+            store.outbox.make_due(self.clock())
         # A person asking now: one probe, even while the breaker is open (the automatic
         # flush, deliver_ready, honours it).
         other_prober = gateway.breaker.probe_now()
@@ -7077,8 +7168,8 @@ class Operations:
             stats = self._flush_outbox(store, progress=progress)
         finally:
             gateway.breaker.release()  # a probe taken and never sent (no row was ready)
-        doc = dict(stats.as_dict(), source="gateway", pending=store.outbox_waiting(),
-                   failures=[{"local_id": i, "last_error": store.outbox_row(i)["last_error"]} for i
+        doc = dict(stats.as_dict(), source="gateway", pending=store.outbox.waiting(),
+                   failures=[{"local_id": i, "last_error": store.outbox.row(i)["last_error"]} for i
                              in stats.failed])
         err, delivered = stats.stop_error, stats.synced or stats.duplicate
         if err is not None and err.kind not in AWAY_KINDS:
@@ -7114,7 +7205,7 @@ class Operations:
             return {"source": "gateway", "asked": 0, "fetched": 0, "unknown": [], "stopped": None,
                     "auto_flush": None}
         store = self.store()
-        ids = list(ids) if ids else store.ids_to_enrich(every)
+        ids = list(ids) if ids else store.records.ids_to_enrich(every)
         fetched, unknown, stopped = enrich(store, gateway, ids, progress)
         doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown,
                "stopped": stopped}
@@ -7188,8 +7279,8 @@ class Operations:
         local = None
         try:
             if self.has_index():  # a local id of a write delivered since: its gateway id
-                rid = self.store().current_id(rid)
-                local = self.store().get(rid)
+                rid = self.store().outbox.current_id(rid)
+                local = self.store().records.get(rid)
         except (StoreError, sqlite3.Error) as e:  # the gateway can still answer
             err = store_error(e, self.config.db_path)
             warn("the local index cannot be read (%s): asking the gateway only" % err.message)
@@ -7197,7 +7288,7 @@ class Operations:
             # Written here and still queued (or refused): the gateway does not know this id.
             record = _record_out(local)
             if local["failed"]:
-                record["failed_reason"] = self.store().failures([rid]).get(rid)
+                record["failed_reason"] = self.store().outbox.failures([rid]).get(rid)
             return {"source": "outbox", "degraded": False, "record": record,
                     "by_bundles": by_bundles(self.config["url"], self.store())}
         try:
@@ -7254,7 +7345,7 @@ class Operations:
         try:
             store = self.store()
             if not store.read_only:
-                store.merge_seen(records, view)
+                store.records.merge_seen(records, view)
         except (StoreError, sqlite3.Error) as e:
             err = store_error(e, self.config.db_path)
             warn("the local index could not keep this answer: %s" % err.message)
@@ -7361,8 +7452,8 @@ class Operations:
         store, now = self.store(), self.clock()
         if store.read_only:  # what it delivered could not be recorded: nothing is sent
             return False
-        return bool(store.outbox_ready(now)
-                    or any(claimant_is_gone(t) for t in store.claim_tokens(now)))
+        return bool(store.outbox.ready(now)
+                    or any(claimant_is_gone(t) for t in store.outbox.claim_tokens(now)))
 
     def deliver_ready(self):
         # The automatic flush: what is ready, within AUTO_FLUSH_S; its counts.
@@ -7370,7 +7461,7 @@ class Operations:
         try:
             store = self.store()
             stats = self._flush_outbox(store, budget_s=AUTO_FLUSH_S)
-            error, waiting = stats.stopped, store.outbox_waiting()
+            error, waiting = stats.stopped, store.outbox.waiting()
         except (QmemError, sqlite3.Error) as e:
             err = store_error(e, self.config.db_path) if isinstance(e, sqlite3.Error) else e
             if store is None and isinstance(err, StoreError):  # not even opened: kept in memory
@@ -7474,7 +7565,7 @@ def _check_droppable(row, force, now, store):
                          hint="to change what it says: `qmem.py correct %s \"…\"`"
                          % row["gateway_id"])
     if (state == SENDING and row["lease_until"] and row["lease_until"] > now
-            and not claimant_is_gone(store.claim_of(row["local_id"]))):
+            and not claimant_is_gone(store.outbox.claim_of(row["local_id"]))):
         raise UsageError("%s is being sent right now by another flush" % row["local_id"],
                          hint="try again in a moment")
     if state in WAITING and not force:
@@ -8837,7 +8928,7 @@ class McpServer:
         doc = ops.meta()
         project, where = self._read_project(a.get("project_id"))
         try:
-            queued = ops.store().outbox_waiting() if ops.has_index() else 0
+            queued = ops.store().outbox.waiting() if ops.has_index() else 0
         except StoreError as e:
             warn("the local outbox cannot be read: %s" % e.message)
             queued = None

@@ -133,7 +133,7 @@ class QmemTestCase(unittest.TestCase):
     def local_record(self, record_id):
         store = qmem.Store(self.db)
         try:
-            return store.get(record_id)
+            return store.records.get(record_id)
         finally:
             store.close()
 
@@ -150,7 +150,8 @@ class QmemTestCase(unittest.TestCase):
         try:
             with store.transaction():
                 for rid, text in pairs:
-                    store.upsert(qmem.normalize_record(record(rid, text, **extra)), qmem.VIEW_FULL)
+                    store.records.upsert(qmem.normalize_record(record(rid, text, **extra)),
+                                         qmem.VIEW_FULL)
         finally:
             store.close()
 
@@ -1954,7 +1955,7 @@ class StoreTests(GatewayTestCase):
         self.addCleanup(older.close)
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
-        self.assertTrue(store.index_identifiers())
+        self.assertTrue(store.records.index_identifiers())
         with self.assertRaisesRegex(sqlite3.OperationalError, "no such table: records_fts"):
             older.execute("INSERT INTO records_fts(records_fts, rowid, text, project_id, kind) "
                           "VALUES(NULL, 99, 'x', 'p', 'fact')")
@@ -1968,22 +1969,23 @@ class StoreTests(GatewayTestCase):
         server, importer = qmem.Store(self.db), qmem.Store(self.db)
         self.addCleanup(server.close)
         self.addCleanup(importer.close)
-        self.assertTrue(importer.index_identifiers())
+        self.assertTrue(importer.records.index_identifiers())
         with server.transaction():
-            server.upsert(qmem.normalize_record(record(UUIDS[0], "ThreadPoolExecutor hangs")), 2)
+            server.records.upsert(
+                qmem.normalize_record(record(UUIDS[0], "ThreadPoolExecutor hangs")), 2)
         self.assertEqual([r["id"] for r in qmem.find_local(importer, "PoolExecutor")["results"]],
                          [UUIDS[0]])
         with server.transaction():
-            server.upsert(qmem.normalize_record(record(UUIDS[0], "ProcessPool it is", updated_at=
-                                                       "2027-01-01T00:00:00.000Z")), 2)
+            server.records.upsert(qmem.normalize_record(record(
+                UUIDS[0], "ProcessPool it is", updated_at="2027-01-01T00:00:00.000Z")), 2)
         self.assertEqual(importer.conn.execute("INSERT INTO records_index(records_index, rank) "
                                                "VALUES('integrity-check', 1)").fetchall(), [])
 
     def rewritten_index_check(self, store, rid, text):
         """What FTS5's integrity check finds after the record's text is rewritten."""
         with store.transaction():
-            store.upsert(qmem.normalize_record(record(rid, text, updated_at=
-                                                      "2027-01-01T00:00:00.000Z")), 2)
+            store.records.upsert(qmem.normalize_record(record(rid, text, updated_at=
+                                                              "2027-01-01T00:00:00.000Z")), 2)
         return store.conn.execute("INSERT INTO records_index(records_index, rank) "
                                   "VALUES('integrity-check', 1)").fetchall()
 
@@ -2016,8 +2018,9 @@ class StoreTests(GatewayTestCase):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
         with store.transaction():
-            store.upsert(qmem.normalize_record(record(UUIDS[0], "ThreadPoolExecutor hangs")), 2)
-            store.adopt(UUIDS[0], record(UUIDS[1], "ProcessPoolExecutor hangs"))
+            store.records.upsert(
+                qmem.normalize_record(record(UUIDS[0], "ThreadPoolExecutor hangs")), 2)
+            store.records.adopt(UUIDS[0], record(UUIDS[1], "ProcessPoolExecutor hangs"))
         store.repair()
         self.assertEqual(self.parts_found(store, "ProcessPool"), [UUIDS[1]])
         self.assertEqual(self.parts_found(store, "ThreadPool"), [])
@@ -2229,10 +2232,10 @@ class StoreTests(GatewayTestCase):
         self.addCleanup(store.close)
         full = qmem.normalize_record(record(UUIDS[0], "Il backup notturno gira alle 02:30"))
         with store.transaction():
-            store.upsert(full, qmem.VIEW_FULL)
+            store.records.upsert(full, qmem.VIEW_FULL)
             hit = qmem.normalize_record({"id": UUIDS[0], "text": "Il backup", "kind": None})
-            self.assertEqual(store.upsert(hit, qmem.VIEW_HIT), "same")
-        got = store.get(UUIDS[0])
+            self.assertEqual(store.records.upsert(hit, qmem.VIEW_HIT), "same")
+        got = store.records.get(UUIDS[0])
         self.assertEqual(got["text"], "Il backup notturno gira alle 02:30")
         self.assertEqual(got["kind"], "fact")
 
@@ -2240,11 +2243,12 @@ class StoreTests(GatewayTestCase):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
         with store.transaction():
-            store.upsert(qmem.normalize_record({"id": UUIDS[0], "text": "troncato…",
-                                                "kind": "fact"}), qmem.VIEW_HIT)
-            self.assertEqual(store.upsert(qmem.normalize_record(record(UUIDS[0], "testo completo")),
-                                          qmem.VIEW_FULL), "updated")
-        self.assertEqual(store.get(UUIDS[0])["text"], "testo completo")
+            store.records.upsert(qmem.normalize_record({"id": UUIDS[0], "text": "troncato…",
+                                                        "kind": "fact"}), qmem.VIEW_HIT)
+            self.assertEqual(store.records.upsert(
+                qmem.normalize_record(record(UUIDS[0], "testo completo")), qmem.VIEW_FULL),
+                "updated")
+        self.assertEqual(store.records.get(UUIDS[0])["text"], "testo completo")
         self.assertEqual(qmem.find_local(store, "completo")["results"][0]["id"], UUIDS[0])
         self.assertEqual(qmem.find_local(store, "troncato")["results"], [])
 
@@ -2276,16 +2280,16 @@ class StoreTests(GatewayTestCase):
         outcomes = {"new": 0, "updated": 0, "same": 0}
         with one.transaction():
             for data, view, seen in views:
-                outcomes[one.upsert(qmem.normalize_record(data), view, seen)] += 1
-        bulk.begin_bulk()
-        self.assertTrue(bulk.bulk_sql)
+                outcomes[one.records.upsert(qmem.normalize_record(data), view, seen)] += 1
+        bulk.records.begin_bulk()
+        self.assertTrue(bulk.records.bulk_sql)
         with bulk.transaction():
             rows = [dict(qmem.normalize_record(d), view=v, seen_at=s) for d, v, s in views]
             new, updated = 0, 0
             for chunk in (rows[i:i + 37] for i in range(0, len(rows), 37)):
-                n, u = bulk.merge_many(chunk)
+                n, u = bulk.records.merge_many(chunk)
                 new, updated = new + n, updated + u
-            bulk.finish_bulk()
+            bulk.records.finish_bulk()
         self.assertEqual((new, updated), (outcomes["new"], outcomes["updated"]))
         cols = "id, view, seen_at, " + ", ".join(qmem.FIELDS)
         dump = lambda s: s.conn.execute("SELECT %s FROM records ORDER BY id" % cols).fetchall()
@@ -2295,23 +2299,23 @@ class StoreTests(GatewayTestCase):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
         with store.transaction():
-            store.upsert(qmem.normalize_record(record(UUIDS[0], "x",
-                                                      updated_at="2026-11-30T10:00:00Z",
-                                                      deleted_at="2026-11-30T10:00:00Z")),
-                         qmem.VIEW_FULL)
+            store.records.upsert(qmem.normalize_record(record(UUIDS[0], "x",
+                                                              updated_at="2026-11-30T10:00:00Z",
+                                                              deleted_at="2026-11-30T10:00:00Z")),
+                                 qmem.VIEW_FULL)
             # an older view cannot undo the deletion
-            store.upsert(qmem.normalize_record(record(UUIDS[0], "x",
-                                                      updated_at="2026-11-29T10:00:00Z")),
-                         qmem.VIEW_FULL)
-        self.assertEqual(store.get(UUIDS[0])["deleted_at"], "2026-11-30T10:00:00.000Z")
+            store.records.upsert(qmem.normalize_record(record(UUIDS[0], "x",
+                                                              updated_at="2026-11-29T10:00:00Z")),
+                                 qmem.VIEW_FULL)
+        self.assertEqual(store.records.get(UUIDS[0])["deleted_at"], "2026-11-30T10:00:00.000Z")
 
     def test_interrupted_bulk_load_still_finds_everything_and_is_repaired(self):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
-        store.begin_bulk()  # an import into an empty index defers FTS to its end...
+        store.records.begin_bulk()  # an import into an empty index defers FTS to its end...
         with store.transaction():
-            store.upsert(qmem.normalize_record(record(UUIDS[0], "bulk loaded memory")),
-                         qmem.VIEW_FULL)
+            store.records.upsert(qmem.normalize_record(record(UUIDS[0], "bulk loaded memory")),
+                                 qmem.VIEW_FULL)
         # ...and dies before finish_bulk(): find answers through the LIKE scan meanwhile
         self.assertEqual(self.find_ids("bulk", "memory"), [UUIDS[0]])
         os.makedirs(self.sessions)
@@ -2459,7 +2463,8 @@ class StoreTests(GatewayTestCase):
         store = qmem.Store(self.db)  # a process still at work: its -wal and -shm are there
         self.addCleanup(store.close)
         with store.transaction():
-            store.upsert(qmem.normalize_record(record(UUIDS[1], "deploy only in the wal")), 2)
+            store.records.upsert(
+                qmem.normalize_record(record(UUIDS[1], "deploy only in the wal")), 2)
         for end in ("-wal", "-shm"):
             os.chmod(self.db + end, 0o400)
         done, _ = self.run_as_owner([(["find", "deploy", "--json"], {}),
@@ -2486,7 +2491,7 @@ class StoreTests(GatewayTestCase):
         store = qmem.Store(live)  # a writer still at work (root, or one from before a chmod)
         self.addCleanup(store.close)
         with store.transaction():
-            store.upsert(qmem.normalize_record(record(UUIDS[1], "only in the wal")), 2)
+            store.records.upsert(qmem.normalize_record(record(UUIDS[1], "only in the wal")), 2)
         for end in ("", "-wal"):  # a copy whose -shm is gone
             with open(live + end, "rb") as f, open(torn + end, "wb") as copy:
                 copy.write(f.read())
@@ -2541,7 +2546,7 @@ class StoreTests(GatewayTestCase):
         qmem.Store(self.db).close()
         code = ("import qmem, sys\ns = qmem.Store(sys.argv[1])\nfor i in range(200):\n"
                 "    with s.transaction():\n"
-                "        s.upsert(qmem.normalize_record({'id': sys.argv[2] + str(i),\n"
+                "        s.records.upsert(qmem.normalize_record({'id': sys.argv[2] + str(i),\n"
                 "                                        'text': 'parallel write'}), 2)\n")
         procs = [subprocess.Popen([sys.executable, "-c", code, self.db, tag], cwd=HERE)
                  for tag in "ab"]
@@ -2705,7 +2710,7 @@ class StoreTests(GatewayTestCase):
             self.assertEqual([code for code, _ in ended], [0] * 4, "round %d: %s" % (n, ended))
             store = qmem.Store(os.path.join(home, ".local", "share", "pi-qmem", "qmem.sqlite"))
             self.addCleanup(store.close)
-            self.assertEqual((store.outbox_waiting(), store.conn.execute(
+            self.assertEqual((store.outbox.waiting(), store.conn.execute(
                 "SELECT count(*) FROM records").fetchone()[0]), (2, 5))
 
 
@@ -2753,12 +2758,12 @@ class ImportTests(QmemTestCase):
                 f.write(b"\n")
 
     def test_an_import_into_an_empty_index_merges_in_bulk_with_the_same_result(self):
-        """Each file's rows go to Store.merge_many in one statement; the same tree merged
-        record by record (Store.upsert) leaves the same index and the same counts."""
+        """Each file's rows go to Records.merge_many in one statement; the same tree merged
+        record by record (Records.upsert) leaves the same index and the same counts."""
         self.mixed_tree()
-        real, merged = qmem.Store.merge_many, []
-        with mock.patch.object(qmem.Store, "merge_many",
-                               lambda store, rows: merged.append(rows) or real(store, rows)):
+        real, merged = qmem.Records.merge_many, []
+        with mock.patch.object(qmem.Records, "merge_many",
+                               lambda records, rows: merged.append(rows) or real(records, rows)):
             in_bulk = self.import_json()
         self.assertEqual(len(merged), 4)  # one bulk merge a file
         table = "SELECT id, view, words, %s FROM records ORDER BY id" % ", ".join(qmem.FIELDS)
@@ -2766,7 +2771,7 @@ class ImportTests(QmemTestCase):
         expected = store.conn.execute(table).fetchall()
         store.close()
         os.environ["QMEM_SQLITE"] = os.path.join(self.home, "one.sqlite")
-        with mock.patch.object(qmem.Store, "bulk_sql", False):
+        with mock.patch.object(qmem.Records, "bulk_sql", False):
             one_by_one = self.import_json()
         self.assertEqual(one_by_one, in_bulk)
         store = qmem.Store(os.environ["QMEM_SQLITE"])
@@ -3119,14 +3124,14 @@ class ImportTests(QmemTestCase):
             for k in range(30):
                 s.store(record(UUIDS[n * 30 + k], "ricordo %d %d" % (n, k)))
             s.write()
-        real = qmem.Store.begin_bulk
+        real = qmem.Records.begin_bulk
 
-        def meanwhile_another_import(store):
-            real(store)  # this import now believes the table empty; another one fills it
+        def meanwhile_another_import(records):
+            real(records)  # this import now believes the table empty; another one fills it
             done = subprocess.run(qmem_command() + ["import", "--sessions", tree, "--json"],
                                   stdout=subprocess.PIPE, env=dict(os.environ), timeout=60)
             meanwhile_another_import.other = json.loads(done.stdout.decode())["stats"]
-        with mock.patch.object(qmem.Store, "begin_bulk", meanwhile_another_import):
+        with mock.patch.object(qmem.Records, "begin_bulk", meanwhile_another_import):
             mine = self.ok_json("import", "--sessions", tree)["stats"]
         other = meanwhile_another_import.other
         self.assertEqual(mine["records_new"] + other["records_new"], 120)
@@ -3174,7 +3179,7 @@ class FindTests(QmemTestCase):
 
     def put(self, n, text, view=qmem.VIEW_FULL, **extra):
         with self.store.transaction():
-            self.store.upsert(qmem.normalize_record(record(UUIDS[n], text, **extra)), view)
+            self.store.records.upsert(qmem.normalize_record(record(UUIDS[n], text, **extra)), view)
 
     def test_all_words_must_match_and_last_is_a_prefix(self):
         self.put(0, "The circuit breaker opens after three failures")
@@ -3362,7 +3367,7 @@ class FindLevelTests(QmemTestCase):
         self.addCleanup(store.close)
         self.assertEqual(qmem.find_local(store, "kubernetis")["match"], "none")
         self.put_record(UUIDS[30], "Kubernetes runs the staging cluster")  # another connection
-        store.refresh()
+        store.records.refresh()
         doc = qmem.find_local(store, "kubernetis")
         self.assertEqual((doc["match"], [r["id"] for r in doc["results"]]), ("fuzzy", [UUIDS[30]]))
 
@@ -3386,7 +3391,7 @@ class FindLevelTests(QmemTestCase):
         store = qmem.Store(path)
         try:
             with store.transaction():
-                store.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+                store.records.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
         finally:
             store.close()
 
@@ -3741,7 +3746,7 @@ class FindRelevanceTests(QmemTestCase):
         self.addCleanup(store.close)
         with store.transaction():
             for n, text in enumerate(RELEVANCE_RECORDS):
-                store.upsert(qmem.normalize_record(record(UUIDS[n], text)), qmem.VIEW_FULL)
+                store.records.upsert(qmem.normalize_record(record(UUIDS[n], text)), qmem.VIEW_FULL)
         found, total, misses = {}, {}, []
         for kind, query, want in RELEVANCE_QUERIES:
             doc = qmem.find_local(store, query, limit=5)
@@ -3772,7 +3777,7 @@ class FindRelevanceTests(QmemTestCase):
         self.addCleanup(store.close)
         with store.transaction():
             for rid, text in zip(ids, texts):
-                store.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+                store.records.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
         plain = sqlite3.connect(":memory:")
         self.addCleanup(plain.close)
         plain.execute("CREATE VIRTUAL TABLE b USING fts5(text, tokenize='porter unicode61')")
@@ -4102,8 +4107,8 @@ class FlushTests(GatewayTestCase):
         self.assertEqual(self.gw.records[a]["superseded_by"], b)
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
-        self.assertEqual(store.get(a)["superseded_by"], b)
-        self.assertEqual(store.get(b)["supersedes_id"], a)
+        self.assertEqual(store.records.get(a)["superseded_by"], b)
+        self.assertEqual(store.records.get(b)["supersedes_id"], a)
         self.assertEqual(self.find_ids("testo"), [b])
         # A correction by the old local id, after both synced, still finds the gateway id.
         self.ok("correct", first, "terzo", "--reason", "again")
@@ -4489,9 +4494,9 @@ class PullTests(GatewayTestCase):
         store.conn.execute("UPDATE records SET project_id=NULL")  # as a search hit may lack it
         doc = self.ok_json("enrich")
         self.assertEqual((doc["asked"], doc["fetched"]), (3, 3))
-        self.assertEqual({store.get(r["id"])["project_id"] for r in recs},
+        self.assertEqual({store.records.get(r["id"])["project_id"] for r in recs},
                          {"proj0", "proj1", "proj2"})
-        self.assertEqual({store.get(r["id"])["view"] for r in recs}, {qmem.VIEW_FULL})
+        self.assertEqual({store.records.get(r["id"])["view"] for r in recs}, {qmem.VIEW_FULL})
         self.assertEqual(self.ok_json("enrich")["asked"], 0)
         # A dropped kept-alive connection is retried once on a new one; twice is the end.
         self.gw.script = [None, "close", "close"]
@@ -4678,17 +4683,17 @@ class BundleTests(BundleTestCase):
         return self.crafted(items)
 
     def test_a_load_into_an_empty_index_merges_in_bulk_with_the_same_result(self):
-        """The records go to Store.merge_many in batches; the same bundle merged record by
-        record (Store.upsert) leaves the same index and says the same."""
+        """The records go to Records.merge_many in batches; the same bundle merged record by
+        record (Records.upsert) leaves the same index and says the same."""
         bundle = self.load_items()
         self.host("bulk", False)
-        real, merged = qmem.Store.merge_many, []
-        with mock.patch.object(qmem.Store, "merge_many",
-                               lambda store, rows: merged.append(rows) or real(store, rows)):
+        real, merged = qmem.Records.merge_many, []
+        with mock.patch.object(qmem.Records, "merge_many",
+                               lambda records, rows: merged.append(rows) or real(records, rows)):
             in_bulk = self.ok_json("load", bundle)
         self.assertEqual([len(rows) for rows in merged], [12])
         self.host("one", False)
-        with mock.patch.object(qmem.Store, "bulk_sql", False):
+        with mock.patch.object(qmem.Records, "bulk_sql", False):
             one_by_one = self.ok_json("load", bundle)
         self.assertEqual(one_by_one, in_bulk)
         self.assertEqual((in_bulk["records"]["new"], in_bulk["skipped"]), (12, 2))
@@ -4965,14 +4970,14 @@ class BundleTrustTests(BundleTestCase):
         store = qmem.Store(os.environ["QMEM_SQLITE"])
         try:
             with store.transaction():
-                store.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+                store.records.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
         finally:
             store.close()
 
     def here(self, rid):
         store = qmem.Store(os.environ["QMEM_SQLITE"])
         try:
-            return store.get(rid)
+            return store.records.get(rid)
         finally:
             store.close()
 
@@ -5319,11 +5324,11 @@ class BundleTrustTests(BundleTestCase):
         try:
             for case in cases:
                 rid = made[case]
-                here, want = store.get(rid), qmem.normalize_record(self.gw.records[rid])
+                here, want = store.records.get(rid), qmem.normalize_record(self.gw.records[rid])
                 want["private"] = bool(want["private"])
                 self.assertEqual({f: here[f] for f in qmem.FIELDS},
                                  {f: want[f] for f in qmem.FIELDS}, case)
-                self.assertEqual(store.origin_of(rid), qmem.ORIGIN_HERE, case)
+                self.assertEqual(store.records.origin_of(rid), qmem.ORIGIN_HERE, case)
         finally:
             store.close()
 
@@ -5383,8 +5388,8 @@ class DoctorTests(GatewayTestCase):
         store = qmem.Store(self.db)
         with store.transaction():
             for n in range(120):
-                store.upsert(qmem.normalize_record(record(UUIDS[n % 199][:-4] + "%04d" % n,
-                                                          "testo %d " % n * 40)), 2)
+                store.records.upsert(qmem.normalize_record(record(UUIDS[n % 199][:-4] + "%04d" % n,
+                                                                  "testo %d " % n * 40)), 2)
         store.close()
         conn = sqlite3.connect(self.db)
         page = conn.execute("PRAGMA page_size").fetchone()[0]
@@ -7455,9 +7460,8 @@ class McpToolTests(McpTestCase):
         store = qmem.Store(self.db)
         with store.transaction():
             for n in range(50):
-                store.upsert(qmem.normalize_record(record(UUIDS[n],
-                                                          "budget item %d " % n + "word " * 400)),
-                             qmem.VIEW_FULL)
+                store.records.upsert(qmem.normalize_record(record(
+                    UUIDS[n], "budget item %d " % n + "word " * 400)), qmem.VIEW_FULL)
         store.close()
         server = self.server()
         found = server.call("qmem_find", query="budget item", limit=50,
