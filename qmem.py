@@ -4525,8 +4525,7 @@ def local_status(store):
                                   "ORDER BY 2 DESC"),
                    by_project=counts("SELECT project_id, count(*) FROM records "
                                      "GROUP BY project_id ORDER BY 2 DESC"))
-    outbox = dict.fromkeys(OUTBOX_STATES, 0)
-    outbox.update(counts("SELECT state, count(*) FROM outbox GROUP BY state"))
+    outbox = store.outbox.counts()
     dups = q("""SELECT count(*), coalesce(sum(n), 0) FROM (
                   SELECT count(*) AS n FROM records WHERE text != '' AND deleted_at IS NULL
                     AND pending != %d  -- (a refused write is stored nowhere)
@@ -4768,12 +4767,10 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
     when = iso_from_epoch(created_at)
     store.records.upsert(normalize_record(dict(payload, id=local_id, created_at=when,
                                                updated_at=when)), VIEW_FULL, when)
-    store.conn.execute("UPDATE records SET pending=? WHERE id=?",
-                       (LOCAL_FAILED if state == FAILED else LOCAL_WAITING, local_id))
-    if target and state == PENDING:  # not a refused one, nor a held one (nothing vouches for it)
-        store.conn.execute(
-            "UPDATE records SET superseded_by=? WHERE id=? AND superseded_by IS NULL",
-            (local_id, store.outbox.current_id(target)))
+    if state == FAILED:
+        store.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
+    else:  # a held correction hides nothing yet (nothing vouches for it)
+        store.records.mark_waiting(local_id, target if state == PENDING else None)
 
 
 # What a flush does with a claimed row, beside the final states.
