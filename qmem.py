@@ -4660,11 +4660,27 @@ AUTO_FLUSH_S = 3.0         # seconds an online command may spend delivering the 
 MAX_STORED_WAIT_S = 3600.0  # a longer Retry-After is said, but a write waits at most this long
 
 
-def _write_payload(text, project, kind, scope, agent, source, expires, private, supersedes, reason,
-                   now=None):
-    # The request body of a write, every value checked first: a bad one is a usage
-    # error and nothing is queued. An expiry is judged against `now` (a bundle's write:
-    # when it was made).
+class Write(collections.namedtuple("Write", "text project kind scope agent source expires "
+                                            "private supersedes reason")):
+    """A memory to write, as it was asked for (`store`, `correct`, an agent's call, a
+    paired host's bundle): its text and fields, unchecked until _write_payload makes the
+    request body of them. A correction names the id it corrects: supersedes."""
+    __slots__ = ()
+
+    @property
+    def op(self):
+        """The outbox's name of the write: 'correct' for a correction, else 'store'."""
+        return "correct" if self.supersedes else "store"
+
+
+Write.__new__.__defaults__ = (None, None, None, None, None, False, None, None)  # (from kind on)
+
+
+def _write_payload(write, now=None):
+    """The request body of a write, every value checked first: a bad one is a usage error
+    and nothing is queued. An expiry is judged against `now` (a bundle's write: when it was
+    made)."""
+    text, project, kind, scope, agent, source, expires, private, supersedes, reason = write
     text = (text or "").strip()
     if not text:
         raise UsageError("the memory's text is empty")
@@ -5716,11 +5732,10 @@ def rebuilt_write(row):
             raise ValueError("the %s is not valid UTF-8 (a lone surrogate at character %d)"
                              % (field.replace("_", " "), e.start + 1))
     try:
-        payload = _write_payload(get("text"), get("project_id"), get("kind"), get("scope"),
-                                 get("agent_id"),
-                                 get("source"), get("expires_at"), body.get("private") is True,
-                                 supersedes,
-                                 get("supersede_reason"), now=created)
+        payload = _write_payload(Write(get("text"), get("project_id"), get("kind"), get("scope"),
+                                       get("agent_id"), get("source"), get("expires_at"),
+                                       body.get("private") is True, supersedes,
+                                       get("supersede_reason")), now=created)
     except UsageError as e:
         raise ValueError(e.message)
     for field in ("agent_id", "source"):  # never this machine's defaults for another's write
@@ -6426,9 +6441,11 @@ def utf8_arguments(method):
     @functools.wraps(method)
     def checked(self, *args, **kw):
         for name, value in list(zip(names, args)) + list(kw.items()):
-            for each in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(each, str):
-                    _check_utf8(each, name)
+            named = value._asdict().items() if isinstance(value, Write) else [(name, value)]
+            for name, value in named:  # (a write's fields, each by its own name)
+                for each in value if isinstance(value, (list, tuple)) else (value,):
+                    if isinstance(each, str):
+                        _check_utf8(each, name)
         return method(self, *args, **kw)
     return checked
 
@@ -6797,29 +6814,21 @@ class Operations:
 
     # -- writes
     @utf8_arguments
-    def store_memory(self, text, project, kind=None, scope=None, agent=None, source=None,
-                     expires=None,
-                     private=False, supersedes=None, reason=None, queue_only=False,
-                     allow_secret=False):
-        # Write a memory: into the outbox and the index at once, then to the gateway
-        # (unless queue_only); it stays queued while the gateway cannot take it. A text
-        # holding a credential is refused unless allow_secret (never offered to agents).
-        supersedes = _check_id(supersedes.strip(), "--supersedes") if supersedes else None
-        payload = _write_payload(text, project, kind or "fact", scope, agent, source, expires,
-                                 private,
-                                 supersedes, reason)
-        # (with --supersedes it is a correction, on every path: a 409 duplicate does not
-        # apply it, and a paired host loads it as one)
-        return self._write("correct" if supersedes else "store", payload, queue_only,
-                           allow_secret)
+    def store_memory(self, write, queue_only=False, allow_secret=False):
+        """Write a memory (a Write): into the outbox and the index at once, then to the
+        gateway (unless queue_only); it stays queued while the gateway cannot take it. A
+        text holding a credential is refused unless allow_secret (never offered to agents).
+        With supersedes it is a correction, on every path: a 409 duplicate does not apply
+        it, and a paired host loads it as one."""
+        if write.supersedes:
+            write = write._replace(supersedes=_check_id(write.supersedes.strip(), "--supersedes"))
+        return self._write(write._replace(kind=write.kind or "fact"), queue_only, allow_secret)
 
     @utf8_arguments
-    def correct(self, target, text, project=None, kind=None, scope=None, agent=None, source=None,
-                expires=None,
-                private=False, reason=None, queue_only=False, allow_secret=False):
-        # Write a correction of `target`: project and kind default to the target's, as the
-        # local index knows it, else as the gateway does.
-        target = (target or "").strip()
+    def correct(self, write, queue_only=False, allow_secret=False):
+        """Write a correction (a Write) of the memory it supersedes: project and kind default
+        to that memory's, as the local index knows it, else as the gateway does."""
+        target = (write.supersedes or "").strip()
         if not target:
             raise UsageError("correct needs the id of the memory it corrects")
         _check_id(target, "correct")
@@ -6828,22 +6837,21 @@ class Operations:
             try:
                 old = self.store().records.get(self.store().outbox.current_id(target)) or {}
             except StoreError as e:  # the database is unusable: the words must not be lost
-                raise _kept_aside(e, {"text": (text or "").strip(),
-                                      "project_id": project or "PROJECT",
+                raise _kept_aside(e, {"text": (write.text or "").strip(),
+                                      "project_id": write.project or "PROJECT",
                                       "supersedes_id": target}, self.config.db_path)
         if old.get("failed"):
             raise UsageError("%s was refused by the gateway and never stored: there is nothing to "
                              "correct" % target,
                              hint="store the corrected text as a new memory (`qmem.py store`)")
-        if not old and not (project and kind):
-            old = self._remote_target(target, needed=not project)
-        project_from = "argument" if project else "the corrected memory"
-        kind_from = "argument" if kind else "the corrected memory" if old.get("kind") else "default"
-        project = project or old.get("project_id")
-        payload = _write_payload(text, project, kind or old.get("kind") or "fact", scope, agent,
-                                 source, expires,
-                                 private, target, reason)
-        doc = self._write("correct", payload, queue_only, allow_secret)
+        if not old and not (write.project and write.kind):
+            old = self._remote_target(target, needed=not write.project)
+        project_from = "argument" if write.project else "the corrected memory"
+        kind_from = ("argument" if write.kind else "the corrected memory" if old.get("kind")
+                     else "default")
+        write = write._replace(project=write.project or old.get("project_id"),
+                               kind=write.kind or old.get("kind") or "fact", supersedes=target)
+        doc = self._write(write, queue_only, allow_secret)
         return dict(doc, project_from=project_from, kind_from=kind_from)
 
     def _send_now(self, store, gateway, local_id, token):
@@ -6873,7 +6881,8 @@ class Operations:
                              hint=PROJECT_HINT)
         return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
 
-    def _write(self, op, payload, queue_only, allow_secret=False):
+    def _write(self, write, queue_only, allow_secret=False):
+        payload = _write_payload(write)
         found = None if allow_secret else secret_in_write(payload)
         if found:  # kept only in a private file: never in the outbox, a bundle or a retry
             raise _kept_aside(QmemError(
@@ -6893,7 +6902,7 @@ class Operations:
             # Claimed as it is queued: no other flusher (another agent's server) takes it first.
             claim = Flusher(store, gateway,
                             clock=self.clock).claim_new if gateway is not None else None
-            local_id, repeated, token = enqueue_once(store, op, payload, claim,
+            local_id, repeated, token = enqueue_once(store, write.op, payload, claim,
                                                      max_mb=self.config["outboxMaxMB"])
         except StoreError as e:  # busy, full, unusable: the words must not be lost
             raise _kept_aside(e, payload, self.config.db_path)
@@ -6913,7 +6922,7 @@ class Operations:
             raise QmemError("not stored (offlineQueue is off, nothing kept): %s"
                             % row["last_error"],
                             kind="not_stored")
-        return self._write_doc(op, payload, row, local_id, repeated, queue_only, error)
+        return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
 
     def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
         # What became of a write (its outbox row), as the document of store and correct.
@@ -8952,15 +8961,16 @@ class McpServer:
                                                           "not a date" if expires is None
                                                           else "already past"),
                                  hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
-        doc = ops.store_memory(a["text"], project, kind=a.get("kind"), scope=a.get("scope"),
-                               agent=a.get("agent_id") or self.agent, expires=expires_at,
-                               private=a.get("private", False))
+        doc = ops.store_memory(Write(a["text"], project, a.get("kind"), a.get("scope"),
+                                     agent=a.get("agent_id") or self.agent, expires=expires_at,
+                                     private=a.get("private", False)))
         return _written(doc, where)
 
     def tool_correct(self, ops, a):
         target = _check_id(a["id"].strip(), "id")
-        doc = ops.correct(target, a["text"], project=a.get("project_id"), kind=a.get("kind"),
-                          agent=a.get("agent_id") or self.agent, reason=a.get("reason"))
+        doc = ops.correct(Write(a["text"], a.get("project_id"), a.get("kind"),
+                                agent=a.get("agent_id") or self.agent, supersedes=target,
+                                reason=a.get("reason")))
         return _written(doc, doc["project_from"], corrects=target)
 
 
@@ -9406,20 +9416,20 @@ def _decoded_text(data):
     return data.decode("utf-8")
 
 
-def _write_options(a):
-    # The options store and correct share, as the operations' keyword arguments.
-    return {k: getattr(a, k) for k in ("kind", "scope", "agent", "source", "expires", "private",
-                                       "reason", "queue_only", "allow_secret")}
+def _asked_write(a, supersedes):
+    """The Write that store or correct asks for: its text and the options they share."""
+    return Write(_read_text(a), a.project, a.kind, a.scope, a.agent, a.source, a.expires,
+                 a.private, supersedes, a.reason)
 
 
 def cli_store(ops, a):
     supersedes = a.supersedes and ops.full_ids([a.supersedes], "--supersedes")[0]
-    return ops.store_memory(_read_text(a), a.project, supersedes=supersedes, **_write_options(a))
+    return ops.store_memory(_asked_write(a, supersedes), a.queue_only, a.allow_secret)
 
 
 def cli_correct(ops, a):
     target = ops.full_ids([a.id], "correct")[0]
-    return ops.correct(target, _read_text(a), project=a.project, **_write_options(a))
+    return ops.correct(_asked_write(a, target), a.queue_only, a.allow_secret)
 
 
 def cli_queue(ops, a):

@@ -5697,7 +5697,7 @@ class OperationsTests(GatewayTestCase):
 
     def test_a_write_then_find_get_and_queue_return_documents(self):
         ops = self.ops()
-        doc = ops.store_memory("  Il nodo 7 ospita Redis  ", "infra", kind="decision",
+        doc = ops.store_memory(qmem.Write("  Il nodo 7 ospita Redis  ", "infra", kind="decision"),
                                queue_only=True)
         self.assertEqual((doc["state"], doc["queued"], doc["source"]), ("pending", True, "outbox"))
         found = ops.find("redis")
@@ -5715,8 +5715,8 @@ class OperationsTests(GatewayTestCase):
         self.assertEqual(len(ops.find("x", limit="5")["results"]), 0)
         for call in (lambda: ops.find("  "), lambda: ops.find("x", limit="lots"),
                      lambda: ops.search("x", top_k=0), lambda: ops.search("x", min_score=2),
-                     lambda: ops.store_memory("x", "p", kind="rumour"),
-                     lambda: ops.store_memory("x", " ")):
+                     lambda: ops.store_memory(qmem.Write("x", "p", kind="rumour")),
+                     lambda: ops.store_memory(qmem.Write("x", " "))):
             with self.assertRaises(qmem.UsageError):
                 call()
         self.assertFalse(os.path.exists(self.db))
@@ -5728,7 +5728,7 @@ class OperationsTests(GatewayTestCase):
 
     def test_the_automatic_flush_is_part_of_an_online_document(self):
         ops = self.ops()
-        ops.store_memory("prima", "p", queue_only=True)
+        ops.store_memory(qmem.Write("prima", "p"), queue_only=True)
         doc = ops.meta()
         self.assertEqual(doc["auto_flush"],
                          {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0,
@@ -5754,7 +5754,7 @@ class OperationsTests(GatewayTestCase):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             ops = self.ops()
-            ops.store_memory("silenzio", "p")
+            ops.store_memory(qmem.Write("silenzio", "p"))
             ops.search("silenzio")
             ops.status()
             ops.breaker()
@@ -6069,6 +6069,26 @@ class OperationsWriteTests(GatewayTestCase):
         out = self.ok("store", "altro", "--project", "p")
         self.assertRegex(out, r"^stored as [0-9a-f-]{36} in the shared memory")
         self.assertNotIn("queued", out)
+
+    def test_every_field_of_a_write_reaches_the_gateway_as_asked_through_the_queue(self):
+        """Part 16: a write's fields travel as one value (Write) from the front end to the
+        outbox; each one, as given, is what a later flush sends, for store and correct."""
+        first = self.ok_json("store", "Il nodo 3 ospita il deploy", "--project", "infra")["id"]
+        options = ("--kind", "preference", "--scope", "global", "--agent", "agente-7",
+                   "--source", "revisione", "--expires", "2099-01-01", "--private",
+                   "--reason", "spostato", "--queue-only")
+        self.ok("store", "Il nodo 4 ospita il deploy", "--project", "infra", "--supersedes",
+                first, *options)
+        self.ok("correct", first, "Il nodo 5 ospita il deploy", "--project", "infra", *options)
+        self.assertEqual(len(self.gw.posts()), 1)
+        self.assertEqual(self.ok_json("flush")["synced"], 2)
+        sent = [post[3] for post in self.gw.posts()[1:]]
+        for text, body in zip(("Il nodo 4 ospita il deploy", "Il nodo 5 ospita il deploy"), sent):
+            self.assertEqual(body, {"text": text, "kind": "preference", "project_id": "infra",
+                                    "scope": "global", "agent_id": "agente-7",
+                                    "source": "revisione", "private": True,
+                                    "expires_at": "2099-01-01T00:00:00.000Z",
+                                    "supersedes_id": first, "supersede_reason": "spostato"})
 
     def test_bad_input_is_refused_and_nothing_is_queued(self):
         for argv in (("store", "", "--project", "p"), ("store", "x"),
