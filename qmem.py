@@ -3198,8 +3198,7 @@ class Outbox:
                                  % (to, sets, state_is(*froms), where), bound).rowcount
 
     def row(self, local_id):
-        """One outbox row's outcome: state, gateway_id, duplicate_of, last_error,
-        last_status, next_attempt_at; or None."""
+        """One outbox row's outcome (state, ids, last error and status, next try), or None."""
         return _row_dict(self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, "
                                            "last_status, next_attempt_at FROM outbox WHERE id=?",
                                            (local_id,)))
@@ -3234,8 +3233,7 @@ class Outbox:
             records.link_supersessions()  # a released correction hides what it corrects
 
     def delete_held(self, local_id):
-        """Inside a transaction: the held write of this id gone from the outbox (not its
-        record)."""
+        """Inside a transaction: the held write of this id, gone (its record stays)."""
         self.conn.execute("DELETE FROM outbox WHERE id=? AND " + state_is(HELD), (local_id,))
 
     def drop_held(self, local_id):
@@ -3381,14 +3379,12 @@ class Outbox:
             self.store.records.drop_local(local_id, other_id)
 
     def unsettled_before(self, when):
-        """(count, oldest creation time) of writes still waiting or refused, made before
-        when."""
+        """(count, oldest creation time) of writes still waiting or refused, made before when."""
         return self.conn.execute("SELECT count(*), min(created_at) FROM outbox WHERE %s AND "
                                  "created_at < ?" % state_is(*UNSETTLED), (when,)).fetchone()
 
     def payload_bytes(self, held=False):
-        """The bytes of the payloads of writes not yet settled (waiting or refused), or of
-        the held ones."""
+        """The bytes of the payloads of writes not settled yet (waiting or refused), or held."""
         states = (HELD,) if held else UNSETTLED
         return self.store._one("SELECT coalesce(sum(length(CAST(payload AS BLOB))), 0) "
                                "FROM outbox WHERE " + state_is(*states))
@@ -3427,8 +3423,7 @@ class Outbox:
         return chain
 
     def waiting_write(self, op, payload_text):
-        """The local id of a write with exactly this payload still waiting to be sent, or
-        None."""
+        """The local id of a write with exactly this payload still waiting to be sent, or None."""
         return self.store._one("SELECT id FROM outbox WHERE op=? AND payload=? AND "
                                "state IN (?, ?) LIMIT 1", (op, payload_text) + WAITING)
 
