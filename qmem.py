@@ -1975,15 +1975,12 @@ def _reason(e):
 # that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
 # Each thread opens its own connection (the MCP server's background flush too).
 #
-# The database is one Store: its connection, set-up, migrations, transactions, meta table
-# and checks. Its two jobs are two parts of it, over that one connection and through its
-# one transaction helper: store.records (Records: the searchable index of records, their
-# text index and words, supersession links) and store.outbox (Outbox: the writes queued
-# here and their moves, OUTBOX_MOVES). Store keeps its name and its constructor: it is
-# what every command opens, and neither part could write alone (a transaction is the
-# database's). What a change of one part means for the other (a write delivered: its row
-# settled, then its record adopts the gateway id) the part whose job it is does, calling
-# the other by name: store.outbox.settle_write calls store.records.adopt.
+# One Store is the database: its connection, set-up, migrations, transactions, meta table
+# and checks. Its two jobs are its two parts, over that connection and its one transaction
+# helper: store.records (Records: the searchable index) and store.outbox (Outbox: the writes
+# queued here and their moves). Store keeps its name: every command opens it, and neither
+# part can write without its transaction. A change that concerns both is made by the part
+# whose job it is, which calls the other by name (outbox.settle_write -> records.adopt).
 
 # UPSERT (INSERT ... ON CONFLICT DO UPDATE) came with SQLite 3.24.
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
