@@ -6253,102 +6253,69 @@ def _judge_status(resp, took, config, clock):
 
 # === Launcher ================================================================
 #
-# Python caches the compiled code of imported modules only, never of the script it
+# Python caches the compiled code of the modules it imports, never of the script it
 # runs: `python3 qmem.py` compiles the whole file on every command. `qmem.py install`
-# writes a small launcher, `qmem`, that runs this file with its compiled code cached
-# in a folder of the user's (0700), keyed by the file's size and mtime and the bytecode
-# version, on every Python from 3.6 (3.6 and 3.7 have no sys.pycache_prefix; one way
-# for all is less). install_launcher names that folder as the launcher works it out.
-# The launcher names the interpreter that installed it, runs it isolated (-I: no
-# folder of the launcher's, no PYTHON* variable on sys.path) and loads qmem.py by
-# its path.
+# writes a small launcher, `qmem`, that imports this file by its path (importlib), so
+# that Python caches its compiled code as for any module: on 3.8+ under the user's cache
+# folder (sys.pycache_prefix), never beside a shared or read-only qmem.py. The launcher
+# names the interpreter that installed it, runs it isolated (-I: no folder of the
+# launcher's, no PYTHON* variable on sys.path) and puts no folder on sys.path.
+#
+# A compiled file is run in place of qmem.py only from a cache folder that is the user's
+# alone: the launcher's cache_folder() is the one place that rule is written. It makes
+# that folder only under one of the user's (a sudo that keeps HOME leaves no folder of
+# root's there). Without it (another user's folder, a link, a folder others may write
+# in), and on 3.6 and 3.7 (no sys.pycache_prefix), the launcher compiles qmem.py at
+# every run and reads or writes no compiled file, not even in a __pycache__ beside it.
 
 LAUNCHER_MARK = "# qmem launcher, written by `qmem.py install`"
 LAUNCHER = '''#!%(python)s -I
 %(mark)s (`qmem.py install --uninstall` removes it).
-# It runs %(source)r with its compiled code cached in the user's cache folder.
-import marshal, os, sys
-from importlib.util import MAGIC_NUMBER
+# It imports %(source)r by its path and runs it: see "Launcher" in it.
+import importlib.util, os, stat, sys
 SOURCE = %(source)r
 
 
-def private_folder(me):
-    """$XDG_CACHE_HOME/qmem (else ~/.cache/qmem) of the user running this, made 0700, but
-    only under a folder of theirs (a sudo must leave no folder of root's there); or None."""
+def cache_folder():
+    """$XDG_CACHE_HOME/qmem/pycache (else ~/.cache/qmem/pycache), made 0700 under a folder of
+    the user's, if it and qmem are real folders of theirs no one else may write in; else None."""
     base = os.environ.get("XDG_CACHE_HOME") or ""
     base = base if os.path.isabs(base) else os.path.join(os.path.expanduser("~"), ".cache")
-    folder = top = os.path.join(base, "qmem")
+    top = os.path.join(base, "qmem", "pycache")
     while not os.path.lexists(top) and os.path.dirname(top) != top:
         top = os.path.dirname(top)
-    if not os.path.isabs(folder) or os.stat(top).st_uid != me:
-        return None
-    os.makedirs(folder, 0o700, exist_ok=True)
-    st = os.stat(folder)
-    return folder if st.st_uid == me and not st.st_mode & 0o077 else None
-
-
-def cached(path, key, me):
-    """The code cached at path for this key; None if missing, damaged or not ours (the
-    file itself is judged: the folder may have been swapped since it was)."""
     try:
-        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as f:
-            st = os.fstat(f.fileno())
-            if (st.st_uid == me and st.st_nlink == 1 and not st.st_mode & 0o077
-                    and f.readline() == key):
-                code = marshal.loads(f.read())
-                return code if type(code) is type(cached.__code__) else None
-    except (OSError, ValueError, EOFError, TypeError):
-        return None
-
-
-def compiled():
-    st, me = os.stat(SOURCE), os.geteuid()
-    key = ("%%d %%d %%s\\n" %% (st.st_size, st.st_mtime_ns, MAGIC_NUMBER.hex())).encode()
-    try:
-        folder = private_folder(me)
+        for path in (os.path.join(base, "qmem"), os.path.join(base, "qmem", "pycache")):
+            if os.stat(top).st_uid == os.geteuid():
+                os.makedirs(path, 0o700, exist_ok=True)
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return None
     except OSError:
-        folder = None
-    path = folder and os.path.join(folder, "qmem.%%s.code" %% sys.implementation.cache_tag)
-    code = path and cached(path, key, me)
-    if code:
-        return code
-    with open(SOURCE, "rb") as f:
-        code = compile(f.read(), SOURCE, "exec")
-    if path:
-        tmp = "%%s.%%d" %% (path, os.getpid())
-        try:
-            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
-                f.write(key + marshal.dumps(code))
-            os.replace(tmp, path)
-        except OSError:  # a full disk: no cache this time, and no half file left
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-    return code
+        return None
+    return path
 
 
-try:
-    code = compiled()
-except OSError as e:
-    sys.exit("qmem: cannot read %%s (%%s): run `python3 qmem.py install` where it is now"
-             %% (SOURCE, e.strerror))
-except (SyntaxError, ValueError) as e:
-    sys.exit("qmem: %%s does not compile (%%s, line %%s)" %% (SOURCE, type(e).__name__,
-                                                        getattr(e, "lineno", "?")))
-module = type(sys)("qmem")
-module.__file__ = SOURCE
-sys.modules["qmem"] = module
-exec(code, module.__dict__)
-if not callable(getattr(module, "exit_now", None)):
-    sys.exit("qmem: %%s is not qmem.py: run `python3 qmem.py install` where it is" %% SOURCE)
-module.exit_now(module.main())
+if __name__ == "__main__":
+    spec = importlib.util.spec_from_file_location("qmem", SOURCE)
+    module = sys.modules["qmem"] = importlib.util.module_from_spec(spec)
+    sys.pycache_prefix = cache_folder() if sys.version_info >= (3, 8) else None
+    try:
+        if sys.pycache_prefix:  # Python reads and writes the compiled code there
+            spec.loader.exec_module(module)
+        else:  # no folder to trust, or no pycache_prefix: compiled here, nothing cached
+            exec(compile(spec.loader.get_data(SOURCE), SOURCE, "exec"), module.__dict__)
+    except (OSError, SyntaxError, ValueError) as e:
+        sys.exit("qmem: cannot run %%s (%%s): run `python3 qmem.py install` where it is now"
+                 %% (SOURCE, getattr(e, "strerror", None) or e))
+    sys.exit(module.main())
 '''
 
 
 def _launcher_is_ours(path):
-    # None when there is no file at path, else whether it is a launcher qmem.py wrote (a
-    # link or anything but a regular file is not).
+    """None when there is no file at path, else whether it is a launcher qmem.py wrote, of
+    this release or an earlier one (they carry the same mark); a link or anything but a
+    regular file is not."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return False
@@ -6361,9 +6328,35 @@ def _launcher_is_ours(path):
         return False
 
 
+def _remove_cache(folder, pycache):
+    """Remove from the user's cache folder what launchers cached there: the files in which
+    the previous release's launcher kept its compiled code itself (qmem.TAG.code, and a
+    qmem.TAG.code.PID left half written) and, when pycache, this one's pycache folder.
+    A folder that is a link is left alone."""
+    if os.path.islink(folder):
+        return
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if re.match(r"qmem\.[\w-]+\.code(\.\d+)?\Z", name):
+            try:
+                os.unlink(os.path.join(folder, name))
+            except OSError:
+                pass
+    if pycache:
+        import shutil
+        shutil.rmtree(os.path.join(folder, "pycache"), ignore_errors=True)  # (never via a link)
+        try:
+            os.rmdir(folder)
+        except OSError:  # not empty: something else is kept there
+            pass
+
+
 def install_launcher(bin_dir=None, uninstall=False, environ=None):
-    # Write (or remove) the launcher DIR/qmem; a file there that qmem.py did not write
-    # is left alone.
+    """Write (or remove) the launcher DIR/qmem, replacing one qmem.py wrote (and the cache
+    of an earlier release's); a file there that qmem.py did not write is left alone."""
     environ = os.environ if environ is None else environ
     home = environ.get("HOME") or os.path.expanduser("~")
     folder = os.path.abspath(os.path.expanduser(bin_dir or os.path.join(home, ".local", "bin")))
@@ -6372,18 +6365,21 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
     if ours is False:
         raise UsageError("%s is not a launcher `qmem.py install` wrote: leaving it alone" % path,
                          hint="move it aside, or choose another folder with --bin DIR")
-    # `cache`: where the launcher run by this user caches its code (it works it out itself)
+    # The cache of the user running this, as the launcher works it out (cache_folder)
     base = environ.get("XDG_CACHE_HOME") or ""
+    user_cache = os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"), "qmem")
+    pycache = os.path.join(user_cache, "pycache")
     doc = {"action": "uninstall" if uninstall else "install", "launcher": path,
-           "cache": os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"),
-                                 "qmem")}
+           "cache": pycache if sys.version_info >= (3, 8) else None}
     if uninstall:
         try:
             if ours:
                 os.unlink(path)
         except OSError as e:
             raise QmemError("cannot remove %s: %s" % (path, e.strerror or e), kind="io")
-        return dict(doc, removed=bool(ours))
+        cached = os.path.isdir(pycache)
+        _remove_cache(user_cache, pycache=True)
+        return dict(doc, removed=bool(ours), cache_removed=cached and not os.path.isdir(pycache))
     python = sys.executable
     if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
         raise UsageError(
@@ -6398,6 +6394,7 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
         atomic_write(path, text.encode("utf-8"), 0o755)
     except OSError as e:
         raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
+    _remove_cache(user_cache, pycache=False)
     on_path = any(p and os.path.realpath(p) == os.path.realpath(folder)
                   for p in environ.get("PATH", "").split(os.pathsep))
     return dict(doc, source=source, python=python, on_path=on_path)
@@ -8252,14 +8249,20 @@ def show_rules(doc, out):
 
 
 def show_install(doc, out):
+    """The launcher written or removed, where Python caches its code, and whether PATH finds it."""
     if doc["action"] == "uninstall":
         out.write("%s %s\n" % ("removed" if doc["removed"] else "no launcher at", doc["launcher"]))
-        if doc["removed"] and os.path.isdir(doc["cache"]):
-            out.write("  its compiled code stays in %(cache)s (shared by every launcher of yours): "
-                      "rm -r it to free the space\n" % doc)
+        if doc["cache_removed"]:
+            out.write("  and the compiled code cached in %(cache)s (a launcher of yours elsewhere "
+                      "caches it again at its next run)\n" % doc)
         return
-    out.write("launcher written: %(launcher)s\n  it runs %(source)s with %(python)s, its "
-              "compiled code cached in %(cache)s\n" % doc)
+    out.write("launcher written: %(launcher)s\n  it runs %(source)s with %(python)s" % doc)
+    if doc["cache"]:
+        out.write(", which caches the compiled code in %(cache)s\n" % doc)
+    else:
+        out.write(", which compiles it at every run: Python 3.6 and 3.7 have no "
+                  "sys.pycache_prefix, and the launcher writes nothing beside qmem.py (install "
+                  "with Python 3.8+ for a launcher that caches it)\n")
     if not doc["on_path"]:
         folder = os.path.dirname(doc["launcher"])
         out.write("  %s is not on PATH: add it (PATH=\"%s:$PATH\" in your shell's profile), or "
@@ -9687,10 +9690,11 @@ def build_parser(only=None):
             "MCP server's instructions).")
 
     sp = command("install", lambda ops, a: ops.install(a.bin, uninstall=a.uninstall),
-                 "Write a launcher, qmem, that runs this file with its compiled code cached "
-                 "(faster: python3 qmem.py compiles the whole file on every command).")
+                 "Write a launcher, qmem, that imports this file so that Python caches its "
+                 "compiled code, in ~/.cache/qmem/pycache (faster: python3 qmem.py compiles the "
+                 "whole file on every command; a launcher of Python 3.6 or 3.7 does too).")
     sp.add_argument("--bin", metavar="DIR", help="where to write it (default ~/.local/bin)")
-    add_flag(sp, "--uninstall", "remove the launcher written there")
+    add_flag(sp, "--uninstall", "remove the launcher written there, and the code it cached")
 
     sp = command("breaker", lambda ops, a: ops.breaker(reset=a.reset),
                  "Show the circuit breaker shared by every qmem process here (--reset closes it).")
