@@ -10,7 +10,7 @@ run in this process), pi's session files (Session), the fake gateway on loopback
 per section of qmem.py, in the file's order, each under the section's banner:
 Errors, Utilities, Config, Circuit breaker, Gateway client, Local store, Import,
 Local search and status, Sync (outbox, flush, pull, enrich), Bundles, Doctor,
-Operations, Output, MCP server, Command line. A test is in the class of the layer
+Launcher, Operations, Output, MCP server, Command line. A test is in the class of the layer
 whose behaviour it asserts, whichever command it goes through (a CLI message about
 the breaker is a breaker test). A class is named for its layer (ConfigTests,
 FlushTests, ...), with a word more when a layer has several (ConfigGatewayTests,
@@ -5600,64 +5600,178 @@ class DoctorTests(GatewayTestCase):
         self.assertIn("1 failed", self.run_cli("doctor", "--offline")[1])
 
 
-# === Operations ==============================================================
+# === Launcher ================================================================
+
+# The first lines of the launcher the previous release wrote (its own marshal cache in
+# ~/.cache/qmem, qmem.TAG.code): the same mark, so `install` replaces it.
+PREVIOUS_LAUNCHER = """#!%s -I
+# qmem launcher, written by `qmem.py install` (`qmem.py install --uninstall` removes it).
+# It runs '/old/qmem.py' with its compiled code cached in the user's cache folder.
+import marshal, os, sys
+from importlib.util import MAGIC_NUMBER
+SOURCE = '/old/qmem.py'
+"""
+
+
+def compiled_file(source, code):
+    """A compiled file as Python caches one for source (its mtime and size in the header),
+    holding the code of `code` instead."""
+    import importlib.util
+    import marshal
+    import struct
+    st = os.stat(source)
+    flags = b"\0\0\0\0" if sys.version_info >= (3, 7) else b""  # (PEP 552: a timestamp pyc)
+    return (importlib.util.MAGIC_NUMBER + flags
+            + struct.pack("<II", int(st.st_mtime) & 0xFFFFFFFF, st.st_size & 0xFFFFFFFF)
+            + marshal.dumps(compile(code, source, "exec")))
+
+
+def import_output(source, prefix):
+    """What importing source prints, in this process, with sys.pycache_prefix set to prefix
+    (3.8+): the compiled code Python would run for it."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("qmem_planted", source)
+    out = io.StringIO()
+    with contextlib.ExitStack() as stack:
+        if hasattr(sys, "pycache_prefix"):
+            stack.enter_context(mock.patch.object(sys, "pycache_prefix", prefix))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    return out.getvalue()
 
 
 class LauncherTests(QmemTestCase):
+    """The launcher `install` writes: it imports qmem.py by its path and runs main(), its
+    compiled code cached by Python (3.8+) in a folder of the user's no one else may write in."""
 
     def setUp(self):
         super().setUp()
         self.bin = os.path.join(self.home, "bin")
         self.launcher = os.path.join(self.bin, "qmem")
-        self.cache = os.path.join(self.home, ".cache", "qmem")
+        self.pycache = os.path.join(self.home, ".cache", "qmem", "pycache")
 
     def run_launcher(self, *argv):
         done = subprocess.run([self.launcher] + list(argv), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, env=dict(os.environ))
         return done.returncode, done.stdout.decode(), done.stderr.decode()
 
-    def test_install_writes_a_launcher_that_runs_this_file_with_its_code_cached(self):
+    def cached(self, source):
+        """Where Python 3.8+ caches the compiled code of source under the launcher's folder."""
+        return os.path.join(self.pycache, os.path.dirname(source).lstrip(os.sep),
+                            "qmem.%s.pyc" % sys.implementation.cache_tag)
+
+    def copy_of_qmem(self, name):
+        """qmem.py copied into a new folder of HOME, and `install` run for the copy."""
+        source = os.path.join(self.home, name, "qmem.py")
+        os.makedirs(os.path.dirname(source))
+        with open(source, "wb") as f:
+            f.write(read_bytes(QMEM))
+        with mock.patch.object(qmem, "__file__", source):
+            self.ok("install", "--bin", self.bin)
+        return source
+
+    def launcher_function(self, name):
+        """A function of the installed launcher, run in this process."""
+        import runpy
+        return runpy.run_path(self.launcher, run_name="launcher")[name]
+
+    def test_install_writes_a_launcher_of_at_most_40_lines_that_runs_find_its_code_cached(self):
         doc = self.ok_json("install", "--bin", self.bin)
         self.assertEqual((doc["launcher"], doc["source"]), (self.launcher, QMEM))
         self.assertFalse(doc["on_path"])
         with open(self.launcher) as f:
-            text = f.read()
-        self.assertTrue(text.startswith("#!%s -I\n" % sys.executable))
+            lines = f.read().splitlines()
+        self.assertEqual(lines[0], "#!%s -I" % sys.executable)
+        self.assertLessEqual(len(lines), 40)
         self.assertEqual(stat.S_IMODE(os.stat(self.launcher).st_mode), 0o755)
-        code, out, err = self.run_launcher("--version")
-        self.assertEqual((code, out.strip(), err), (0, "qmem.py " + qmem.__version__, ""))
-        cached = os.path.join(self.cache, "qmem.%s.code" % sys.implementation.cache_tag)
-        self.assertEqual(stat.S_IMODE(os.stat(self.cache).st_mode), 0o700)
-        self.assertEqual(stat.S_IMODE(os.stat(cached).st_mode), 0o600)
-        # A cache that no longer matches the file is never used: it is compiled again.
-        with open(cached, "r+b") as f:
-            f.write(b"1")  # the size in the key: another file's
-        code, out, _ = self.run_launcher("status", "--json")
-        self.assertEqual(code, 0)
-        self.assertIn("records", json.loads(out))
         # Hints name the command as it was run: `qmem …` where PATH finds the launcher.
         done = subprocess.run(["qmem", "status"], stdout=subprocess.PIPE, env=dict(
             os.environ, PATH=self.bin + os.pathsep + os.environ.get("PATH", "")))
         self.assertIn(b"run `qmem import` or `qmem pull`", done.stdout)
-        with open(cached, "rb") as f:
-            self.assertTrue(f.readline().startswith(("%d %d " % (
-                os.stat(QMEM).st_size, os.stat(QMEM).st_mtime_ns)).encode()))
+        self.put_record(UUIDS[1], "the circuit breaker opens after three failures")
+        code, out, err = self.run_launcher("find", "circuit breaker")
+        self.assertEqual((code, err), (0, ""))
+        self.assertIn("the circuit breaker opens after three failures", out)
+        if sys.version_info < (3, 8):  # no sys.pycache_prefix: compiled at every run
+            self.assertIsNone(doc["cache"])
+            self.assertIn("compiles it at every run", self.ok("install", "--bin", self.bin))
+            self.assertFalse(os.path.lexists(os.path.dirname(self.pycache)))
+            return
+        self.assertEqual(doc["cache"], self.pycache)
+        self.assertTrue(os.path.isfile(self.cached(QMEM)))
+        for folder in (self.pycache, os.path.dirname(self.pycache)):
+            self.assertEqual(stat.S_IMODE(os.stat(folder).st_mode), 0o700)
 
-    def test_a_cache_file_that_is_not_the_users_own_is_never_run(self):
-        uid = self.need_other_uid()
-        self.ok("install", "--bin", self.bin)
-        self.assertEqual(self.run_launcher("--version")[0], 0)
-        cached = os.path.join(self.cache, "qmem.%s.code" % sys.implementation.cache_tag)
-        with open(cached, "rb") as f:
-            key = f.readline()
-        planted = compile("print('PLANTED')", "x", "exec")
-        import marshal
-        with open(cached, "wb") as f:
-            f.write(key + marshal.dumps(planted))
-        os.chown(cached, uid, -1)  # another user's file, planted with the right key
+    def test_the_launcher_runs_from_a_read_only_folder_and_writes_nothing_beside_qmem_py(self):
+        source = self.copy_of_qmem("shared")
+        folder = os.path.dirname(source)
+        os.chmod(folder, 0o555)  # (root may write there still: nothing must be written)
+        self.addCleanup(os.chmod, folder, 0o755)
+        code, out, err = self.run_launcher("--version")
+        self.assertEqual((code, out.strip(), err), (0, "qmem.py " + qmem.__version__, ""))
+        self.assertEqual(os.listdir(folder), ["qmem.py"])
+        if sys.version_info >= (3, 8):
+            self.assertTrue(os.path.isfile(self.cached(source)))
+
+    def test_a_compiled_file_that_is_not_the_users_own_is_never_run(self):
+        source = self.copy_of_qmem("src")
+        beside = os.path.join(os.path.dirname(source), "__pycache__",
+                              "qmem.%s.pyc" % sys.implementation.cache_tag)
+        cache_folder = self.launcher_function("cache_folder")
+        self.assertEqual(cache_folder(), self.pycache)  # (it makes the folder)
+        for planted in (beside, self.cached(source)):
+            os.makedirs(os.path.dirname(planted), exist_ok=True)
+            with open(planted, "wb") as f:
+                f.write(compiled_file(source, "print('PLANTED')"))
+        # Python itself would run them: the one beside qmem.py, and the one in the folder
+        # (3.8+) when it is the prefix.
+        self.assertEqual(import_output(source, prefix=None), "PLANTED\n")
+        if sys.version_info >= (3, 8):
+            self.assertEqual(import_output(source, prefix=self.pycache), "PLANTED\n")
+        os.chmod(self.pycache, 0o777)  # others may write in it: not the user's own
         code, out, _ = self.run_launcher("--version")
-        self.assertEqual((code, out.strip()), (0, "qmem.py " + qmem.__version__))
-        self.assertEqual(os.stat(cached).st_uid, os.geteuid())  # compiled again, rewritten
+        self.assertEqual((code, out), (0, "qmem.py %s\n" % qmem.__version__))
+        self.assertIsNone(cache_folder())
+        os.chmod(self.pycache, 0o700)
+        self.assertEqual(cache_folder(), self.pycache)
+        # The folder above it, qmem, is judged too: whoever may write there may swap pycache.
+        qmem_folder = os.path.dirname(self.pycache)
+        os.chmod(qmem_folder, 0o757)
+        self.assertIsNone(cache_folder())
+        os.chmod(qmem_folder, 0o700)
+        os.rename(self.pycache, self.pycache + ".real")  # a link to a private folder
+        os.symlink(self.pycache + ".real", self.pycache)
+        self.assertIsNone(cache_folder())
+        os.unlink(self.pycache)
+        os.rename(self.pycache + ".real", self.pycache)
+        uid = other_uid()
+        if uid is None:
+            return  # (root makes another uid's folders: the cases below)
+        for folder in (self.pycache, qmem_folder):
+            os.chown(folder, uid, -1)
+            self.assertIsNone(cache_folder())
+            os.chown(folder, os.geteuid(), -1)
+        # Under a folder of another user's (a sudo that keeps HOME) none is made.
+        import shutil
+        shutil.rmtree(qmem_folder)
+        os.chown(os.path.dirname(qmem_folder), uid, -1)
+        self.assertIsNone(cache_folder())
+        self.assertFalse(os.path.lexists(qmem_folder))
+
+    def test_install_replaces_a_launcher_of_the_previous_release_and_removes_its_cache(self):
+        os.makedirs(self.bin)
+        write_text(self.launcher, PREVIOUS_LAUNCHER % sys.executable)
+        old_cache = os.path.dirname(self.pycache)
+        os.makedirs(old_cache, 0o700)
+        old = ["qmem.%s.code" % sys.implementation.cache_tag, "qmem.cpython-36.code.4242"]
+        for name in old + ["notes"]:
+            write_text(os.path.join(old_cache, name), "x")
+        self.ok("install", "--bin", self.bin)
+        with open(self.launcher) as f:
+            text = f.read()
+        self.assertIn("SOURCE = %r" % QMEM, text)
+        self.assertNotIn("marshal", text)
+        self.assertEqual(os.listdir(old_cache), ["notes"])  # only what the launcher kept there
 
     def test_the_launcher_says_where_it_is_not_on_path(self):
         out = self.ok("install", "--bin", self.bin)
@@ -5678,13 +5792,19 @@ class LauncherTests(QmemTestCase):
             self.assertTrue(os.path.lexists(self.launcher))
             os.unlink(self.launcher)
         self.ok("install", "--bin", self.bin)
-        self.assertEqual(self.ok_json("install", "--uninstall", "--bin", self.bin)["removed"], True)
+        os.makedirs(os.path.join(self.pycache, "work"), 0o700)  # code the launcher's runs cached
+        doc = self.ok_json("install", "--uninstall", "--bin", self.bin)
+        self.assertEqual((doc["removed"], doc["cache_removed"]), (True, True))
         self.assertFalse(os.path.lexists(self.launcher))
+        self.assertFalse(os.path.lexists(os.path.dirname(self.pycache)))
         self.assertIn("no launcher at", self.ok("install", "--uninstall", "--bin", self.bin))
 
     def test_the_default_folder_is_the_users_local_bin(self):
         doc = self.ok_json("install")
         self.assertEqual(doc["launcher"], os.path.join(self.home, ".local", "bin", "qmem"))
+
+
+# === Operations ==============================================================
 
 
 class OperationsTests(GatewayTestCase):
