@@ -6297,9 +6297,9 @@ def cache_folder():
 
 
 if __name__ == "__main__":
+    sys.pycache_prefix = cache_folder() if sys.version_info >= (3, 8) else None
     spec = importlib.util.spec_from_file_location("qmem", SOURCE)
     module = sys.modules["qmem"] = importlib.util.module_from_spec(spec)
-    sys.pycache_prefix = cache_folder() if sys.version_info >= (3, 8) else None
     try:
         if sys.pycache_prefix:  # Python reads and writes the compiled code there
             spec.loader.exec_module(module)

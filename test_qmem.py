@@ -5660,24 +5660,27 @@ class LauncherTests(QmemTestCase):
         return os.path.join(self.pycache, os.path.dirname(source).lstrip(os.sep),
                             "qmem.%s.pyc" % sys.implementation.cache_tag)
 
-    def copy_of_qmem(self, name):
-        """qmem.py copied into a new folder of HOME, and `install` run for the copy."""
+    def install_copy(self, name):
+        """qmem.py copied into a new folder of HOME, and `install` run for the copy: its path,
+        and install's document."""
         source = os.path.join(self.home, name, "qmem.py")
         os.makedirs(os.path.dirname(source))
         with open(source, "wb") as f:
             f.write(read_bytes(QMEM))
         with mock.patch.object(qmem, "__file__", source):
-            self.ok("install", "--bin", self.bin)
-        return source
+            return source, self.ok_json("install", "--bin", self.bin)
 
     def launcher_function(self, name):
         """A function of the installed launcher, run in this process."""
         import runpy
         return runpy.run_path(self.launcher, run_name="launcher")[name]
 
-    def test_install_writes_a_launcher_of_at_most_40_lines_that_runs_find_its_code_cached(self):
-        doc = self.ok_json("install", "--bin", self.bin)
-        self.assertEqual((doc["launcher"], doc["source"]), (self.launcher, QMEM))
+    def test_install_writes_a_launcher_of_at_most_40_lines_that_runs_from_a_read_only_folder(self):
+        source, doc = self.install_copy("shared")
+        folder = os.path.dirname(source)
+        os.chmod(folder, 0o555)  # (root may write there still: nothing must be written)
+        self.addCleanup(os.chmod, folder, 0o755)
+        self.assertEqual((doc["launcher"], doc["source"]), (self.launcher, source))
         self.assertFalse(doc["on_path"])
         with open(self.launcher) as f:
             lines = f.read().splitlines()
@@ -5692,29 +5695,27 @@ class LauncherTests(QmemTestCase):
         code, out, err = self.run_launcher("find", "circuit breaker")
         self.assertEqual((code, err), (0, ""))
         self.assertIn("the circuit breaker opens after three failures", out)
+        self.assertEqual(os.listdir(folder), ["qmem.py"])
         if sys.version_info < (3, 8):  # no sys.pycache_prefix: compiled at every run
             self.assertIsNone(doc["cache"])
             self.assertIn("compiles it at every run", self.ok("install", "--bin", self.bin))
             self.assertFalse(os.path.lexists(os.path.dirname(self.pycache)))
             return
         self.assertEqual(doc["cache"], self.pycache)
-        self.assertTrue(os.path.isfile(self.cached(QMEM)))
+        self.assertTrue(os.path.isfile(self.cached(source)))
         for folder in (self.pycache, os.path.dirname(self.pycache)):
             self.assertEqual(stat.S_IMODE(os.stat(folder).st_mode), 0o700)
 
-    def test_the_launcher_runs_from_a_read_only_folder_and_writes_nothing_beside_qmem_py(self):
-        source = self.copy_of_qmem("shared")
-        folder = os.path.dirname(source)
-        os.chmod(folder, 0o555)  # (root may write there still: nothing must be written)
-        self.addCleanup(os.chmod, folder, 0o755)
+    def test_a_launcher_whose_qmem_py_is_gone_says_so(self):
+        source = self.install_copy("moved")[0]
+        os.rename(source, source + ".moved")
         code, out, err = self.run_launcher("--version")
-        self.assertEqual((code, out.strip(), err), (0, "qmem.py " + qmem.__version__, ""))
-        self.assertEqual(os.listdir(folder), ["qmem.py"])
-        if sys.version_info >= (3, 8):
-            self.assertTrue(os.path.isfile(self.cached(source)))
+        self.assertEqual((code, out), (1, ""))
+        self.assertEqual(err, "qmem: cannot run %s (No such file or directory): run `python3 "
+                              "qmem.py install` where it is now\n" % source)
 
     def test_a_compiled_file_that_is_not_the_users_own_is_never_run(self):
-        source = self.copy_of_qmem("src")
+        source = self.install_copy("src")[0]
         beside = os.path.join(os.path.dirname(source), "__pycache__",
                               "qmem.%s.pyc" % sys.implementation.cache_tag)
         cache_folder = self.launcher_function("cache_folder")
