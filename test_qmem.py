@@ -5774,6 +5774,12 @@ class LauncherTests(QmemTestCase):
         self.assertNotIn("marshal", text)
         self.assertEqual(os.listdir(old_cache), ["notes"])  # only what the launcher kept there
 
+    def test_python3_m_qmem_runs_beside_the_file_and_hints_name_it(self):
+        done = subprocess.run([sys.executable, "-m", "qmem", "status"], cwd=HERE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.assertEqual((done.returncode, done.stderr), (0, b""))
+        self.assertIn(b"run `python3 -m qmem import` or `python3 -m qmem pull`", done.stdout)
+
     def test_the_launcher_says_where_it_is_not_on_path(self):
         out = self.ok("install", "--bin", self.bin)
         self.assertIn("%s is not on PATH" % self.bin, out)
