@@ -6254,19 +6254,14 @@ def _judge_status(resp, took, config, clock):
 # === Launcher ================================================================
 #
 # Python caches the compiled code of the modules it imports, never of the script it
-# runs: `python3 qmem.py` compiles the whole file on every command. `qmem.py install`
-# writes a small launcher, `qmem`, that imports this file by its path (importlib), so
-# that Python caches its compiled code as for any module: on 3.8+ under the user's cache
-# folder (sys.pycache_prefix), never beside a shared or read-only qmem.py. The launcher
-# names the interpreter that installed it, runs it isolated (-I: no folder of the
-# launcher's, no PYTHON* variable on sys.path) and puts no folder on sys.path.
-#
-# A compiled file is run in place of qmem.py only from a cache folder that is the user's
-# alone: the launcher's cache_folder() is the one place that rule is written. It makes
-# that folder only under one of the user's (a sudo that keeps HOME leaves no folder of
-# root's there). Without it (another user's folder, a link, a folder others may write
-# in), and on 3.6 and 3.7 (no sys.pycache_prefix), the launcher compiles qmem.py at
-# every run and reads or writes no compiled file, not even in a __pycache__ beside it.
+# runs. `qmem.py install` writes a small launcher, `qmem`, that imports this file by
+# its path and runs main(), with the interpreter that installed it, isolated (-I: no
+# folder of the launcher's, no PYTHON* variable on sys.path). On 3.8+ Python caches the
+# code under the user's cache folder (sys.pycache_prefix), never beside qmem.py, and
+# runs it from there only if the launcher's cache_folder() (the one place of that rule)
+# finds the folder is the user's alone; it makes one only under a folder of theirs (a sudo
+# that keeps HOME leaves none of root's). Otherwise, and on 3.6 and 3.7, the launcher
+# compiles qmem.py at every run and reads or writes no compiled file, not even beside it.
 
 LAUNCHER_MARK = "# qmem launcher, written by `qmem.py install`"
 LAUNCHER = '''#!%(python)s -I
@@ -6333,20 +6328,16 @@ def _remove_cache(folder, pycache):
     the previous release's launcher kept its compiled code itself (qmem.TAG.code, and a
     qmem.TAG.code.PID left half written) and, when pycache, this one's pycache folder.
     A folder that is a link is left alone."""
+    import glob
+    import shutil
     if os.path.islink(folder):
         return
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return
-    for name in names:
-        if re.match(r"qmem\.[\w-]+\.code(\.\d+)?\Z", name):
-            try:
-                os.unlink(os.path.join(folder, name))
-            except OSError:
-                pass
+    for path in glob.glob(os.path.join(glob.escape(folder), "qmem.*.code*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
     if pycache:
-        import shutil
         shutil.rmtree(os.path.join(folder, "pycache"), ignore_errors=True)  # (never via a link)
         try:
             os.rmdir(folder)
@@ -6379,7 +6370,8 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
             raise QmemError("cannot remove %s: %s" % (path, e.strerror or e), kind="io")
         cached = os.path.isdir(pycache)
         _remove_cache(user_cache, pycache=True)
-        return dict(doc, removed=bool(ours), cache_removed=cached and not os.path.isdir(pycache))
+        return dict(doc, removed=bool(ours), cache=pycache,
+                    cache_removed=cached and not os.path.isdir(pycache))
     python = sys.executable
     if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
         raise UsageError(
