@@ -6399,6 +6399,15 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
 # prints. Operations never print, never exit and never see argparse; an expected
 # failure raises QmemError. A document whose exit code is not 0 says so itself,
 # with `exit_code` and an `error` object, like an error document.
+#
+# Operations holds what every operation shares over one configuration: the store and the
+# gateway (opened on first use), ids short and whole, why the gateway did not answer,
+# and the delivery of the outbox an online command ends with. The operations are in four
+# groups, by what they serve: ops.read answers (find, search, get, meta, status),
+# ops.write writes (store, correct) and keeps the outbox (queue, drop, release, flush, the
+# automatic delivery), ops.carry moves knowledge into and out of this machine (import,
+# pull, enrich, export, load), and ops.setup sets it up (config, breaker, doctor,
+# install, rules).
 
 def _check_utf8(value, name):
     try:
@@ -6476,17 +6485,21 @@ def rules_markdown():
 
 
 class Operations:
-    # The operations over one configuration: the store and the gateway are opened on
-    # first use and closed by close().
+    """The operations over one configuration, in their groups (read, write, carry, setup),
+    and what the groups share: the store and the gateway are opened on first use and
+    closed by close()."""
 
     def __init__(self, config, clock=time.time):
         self.config, self.clock = config, clock
         self._store = self._gateway = None
         # A front end that answers first and delivers the outbox after (the MCP server)
-        # sets this, and runs auto_flush_due() / deliver_ready() itself once the answer is out.
+        # sets this, and runs write.auto_flush_due() / write.deliver_ready() itself once the
+        # answer is out.
         self.flush_after_answer = False
         # of a failing gateway, per call (the MCP server: none, it has a fallback)
         self.retries = RETRIES
+        self.read, self.write = ReadOps(self), WriteOps(self)
+        self.carry, self.setup = CarryOps(self), SetupOps(self)
 
     # -- resources
     def has_index(self):
@@ -6503,7 +6516,12 @@ class Operations:
                                     retries=self.retries)
         return self._gateway
 
-    def _breaker(self):
+    def gateway_answered(self):
+        # Did the gateway this command opened answer (with a key it took)?
+        gateway = self._gateway
+        return gateway is not None and gateway.answered and not gateway.key_rejected
+
+    def configured_breaker(self):
         # The configured gateway's breaker, to read; None when no gateway is configured.
         return Breaker.from_config(self.config, clock=self.clock) if self.config["url"] else None
 
@@ -6512,10 +6530,22 @@ class Operations:
         if self._store is not None:
             self._store.close()
 
+    def close_gateway(self):
+        # Forget the gateway connection (a server does after every call: a kept-alive
+        # connection the gateway has since dropped must not count as a failure).
+        if self._gateway is not None:
+            self._gateway.close()
+            self._gateway = None
+
     def refresh(self):
         # Before each call of a long-lived front end: see the index as it is now.
         if self._store is not None:
             self._store.records.refresh()
+
+    def reload(self, config):
+        # Go on with a new configuration (after a change): the gateway is reopened.
+        self.close()
+        self.config, self._store, self._gateway = config, None, None
 
     # -- short ids: what a narrow terminal shows, and what a person types back
     def full_ids(self, values, where, tables=("records", "outbox")):
@@ -6562,808 +6592,7 @@ class Operations:
             pass
         return record_id
 
-    def close_gateway(self):
-        # Forget the gateway connection (a server does after every call: a kept-alive
-        # connection the gateway has since dropped must not count as a failure).
-        if self._gateway is not None:
-            self._gateway.close()
-            self._gateway = None
-
-    # -- local
-    @utf8_arguments
-    def find(self, query, filters=Filters(), limit=10, highlight=("", "")):
-        # Lexical search of the local index (offline).
-        query = _check_query(query, "find", "circuit breaker")
-        limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
-        doc = {"source": "local_sqlite", "degraded": False, "query": query,
-               "query_cut": query_was_cut(query)}
-        doc.update(self._find_local(query, filters, limit, highlight))
-        doc["hidden"] = {}
-        if not doc["results"] and doc["index_exists"] and filters[3:] == Filters()[3:]:
-            doc["hidden"] = hidden_matches(self.store(), query, filters)
-        return doc
-
-    def _find_local(self, query, filters, limit, highlight):
-        # find_local() for find and for the fallback of search: no index yet is an
-        # empty answer that says so, not an error.
-        if not self.has_index():
-            return {"match": "none", "results": [], "index_exists": False,
-                    "db": self.config.db_path}
-        out = find_local(self.store(), query, filters, limit, highlight)
-        out.update(index_exists=True, db=self.config.db_path)
-        return out
-
-    @utf8_arguments
-    def import_sessions(self, roots=None):
-        # Index pi session files: the given folders, or pi's own.
-        rebuilt = self._index_identifiers() if self.has_index() else None
-        for root in roots or ():
-            if not os.path.isdir(root):
-                raise UsageError("--sessions %s: %s"
-                                 % (root, "not a directory" if os.path.exists(root)
-                                                         else "no such directory"))
-        if not roots:
-            roots = [d for d in session_dirs() if os.path.isdir(d)]
-        # none of pi's folders here: nothing imported, and no database made for it
-        stats = Importer(self.store()).run(roots) if roots else ImportStats()
-        return {"source": "local_sqlite", "looked_in": roots or session_dirs(),
-                "sessions_found": bool(roots), "stats": stats.as_dict(), "index_rebuilt": rebuilt}
-
-    def _index_identifiers(self):
-        # Once, for an index made before schema 4 (see _m004_words): made anew, so that
-        # identifiers are found by their parts. The number of records it holds, or None.
-        store, shown, count = self.store(), Progress("search index"), None
-        if store.records.fts and store.meta("words_pending"):
-            count = store._one("SELECT count(*) FROM records")
-            shown.update("made anew, once, so that identifiers are found by their parts (%d "
-                         "records)…" % count)
-        rebuilt = store.records.index_identifiers()  # (or sees what another process did)
-        shown.done()
-        return count if rebuilt else None
-
-    def status(self):
-        # What the local side knows (an empty account on a fresh machine).
-        gateway = mask_url(self.config["url"]) if self.config["url"] else None
-        kept = kept_aside(self.config.db_path)
-        note = self.config.db_note  # qmem.py's own file beside another program's
-        if not self.has_index():
-            return dict(empty_status(self.config.db_path), index_exists=False, writes_stuck=None,
-                        gateway=gateway, kept_aside=kept, db_note=note)
-        return dict(local_status(self.store()), index_exists=True, gateway=gateway,
-                    writes_stuck=self.writes_stuck(), kept_aside=kept, db_note=note)
-
-    def install(self, bin_dir=None, uninstall=False):
-        # The launcher (see the Launcher section), written or removed.
-        return install_launcher(bin_dir, uninstall)
-
-    def rules(self):
-        # The rules for agents (see AGENT_RULES), as data and as Markdown.
-        return {"intro": RULES_INTRO, "rules": [{"title": t, "text": x} for t, x in AGENT_RULES],
-                "markdown": rules_markdown()}
-
-    # -- the breaker
-    def breaker(self, reset=False):
-        # The circuit breaker's state for the configured gateway (reset=True closes it first).
-        config = self.config
-        doc = {"url": config["url"], "configured": bool(config["url"]), "file": config.breaker_path,
-               "reset": bool(reset), "trip_after": config["breakerTripAfter"]}
-        breaker = Breaker.from_config(config, clock=self.clock)
-        if reset and config["url"]:
-            breaker.reset()
-        # no gateway configured: a closed breaker, never read nor reset
-        state, now = breaker.read() if config["url"] else Breaker._CLOSED, self.clock()
-        is_open = state["state"] == "open"
-        doc.update(state=state["state"], refusing=breaker.refuses(state, now),
-                   failures=state["failures"],
-                   trips=state["trips"],
-                   open_until=iso_from_epoch(state["open_until"]) if is_open else None,
-                   opened_at=state["opened_at"] if is_open else None,
-                   opened_after=state["opened_after"],
-                   why_open=why_open(state) if state["state"] != "closed" else None,
-                   retry_in_ms=breaker.retry_in(state, now), last_error=state["last_error"],
-                   last_error_at=state["last_error_at"])
-        return doc
-
-    # -- the configuration
-    def reload(self, config):
-        # Go on with a new configuration (after a change): the gateway is reopened.
-        self.close()
-        self.config, self._store, self._gateway = config, None, None
-
-    def config_show(self):
-        # Every effective value and where it came from; the API key masked.
-        c = self.config
-        shown = {k: (mask_secret(c[k]) if k in SECRET_KEYS and c[k] else c[k]) for k in CONFIG_KEYS}
-        return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path),
-                "values": shown,
-                "sources": {k: c.sources[k] for k in CONFIG_KEYS}, "db": c.db_path,
-                "breaker_file": c.breaker_path}
-
-    @utf8_arguments
-    def config_url(self, url):
-        # Set the gateway URL (and reset the breakers of the old and the new one).
-        url = check_url(url)
-        old = self.config["url"]
-        write_config(self.config, {"url": url})
-        for each in {old, url} - {None}:
-            Breaker(self.config.breaker_path, each).reset()
-        warn_plain_http(url, self.config["apiKey"])
-        if self.config.sources["url"].startswith("env"):
-            warn("QMEM_URL is set in the environment and overrides the file")
-        return {"action": "url", "file": self.config.path, "key": "url", "value": url,
-                "breaker_reset": True}
-
-    @utf8_arguments
-    def config_apikey(self, key, on_command_line=False):
-        # Save the API key (mode 0600); the document shows it masked.
-        key = (key or "").strip()
-        if not api_key_ok(key) or len(key) > MAX_KEY:
-            raise UsageError("an API key must be one word of printable ASCII characters, not "
-                             "empty, at most %d" % MAX_KEY, hint="nothing was saved")
-        if not isinstance(self.config.raw.get("url"), str) or not self.config.raw["url"].strip():
-            raise UsageError("set the gateway's URL in %s first: a key is sent only to the gateway "
-                             "it was saved for" % self.config.path,
-                             hint="`qmem.py config url https://…`, then `qmem.py config apikey`")
-        if on_command_line:
-            warn("a key given on the command line stays in your shell history; prefer "
-                 "`qmem.py config apikey` and type it at the prompt")
-        if self.config.sources["apiKey"].startswith("env"):
-            warn("QMEM_API_KEY is set in the environment and overrides the file: unset it for "
-                 "the key saved here to be used")
-        write_config(self.config, {"apiKey": key})
-        if self.config["url"]:
-            warn_plain_http(self.config["url"], key)
-        return {"action": "apikey", "file": self.config.path, "key": "apiKey",
-                "value": mask_secret(key)}
-
-    @utf8_arguments
-    def config_bundle_key(self, key=None, new=False):
-        # Save the key shared by the hosts that exchange bundles (mode 0600); new=True
-        # makes one (256 random bits), which the document carries once, to be set on the
-        # other host.
-        if new == bool(key):
-            raise UsageError("give the key (on stdin or at the prompt), or --new to make one, not "
-                             "both"
-                             if key else "no bundle key given",
-                             hint="`qmem.py config bundle-key --new` "
-                             "makes one; `printf %s KEY | qmem.py config bundle-key` sets one")
-        key = os.urandom(32).hex() if new else key.strip()
-        if not bundle_key_ok(key):
-            raise UsageError("a bundle key must be %d to %d printable characters without spaces "
-                             "(128 bits: 32 hex digits)" % (MIN_BUNDLE_KEY, MAX_KEY),
-                             hint="nothing was saved; `qmem.py config bundle-key --new` makes one")
-        write_config(self.config, {"bundleKey": key})
-        doc = {"action": "bundle-key", "file": self.config.path, "key": "bundleKey",
-               "value": mask_secret(key), "key_id": bundle_key_id(key)}
-        if new:
-            doc["new_key"] = key
-        return doc
-
-    @utf8_arguments
-    def config_set(self, key, value):
-        # Set any key, type-checked; '', 'null' or 'default' restores the default.
-        if key not in CONFIG_KEYS:
-            raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
-        unset = value in ("", "null", "default")
-        if key == "url" and not unset:
-            return self.config_url(value)
-        if key == "apiKey" and not unset:
-            return self.config_apikey(value, on_command_line=True)
-        if key == "bundleKey" and not unset:
-            return self.config_bundle_key(value)
-        parsed = None if unset else _check_type(key, value, "config set")
-        if key in ("localDbPath", "caFile") and parsed:
-            parsed = os.path.abspath(os.path.expanduser(parsed))
-            if key == "caFile" and not os.path.isfile(parsed):
-                raise UsageError("caFile %s: no such file" % parsed)
-        would = dict(self.config.values, **{key: DEFAULTS[key] if parsed is None else parsed})
-        if would["breakerBaseMs"] > would["breakerMaxMs"]:
-            raise UsageError("breakerBaseMs (%d) would be longer than breakerMaxMs (%d)" % (
-                would["breakerBaseMs"], would["breakerMaxMs"]))
-        write_config(self.config, {key: parsed})
-        return {"action": "set", "file": self.config.path, "key": key, "value": parsed}
-
-    def config_test(self):
-        # GET /v1/status past the breaker: reachable? key accepted? version, latency.
-        c = self.config
-        gw = Gateway(c, Breaker.from_config(c, clock=self.clock), bypass_breaker=True)
-        started = time.monotonic()
-        doc = {"action": "test", "url": c["url"], "reachable": False, "key_valid": None,
-               "version": None,
-               "latency_ms": None, "key": mask_secret(c["apiKey"])}
-        problem = None
-        try:
-            resp = gw.call("GET", "/v1/status", retries=0)
-            doc["reachable"] = True
-            if resp.status == 200:
-                doc.update(key_valid=True, version=resp.data.get("version"),
-                           records=resp.data.get("records"))
-            else:
-                problem = QmemError("GET %s/v1/status answered HTTP %d (%s)"
-                                    % (c["url"], resp.status, resp.detail()),
-                                    kind="refused", hint="is this the gateway's base URL?")
-        except GatewayError as e:
-            problem = e
-            doc.update(reachable=e.kind in (AUTH, AMBIGUOUS),
-                       key_valid=False if e.kind == AUTH else None)
-        finally:
-            gw.close()
-        doc["latency_ms"] = int((time.monotonic() - started) * 1000)
-        if problem is not None:
-            doc.update(error_document(problem), exit_code=EXIT_FAIL)
-        return doc
-
-    # -- writes
-    @utf8_arguments
-    def store_memory(self, write, queue_only=False, allow_secret=False):
-        """Write a memory (a Write): into the outbox and the index at once, then to the
-        gateway (unless queue_only); it stays queued while the gateway cannot take it. A
-        text holding a credential is refused unless allow_secret (never offered to agents).
-        With supersedes it is a correction, on every path: a 409 duplicate does not apply
-        it, and a paired host loads it as one."""
-        if write.supersedes:
-            write = write._replace(supersedes=_check_id(write.supersedes.strip(), "--supersedes"))
-        return self._write(write._replace(kind=write.kind or "fact"), queue_only, allow_secret)
-
-    @utf8_arguments
-    def correct(self, write, queue_only=False, allow_secret=False):
-        """Write a correction (a Write) of the memory it supersedes: project and kind default
-        to that memory's, as the local index knows it, else as the gateway does."""
-        target = (write.supersedes or "").strip()
-        if not target:
-            raise UsageError("correct needs the id of the memory it corrects")
-        _check_id(target, "correct")
-        old = {}
-        if self.has_index():
-            try:
-                old = self.store().records.get(self.store().outbox.current_id(target)) or {}
-            except StoreError as e:  # the database is unusable: the words must not be lost
-                raise _kept_aside(e, {"text": (write.text or "").strip(),
-                                      "project_id": write.project or "PROJECT",
-                                      "supersedes_id": target}, self.config.db_path)
-        if old.get("failed"):
-            raise UsageError("%s was refused by the gateway and never stored: there is nothing to "
-                             "correct" % target,
-                             hint="store the corrected text as a new memory (`qmem.py store`)")
-        if not old and not (write.project and write.kind):
-            old = self._remote_target(target, needed=not write.project)
-        project_from = "argument" if write.project else "the corrected memory"
-        kind_from = ("argument" if write.kind else "the corrected memory" if old.get("kind")
-                     else "default")
-        write = write._replace(project=write.project or old.get("project_id"),
-                               kind=write.kind or old.get("kind") or "fact", supersedes=target)
-        doc = self._write(write, queue_only, allow_secret)
-        return dict(doc, project_from=project_from, kind_from=kind_from)
-
-    def _send_now(self, store, gateway, local_id, token):
-        # Send a write just queued, after the queued writes it corrects (oldest first:
-        # it waits for them); the first error that stopped a send, or None.
-        error = None
-        for earlier in store.outbox.unsent_targets(local_id):
-            error = Flusher(store, gateway, clock=self.clock).run(only=earlier).stop_error
-            if error is not None:
-                break
-        stats = Flusher(store, gateway, clock=self.clock).run(only=None if token else local_id,
-                                                              claimed=token)
-        return error or stats.stop_error
-
-    def _remote_target(self, target, needed):
-        # The project and kind of a memory this machine does not know, from the gateway.
-        # An unknown id is refused; when the gateway cannot say, {} (or, if the project
-        # was `needed`, a usage error asking for it).
-        try:
-            record = self.get(target)["record"]
-        except QmemError as e:
-            if e.kind == "not_found" or e.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
-                raise  # an unknown id; a key, certificate or address to fix first
-            if not needed:
-                return {}
-            raise UsageError("%s: say which project the correction belongs to" % e.message,
-                             hint=PROJECT_HINT)
-        return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
-
-    def _write(self, write, queue_only, allow_secret=False):
-        payload = _write_payload(write)
-        found = None if allow_secret else secret_in_write(payload)
-        if found:  # kept only in a private file: never in the outbox, a bundle or a retry
-            raise _kept_aside(QmemError(
-                "not stored: the %s holds %s (at character %d), and shared memory is read by "
-                "the whole team" % (found[0], found[1], found[2] + 1), kind="secret",
-                hint="take the credential out and store it again (a person who means it: "
-                     "`--allow-secret`)"),
-                payload, self.config.db_path)
-        gateway = error = None
-        if not queue_only:
-            try:
-                gateway = self.gateway()
-            except GatewayError as e:  # not configured
-                error = e
-        try:
-            store = self.store()
-            # Claimed as it is queued: no other flusher (another agent's server) takes it first.
-            claim = Flusher(store, gateway,
-                            clock=self.clock).claim_new if gateway is not None else None
-            local_id, repeated, token = enqueue_once(store, write.op, payload, claim,
-                                                     max_mb=self.config["outboxMaxMB"])
-        except StoreError as e:  # busy, full, unusable: the words must not be lost
-            raise _kept_aside(e, payload, self.config.db_path)
-        if gateway is not None:
-            try:
-                error = self._send_now(store, gateway, local_id, token)
-            except KeyboardInterrupt:
-                raise Interrupted("interrupted: the write is queued here as %s" % local_id,
-                                  hint="`qmem.py flush` delivers it")
-        row = store.outbox.row(local_id)
-        if row["state"] in WAITING and not queue_only and not self.config["offlineQueue"]:
-            store.outbox.forget(local_id)
-            if isinstance(error, GatewayError):
-                raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s"
-                                   % error.message,
-                                   hint=error.hint)
-            raise QmemError("not stored (offlineQueue is off, nothing kept): %s"
-                            % row["last_error"],
-                            kind="not_stored")
-        return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
-
-    def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
-        # What became of a write (its outbox row), as the document of store and correct.
-        state = row["state"]
-        not_applied = was_not_applied(state, row["last_status"])
-        doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
-               "local_id": local_id, "state": state,
-               "id": local_id if not_applied else row["gateway_id"] or row["duplicate_of"]
-               or local_id,
-               "duplicate_of": row["duplicate_of"], "last_error": row["last_error"],
-               "queued": state in WAITING,
-               "degraded": state in WAITING, "reason": None, "project_id": payload["project_id"],
-               "kind": payload["kind"], "agent_id": payload["agent_id"],
-               "provenance": payload["source"],
-               "already_queued": repeated, "private": payload["private"]}
-        if state in WAITING:
-            doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
-            doc["by_bundles"] = by_bundles(self.config["url"], self.store())
-            doc["reason"] = "queued on request (--queue-only)" if queue_only else (
-                self.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
-                str(error or row["last_error"] or "retry later"))
-            when = max(row["next_attempt_at"], breaker_holds_until(self._breaker(), self.clock()))
-            if when > self.clock() + 60:
-                doc["next_attempt_at"] = iso_from_epoch(when)
-        if not_applied:
-            doc.update(not_applied=True, supersedes_id=payload["supersedes_id"])
-            doc.update(error_document(QmemError("correction " + row["last_error"],
-                                                kind="not_applied",
-                                                hint=RETIRE_HINT.format(**doc))))
-        elif state == FAILED:
-            # A correction of what the gateway does not know cannot be fixed in the row.
-            doc["target_unknown"] = op == "correct" and row["last_status"] == 404
-            if doc["target_unknown"]:
-                hint = ("the memory it corrects is not known to the gateway: store the text as "
-                        "a new memory (`qmem.py store`) and discard this one (`qmem.py queue "
-                        "--drop %s`)" % local_id)
-            else:
-                hint = ("kept in the outbox as failed (%s); fix it and run `qmem.py flush "
-                        "--retry-failed`, or discard it with `qmem.py queue --drop %s`"
-                        % (local_id, local_id))
-            doc.update(error_document(QmemError(
-                "not stored: the gateway refused it: %s" % row["last_error"], kind="rejected",
-                hint=hint)))
-        elif error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
-            # The gateway is there and will not take it as configured: still queued, but an error.
-            doc.update(error_document(error))
-        return self._after_online(doc) if state == SYNCED else doc
-
-    # -- bundles: the knowledge in and the writes out, as one file
-    @utf8_arguments
-    def export(self, path, projects=None, since=None, records_only=False, outbox_only=False,
-               stream=None):
-        # Write a bundle to path (through a temporary file and a rename: an interrupted
-        # export leaves no half bundle), or to the binary stream when path is '-'.
-        if records_only and outbox_only:
-            raise UsageError("--records-only and --outbox-only exclude each other")
-        if since is not None:
-            when = parse_iso(since)
-            if when is None:
-                raise UsageError("--since %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
-                                 % since)
-            since = iso_from_epoch(when)
-        if not self.has_index():
-            raise StoreError("no local index yet at %s: nothing to export" % self.config.db_path,
-                             hint="run `qmem.py import` or `qmem.py pull` first")
-        options = dict(projects=list(projects or ()) or None, since=since, records=not outbox_only,
-                       outbox=not records_only, key=self.config["bundleKey"])
-        if path == "-":
-            if stream is None:
-                raise UsageError("export -: there is no stdout to write the bundle to")
-            try:
-                counts = write_bundle(self.store(), stream, **options)
-                stream.flush()
-            except OSError as e:  # a closed pipe, a full disk: the bundle did not arrive
-                raise QmemError("cannot write the bundle to stdout: %s" % (e.strerror or e),
-                                kind="io",
-                                hint="nothing was changed here; export to a file instead")
-        else:
-            counts = self._export_file(path, options)
-        return {"source": "local_sqlite", "file": path, "counts": counts, "format": BUNDLE_FORMAT,
-                "format_version": BUNDLE_VERSION, "signed": bool(options["key"]),
-                "key_id": bundle_key_id(options["key"]) if options["key"] else None}
-
-    def _export_file(self, path, options):
-        if os.path.islink(path):  # in a shared folder it could point at any file of yours
-            raise UsageError("%s is a symbolic link: refusing to write through it" % path,
-                             hint="name the file itself, or - for standard output")
-        if os.path.lexists(path) and not os.path.isfile(path):
-            raise UsageError("%s is not a regular file: refusing to replace it" % path,
-                             hint="name a regular file, or - for standard output")
-        try:
-            return atomic_write(path, lambda f: write_bundle(self.store(), f, **options))
-        except OSError as e:
-            raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
-
-    @utf8_arguments
-    def load(self, path, dry_run=False, stream=None):
-        # Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
-        # read once, through one descriptor, into a private copy: what is merged is what
-        # was checked.
-        import tempfile
-        fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
-        rebuilt, spool = None, os.fdopen(fd, "wb")
-        try:
-            try:
-                source = stream if path == "-" else _open_bundle(path)
-                try:
-                    capped = _Capped(source, path)
-                    kept = _Copy(spool, path, capped)
-                    header, trust, why = check_bundle(capped, path, self.config["bundleKey"],
-                                                      copy=kept)
-                    kept.flush()
-                finally:
-                    if source is not stream:
-                        source.close()
-            finally:
-                try:
-                    spool.close()
-                except OSError:  # (only after a failed write: the error said so)
-                    pass
-            if dry_run and not self.has_index():
-                # Nothing here yet: the dry run loads into a throwaway index instead, so that
-                # it says what the load would do by the load's own rules.
-                with tempfile.TemporaryDirectory(prefix="qmem-dry-run-") as folder:
-                    scratch = Store(os.path.join(folder, "q.sqlite"))
-                    try:
-                        stats = self._load(scratch, copy, header, True, trust)
-                    finally:
-                        scratch.close()
-            else:
-                rebuilt = None if dry_run else self._index_identifiers()
-                stats = self._load(self.store(), copy, header, dry_run, trust)
-        finally:
-            os.unlink(copy)
-        return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run),
-                    by_bundles=by_bundles(self.config["url"], None, loading=True),
-                    verified=trust == SIGNED, index_rebuilt=rebuilt,
-                    verification=why, machine=header_text(header.get("machine")),
-                    created_at=header_text(header.get("created_at")))
-
-    def _load(self, store, copy, header, dry_run, trust):
-        try:
-            return load_bundle(store, copy, header, dry_run=dry_run,
-                               max_mb=self.config["outboxMaxMB"], trust=trust)
-        except _DryRun as d:
-            return d.stats
-
-    # -- the doctor
-    def doctor(self, offline=False, config_error=None, repair=False):
-        # What is wrong here and what to do: every check ok / warn / fail (repair=True
-        # first rebuilds the database's indexes).
-        checks = [repair_database(self.config)] if repair and config_error is None else []
-        checks += doctor_local(self.config, config_error)
-        if not offline and config_error is None:
-            checks += doctor_link(self.config, self.clock)
-        doc = {"checks": checks, "offline": bool(offline),
-               "summary": {s: sum(c["status"] == s for c in checks) for s
-                           in ("ok", "warn", "fail")}}
-        failed = [c for c in checks if c["status"] == "fail"]
-        if failed:
-            doc.update(error_document(QmemError("%s failed: %s" % (plural(len(failed), "check"),
-                                                                   failed[0]["detail"]),
-                                                kind="doctor", hint=failed[0]["advice"])))
-        return doc
-
-    # -- the outbox
-    def queue(self, state=None):
-        # The outbox, oldest first (empty on a fresh machine).
-        counts, items = dict.fromkeys(OUTBOX_STATES, 0), []
-        if self.has_index():
-            now = self.clock()
-            items = self.store().outbox.items(
-                state, now, not_before=breaker_holds_until(self._breaker(), now))
-            counts = self.store().outbox.counts()
-        return {"source": "outbox", "counts": counts, "items": items,
-                "writes_stuck": self.writes_stuck()}
-
-    @utf8_arguments
-    def drop(self, ids, force=False, dry_run=False):
-        # Discard failed or duplicate writes and their local records; waiting ones
-        # only with force. Nothing is discarded unless every id may be.
-        rows = self._outbox_rows(ids, "queue --drop needs the local id of at least one write",
-                                 "no outbox here yet: nothing to drop")[1]
-        store = self.store()
-        for r in rows:
-            _check_droppable(r, force, self.clock(), store)
-        dependents = store.outbox.corrections_of([r["local_id"] for r in rows])
-        if dependents:
-            correction, target = next(iter(dependents.items()))
-            raise UsageError("%s is a correction of %s and would point at nothing"
-                             % (correction, target),
-                             hint="drop both: `qmem.py queue --drop %s %s --yes --force`"
-                             % (target, correction))
-        if not dry_run:
-            store.outbox.drop([r["local_id"] for r in rows])
-        return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
-                "counts": store.outbox.counts()}
-
-    def _outbox_rows(self, ids, usage, no_outbox=None):
-        # The ids given to queue --drop or --release (blanks left out) and their outbox
-        # rows. None given is the error `usage`; with `no_outbox`, so is a missing index;
-        # an id not in the outbox is refused.
-        ids = [i.strip() for i in ids if i and i.strip()]
-        if not ids:
-            raise UsageError(usage)
-        if no_outbox and not self.has_index():
-            raise UsageError(no_outbox)
-        rows = self.store().outbox.items(None, self.clock(), ids=ids) if self.has_index() else []
-        unknown = sorted(set(ids) - {r["local_id"] for r in rows})
-        if unknown:
-            raise UsageError("no write %s in the outbox" % ", ".join(unknown),
-                             hint="see `qmem.py queue`")
-        return ids, rows
-
-    def release(self, ids, dry_run=False):
-        # Let held writes (from an unverified bundle) be sent: the user vouches for them.
-        # Nothing is released unless every id is a held write.
-        ids, rows = self._outbox_rows(
-            ids, "queue --release needs the local id of at least one held write")
-        not_held = [r["local_id"] for r in rows if r["state"] != HELD]
-        if not_held:
-            raise UsageError("%s is not held: only writes an unverified bundle brought are"
-                             % not_held[0],
-                             hint="`qmem.py queue --state held` lists them")
-        if not dry_run:
-            self.store().outbox.release_held(ids)
-        return {"source": "outbox", "dry_run": bool(dry_run), "released": rows,
-                "counts": self.store().outbox.counts(),
-                "by_bundles": by_bundles(self.config["url"], self.store())}
-
-    def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
-        # Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
-        # backoff) is honoured only with respect_retry_after (the automatic flush always
-        # honours it). Nothing queued: no gateway needed, and no database created.
-        store = self.store() if self.has_index() else None
-        if store is not None and retry_failed:
-            store.outbox.retry_failed()
-        if store is None or not store.outbox.waiting():
-            refused = store.outbox.resendable() if store is not None else 0
-            return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[],
-                        refused_here=refused)
-        gateway = self.gateway()
-        if not respect_retry_after:
-            store.outbox.make_due(self.clock())
-        # A person asking now: one probe, even while the breaker is open (the automatic
-        # flush, deliver_ready, honours it).
-        other_prober = gateway.breaker.probe_now()
-        try:
-            stats = self._flush_outbox(store, progress=progress)
-        finally:
-            gateway.breaker.release()  # a probe taken and never sent (no row was ready)
-        doc = dict(stats.as_dict(), source="gateway", pending=store.outbox.waiting(),
-                   failures=[{"local_id": i, "last_error": store.outbox.row(i)["last_error"]} for i
-                             in stats.failed])
-        err, delivered = stats.stop_error, stats.synced or stats.duplicate
-        if err is not None and err.kind not in AWAY_KINDS:
-            doc.update(error_document(err))
-        elif err is not None and not delivered:
-            hint = "the writes stay queued; `qmem.py flush` again later"
-            if err.kind == BREAKER_OPEN and other_prober:
-                hint = ("the writes stay queued; another process%s is trying the gateway now: "
-                        "`qmem.py flush` again once it has answered" % prober(other_prober))
-            doc.update(error_document(GatewayError(err.kind, "nothing delivered: %s" % err.message,
-                                                   hint=hint)))
-        elif stats.failed:
-            doc.update(error_document(QmemError(
-                "%s refused by the gateway" % plural(len(stats.failed), "write"), kind="rejected",
-                hint="`qmem.py queue --state failed` shows why; fix and `flush --retry-failed` (a "
-                "correction not applied: correct what it corrects with other words), or "
-                "`queue --drop ID`")))
-        elif (stats.retry_later or stats.held) and not delivered:
-            doc.update(error_document(QmemError(
-                "nothing delivered: %s still queued" % plural(doc["pending"], "write"),
-                kind="not_delivered",
-                hint="`qmem.py queue` shows why and when they are tried next")))
-        return doc
-
-    @utf8_arguments
-    def enrich(self, ids=None, every=False, progress=None):
-        # Fetch full records for the given ids, or those known only from search hits
-        # (every=True: every record here). Stops cleanly when the gateway goes away.
-        if ids and every:
-            raise UsageError("give ids or --all, not both")
-        gateway = self.gateway()
-        if not ids and not self.has_index():
-            return {"source": "gateway", "asked": 0, "fetched": 0, "unknown": [], "stopped": None,
-                    "auto_flush": None}
-        store = self.store()
-        ids = list(ids) if ids else store.records.ids_to_enrich(every)
-        fetched, unknown, stopped = enrich(store, gateway, ids, progress)
-        doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown,
-               "stopped": stopped}
-        if stopped:
-            return dict(doc, **error_document(QmemError(
-                "enrich stopped early: %s" % stopped, kind="stopped",
-                hint="what was fetched is kept; `qmem.py enrich` again goes on with the rest")))
-        return self._after_online(doc)
-
-    def pull(self, full=False, progress=None):
-        # Copy the shared memory into the local index, page by page; an interrupted pull
-        # keeps its pages and resumes after them.
-        gateway, stats = self.gateway(), PullStats()
-        rebuilt = self._index_identifiers()
-        try:
-            pull(self.store(), gateway, full=full, progress=progress, stats=stats)
-        except GatewayError as e:
-            if e.kind in CONFIG_KINDS or not stats.pages:
-                raise
-            raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s"
-                               % (stats.pages, e.message),
-                               hint="`qmem.py pull` resumes there")
-        return self._after_online(dict(stats.as_dict(), source="gateway", index_rebuilt=rebuilt))
-
-    # -- the gateway, with the local index as fallback
-    @utf8_arguments
-    def search(self, query, filters=Filters(), top_k=8, min_score=None, require_remote=False,
-               highlight=("", "")):
-        # Semantic search on the gateway; the local index answers (labelled) when it cannot.
-        # Private records only when asked for: the gateway has no such filter, so it is
-        # asked for more, to still fill top_k.
-        query = _check_query(query, "search", "how do we deploy")
-        top_k = _check_int(top_k, "--top-k", 1, 100)
-        private = filters.private
-        asked = top_k if private else min(100, 2 * top_k + 8)
-        body = {"query": query, "top_k": asked,
-                "include_superseded": bool(filters.include_superseded)}
-        for key, value in (("kind", filters.kind), ("project_id", filters.project),
-                           ("scope", filters.scope),
-                           ("min_score", _check_score(min_score))):
-            if value is not None:
-                body[key] = value
-        try:
-            resp = self.gateway().call("POST", "/v1/memories:search", body)
-            if resp.status != 200:
-                raise _refused(resp, "search")
-            results = resp.data.get("results")
-            if not isinstance(results, list):
-                raise GatewayError(AMBIGUOUS, "the gateway's search answer has no result list",
-                                   detail="answer of the wrong shape")
-        except GatewayError as e:
-            doc = dict(self._fallback(e, require_remote), query=query,
-                       query_cut=query_was_cut(query))
-            doc.update(self._find_local(query, filters, top_k, highlight))
-            doc["by_bundles"] = doc["index_exists"] and by_bundles(self.config["url"], self.store())
-            return doc
-        results = [_hit(r) for r in results
-                   if isinstance(r, dict) and (private or r.get("private") is not True)][:top_k]
-        self._remember(results, VIEW_HIT)
-        results += self._queued_matches(query, filters, {r.get("id") for r in results})
-        return self._after_online(dict(_ANSWERED, query=query, results=results))
-
-    @utf8_arguments
-    def get(self, record_id, require_remote=False):
-        # One record in full, from the gateway (refreshing the local copy) or the local index.
-        from urllib.parse import quote
-        rid = (record_id or "").strip()
-        if not rid:
-            raise UsageError("get needs a memory id")
-        _check_id(rid, "get")  # anything else is no id here nor on the gateway
-        local = None
-        try:
-            if self.has_index():  # a local id of a write delivered since: its gateway id
-                rid = self.store().outbox.current_id(rid)
-                local = self.store().records.get(rid)
-        except (StoreError, sqlite3.Error) as e:  # the gateway can still answer
-            err = store_error(e, self.config.db_path)
-            warn("the local index cannot be read (%s): asking the gateway only" % err.message)
-        if local is not None and (local["pending"] or local["failed"]):
-            # Written here and still queued (or refused): the gateway does not know this id.
-            record = _record_out(local)
-            if local["failed"]:
-                record["failed_reason"] = self.store().outbox.failures([rid]).get(rid)
-            return {"source": "outbox", "degraded": False, "record": record,
-                    "by_bundles": by_bundles(self.config["url"], self.store())}
-        try:
-            resp = self.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
-            if (resp.status == 404 and local is not None and not require_remote
-                    and self.config["localFallback"]):
-                # This machine's copy, labelled as one: the gateway answered, and does not
-                # know the id (deleted there, or another gateway's record).
-                return self._after_online({"source": "local_sqlite", "degraded": True,
-                                           "reason": GATEWAY_404, "breaker_open": False,
-                                           "retry_in_ms": None, "not_at_gateway": True,
-                                           "record": _record_out(local)})
-            if resp.status == 404:
-                known = ("; this machine knows it (from pi's sessions, a bundle or an earlier "
-                         "answer), so it was deleted there or is another gateway's"
-                         if local is not None else "")
-                raise QmemError("no such memory: %s (the gateway does not know this id%s)"
-                                % (rid, known), kind="not_found")
-            if resp.status != 200:
-                raise _refused(resp, "request")
-            if normalize_record(resp.data) is None or resp.data.get("id") != rid:
-                raise GatewayError(AMBIGUOUS, "the gateway's answer is not the record asked for",
-                                   detail="answer not the record")
-        except GatewayError as e:
-            fb = self._fallback(e, require_remote)
-            if local is None:
-                hint = ("no gateway is configured here (`qmem.py config url`)"
-                        if e.kind == NOT_CONFIGURED else "try again once the gateway is back")
-                raise QmemError("%s is not in the local index, and the gateway cannot be asked "
-                                "(%s)" % (rid, fb["reason"]), kind="unavailable",
-                                hint=hint + "; `qmem.py find` searches this machine meanwhile")
-            return dict(fb, record=_record_out(local))
-        self._remember([resp.data], VIEW_FULL)
-        return self._after_online({"source": "gateway", "degraded": False, "record": resp.data})
-
-    def _queued_matches(self, query, filters, seen, most=10):
-        # This host's writes still in the outbox that match a search's words (lexically):
-        # the gateway cannot know them yet. After its hits, not counted in top_k, marked
-        # pending; held ones (nobody vouched for them) and private ones stay out.
-        try:
-            found = (find_local(self.store(), query, filters._replace(queued=True), most)
-                     if self.has_index() else {})
-        except (StoreError, sqlite3.Error):
-            return []
-        keep = ("id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "private",
-                "pending")
-        # 'any': a word in common is no match
-        return [{k: r[k] for k in keep} for r in found.get("results", ())
-                if r["id"] not in seen and r["match"] != "any"]
-
-    def _remember(self, records, view):
-        # Keep what the gateway said in the local index: an index that cannot take it
-        # (corrupt, full) costs a warning, not the answer; a read-only one is not asked to.
-        try:
-            store = self.store()
-            if not store.read_only:
-                store.records.merge_seen(records, view)
-        except (StoreError, sqlite3.Error) as e:
-            err = store_error(e, self.config.db_path)
-            warn("the local index could not keep this answer: %s" % err.message)
-
-    def meta(self, require_remote=False):
-        # What the memory holds; from the local index (labelled) when the gateway cannot say.
-        try:
-            resp = self.gateway().call("GET", "/v1/meta")
-            if resp.status != 200:
-                raise _refused(resp, "request")
-        except GatewayError as e:
-            doc = dict(self._fallback(e, require_remote), index_exists=self.has_index())
-            doc.update(local_meta(self.store()) if self.has_index() else empty_meta())
-            return doc
-        return self._after_online(dict(_meta_counts(resp.data), **_ANSWERED))
-
-    def _fallback(self, err, require_remote):
-        # A read the gateway could not answer: the label of its answer from the local index
-        # (source, degraded, the reason and the breaker's state), or raise (401 and
-        # configuration errors are errors; --require-remote makes any fallback exit 3).
-        if not err.fallback_ok:
-            raise err
-        reason = self.failure_reason(err)
-        if require_remote:
-            raise RemoteRequired("gateway not usable and --require-remote given: %s"
-                                 % reason["reason"],
-                                 hint=err.hint if err.kind == NOT_CONFIGURED else None)
-        if not self.config["localFallback"]:
-            raise err
-        return dict(reason, source="local_sqlite", degraded=True)
-
+    # -- the gateway's answer, and what follows it
     def failure_reason(self, err):
         # Why the gateway did not answer, as one flat phrase, and the breaker's state:
         # 'gateway failing (HTTP 503, 3 in a row); breaker open, retry in 116 s'.
@@ -7391,24 +6620,12 @@ class Operations:
             reason += "; breaker open, retry in %d s" % ceil_s(retry_ms)
         return {"reason": reason, "breaker_open": refused_now, "retry_in_ms": retry_ms}
 
-    def _after_online(self, doc):
+    def after_online(self, doc):
         # Every online command ends here: when the gateway answered it, deliver what is
         # queued (for a few seconds at most) and say in the document what came of it.
-        doc["auto_flush"] = "after the answer" if self.flush_after_answer else self.auto_flush()
+        doc["auto_flush"] = ("after the answer" if self.flush_after_answer
+                             else self.write.auto_flush())
         return doc
-
-    def _flush_outbox(self, store, **run):
-        # Flusher.run(). A failure of this machine's side (the disk, the database) is kept
-        # for every later result to say (writes_stuck); a flush that ends without one
-        # clears it.
-        try:
-            stats = Flusher(store, self.gateway(), clock=self.clock).run(**run)
-            clear_flush_error(store)
-        except (StoreError, sqlite3.Error) as e:
-            err = store_error(e, store.path)
-            note_flush_error(store.path, store, err.message)
-            raise err
-        return stats
 
     def writes_stuck(self):
         # While the last flush here failed on this machine's side: the sentence every
@@ -7419,6 +6636,477 @@ class Operations:
         return ("writes are stuck here: the last flush failed on this machine's side (%s, at %s); "
                 "they wait in the outbox, not yet in shared memory: `qmem.py doctor` says what is "
                 "wrong, `qmem.py flush` tries again" % (_fit(found["error"], 300), found.get("at")))
+
+
+class ReadOps:
+    """Answers: the local index searched (find), the gateway asked, with the local index
+    answering (labelled) when it cannot (search, get, meta), and what this machine knows
+    (status)."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    @utf8_arguments
+    def find(self, query, filters=Filters(), limit=10, highlight=("", "")):
+        # Lexical search of the local index (offline).
+        query = _check_query(query, "find", "circuit breaker")
+        limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
+        doc = {"source": "local_sqlite", "degraded": False, "query": query,
+               "query_cut": query_was_cut(query)}
+        doc.update(self._find_local(query, filters, limit, highlight))
+        doc["hidden"] = {}
+        if not doc["results"] and doc["index_exists"] and filters[3:] == Filters()[3:]:
+            doc["hidden"] = hidden_matches(self.ops.store(), query, filters)
+        return doc
+
+    def _find_local(self, query, filters, limit, highlight):
+        # find_local() for find and for the fallback of search: no index yet is an
+        # empty answer that says so, not an error.
+        db_path = self.ops.config.db_path
+        if not self.ops.has_index():
+            return {"match": "none", "results": [], "index_exists": False, "db": db_path}
+        out = find_local(self.ops.store(), query, filters, limit, highlight)
+        out.update(index_exists=True, db=db_path)
+        return out
+
+    def status(self):
+        # What the local side knows (an empty account on a fresh machine).
+        ops = self.ops
+        gateway = mask_url(ops.config["url"]) if ops.config["url"] else None
+        kept = kept_aside(ops.config.db_path)
+        note = ops.config.db_note  # qmem.py's own file beside another program's
+        if not ops.has_index():
+            return dict(empty_status(ops.config.db_path), index_exists=False, writes_stuck=None,
+                        gateway=gateway, kept_aside=kept, db_note=note)
+        return dict(local_status(ops.store()), index_exists=True, gateway=gateway,
+                    writes_stuck=ops.writes_stuck(), kept_aside=kept, db_note=note)
+
+    @utf8_arguments
+    def search(self, query, filters=Filters(), top_k=8, min_score=None, require_remote=False,
+               highlight=("", "")):
+        # Semantic search on the gateway; the local index answers (labelled) when it cannot.
+        # Private records only when asked for: the gateway has no such filter, so it is
+        # asked for more, to still fill top_k.
+        query = _check_query(query, "search", "how do we deploy")
+        top_k = _check_int(top_k, "--top-k", 1, 100)
+        private = filters.private
+        asked = top_k if private else min(100, 2 * top_k + 8)
+        body = {"query": query, "top_k": asked,
+                "include_superseded": bool(filters.include_superseded)}
+        for key, value in (("kind", filters.kind), ("project_id", filters.project),
+                           ("scope", filters.scope),
+                           ("min_score", _check_score(min_score))):
+            if value is not None:
+                body[key] = value
+        try:
+            resp = self.ops.gateway().call("POST", "/v1/memories:search", body)
+            if resp.status != 200:
+                raise _refused(resp, "search")
+            results = resp.data.get("results")
+            if not isinstance(results, list):
+                raise GatewayError(AMBIGUOUS, "the gateway's search answer has no result list",
+                                   detail="answer of the wrong shape")
+        except GatewayError as e:
+            doc = dict(self._fallback(e, require_remote), query=query,
+                       query_cut=query_was_cut(query))
+            doc.update(self._find_local(query, filters, top_k, highlight))
+            doc["by_bundles"] = doc["index_exists"] and by_bundles(self.ops.config["url"],
+                                                                   self.ops.store())
+            return doc
+        results = [_hit(r) for r in results
+                   if isinstance(r, dict) and (private or r.get("private") is not True)][:top_k]
+        self._remember(results, VIEW_HIT)
+        results += self._queued_matches(query, filters, {r.get("id") for r in results})
+        return self.ops.after_online(dict(_ANSWERED, query=query, results=results))
+
+    @utf8_arguments
+    def get(self, record_id, require_remote=False):
+        # One record in full, from the gateway (refreshing the local copy) or the local index.
+        ops, rid = self.ops, (record_id or "").strip()
+        if not rid:
+            raise UsageError("get needs a memory id")
+        _check_id(rid, "get")  # anything else is no id here nor on the gateway
+        local = None
+        try:
+            if ops.has_index():  # a local id of a write delivered since: its gateway id
+                rid = ops.store().outbox.current_id(rid)
+                local = ops.store().records.get(rid)
+        except (StoreError, sqlite3.Error) as e:  # the gateway can still answer
+            err = store_error(e, ops.config.db_path)
+            warn("the local index cannot be read (%s): asking the gateway only" % err.message)
+        if local is not None and (local["pending"] or local["failed"]):
+            # Written here and still queued (or refused): the gateway does not know this id.
+            record = _record_out(local)
+            if local["failed"]:
+                record["failed_reason"] = ops.store().outbox.failures([rid]).get(rid)
+            return {"source": "outbox", "degraded": False, "record": record,
+                    "by_bundles": by_bundles(ops.config["url"], ops.store())}
+        try:
+            return self._get_remote(rid, local, require_remote)
+        except GatewayError as e:
+            fb = self._fallback(e, require_remote)
+            if local is None:
+                raise _unavailable(rid, e, fb["reason"])
+            return dict(fb, record=_record_out(local))
+
+    def _get_remote(self, rid, local, require_remote):
+        # get() of a record the gateway may know; `local` is this machine's copy, or None.
+        from urllib.parse import quote
+        resp = self.ops.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
+        if (resp.status == 404 and local is not None and not require_remote
+                and self.ops.config["localFallback"]):
+            # This machine's copy, labelled as one: the gateway answered, and does not
+            # know the id (deleted there, or another gateway's record).
+            return self.ops.after_online({"source": "local_sqlite", "degraded": True,
+                                          "reason": GATEWAY_404, "breaker_open": False,
+                                          "retry_in_ms": None, "not_at_gateway": True,
+                                          "record": _record_out(local)})
+        if resp.status == 404:
+            known = ("; this machine knows it (from pi's sessions, a bundle or an earlier "
+                     "answer), so it was deleted there or is another gateway's"
+                     if local is not None else "")
+            raise QmemError("no such memory: %s (the gateway does not know this id%s)"
+                            % (rid, known), kind="not_found")
+        if resp.status != 200:
+            raise _refused(resp, "request")
+        if normalize_record(resp.data) is None or resp.data.get("id") != rid:
+            raise GatewayError(AMBIGUOUS, "the gateway's answer is not the record asked for",
+                               detail="answer not the record")
+        self._remember([resp.data], VIEW_FULL)
+        return self.ops.after_online({"source": "gateway", "degraded": False,
+                                      "record": resp.data})
+
+    def _queued_matches(self, query, filters, seen, most=10):
+        # This host's writes still in the outbox that match a search's words (lexically):
+        # the gateway cannot know them yet. After its hits, not counted in top_k, marked
+        # pending; held ones (nobody vouched for them) and private ones stay out.
+        try:
+            found = (find_local(self.ops.store(), query, filters._replace(queued=True), most)
+                     if self.ops.has_index() else {})
+        except (StoreError, sqlite3.Error):
+            return []
+        keep = ("id", "text", "kind", "project_id", "scope", "agent_id", "created_at", "private",
+                "pending")
+        # 'any': a word in common is no match
+        return [{k: r[k] for k in keep} for r in found.get("results", ())
+                if r["id"] not in seen and r["match"] != "any"]
+
+    def _remember(self, records, view):
+        # Keep what the gateway said in the local index: an index that cannot take it
+        # (corrupt, full) costs a warning, not the answer; a read-only one is not asked to.
+        try:
+            store = self.ops.store()
+            if not store.read_only:
+                store.records.merge_seen(records, view)
+        except (StoreError, sqlite3.Error) as e:
+            err = store_error(e, self.ops.config.db_path)
+            warn("the local index could not keep this answer: %s" % err.message)
+
+    def meta(self, require_remote=False):
+        # What the memory holds; from the local index (labelled) when the gateway cannot say.
+        ops = self.ops
+        try:
+            resp = ops.gateway().call("GET", "/v1/meta")
+            if resp.status != 200:
+                raise _refused(resp, "request")
+        except GatewayError as e:
+            doc = dict(self._fallback(e, require_remote), index_exists=ops.has_index())
+            doc.update(local_meta(ops.store()) if ops.has_index() else empty_meta())
+            return doc
+        return ops.after_online(dict(_meta_counts(resp.data), **_ANSWERED))
+
+    def _fallback(self, err, require_remote):
+        # A read the gateway could not answer: the label of its answer from the local index
+        # (source, degraded, the reason and the breaker's state), or raise (401 and
+        # configuration errors are errors; --require-remote makes any fallback exit 3).
+        if not err.fallback_ok:
+            raise err
+        reason = self.ops.failure_reason(err)
+        if require_remote:
+            raise RemoteRequired("gateway not usable and --require-remote given: %s"
+                                 % reason["reason"],
+                                 hint=err.hint if err.kind == NOT_CONFIGURED else None)
+        if not self.ops.config["localFallback"]:
+            raise err
+        return dict(reason, source="local_sqlite", degraded=True)
+
+
+class WriteOps:
+    """Writes (store, correct) and the outbox that keeps them until the gateway has them:
+    queue, drop, release, flush, and the automatic delivery after an online command."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    @utf8_arguments
+    def store_memory(self, write, queue_only=False, allow_secret=False):
+        """Write a memory (a Write): into the outbox and the index at once, then to the
+        gateway (unless queue_only); it stays queued while the gateway cannot take it. A
+        text holding a credential is refused unless allow_secret (never offered to agents).
+        With supersedes it is a correction, on every path: a 409 duplicate does not apply
+        it, and a paired host loads it as one."""
+        if write.supersedes:
+            write = write._replace(supersedes=_check_id(write.supersedes.strip(), "--supersedes"))
+        return self._write(write._replace(kind=write.kind or "fact"), queue_only, allow_secret)
+
+    @utf8_arguments
+    def correct(self, write, queue_only=False, allow_secret=False):
+        """Write a correction (a Write) of the memory it supersedes: project and kind default
+        to that memory's, as the local index knows it, else as the gateway does."""
+        ops, target = self.ops, (write.supersedes or "").strip()
+        if not target:
+            raise UsageError("correct needs the id of the memory it corrects")
+        _check_id(target, "correct")
+        old = {}
+        if ops.has_index():
+            try:
+                old = ops.store().records.get(ops.store().outbox.current_id(target)) or {}
+            except StoreError as e:  # the database is unusable: the words must not be lost
+                raise _kept_aside(e, {"text": (write.text or "").strip(),
+                                      "project_id": write.project or "PROJECT",
+                                      "supersedes_id": target}, ops.config.db_path)
+        if old.get("failed"):
+            raise UsageError("%s was refused by the gateway and never stored: there is nothing to "
+                             "correct" % target,
+                             hint="store the corrected text as a new memory (`qmem.py store`)")
+        if not old and not (write.project and write.kind):
+            old = self._remote_target(target, needed=not write.project)
+        project_from = "argument" if write.project else "the corrected memory"
+        kind_from = ("argument" if write.kind else "the corrected memory" if old.get("kind")
+                     else "default")
+        write = write._replace(project=write.project or old.get("project_id"),
+                               kind=write.kind or old.get("kind") or "fact", supersedes=target)
+        doc = self._write(write, queue_only, allow_secret)
+        return dict(doc, project_from=project_from, kind_from=kind_from)
+
+    def _remote_target(self, target, needed):
+        # The project and kind of a memory this machine does not know, from the gateway.
+        # An unknown id is refused; when the gateway cannot say, {} (or, if the project
+        # was `needed`, a usage error asking for it).
+        try:
+            record = self.ops.read.get(target)["record"]
+        except QmemError as e:
+            if e.kind == "not_found" or e.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+                raise  # an unknown id; a key, certificate or address to fix first
+            if not needed:
+                return {}
+            raise UsageError("%s: say which project the correction belongs to" % e.message,
+                             hint=PROJECT_HINT)
+        return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
+
+    def _write(self, write, queue_only, allow_secret=False):
+        ops, payload = self.ops, _write_payload(write)
+        found = None if allow_secret else secret_in_write(payload)
+        if found:  # kept only in a private file: never in the outbox, a bundle or a retry
+            raise _kept_aside(QmemError(
+                "not stored: the %s holds %s (at character %d), and shared memory is read by "
+                "the whole team" % (found[0], found[1], found[2] + 1), kind="secret",
+                hint="take the credential out and store it again (a person who means it: "
+                     "`--allow-secret`)"),
+                payload, ops.config.db_path)
+        gateway = error = None
+        if not queue_only:
+            try:
+                gateway = ops.gateway()
+            except GatewayError as e:  # not configured
+                error = e
+        try:
+            store = ops.store()
+            # Claimed as it is queued: no other flusher (another agent's server) takes it first.
+            claim = Flusher(store, gateway,
+                            clock=ops.clock).claim_new if gateway is not None else None
+            local_id, repeated, token = enqueue_once(store, write.op, payload, claim,
+                                                     max_mb=ops.config["outboxMaxMB"])
+        except StoreError as e:  # busy, full, unusable: the words must not be lost
+            raise _kept_aside(e, payload, ops.config.db_path)
+        if gateway is not None:
+            try:
+                error = self._send_now(store, gateway, local_id, token)
+            except KeyboardInterrupt:
+                raise Interrupted("interrupted: the write is queued here as %s" % local_id,
+                                  hint="`qmem.py flush` delivers it")
+        row = store.outbox.row(local_id)
+        if row["state"] in WAITING and not queue_only and not ops.config["offlineQueue"]:
+            store.outbox.forget(local_id)
+            if isinstance(error, GatewayError):
+                raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s"
+                                   % error.message,
+                                   hint=error.hint)
+            raise QmemError("not stored (offlineQueue is off, nothing kept): %s"
+                            % row["last_error"],
+                            kind="not_stored")
+        return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
+
+    def _send_now(self, store, gateway, local_id, token):
+        # Send a write just queued, after the queued writes it corrects (oldest first:
+        # it waits for them); the first error that stopped a send, or None.
+        error, clock = None, self.ops.clock
+        for earlier in store.outbox.unsent_targets(local_id):
+            error = Flusher(store, gateway, clock=clock).run(only=earlier).stop_error
+            if error is not None:
+                break
+        stats = Flusher(store, gateway, clock=clock).run(only=None if token else local_id,
+                                                         claimed=token)
+        return error or stats.stop_error
+
+    def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
+        # What became of a write (its outbox row), as the document of store and correct.
+        ops, state = self.ops, row["state"]
+        not_applied = was_not_applied(state, row["last_status"])
+        doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
+               "local_id": local_id, "state": state,
+               "id": local_id if not_applied else row["gateway_id"] or row["duplicate_of"]
+               or local_id,
+               "duplicate_of": row["duplicate_of"], "last_error": row["last_error"],
+               "queued": state in WAITING,
+               "degraded": state in WAITING, "reason": None, "project_id": payload["project_id"],
+               "kind": payload["kind"], "agent_id": payload["agent_id"],
+               "provenance": payload["source"],
+               "already_queued": repeated, "private": payload["private"]}
+        if state in WAITING:
+            doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
+            doc["by_bundles"] = by_bundles(ops.config["url"], ops.store())
+            doc["reason"] = "queued on request (--queue-only)" if queue_only else (
+                ops.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
+                str(error or row["last_error"] or "retry later"))
+            when = max(row["next_attempt_at"],
+                       breaker_holds_until(ops.configured_breaker(), ops.clock()))
+            if when > ops.clock() + 60:
+                doc["next_attempt_at"] = iso_from_epoch(when)
+        if not_applied:
+            doc.update(not_applied=True, supersedes_id=payload["supersedes_id"])
+            doc.update(error_document(QmemError("correction " + row["last_error"],
+                                                kind="not_applied",
+                                                hint=RETIRE_HINT.format(**doc))))
+        elif state == FAILED:
+            # A correction of what the gateway does not know cannot be fixed in the row.
+            doc["target_unknown"] = op == "correct" and row["last_status"] == 404
+            if doc["target_unknown"]:
+                hint = ("the memory it corrects is not known to the gateway: store the text as "
+                        "a new memory (`qmem.py store`) and discard this one (`qmem.py queue "
+                        "--drop %s`)" % local_id)
+            else:
+                hint = ("kept in the outbox as failed (%s); fix it and run `qmem.py flush "
+                        "--retry-failed`, or discard it with `qmem.py queue --drop %s`"
+                        % (local_id, local_id))
+            doc.update(error_document(QmemError(
+                "not stored: the gateway refused it: %s" % row["last_error"], kind="rejected",
+                hint=hint)))
+        elif error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+            # The gateway is there and will not take it as configured: still queued, but an error.
+            doc.update(error_document(error))
+        return ops.after_online(doc) if state == SYNCED else doc
+
+    # -- the outbox
+    def queue(self, state=None):
+        # The outbox, oldest first (empty on a fresh machine).
+        ops = self.ops
+        counts, items = dict.fromkeys(OUTBOX_STATES, 0), []
+        if ops.has_index():
+            now = ops.clock()
+            items = ops.store().outbox.items(
+                state, now, not_before=breaker_holds_until(ops.configured_breaker(), now))
+            counts = ops.store().outbox.counts()
+        return {"source": "outbox", "counts": counts, "items": items,
+                "writes_stuck": ops.writes_stuck()}
+
+    @utf8_arguments
+    def drop(self, ids, force=False, dry_run=False):
+        # Discard failed or duplicate writes and their local records; waiting ones
+        # only with force. Nothing is discarded unless every id may be.
+        rows = self._outbox_rows(ids, "queue --drop needs the local id of at least one write",
+                                 "no outbox here yet: nothing to drop")[1]
+        store = self.ops.store()
+        for r in rows:
+            _check_droppable(r, force, self.ops.clock(), store)
+        dependents = store.outbox.corrections_of([r["local_id"] for r in rows])
+        if dependents:
+            correction, target = next(iter(dependents.items()))
+            raise UsageError("%s is a correction of %s and would point at nothing"
+                             % (correction, target),
+                             hint="drop both: `qmem.py queue --drop %s %s --yes --force`"
+                             % (target, correction))
+        if not dry_run:
+            store.outbox.drop([r["local_id"] for r in rows])
+        return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
+                "counts": store.outbox.counts()}
+
+    def _outbox_rows(self, ids, usage, no_outbox=None):
+        # The ids given to queue --drop or --release (blanks left out) and their outbox
+        # rows. None given is the error `usage`; with `no_outbox`, so is a missing index;
+        # an id not in the outbox is refused.
+        ops = self.ops
+        ids = [i.strip() for i in ids if i and i.strip()]
+        if not ids:
+            raise UsageError(usage)
+        if no_outbox and not ops.has_index():
+            raise UsageError(no_outbox)
+        rows = ops.store().outbox.items(None, ops.clock(), ids=ids) if ops.has_index() else []
+        unknown = sorted(set(ids) - {r["local_id"] for r in rows})
+        if unknown:
+            raise UsageError("no write %s in the outbox" % ", ".join(unknown),
+                             hint="see `qmem.py queue`")
+        return ids, rows
+
+    def release(self, ids, dry_run=False):
+        # Let held writes (from an unverified bundle) be sent: the user vouches for them.
+        # Nothing is released unless every id is a held write.
+        ids, rows = self._outbox_rows(
+            ids, "queue --release needs the local id of at least one held write")
+        not_held = [r["local_id"] for r in rows if r["state"] != HELD]
+        if not_held:
+            raise UsageError("%s is not held: only writes an unverified bundle brought are"
+                             % not_held[0],
+                             hint="`qmem.py queue --state held` lists them")
+        store = self.ops.store()
+        if not dry_run:
+            store.outbox.release_held(ids)
+        return {"source": "outbox", "dry_run": bool(dry_run), "released": rows,
+                "counts": store.outbox.counts(),
+                "by_bundles": by_bundles(self.ops.config["url"], store)}
+
+    def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
+        # Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
+        # backoff) is honoured only with respect_retry_after (the automatic flush always
+        # honours it). Nothing queued: no gateway needed, and no database created.
+        ops = self.ops
+        store = ops.store() if ops.has_index() else None
+        if store is not None and retry_failed:
+            store.outbox.retry_failed()
+        if store is None or not store.outbox.waiting():
+            refused = store.outbox.resendable() if store is not None else 0
+            return dict(FlushStats().as_dict(), source="outbox", pending=0, failures=[],
+                        refused_here=refused)
+        gateway = ops.gateway()
+        if not respect_retry_after:
+            store.outbox.make_due(ops.clock())
+        # A person asking now: one probe, even while the breaker is open (the automatic
+        # flush, deliver_ready, honours it).
+        other_prober = gateway.breaker.probe_now()
+        try:
+            stats = self._flush_outbox(store, progress=progress)
+        finally:
+            gateway.breaker.release()  # a probe taken and never sent (no row was ready)
+        doc = dict(stats.as_dict(), source="gateway", pending=store.outbox.waiting(),
+                   failures=[{"local_id": i, "last_error": store.outbox.row(i)["last_error"]} for i
+                             in stats.failed])
+        problem = _flush_problem(stats, doc["pending"], other_prober)
+        if problem is not None:
+            doc.update(error_document(problem))
+        return doc
+
+    def _flush_outbox(self, store, **run):
+        # Flusher.run(). A failure of this machine's side (the disk, the database) is kept
+        # for every later result to say (writes_stuck); a flush that ends without one
+        # clears it.
+        try:
+            stats = Flusher(store, self.ops.gateway(), clock=self.ops.clock).run(**run)
+            clear_flush_error(store)
+        except (StoreError, sqlite3.Error) as e:
+            err = store_error(e, store.path)
+            note_flush_error(store.path, store, err.message)
+            raise err
+        return stats
 
     def auto_flush(self):
         # Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
@@ -7433,10 +7121,10 @@ class Operations:
     def auto_flush_due(self):
         # Did this command reach the gateway (with a key it took), and is something in the
         # outbox ready to go (a killed flusher's writes too: a flush takes them over)?
-        gateway = self._gateway
-        if gateway is None or not gateway.answered or gateway.key_rejected or not self.has_index():
+        ops = self.ops
+        if not ops.gateway_answered() or not ops.has_index():
             return False
-        store, now = self.store(), self.clock()
+        store, now = ops.store(), ops.clock()
         if store.read_only:  # what it delivered could not be recorded: nothing is sent
             return False
         return bool(store.outbox.ready(now)
@@ -7444,19 +7132,404 @@ class Operations:
 
     def deliver_ready(self):
         # The automatic flush: what is ready, within AUTO_FLUSH_S; its counts.
-        store = None
+        store, db_path = None, self.ops.config.db_path
         try:
-            store = self.store()
+            store = self.ops.store()
             stats = self._flush_outbox(store, budget_s=AUTO_FLUSH_S)
             error, waiting = stats.stopped, store.outbox.waiting()
         except (QmemError, sqlite3.Error) as e:
-            err = store_error(e, self.config.db_path) if isinstance(e, sqlite3.Error) else e
+            err = store_error(e, db_path) if isinstance(e, sqlite3.Error) else e
             if store is None and isinstance(err, StoreError):  # not even opened: kept in memory
-                note_flush_error(self.config.db_path, None, err.message)
+                note_flush_error(db_path, None, err.message)
             stats, error, waiting = FlushStats(), str(err), None
         return {"synced": len(stats.synced), "duplicate": len(stats.duplicate),
                 "failed": len(stats.failed),
                 "still_queued": waiting, "error": error}
+
+
+def _flush_problem(stats, pending, other_prober):
+    # What an explicit flush did not do, as the error its document reports; None when
+    # it did all it could.
+    err, delivered = stats.stop_error, stats.synced or stats.duplicate
+    if err is not None and err.kind not in AWAY_KINDS:
+        return err
+    if err is not None and not delivered:
+        if err.kind == BREAKER_OPEN and other_prober:
+            return GatewayError(err.kind, "nothing delivered: %s" % err.message,
+                                hint="the writes stay queued; another process%s is trying the "
+                                "gateway now: `qmem.py flush` again once it has answered"
+                                % prober(other_prober))
+        return GatewayError(err.kind, "nothing delivered: %s" % err.message,
+                            hint="the writes stay queued; `qmem.py flush` again later")
+    if stats.failed:
+        return QmemError("%s refused by the gateway" % plural(len(stats.failed), "write"),
+                         kind="rejected",
+                         hint="`qmem.py queue --state failed` shows why; fix and `flush "
+                         "--retry-failed` (a correction not applied: correct what it corrects "
+                         "with other words), or `queue --drop ID`")
+    if (stats.retry_later or stats.held) and not delivered:
+        return QmemError("nothing delivered: %s still queued" % plural(pending, "write"),
+                         kind="not_delivered",
+                         hint="`qmem.py queue` shows why and when they are tried next")
+    return None
+
+
+class CarryOps:
+    """Knowledge into and out of this machine: pi's sessions imported, the shared memory
+    pulled, partial records made whole (enrich), and bundles written and loaded, to
+    carry to a host without the gateway and back."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    @utf8_arguments
+    def import_sessions(self, roots=None):
+        # Index pi session files: the given folders, or pi's own.
+        rebuilt = self.index_identifiers() if self.ops.has_index() else None
+        for root in roots or ():
+            if not os.path.isdir(root):
+                raise UsageError("--sessions %s: %s"
+                                 % (root, "not a directory" if os.path.exists(root)
+                                                         else "no such directory"))
+        if not roots:
+            roots = [d for d in session_dirs() if os.path.isdir(d)]
+        # none of pi's folders here: nothing imported, and no database made for it
+        stats = Importer(self.ops.store()).run(roots) if roots else ImportStats()
+        return {"source": "local_sqlite", "looked_in": roots or session_dirs(),
+                "sessions_found": bool(roots), "stats": stats.as_dict(), "index_rebuilt": rebuilt}
+
+    def index_identifiers(self):
+        # Once, for an index made before schema 4 (see _m004_words): made anew, so that
+        # identifiers are found by their parts. The number of records it holds, or None.
+        store, shown, count = self.ops.store(), Progress("search index"), None
+        if store.records.fts and store.meta("words_pending"):
+            count = store._one("SELECT count(*) FROM records")
+            shown.update("made anew, once, so that identifiers are found by their parts (%d "
+                         "records)…" % count)
+        rebuilt = store.records.index_identifiers()  # (or sees what another process did)
+        shown.done()
+        return count if rebuilt else None
+
+    def pull(self, full=False, progress=None):
+        # Copy the shared memory into the local index, page by page; an interrupted pull
+        # keeps its pages and resumes after them.
+        gateway, stats = self.ops.gateway(), PullStats()
+        rebuilt = self.index_identifiers()
+        try:
+            pull(self.ops.store(), gateway, full=full, progress=progress, stats=stats)
+        except GatewayError as e:
+            if e.kind in CONFIG_KINDS or not stats.pages:
+                raise
+            raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s"
+                               % (stats.pages, e.message), hint="`qmem.py pull` resumes there")
+        return self.ops.after_online(dict(stats.as_dict(), source="gateway",
+                                          index_rebuilt=rebuilt))
+
+    @utf8_arguments
+    def enrich(self, ids=None, every=False, progress=None):
+        # Fetch full records for the given ids, or those known only from search hits
+        # (every=True: every record here). Stops cleanly when the gateway goes away.
+        if ids and every:
+            raise UsageError("give ids or --all, not both")
+        gateway = self.ops.gateway()
+        if not ids and not self.ops.has_index():
+            return {"source": "gateway", "asked": 0, "fetched": 0, "unknown": [], "stopped": None,
+                    "auto_flush": None}
+        store = self.ops.store()
+        ids = list(ids) if ids else store.records.ids_to_enrich(every)
+        fetched, unknown, stopped = enrich(store, gateway, ids, progress)
+        doc = {"source": "gateway", "asked": len(ids), "fetched": fetched, "unknown": unknown,
+               "stopped": stopped}
+        if stopped:
+            return dict(doc, **error_document(QmemError(
+                "enrich stopped early: %s" % stopped, kind="stopped",
+                hint="what was fetched is kept; `qmem.py enrich` again goes on with the rest")))
+        return self.ops.after_online(doc)
+
+    # -- bundles: the knowledge in and the writes out, as one file
+    @utf8_arguments
+    def export(self, path, projects=None, since=None, records_only=False, outbox_only=False,
+               stream=None):
+        # Write a bundle to path (through a temporary file and a rename: an interrupted
+        # export leaves no half bundle), or to the binary stream when path is '-'.
+        ops = self.ops
+        if records_only and outbox_only:
+            raise UsageError("--records-only and --outbox-only exclude each other")
+        if since is not None:
+            when = parse_iso(since)
+            if when is None:
+                raise UsageError("--since %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
+                                 % since)
+            since = iso_from_epoch(when)
+        if not ops.has_index():
+            raise StoreError("no local index yet at %s: nothing to export" % ops.config.db_path,
+                             hint="run `qmem.py import` or `qmem.py pull` first")
+        options = dict(projects=list(projects or ()) or None, since=since, records=not outbox_only,
+                       outbox=not records_only, key=ops.config["bundleKey"])
+        if path == "-":
+            if stream is None:
+                raise UsageError("export -: there is no stdout to write the bundle to")
+            try:
+                counts = write_bundle(ops.store(), stream, **options)
+                stream.flush()
+            except OSError as e:  # a closed pipe, a full disk: the bundle did not arrive
+                raise QmemError("cannot write the bundle to stdout: %s" % (e.strerror or e),
+                                kind="io",
+                                hint="nothing was changed here; export to a file instead")
+        else:
+            counts = self._export_file(path, options)
+        return {"source": "local_sqlite", "file": path, "counts": counts, "format": BUNDLE_FORMAT,
+                "format_version": BUNDLE_VERSION, "signed": bool(options["key"]),
+                "key_id": bundle_key_id(options["key"]) if options["key"] else None}
+
+    def _export_file(self, path, options):
+        if os.path.islink(path):  # in a shared folder it could point at any file of yours
+            raise UsageError("%s is a symbolic link: refusing to write through it" % path,
+                             hint="name the file itself, or - for standard output")
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise UsageError("%s is not a regular file: refusing to replace it" % path,
+                             hint="name a regular file, or - for standard output")
+        try:
+            return atomic_write(path, lambda f: write_bundle(self.ops.store(), f, **options))
+        except OSError as e:
+            raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
+
+    @utf8_arguments
+    def load(self, path, dry_run=False, stream=None):
+        # Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
+        # read once, through one descriptor, into a private copy: what is merged is what
+        # was checked.
+        import tempfile
+        ops = self.ops
+        fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
+        rebuilt, spool = None, os.fdopen(fd, "wb")
+        try:
+            try:
+                source = stream if path == "-" else _open_bundle(path)
+                try:
+                    capped = _Capped(source, path)
+                    kept = _Copy(spool, path, capped)
+                    header, trust, why = check_bundle(capped, path, ops.config["bundleKey"],
+                                                      copy=kept)
+                    kept.flush()
+                finally:
+                    if source is not stream:
+                        source.close()
+            finally:
+                try:
+                    spool.close()
+                except OSError:  # (only after a failed write: the error said so)
+                    pass
+            if dry_run and not ops.has_index():
+                # Nothing here yet: the dry run loads into a throwaway index instead, so that
+                # it says what the load would do by the load's own rules.
+                with tempfile.TemporaryDirectory(prefix="qmem-dry-run-") as folder:
+                    scratch = Store(os.path.join(folder, "q.sqlite"))
+                    try:
+                        stats = self._load(scratch, copy, header, True, trust)
+                    finally:
+                        scratch.close()
+            else:
+                rebuilt = None if dry_run else self.index_identifiers()
+                stats = self._load(ops.store(), copy, header, dry_run, trust)
+        finally:
+            os.unlink(copy)
+        return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run),
+                    by_bundles=by_bundles(ops.config["url"], None, loading=True),
+                    verified=trust == SIGNED, index_rebuilt=rebuilt,
+                    verification=why, machine=header_text(header.get("machine")),
+                    created_at=header_text(header.get("created_at")))
+
+    def _load(self, store, copy, header, dry_run, trust):
+        try:
+            return load_bundle(store, copy, header, dry_run=dry_run,
+                               max_mb=self.ops.config["outboxMaxMB"], trust=trust)
+        except _DryRun as d:
+            return d.stats
+
+
+class SetupOps:
+    """Setting this machine up: the configuration, the breaker, the doctor's checks, the
+    launcher, and the rules for agents."""
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def rules(self):
+        # The rules for agents (see AGENT_RULES), as data and as Markdown.
+        return {"intro": RULES_INTRO, "rules": [{"title": t, "text": x} for t, x in AGENT_RULES],
+                "markdown": rules_markdown()}
+
+    def install(self, bin_dir=None, uninstall=False):
+        # The launcher (see the Launcher section), written or removed.
+        return install_launcher(bin_dir, uninstall)
+
+    def breaker(self, reset=False):
+        # The circuit breaker's state for the configured gateway (reset=True closes it first).
+        config = self.ops.config
+        doc = {"url": config["url"], "configured": bool(config["url"]), "file": config.breaker_path,
+               "reset": bool(reset), "trip_after": config["breakerTripAfter"]}
+        breaker = Breaker.from_config(config, clock=self.ops.clock)
+        if reset and config["url"]:
+            breaker.reset()
+        # no gateway configured: a closed breaker, never read nor reset
+        state, now = breaker.read() if config["url"] else Breaker._CLOSED, self.ops.clock()
+        is_open = state["state"] == "open"
+        doc.update(state=state["state"], refusing=breaker.refuses(state, now),
+                   failures=state["failures"],
+                   trips=state["trips"],
+                   open_until=iso_from_epoch(state["open_until"]) if is_open else None,
+                   opened_at=state["opened_at"] if is_open else None,
+                   opened_after=state["opened_after"],
+                   why_open=why_open(state) if state["state"] != "closed" else None,
+                   retry_in_ms=breaker.retry_in(state, now), last_error=state["last_error"],
+                   last_error_at=state["last_error_at"])
+        return doc
+
+    def doctor(self, offline=False, config_error=None, repair=False):
+        # What is wrong here and what to do: every check ok / warn / fail (repair=True
+        # first rebuilds the database's indexes).
+        config = self.ops.config
+        checks = [repair_database(config)] if repair and config_error is None else []
+        checks += doctor_local(config, config_error)
+        if not offline and config_error is None:
+            checks += doctor_link(config, self.ops.clock)
+        doc = {"checks": checks, "offline": bool(offline),
+               "summary": {s: sum(c["status"] == s for c in checks) for s
+                           in ("ok", "warn", "fail")}}
+        failed = [c for c in checks if c["status"] == "fail"]
+        if failed:
+            doc.update(error_document(QmemError("%s failed: %s" % (plural(len(failed), "check"),
+                                                                   failed[0]["detail"]),
+                                                kind="doctor", hint=failed[0]["advice"])))
+        return doc
+
+    # -- the configuration
+    def config_show(self):
+        # Every effective value and where it came from; the API key masked.
+        c = self.ops.config
+        shown = {k: (mask_secret(c[k]) if k in SECRET_KEYS and c[k] else c[k]) for k in CONFIG_KEYS}
+        return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path),
+                "values": shown,
+                "sources": {k: c.sources[k] for k in CONFIG_KEYS}, "db": c.db_path,
+                "breaker_file": c.breaker_path}
+
+    @utf8_arguments
+    def config_url(self, url):
+        # Set the gateway URL (and reset the breakers of the old and the new one).
+        config = self.ops.config
+        url = check_url(url)
+        old = config["url"]
+        write_config(config, {"url": url})
+        for each in {old, url} - {None}:
+            Breaker(config.breaker_path, each).reset()
+        warn_plain_http(url, config["apiKey"])
+        if config.sources["url"].startswith("env"):
+            warn("QMEM_URL is set in the environment and overrides the file")
+        return {"action": "url", "file": config.path, "key": "url", "value": url,
+                "breaker_reset": True}
+
+    @utf8_arguments
+    def config_apikey(self, key, on_command_line=False):
+        # Save the API key (mode 0600); the document shows it masked.
+        config = self.ops.config
+        key = (key or "").strip()
+        if not api_key_ok(key) or len(key) > MAX_KEY:
+            raise UsageError("an API key must be one word of printable ASCII characters, not "
+                             "empty, at most %d" % MAX_KEY, hint="nothing was saved")
+        if not isinstance(config.raw.get("url"), str) or not config.raw["url"].strip():
+            raise UsageError("set the gateway's URL in %s first: a key is sent only to the gateway "
+                             "it was saved for" % config.path,
+                             hint="`qmem.py config url https://…`, then `qmem.py config apikey`")
+        if on_command_line:
+            warn("a key given on the command line stays in your shell history; prefer "
+                 "`qmem.py config apikey` and type it at the prompt")
+        if config.sources["apiKey"].startswith("env"):
+            warn("QMEM_API_KEY is set in the environment and overrides the file: unset it for "
+                 "the key saved here to be used")
+        write_config(config, {"apiKey": key})
+        if config["url"]:
+            warn_plain_http(config["url"], key)
+        return {"action": "apikey", "file": config.path, "key": "apiKey",
+                "value": mask_secret(key)}
+
+    @utf8_arguments
+    def config_bundle_key(self, key=None, new=False):
+        # Save the key shared by the hosts that exchange bundles (mode 0600); new=True
+        # makes one (256 random bits), which the document carries once, to be set on the
+        # other host.
+        config = self.ops.config
+        if new == bool(key):
+            raise UsageError("give the key (on stdin or at the prompt), or --new to make one, not "
+                             "both" if key else "no bundle key given",
+                             hint="`qmem.py config bundle-key --new` "
+                             "makes one; `printf %s KEY | qmem.py config bundle-key` sets one")
+        key = os.urandom(32).hex() if new else key.strip()
+        if not bundle_key_ok(key):
+            raise UsageError("a bundle key must be %d to %d printable characters without spaces "
+                             "(128 bits: 32 hex digits)" % (MIN_BUNDLE_KEY, MAX_KEY),
+                             hint="nothing was saved; `qmem.py config bundle-key --new` makes one")
+        write_config(config, {"bundleKey": key})
+        doc = {"action": "bundle-key", "file": config.path, "key": "bundleKey",
+               "value": mask_secret(key), "key_id": bundle_key_id(key)}
+        if new:
+            doc["new_key"] = key
+        return doc
+
+    @utf8_arguments
+    def config_set(self, key, value):
+        # Set any key, type-checked; '', 'null' or 'default' restores the default.
+        config = self.ops.config
+        if key not in CONFIG_KEYS:
+            raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
+        unset = value in ("", "null", "default")
+        if key == "url" and not unset:
+            return self.config_url(value)
+        if key == "apiKey" and not unset:
+            return self.config_apikey(value, on_command_line=True)
+        if key == "bundleKey" and not unset:
+            return self.config_bundle_key(value)
+        parsed = None if unset else _check_type(key, value, "config set")
+        if key in ("localDbPath", "caFile") and parsed:
+            parsed = os.path.abspath(os.path.expanduser(parsed))
+            if key == "caFile" and not os.path.isfile(parsed):
+                raise UsageError("caFile %s: no such file" % parsed)
+        would = dict(config.values, **{key: DEFAULTS[key] if parsed is None else parsed})
+        if would["breakerBaseMs"] > would["breakerMaxMs"]:
+            raise UsageError("breakerBaseMs (%d) would be longer than breakerMaxMs (%d)" % (
+                would["breakerBaseMs"], would["breakerMaxMs"]))
+        write_config(config, {key: parsed})
+        return {"action": "set", "file": config.path, "key": key, "value": parsed}
+
+    def config_test(self):
+        # GET /v1/status past the breaker: reachable? key accepted? version, latency.
+        c = self.ops.config
+        gw = Gateway(c, Breaker.from_config(c, clock=self.ops.clock), bypass_breaker=True)
+        started = time.monotonic()
+        doc = {"action": "test", "url": c["url"], "reachable": False, "key_valid": None,
+               "version": None,
+               "latency_ms": None, "key": mask_secret(c["apiKey"])}
+        problem = None
+        try:
+            resp = gw.call("GET", "/v1/status", retries=0)
+            doc["reachable"] = True
+            if resp.status == 200:
+                doc.update(key_valid=True, version=resp.data.get("version"),
+                           records=resp.data.get("records"))
+            else:
+                problem = QmemError("GET %s/v1/status answered HTTP %d (%s)"
+                                    % (c["url"], resp.status, resp.detail()),
+                                    kind="refused", hint="is this the gateway's base URL?")
+        except GatewayError as e:
+            problem = e
+            doc.update(reachable=e.kind in (AUTH, AMBIGUOUS),
+                       key_valid=False if e.kind == AUTH else None)
+        finally:
+            gw.close()
+        doc["latency_ms"] = int((time.monotonic() - started) * 1000)
+        if problem is not None:
+            doc.update(error_document(problem), exit_code=EXIT_FAIL)
+        return doc
 
 
 MAX_LIMIT = 1000  # results of one find
@@ -7528,6 +7601,15 @@ def _kept_aside(err, payload, db_path):
 _RETRY_FLAGS = (("project_id", "--project"), ("kind", "--kind"), ("scope", "--scope"),
                 ("supersedes_id", "--supersedes"),
                 ("supersede_reason", "--reason"), ("expires_at", "--expires"))
+
+
+def _unavailable(rid, err, reason):
+    # The error of a get() that neither this machine nor the gateway can answer.
+    hint = ("no gateway is configured here (`qmem.py config url`)"
+            if err.kind == NOT_CONFIGURED else "try again once the gateway is back")
+    return QmemError("%s is not in the local index, and the gateway cannot be asked (%s)"
+                     % (rid, reason), kind="unavailable",
+                     hint=hint + "; `qmem.py find` searches this machine meanwhile")
 
 
 SHORT_ID = 8  # the fewest characters of an id a narrow terminal shows, and a person types
@@ -8829,7 +8911,7 @@ class McpServer:
         if self.ops is None:
             return
         try:
-            due = self.ops.auto_flush_due()
+            due = self.ops.write.auto_flush_due()
         except (QmemError, sqlite3.Error):
             due = False
         self.ops.close_gateway()
@@ -8842,7 +8924,7 @@ class McpServer:
     def _flush(self, config):
         ops = Operations(config, clock=self.clock)
         try:
-            done = ops.deliver_ready()
+            done = ops.write.deliver_ready()
             if done["error"] and not (done["synced"] or done["duplicate"]):
                 stderr_diagnostic("automatic flush: %(error)s" % done)
         except Exception as e:  # a bug: the server goes on without it
@@ -8880,13 +8962,13 @@ class McpServer:
 
     def tool_search(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
-        doc = ops.search(a["query"], _tool_filters(project, a), top_k=a.get("top_k", 8),
-                         min_score=a.get("min_score"))
+        doc = ops.read.search(a["query"], _tool_filters(project, a), top_k=a.get("top_k", 8),
+                              min_score=a.get("min_score"))
         return self._found(doc, project, where)
 
     def tool_find(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
-        doc = ops.find(a["query"], _tool_filters(project, a), limit=a.get("limit", 10))
+        doc = ops.read.find(a["query"], _tool_filters(project, a), limit=a.get("limit", 10))
         return self._found(doc, project, where)
 
     def _found(self, doc, project, where):
@@ -8910,7 +8992,7 @@ class McpServer:
         return out
 
     def tool_get(self, ops, a):
-        doc = ops.get(_check_id(a["id"].strip(), "id"))
+        doc = ops.read.get(_check_id(a["id"].strip(), "id"))
         record = _memory_out(doc["record"], whole=True)
         out = _read_result(doc, "found", id=record["id"], project_id=record.get("project_id"),
                            project_from="the memory", note=_get_note(doc, record))
@@ -8918,7 +9000,7 @@ class McpServer:
         return out
 
     def tool_meta(self, ops, a):
-        doc = ops.meta()
+        doc = ops.read.meta()
         project, where = self._read_project(a.get("project_id"))
         try:
             queued = ops.store().outbox.waiting() if ops.has_index() else 0
@@ -8948,16 +9030,16 @@ class McpServer:
                                                           "not a date" if expires is None
                                                           else "already past"),
                                  hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
-        doc = ops.store_memory(Write(a["text"], project, a.get("kind"), a.get("scope"),
-                                     agent=a.get("agent_id") or self.agent, expires=expires_at,
-                                     private=a.get("private", False)))
+        doc = ops.write.store_memory(Write(a["text"], project, a.get("kind"), a.get("scope"),
+                                           agent=a.get("agent_id") or self.agent,
+                                           expires=expires_at, private=a.get("private", False)))
         return _written(doc, where)
 
     def tool_correct(self, ops, a):
         target = _check_id(a["id"].strip(), "id")
-        doc = ops.correct(Write(a["text"], a.get("project_id"), a.get("kind"),
-                                agent=a.get("agent_id") or self.agent, supersedes=target,
-                                reason=a.get("reason")))
+        doc = ops.write.correct(Write(a["text"], a.get("project_id"), a.get("kind"),
+                                      agent=a.get("agent_id") or self.agent, supersedes=target,
+                                      reason=a.get("reason")))
         return _written(doc, doc["project_from"], corrects=target)
 
 
@@ -9267,8 +9349,8 @@ def _color_ok():
 
 
 def cli_find(ops, a):
-    return ops.find(" ".join(a.query), _filters(a), limit=a.limit,
-                    highlight=("", "") if a.json else HIGHLIGHT)
+    return ops.read.find(" ".join(a.query), _filters(a), limit=a.limit,
+                         highlight=("", "") if a.json else HIGHLIGHT)
 
 
 def _filters(a):
@@ -9290,13 +9372,13 @@ def run_mcp(args):
 
 
 def cli_search(ops, a):
-    return ops.search(" ".join(a.query), _filters(a), top_k=a.top_k, min_score=a.min_score,
-                      require_remote=a.require_remote,
-                      highlight=("", "") if a.json else HIGHLIGHT)
+    return ops.read.search(" ".join(a.query), _filters(a), top_k=a.top_k, min_score=a.min_score,
+                           require_remote=a.require_remote,
+                           highlight=("", "") if a.json else HIGHLIGHT)
 
 
 def cli_get(ops, a):
-    return ops.get(ops.full_ids([a.id], "get")[0], require_remote=a.require_remote)
+    return ops.read.get(ops.full_ids([a.id], "get")[0], require_remote=a.require_remote)
 
 
 def cli_config(ops, a):
@@ -9308,13 +9390,14 @@ def cli_config(ops, a):
     if action == "apikey":
         if len(values) > 1:
             raise UsageError("usage: qmem.py config apikey   (then type or pipe the key)")
-        return ops.config_apikey(values[0] if values else _read_key(), on_command_line=bool(values))
+        return ops.setup.config_apikey(values[0] if values else _read_key(),
+                                       on_command_line=bool(values))
     if action == "bundle-key":
         if values:
             raise UsageError("usage: qmem.py config bundle-key [--new]   (then type or pipe the "
                              "key)",
                              hint="a key on the command line would stay in your shell history")
-        return ops.config_bundle_key(None if a.new else _read_key("bundle key"), new=a.new)
+        return ops.setup.config_bundle_key(None if a.new else _read_key("bundle key"), new=a.new)
     if a.new:
         raise UsageError("--new goes with `config bundle-key`")
     wanted = {"show": 0, "test": 0, "url": 1, "set": 2}[action]
@@ -9324,7 +9407,7 @@ def cli_config(ops, a):
                           "url": "usage: qmem.py config url https://gateway.example:8443",
                           "set": "usage: qmem.py config set KEY VALUE   (keys: %s)"
                           % ", ".join(CONFIG_KEYS)}[action])
-    return getattr(ops, "config_" + action)(*values)
+    return getattr(ops.setup, "config_" + action)(*values)
 
 
 def _interactive():
@@ -9357,11 +9440,11 @@ def config_menu(ops, a):
                 print("please answer 1 to 5")
                 continue
             if choice == "1":
-                doc = ops.config_url(input("gateway URL: "))
+                doc = ops.setup.config_url(input("gateway URL: "))
             elif choice == "2":
-                doc = ops.config_apikey(_read_key())
+                doc = ops.setup.config_apikey(_read_key())
             else:
-                doc = ops.config_test() if choice == "3" else ops.config_show()
+                doc = ops.setup.config_test() if choice == "3" else ops.setup.config_show()
             render("config", doc, False)
         except EOFError:
             print()
@@ -9411,12 +9494,12 @@ def _asked_write(a, supersedes):
 
 def cli_store(ops, a):
     supersedes = a.supersedes and ops.full_ids([a.supersedes], "--supersedes")[0]
-    return ops.store_memory(_asked_write(a, supersedes), a.queue_only, a.allow_secret)
+    return ops.write.store_memory(_asked_write(a, supersedes), a.queue_only, a.allow_secret)
 
 
 def cli_correct(ops, a):
     target = ops.full_ids([a.id], "correct")[0]
-    return ops.correct(_asked_write(a, target), a.queue_only, a.allow_secret)
+    return ops.write.correct(_asked_write(a, target), a.queue_only, a.allow_secret)
 
 
 def cli_queue(ops, a):
@@ -9426,29 +9509,29 @@ def cli_queue(ops, a):
         if a.drop or a.state or a.force:
             raise UsageError("--release ID… goes alone (with --yes)")
         if not a.yes:
-            rows = ops.release(a.release, dry_run=True)["released"]
+            rows = ops.write.release(a.release, dry_run=True)["released"]
             if not _interactive():
                 raise UsageError("queue --release asks first",
                                  hint="add --yes to release without asking")
             # what is let out is shown whole
             _confirm(rows, MAX_TEXT, "release %s: it may be sent?" % plural(len(rows), "write"),
                      "nothing done")
-        return ops.release(a.release)
+        return ops.write.release(a.release)
     if not a.drop:
         if a.force or a.yes:
             raise UsageError("--force and --yes go with --drop ID… or --release ID…")
-        return ops.queue(a.state)
+        return ops.write.queue(a.state)
     if a.state:
         raise UsageError("--state lists rows; --drop ID… discards them: one at a time")
     if not a.yes:
-        rows = ops.drop(a.drop, force=a.force, dry_run=True)["dropped"]
+        rows = ops.write.drop(a.drop, force=a.force, dry_run=True)["dropped"]
         if not _interactive():
             raise UsageError("queue --drop asks before discarding",
                              hint="add --yes to discard without asking")
         records = "its record" if len(rows) == 1 else "their records"
         _confirm(rows, 60, "discard %s and %s?" % (plural(len(rows), "write"), records),
                  "nothing discarded")
-    return ops.drop(a.drop, force=a.force)
+    return ops.write.drop(a.drop, force=a.force)
 
 
 def _confirm(rows, width, question, cancelled):
@@ -9476,8 +9559,9 @@ def with_progress(label, work):
 def cli_export(ops, a):
     stream = getattr(sys.stdout, "buffer", None) if a.file == "-" else None
     try:
-        return ops.export(a.file, projects=a.project, since=a.since, records_only=a.records_only,
-                          outbox_only=a.outbox_only, stream=stream)
+        return ops.carry.export(a.file, projects=a.project, since=a.since,
+                                records_only=a.records_only, outbox_only=a.outbox_only,
+                                stream=stream)
     except QmemError as e:
         # the reader went away: let the exit not try again
         if stream is not None and e.kind == "io":
@@ -9489,25 +9573,26 @@ def cli_export(ops, a):
 
 
 def cli_load(ops, a):
-    return ops.load(a.file, dry_run=a.dry_run, stream=sys.stdin.buffer if a.file == "-" else None)
+    return ops.carry.load(a.file, dry_run=a.dry_run,
+                          stream=sys.stdin.buffer if a.file == "-" else None)
 
 
 def cli_doctor(ops, a):
-    return ops.doctor(offline=a.offline, config_error=a.config_error, repair=a.repair)
+    return ops.setup.doctor(offline=a.offline, config_error=a.config_error, repair=a.repair)
 
 
 def cli_flush(ops, a):
-    return with_progress("flush", lambda progress: ops.flush(
+    return with_progress("flush", lambda progress: ops.write.flush(
         retry_failed=a.retry_failed, respect_retry_after=a.respect_retry_after, progress=progress))
 
 
 def cli_enrich(ops, a):
     return with_progress("enrich",
-                         lambda progress: ops.enrich(a.ids, every=a.all, progress=progress))
+                         lambda progress: ops.carry.enrich(a.ids, every=a.all, progress=progress))
 
 
 def cli_pull(ops, a):
-    return with_progress("pull", lambda progress: ops.pull(full=a.full, progress=progress))
+    return with_progress("pull", lambda progress: ops.carry.pull(full=a.full, progress=progress))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -9565,7 +9650,7 @@ def build_parser(only=None):
         sp.set_defaults(func=func)
         return sp
 
-    sp = command("import", lambda ops, a: ops.import_sessions(a.sessions),
+    sp = command("import", lambda ops, a: ops.carry.import_sessions(a.sessions),
                  "Index pi session files (incremental; unchanged files are not read).")
     sp.add_argument("--sessions", metavar="DIR", action="append",
                     help="session folder to import (repeatable; default: pi's own)")
@@ -9580,7 +9665,7 @@ def build_parser(only=None):
     add_flag(sp, "--private", "also show private records")
     add_flag(sp, "--include-expired", "also show expired records")
 
-    command("status", lambda ops, a: ops.status(),
+    command("status", lambda ops, a: ops.read.status(),
             "What the local side knows: records, outbox, coverage, lag, database.")
 
     sp = command("search", cli_search, "Semantic search on the gateway; the local index answers "
@@ -9600,7 +9685,7 @@ def build_parser(only=None):
     sp.add_argument("id", help="the memory id")
     add_remote(sp)
 
-    add_remote(command("meta", lambda ops, a: ops.meta(require_remote=a.require_remote),
+    add_remote(command("meta", lambda ops, a: ops.read.meta(require_remote=a.require_remote),
                        "What the memory holds: scope x kind counts, projects, agents, superseded, "
                        "deleted."))
 
@@ -9677,18 +9762,18 @@ def build_parser(only=None):
             "qmem_store, qmem_correct, qmem_meta.",
             epilog="Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
             "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__))
-    command("rules", lambda ops, a: ops.rules(),
+    command("rules", lambda ops, a: ops.setup.rules(),
             "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the "
             "MCP server's instructions).")
 
-    sp = command("install", lambda ops, a: ops.install(a.bin, uninstall=a.uninstall),
+    sp = command("install", lambda ops, a: ops.setup.install(a.bin, uninstall=a.uninstall),
                  "Write a launcher, qmem, that imports this file so that Python caches its "
                  "compiled code, in ~/.cache/qmem/pycache (faster: python3 qmem.py compiles the "
                  "whole file on every command; a launcher of Python 3.6 or 3.7 does too).")
     sp.add_argument("--bin", metavar="DIR", help="where to write it (default ~/.local/bin)")
     add_flag(sp, "--uninstall", "remove the launcher written there, and the code it cached")
 
-    sp = command("breaker", lambda ops, a: ops.breaker(reset=a.reset),
+    sp = command("breaker", lambda ops, a: ops.setup.breaker(reset=a.reset),
                  "Show the circuit breaker shared by every qmem process here (--reset closes it).")
     add_flag(sp, "--reset", "close the breaker now")
 

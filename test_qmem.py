@@ -1499,7 +1499,7 @@ class BreakerTests(GatewayTestCase):
         self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
         ops = self.ops_with_quiet_retries()
         for _ in range(3):
-            ops.search("x")
+            ops.read.search("x")
         out = self.ok("breaker")
         self.assertIn("open: calls fail at once", out)
         self.assertIn("opened after 3 consecutive failures (last: HTTP 503)", out)
@@ -4263,7 +4263,7 @@ class FlushTests(GatewayTestCase):
         self.addCleanup(qmem._FLUSH_ERRORS.clear)
         unusable = qmem.StoreError("database unusable")
         with mock.patch.object(qmem.Store, "__init__", side_effect=unusable):
-            self.assertEqual(ops.deliver_ready()["error"], "database unusable")
+            self.assertEqual(ops.write.deliver_ready()["error"], "database unusable")
         self.assertIn("database unusable", ops.writes_stuck())
 
     def test_the_automatic_flush_stops_at_its_time_budget_and_gives_rows_back(self):
@@ -5230,7 +5230,7 @@ class BundleTrustTests(BundleTestCase):
         ops = qmem.Operations(qmem.load_config())
         self.addCleanup(ops.close)
         with self.assertRaises(qmem.BundleError) as cm:
-            ops.load("-", stream=Endless())
+            ops.carry.load("-", stream=Endless())
         self.assertIn("does not begin as gzip does", cm.exception.message)
         self.assertLess(Endless.read_bytes, 1 << 20)
         values = {"type": "record", "id": UUIDS[9], "text": "x", "junk": [{}] * 150000}
@@ -5296,11 +5296,11 @@ class BundleTrustTests(BundleTestCase):
                 self.ok("pull")
         ops = qmem.Operations(qmem.load_config())  # what `search` and `get` run (and faster)
         self.addCleanup(ops.close)
-        ops.search("primohit")
+        ops.read.search("primohit")
         session = Session(self.sessions, "s.jsonl")
         for (first, _, _), rid in made.items():
             if first == "get":
-                ops.get(rid)
+                ops.read.get(rid)
             elif first == "import":
                 session.store(self.gw.records[rid])
         session.write()
@@ -5313,8 +5313,8 @@ class BundleTrustTests(BundleTestCase):
             self.ok("load", self.crafted(views, key=key))
         for case, rid in made.items():
             if case[2] == "get":
-                ops.get(rid)
-        ops.search("rispostahit")
+                ops.read.get(rid)
+        ops.read.search("rispostahit")
         self.assert_the_gateways([c for c in cases if c[2] != "pull"], made)
         self.ok("pull", "--full")
         self.assert_the_gateways([c for c in cases if c[2] == "pull"], made)
@@ -5824,26 +5824,27 @@ class OperationsTests(GatewayTestCase):
 
     def test_a_write_then_find_get_and_queue_return_documents(self):
         ops = self.ops()
-        doc = ops.store_memory(qmem.Write("  Il nodo 7 ospita Redis  ", "infra", kind="decision"),
-                               queue_only=True)
+        doc = ops.write.store_memory(
+            qmem.Write("  Il nodo 7 ospita Redis  ", "infra", kind="decision"), queue_only=True)
         self.assertEqual((doc["state"], doc["queued"], doc["source"]), ("pending", True, "outbox"))
-        found = ops.find("redis")
+        found = ops.read.find("redis")
         self.assertEqual([r["id"] for r in found["results"]], [doc["local_id"]])
         self.assertEqual(found["results"][0]["text"], "Il nodo 7 ospita Redis")
-        self.assertEqual(ops.get(doc["local_id"])["source"], "outbox")
-        self.assertEqual(ops.queue()["counts"]["pending"], 1)
-        flushed = ops.flush()
+        self.assertEqual(ops.read.get(doc["local_id"])["source"], "outbox")
+        self.assertEqual(ops.write.queue()["counts"]["pending"], 1)
+        flushed = ops.write.flush()
         self.assertEqual((flushed["synced"], flushed["pending"]), (1, 0))
-        gid = ops.queue()["items"][0]["gateway_id"]
-        self.assertEqual(ops.get(gid)["record"]["kind"], "decision")
+        gid = ops.write.queue()["items"][0]["gateway_id"]
+        self.assertEqual(ops.read.get(gid)["record"]["kind"], "decision")
 
     def test_arguments_are_checked_as_agents_send_them(self):
         ops = self.ops()
-        self.assertEqual(len(ops.find("x", limit="5")["results"]), 0)
-        for call in (lambda: ops.find("  "), lambda: ops.find("x", limit="lots"),
-                     lambda: ops.search("x", top_k=0), lambda: ops.search("x", min_score=2),
-                     lambda: ops.store_memory(qmem.Write("x", "p", kind="rumour")),
-                     lambda: ops.store_memory(qmem.Write("x", " "))):
+        self.assertEqual(len(ops.read.find("x", limit="5")["results"]), 0)
+        for call in (lambda: ops.read.find("  "), lambda: ops.read.find("x", limit="lots"),
+                     lambda: ops.read.search("x", top_k=0),
+                     lambda: ops.read.search("x", min_score=2),
+                     lambda: ops.write.store_memory(qmem.Write("x", "p", kind="rumour")),
+                     lambda: ops.write.store_memory(qmem.Write("x", " "))):
             with self.assertRaises(qmem.UsageError):
                 call()
         self.assertFalse(os.path.exists(self.db))
@@ -5855,12 +5856,12 @@ class OperationsTests(GatewayTestCase):
 
     def test_the_automatic_flush_is_part_of_an_online_document(self):
         ops = self.ops()
-        ops.store_memory(qmem.Write("prima", "p"), queue_only=True)
-        doc = ops.meta()
+        ops.write.store_memory(qmem.Write("prima", "p"), queue_only=True)
+        doc = ops.read.meta()
         self.assertEqual(doc["auto_flush"],
                          {"synced": 1, "duplicate": 0, "failed": 0, "still_queued": 0,
                                              "error": None})
-        self.assertIsNone(ops.meta()["auto_flush"])
+        self.assertIsNone(ops.read.meta()["auto_flush"])
 
     def test_queue_only_and_automatic_flush_after_an_online_command(self):
         self.ok("store", "prima", "--project", "p", "--queue-only")
@@ -5881,11 +5882,11 @@ class OperationsTests(GatewayTestCase):
         out, err = io.StringIO(), io.StringIO()
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             ops = self.ops()
-            ops.store_memory(qmem.Write("silenzio", "p"))
-            ops.search("silenzio")
-            ops.status()
-            ops.breaker()
-            ops.config_show()
+            ops.write.store_memory(qmem.Write("silenzio", "p"))
+            ops.read.search("silenzio")
+            ops.read.status()
+            ops.setup.breaker()
+            ops.setup.config_show()
         self.assertEqual((out.getvalue(), err.getvalue()), ("", ""))
 
 
@@ -6003,12 +6004,12 @@ class OperationsReadTests(GatewayTestCase):
         self.ok("search", "circuit")
         self.gw.script.extend([(503, {"detail": "overloaded"})] * 3)
         ops = self.ops_with_quiet_retries()
-        reasons = [ops.search("circuit")["reason"] for _ in range(3)]
+        reasons = [ops.read.search("circuit")["reason"] for _ in range(3)]
         self.assertEqual(reasons[0], "gateway failing (HTTP 503)")
         self.assertEqual(reasons[1], "gateway failing (HTTP 503, 2 in a row)")
         self.assertRegex(reasons[2], r"^gateway failing \(HTTP 503, 3 in a row\); "
                                      r"breaker open, retry in \d+ s$")
-        refused = ops.search("circuit")  # fails fast now, and says why it is open
+        refused = ops.read.search("circuit")  # fails fast now, and says why it is open
         self.assertRegex(refused["reason"],
                          r"^gateway failing \(HTTP 503, 3 in a row\); breaker open, retry in")
         self.assertEqual(len(self.gw.requests), 1 + 3)
@@ -8055,7 +8056,7 @@ class CliTests(GatewayTestCase):
         self.assertNotRegex(err.getvalue(), "[\u202e\u2028]")
 
     def test_interrupt_exits_130(self):
-        with mock.patch.object(qmem.Operations, "status", side_effect=KeyboardInterrupt):
+        with mock.patch.object(qmem.ReadOps, "status", side_effect=KeyboardInterrupt):
             code, out, err = self.run_cli("status")
             self.assertEqual((code, out, err), (130, "", "qmem: interrupted\n"))
             code, out, err = self.run_cli("status", "--json")
@@ -8065,7 +8066,7 @@ class CliTests(GatewayTestCase):
                                            "exit_code": 130})
 
     def test_an_exception_nobody_expected_is_one_line_without_its_words(self):
-        with mock.patch.object(qmem.Operations, "status",
+        with mock.patch.object(qmem.ReadOps, "status",
                                side_effect=ValueError("Bearer " + API_KEY)):
             code, out, err = self.run_cli("status", "--json")
         self.assertEqual(code, 1)
