@@ -96,16 +96,35 @@ MAX_QUERY_TOKENS = 32
 #
 # Every expected failure is a QmemError: one line on stderr (and, under --json, one
 # error document on stdout), never a traceback. Its class gives the exit code, its
-# `kind` a stable name for scripts, its `hint` the command that helps.
+# `kind` a stable name for scripts. Its message and hint say what is wrong and what helps
+# in words that hold for every front end; its fixes (Fix) name what sets it right, and
+# each front end words them its own way: the command line as a command to type
+# (CLI_FIXES, in Output), the MCP server as a tool to call (MCP_FIXES).
+
+class Fix(dict):
+    """What sets a failure right: a name the front ends word (CLI_FIXES, MCP_FIXES), and
+    the values their words take, e.g. Fix("retire", id=...). A dict, so that an error
+    document carries it as JSON."""
+
+    def __init__(self, name, **values):
+        dict.__init__(self, values, name=name)
+
+
+def as_fixes(fix):
+    # A Fix, a list of them or None, as a list.
+    return [fix] if isinstance(fix, Fix) else list(fix or ())
+
 
 class QmemError(Exception):
-    # An expected failure: reported as one line, never a traceback.
+    """An expected failure: reported as one line, never a traceback. `fix` is a Fix, or a
+    list of them (in the order the hint says them)."""
     exit_code = EXIT_FAIL
     kind = "failed"
 
-    def __init__(self, message, hint=None, kind=None):
+    def __init__(self, message, hint=None, kind=None, fix=None):
         Exception.__init__(self, message)
         self.message, self.hint = message, hint
+        self.fixes = as_fixes(fix)
         if kind is not None:
             self.kind = kind
 
@@ -114,14 +133,16 @@ class QmemError(Exception):
 
 
 def error_document(err):
-    # An error as the document --json prints (and as the part of a document that
-    # reports something not done).
-    return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint},
+    """An error as a document (and as the part of a document that reports something not
+    done). Each front end words its `fixes` into the hint (the command line's document
+    then has `kind`, `message` and `hint`)."""
+    return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint,
+                      "fixes": err.fixes},
             "exit_code": err.exit_code}
 
 
 class UsageError(QmemError):
-    # The command line asks for something that cannot be done.
+    # What was asked cannot be done as it was asked: a bad argument, or a missing one.
     exit_code = EXIT_USAGE
     kind = "usage"
 
@@ -133,7 +154,7 @@ class ConfigError(QmemError):
 
 
 class RemoteRequired(QmemError):
-    # --require-remote was given and the gateway could not be used.
+    # The gateway was required (--require-remote) and could not be used.
     exit_code = EXIT_REMOTE
     kind = "remote_required"
 
@@ -177,8 +198,8 @@ class GatewayError(QmemError):
     # fallback label shows; `in_a_row` the consecutive failures behind an open breaker.
 
     def __init__(self, kind, message, status=None, retry_in_ms=None, hint=None, detail=None,
-                 cause=None, in_a_row=None):
-        QmemError.__init__(self, message, hint, kind)
+                 cause=None, in_a_row=None, fix=None):
+        QmemError.__init__(self, message, hint, kind, fix)
         self.status, self.retry_in_ms = status, retry_in_ms
         self.detail = detail or ("HTTP %d" % status if status else None)
         self.cause, self.in_a_row = cause or kind, in_a_row
@@ -950,7 +971,7 @@ def _key_withheld(values, sources, raw, path):
 
 
 KEY_ELSEWHERE_HINT = ("give that gateway's key in QMEM_API_KEY, or point QMEM_CONFIG at a config "
-                      "file made for it (`qmem.py config url URL`, then `qmem.py config apikey`)")
+                      "file made for it")
 
 
 MIN_BUNDLE_KEY = 32  # characters: 32 hex digits are 128 bits
@@ -977,14 +998,15 @@ def _check_config(values, sources, path):
         try:
             values["url"] = check_url(values["url"])
         except UsageError as e:
-            raise ConfigError("%s: url: %s" % (origin("url"), e.message), hint=e.hint)
+            raise ConfigError("%s: url: %s" % (origin("url"), e.message), hint=e.hint,
+                              fix=e.fixes)
     key = values["apiKey"]
     if key:
         key = values["apiKey"] = key.strip()  # a trailing CR or LF is an accident of the file
         if not api_key_ok(key):
             raise ConfigError("%s: apiKey holds characters a request header cannot carry "
                               "(whitespace, controls, non-ASCII)" % origin("apiKey"),
-                              hint="set it again with `qmem.py config apikey`")
+                              fix=Fix("apikey"))
     if values["bundleKey"] is not None and not bundle_key_ok(values["bundleKey"]):
         # Not fatal: `config bundle-key` must still run to mend it.
         _warn_once("%s: bundleKey ignored: it must be %d to %d printable characters without "
@@ -1036,7 +1058,7 @@ def check_url(url):
     # (A password comes only after a user name, even an empty one: 'https://:pw@host'.)
     if p.username is not None:  # never echoed: it may hold a password
         raise UsageError("a gateway URL must not carry a user name or password",
-                         hint="give the URL without them, and the key with `qmem.py config apikey`")
+                         hint="give the URL without them, and the key apart", fix=Fix("apikey"))
     if (p.scheme not in ("http", "https") or not p.hostname or not re.match(_HOST, p.hostname)
             or not api_key_ok(url)):  # requests are ASCII: printable, no spaces, as a key
         raise UsageError("invalid gateway URL %s" % mask_url(url),
@@ -1621,16 +1643,15 @@ class Gateway:
     def __init__(self, config, breaker, sleep=None, retries=RETRIES, bypass_breaker=False):
         url, self.key = config["url"], config["apiKey"]
         if not url:
-            raise GatewayError(NOT_CONFIGURED, "no gateway configured",
-                               hint="run `qmem.py config url https://…`",
+            raise GatewayError(NOT_CONFIGURED, "no gateway configured", fix=Fix("url"),
                                detail="no gateway configured")
         if not self.key and config.key_withheld:
             raise GatewayError(NOT_CONFIGURED,
                                "no API key for this gateway: " + config.key_withheld,
-                               hint=KEY_ELSEWHERE_HINT, detail="no API key for this gateway")
+                               hint=KEY_ELSEWHERE_HINT, fix=Fix("url_then_key"),
+                               detail="no API key for this gateway")
         if not self.key:
-            raise GatewayError(NOT_CONFIGURED, "no API key configured",
-                               hint="run `qmem.py config apikey`",
+            raise GatewayError(NOT_CONFIGURED, "no API key configured", fix=Fix("apikey"),
                                detail="no API key configured")
         from urllib.parse import urlsplit
         self.url = check_url(url)
@@ -1647,9 +1668,8 @@ class Gateway:
         self.prefix = ""
         # Where the key in use comes from: the advice of a rejected key fixes that place.
         self.key_hint = ("the key in use is QMEM_API_KEY's, from the environment: set the right "
-                         "one there, or unset it to use the config file's (`qmem.py config "
-                         "apikey` saves one there)" if config.sources["apiKey"].startswith("env")
-                         else "set the right one with `qmem.py config apikey`")
+                         "one there, or unset it to use the config file's"
+                         if config.sources["apiKey"].startswith("env") else None)
         self.tries = 0  # requests the last call sent
         self.answered = False  # has any call of this command had an answer?
         self.key_rejected = False  # ... and was it a 401 or 403?
@@ -1698,7 +1718,7 @@ class Gateway:
                     self.key_rejected = True
                     raise GatewayError(AUTH,
                                        "API key rejected by the gateway (HTTP %d)" % resp.status,
-                                       resp.status, hint=self.key_hint)
+                                       resp.status, hint=self.key_hint, fix=Fix("apikey"))
                 return resp
             # Every failed attempt counts, retries too (resilience4j's
             # Retry(CircuitBreaker(call))): a gateway that stalls every body costs
@@ -1721,7 +1741,7 @@ class Gateway:
             self.breaker.release()
             raise GatewayError(PROTOCOL, "the gateway answered with a redirect (HTTP %d to %s)" % (
                 status, self.scrub(resp.headers.get("Location") or "?")), status,
-                hint="put the final address in `qmem.py config url`")
+                hint="give the gateway's final address as its URL", fix=Fix("url"))
         delay = retry_after_seconds(resp.headers)
         html = resp.not_json and resp.not_json[1]  # a proxy's page, not the gateway's
         return GatewayError(AMBIGUOUS, "gateway answered HTTP %d%s" % (
@@ -1902,8 +1922,8 @@ class Gateway:
                 or "CERTIFICATE_VERIFY_FAILED" in str(e)):
             return GatewayError(TLS,
                                 "TLS verification failed for %s (%s)" % (self.host, _reason(e)),
-                                hint="for a private CA set caFile (`qmem.py config set caFile "
-                                "PATH`) or SSL_CERT_FILE")
+                                hint="for a private CA set caFile or SSL_CERT_FILE",
+                                fix=Fix("ca_file"))
         if isinstance(e, _net["socket"].timeout):
             return GatewayError(UNREACHABLE,
                                 "could not connect to %s within %g s" % (self.url, self.connect_s),
@@ -1924,7 +1944,7 @@ class Gateway:
             ctx = ssl.create_default_context(cafile=self.ca_file)
         except OSError as e:  # ssl.SSLError too: a configuration error, not an unreachable gateway
             raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (self.ca_file, _reason(e)),
-                               hint="`qmem.py config set caFile PATH` with a PEM file of the CA")
+                               hint="caFile must be a PEM file of the CA", fix=Fix("ca_file"))
         if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
             ctx.sslsocket_class = net["DeadlineSSLSocket"]
         return ctx
@@ -2054,9 +2074,6 @@ def not_applied_reason(holder, target):
         holder or "a near-identical memory", target)
 
 
-# What to do about a correction not applied (a write's document fills it in).
-RETIRE_HINT = ("to retire {supersedes_id}, correct it with other words: `qmem.py correct "
-               "{supersedes_id} \"…\"`")
 # records.pending: 0 in shared memory (or seen there), else a write made here that waits
 # in the outbox, or that the gateway refused (its outbox row is failed).
 LOCAL_WAITING, LOCAL_FAILED = 1, 2
@@ -2384,15 +2401,11 @@ def is_busy(e):
 # its own words: a shadow table gone or overwritten).
 _DAMAGED = LazyPattern(r"malformed|corrupt|vtable constructor failed|invalid fts5 file format"
                        r"|^SQL logic error")
-REBUILD_ADVICE = ("move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export "
-                  "the outbox first if you can: `qmem.py export --outbox-only FILE`)")
-REPAIR_ADVICE = ("run `qmem.py doctor --repair` (REINDEX and a rebuild of the text index, inside "
-                 "SQLite); if that does not mend it, " + REBUILD_ADVICE)
 
 
 def damaged(path):
     # What every command says of a damaged database (doctor adds what it found).
-    return StoreError("local database %s is damaged" % path, hint=REPAIR_ADVICE,
+    return StoreError("local database %s is damaged" % path, fix=Fix("repair"),
                       kind="store_damaged")
 
 
@@ -2417,12 +2430,12 @@ def store_error(e, path, waited=None):
     if "readonly" in text or "read-only" in text:
         return StoreError("cannot open local database %s for writing (%s): a read-only file or "
                           "folder?" % (path, text), kind="store_readonly",
-                          hint="check its permissions, or use another place: " + OWN_DB_PLACES)
+                          hint="check its permissions, or use another place", fix=Fix("own_db"))
     if "unable to open" in text:  # (no command can use it: not one that reads either)
         return StoreError("cannot open local database %s (%s): is it a file this user can read "
                           "and write?" % (path, text), kind="store_open",
-                          hint="check what it is and its permissions, or use another place: "
-                          + OWN_DB_PLACES)
+                          hint="check what it is and its permissions, or use another place",
+                          fix=Fix("own_db"))
     if "disk I/O" in text:
         return StoreError("local database %s: disk I/O error (a full or failing disk?)" % path,
                           kind="store_io",
@@ -2454,7 +2467,7 @@ def read_only_error(path, where=None, problem=None):
     what, fix = _read_only_facts(where or read_only_where(path) or os.path.realpath(path))
     return StoreError("local database %s is read-only (%s)%s"
                       % (path, what, ": " + problem if problem else ""), kind="store_readonly",
-                      hint=fix + "or use another database: " + OWN_DB_PLACES)
+                      hint=fix + "or use another database", fix=Fix("own_db"))
 
 
 def _read_only_facts(where):
@@ -2533,7 +2546,7 @@ def _create_private(path):
         pass
     except OSError as e:
         raise StoreError("cannot create the local database %s: %s" % (path, e.strerror or e),
-                         hint="choose another place with " + OWN_DB_PLACES)
+                         hint="choose another place", fix=Fix("own_db"))
 
 
 def _check_private(path):
@@ -2555,8 +2568,8 @@ def _check_private(path):
         if unsafe and not (each in folders and st.st_uid == 0 and not st.st_mode & 0o022):
             raise StoreError("%s is %s: another user could read or replace the local database"
                              % (each, unsafe),
-                             hint="use a folder of your own (%s), or chown it to yourself "
-                             "and chmod go-w" % OWN_DB_PLACES)
+                             hint="use a folder of your own, or chown it to yourself and chmod "
+                             "go-w", fix=Fix("own_db"))
 
 
 # The columns of the outbox rows a bundle carries, then done_at (read to choose them, not carried).
@@ -2592,7 +2605,7 @@ def not_ours(path, tables):
     # The refusal of another program's database (see is_another_programs).
     return StoreError("%s is another program's SQLite database (tables: %s); left untouched"
                       % (path, table_list(tables)),
-                      hint="give qmem.py a file of its own: " + OWN_DB_PLACES)
+                      hint="give qmem.py a file of its own", fix=Fix("own_db"))
 
 
 class Store:
@@ -2605,8 +2618,7 @@ class Store:
         self.path = path
         if not os.path.exists(path):
             if not create:
-                raise StoreError("no local index yet at %s: run `qmem.py import` or `qmem.py pull`"
-                                 % path)
+                raise StoreError("no local index yet at %s" % path, fix=Fix("index"))
             _create_private(path)
         _check_private(path)
         tables = another_programs(path)  # (read-only: never opened for writing, see there)
@@ -4681,7 +4693,7 @@ def _write_payload(write, now=None):
                          % (len(text), MAX_TEXT))
     project = (project or "").strip()
     if not project:
-        raise UsageError("--project is required (the project this memory belongs to)")
+        raise UsageError("a memory needs the project it belongs to", fix=Fix("project"))
     if kind not in KINDS:
         raise UsageError("kind must be one of %s, not %r" % (", ".join(KINDS), kind))
     for name, value, bound in (("project", project, MAX_PROJECT),
@@ -4702,17 +4714,19 @@ def _write_payload(write, now=None):
     if expires:
         when = parse_iso(expires)
         if when is None:
-            raise UsageError("--expires %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
-                             % expires)
+            raise UsageError("the expiry date %r is not a date (use YYYY-MM-DD or an ISO-8601 "
+                             "time)" % expires)
         if when <= (time.time() if now is None else now):
-            raise UsageError("--expires %s is already past" % expires)
+            raise UsageError("the expiry date %s is already past" % expires,
+                             hint="use a future date")
         payload["expires_at"] = iso_from_epoch(when)
     if supersedes:
         payload["supersedes_id"] = supersedes
         if reason:
             payload["supersede_reason"] = reason.strip()
     elif reason:
-        raise UsageError("--reason goes with --supersedes ID (or use `qmem.py correct ID`)")
+        raise UsageError("a reason goes only with a correction (why the memory it corrects was "
+                         "wrong)", fix=Fix("supersedes"))
     return payload
 
 
@@ -4758,9 +4772,7 @@ def check_outbox_room(store, size, max_mb, held=False):
         raise OutboxFull(
             "the outbox is full: the writes waiting here take more than outboxMaxMB (%d MB)"
             % max_mb,
-            hint="deliver them with `qmem.py flush` (on an air-gapped host carry them out: "
-            "`qmem.py export --outbox-only FILE`), discard some with `qmem.py queue --drop ID`, "
-            "or raise the bound: `qmem.py config set outboxMaxMB N`")
+            fix=Fix("outbox_full"))
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
@@ -5134,7 +5146,7 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
         if resp.status == 404:
             raise QmemError("this gateway has no export endpoint (it is older than 2.12.0)",
                             kind="unsupported",
-                            hint="refresh known records one by one with `qmem.py enrich --all`")
+                            fix=Fix("enrich_all"))
         if resp.status != 200:
             raise QmemError("the gateway refused the export: %s" % resp.detail(), kind="refused")
         items, next_cursor = resp.data.get("items"), resp.data.get("next_cursor")
@@ -5373,7 +5385,8 @@ def check_bundle(stream, name, key=None, copy=None):
     if key_id != bundle_key_id(key):
         raise BundleError("%s is signed with another bundle key (id %s; this host's is %s): "
                           "nothing was loaded" % (name, visible(key_id[:16]), bundle_key_id(key)),
-                          hint="pair the two hosts: the same `qmem.py config bundle-key` on both")
+                          hint="pair the two hosts: the same bundle key on both",
+                          fix=Fix("bundle_key"))
     if not hmac.compare_digest(signature, mac.hexdigest()):
         raise BundleError("%s was altered after it was signed: nothing was loaded" % name)
     return header, SIGNED, "signed with this host's bundle key"
@@ -5857,8 +5870,10 @@ def _settle_loaded(store, row, state, stats):
 # ok / warn / fail with one line of advice. Network checks are separate, so that
 # `doctor --offline` runs in well under a second.
 
-def check(name, status, detail, advice=None):
-    return {"name": name, "status": status, "detail": detail, "advice": advice}
+def check(name, status, detail, advice=None, fix=None):
+    # One finding; `fix` (a Fix, or a list) as an error's: the front end words it.
+    return {"name": name, "status": status, "detail": detail, "advice": advice,
+            "fixes": as_fixes(fix)}
 
 
 def warn_if(name, bad, detail, advice):
@@ -5900,7 +5915,7 @@ def _doctor_sqlite():
 def _doctor_config(config, config_error):
     if config_error is not None:
         return [check("config", "fail", config_error.message,
-                      config_error.hint or "fix the config file")]
+                      config_error.hint or "fix the config file", config_error.fixes)]
     exists = os.path.exists(config.path)
     found = [check("config", "ok", "%s%s" % (config.path, "" if exists else
                                              " (not created yet: defaults)"))]
@@ -5918,7 +5933,7 @@ def _doctor_config(config, config_error):
     scheme, host = gateway_of(url)[:2]  # (a URL _check_config checked)
     if not key and config.key_withheld:
         found.append(check("api key", "fail", "no API key for this gateway: " + config.key_withheld,
-                           KEY_ELSEWHERE_HINT))
+                           KEY_ELSEWHERE_HINT, Fix("url_then_key")))
     elif not key:
         found.append(check("api key", "fail", "no API key configured",
                            "run `qmem.py config apikey`"))
@@ -5945,12 +5960,12 @@ def _doctor_database(config):
         store = Store(path, create=False)
     except StoreError as e:  # read-only is no failure: reading what it can is all it needs
         return [check("database", "warn" if e.kind == "store_readonly" else "fail", e.message,
-                      e.hint)]
+                      e.hint, e.fixes)]
     try:
         return _doctor_open_store(store, config["url"])
     except (StoreError, sqlite3.Error) as e:  # past what integrity_check could list
         err = store_error(e, path)
-        return [check("database", "fail", err.message, err.hint)]
+        return [check("database", "fail", err.message, err.hint, err.fixes)]
     finally:
         store.close()
 
@@ -5963,14 +5978,15 @@ def repair_database(config):
     try:
         store = Store(config.db_path, create=False)
     except StoreError as e:
-        return check("repair", "fail", "not repaired: %s" % e.message, e.hint)
+        return check("repair", "fail", "not repaired: %s" % e.message, e.hint, e.fixes)
     try:
         store.repair()
     except (StoreError, sqlite3.Error) as e:
         err = store_error(e, store.path)
         if err.kind == "store_readonly":  # nothing is known to be wrong: only the mode
-            return check("repair", "fail", "not repaired: %s" % err.message, err.hint)
-        return check("repair", "fail", "REINDEX failed: %s" % err.message, REBUILD_ADVICE)
+            return check("repair", "fail", "not repaired: %s" % err.message, err.hint,
+                         err.fixes)
+        return check("repair", "fail", "REINDEX failed: %s" % err.message, fix=Fix("rebuild"))
     finally:
         store.close()
     return check("repair", "ok",
@@ -5985,7 +6001,7 @@ def _doctor_open_store(store, url):
         more = "; %d more" % (len(findings) - 1) if len(findings) > 1 else ""
         err = damaged(store.path)
         found.append(check("database", "fail", "%s (integrity_check: %s%s)" % (
-            err.message, visible(findings[0])[:200], more), err.hint))
+            err.message, visible(findings[0])[:200], more), err.hint, err.fixes))
     elif verdict == "unfinished":
         found.append(check("database", "warn", "%s: the integrity check did not finish within %d s "
                            "(a busy machine, or another process writing)"
@@ -6032,7 +6048,7 @@ def _doctor_read_only(store):
         return []
     err = read_only_error(store.path, store.read_only)
     found = [check("read-only", "warn", "%s: commands that read work, those that write (store, "
-                   "import, pull, load) fail" % err.message, err.hint)]
+                   "import, pull, load) fail" % err.message, err.hint, err.fixes)]
     if store.version < SCHEMA_VERSION:
         found.append(check("schema", "warn", "schema %d of an older qmem.py, read as it is: a "
                            "writable copy would gain %s" % (store.version,
@@ -6163,7 +6179,7 @@ def doctor_link(config, clock=time.time):
             advice = ("it did not answer within connectTimeoutMs (%d ms): on a slow link raise "
                       "it, `qmem.py config set connectTimeoutMs %d`; else %s"
                       % (budget, max(3000, 3 * budget), advice))
-        return found + [check("status", "fail", e.message, advice)]
+        return found + [check("status", "fail", e.message, advice, e.fixes)]
     finally:
         gateway.close()
     return found + _judge_status(resp, time.monotonic() - started, config, clock)
@@ -6354,8 +6370,8 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
     path = os.path.join(folder, "qmem")
     ours = _launcher_is_ours(path)
     if ours is False:
-        raise UsageError("%s is not a launcher `qmem.py install` wrote: leaving it alone" % path,
-                         hint="move it aside, or choose another folder with --bin DIR")
+        raise UsageError("%s is not a launcher qmem.py wrote: leaving it alone" % path,
+                         hint="move it aside, or choose another folder", fix=Fix("bin"))
     # The cache of the user running this, as the launcher works it out (cache_folder)
     base = environ.get("XDG_CACHE_HOME") or ""
     user_cache = os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"), "qmem")
@@ -6376,7 +6392,7 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
     if os.name != "posix" or not python or len(python) > 120 or re.search(r"\s", python):
         raise UsageError(
             "a launcher needs a POSIX system and an interpreter path without spaces (%s)"
-            % (python or "unknown"), hint="run `python3 qmem.py` instead")
+            % (python or "unknown"), fix=Fix("no_launcher"))
     source = os.path.abspath(__file__)
     if not source.isprintable():  # it is written into the launcher's code
         raise UsageError("the path of qmem.py holds a control character: %r" % source,
@@ -6397,8 +6413,9 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
 # What the front ends (the command line; the MCP server) ask for. Each operation
 # takes explicit arguments and returns a document: a dict with the keys `--json`
 # prints. Operations never print, never exit and never see argparse; an expected
-# failure raises QmemError. A document whose exit code is not 0 says so itself,
-# with `exit_code` and an `error` object, like an error document.
+# failure raises QmemError, in words that hold for both front ends, with the Fix that
+# each front end words as its own command or tool. A document whose exit code is not 0
+# says so itself, with `exit_code` and an `error` object, like an error document.
 #
 # Operations holds what every operation shares over one configuration: the store and the
 # gateway (opened on first use), ids short and whole, why the gateway did not answer,
@@ -6559,7 +6576,7 @@ class Operations:
             return value  # a whole id, or no id at all: the operation says which
         if len(value) < SHORT_ID:
             raise UsageError("%s %s is not a memory id (a short one has %d characters at least)"
-                             % (where, value, SHORT_ID), hint="see `qmem.py find`")
+                             % (where, value, SHORT_ID), fix=Fix("ids"))
         outbox = tables == ("outbox",)
         found = []
         if self.has_index():  # in the case pi or the gateway wrote it
@@ -6567,11 +6584,12 @@ class Operations:
                             for i in self.store().ids_starting(start, tables)})
         if len(found) == 1:
             return found[0]
+        if not found and outbox:
+            raise UsageError("no write in the outbox starts with %s" % value, fix=Fix("queue"))
         if not found:
-            raise UsageError("no %s starts with %s" % (
-                "write in the outbox" if outbox else "memory known here", value),
-                hint="see `qmem.py queue`" if outbox else "a short id is looked up here "
-                "only, the whole id asks the gateway (see `qmem.py find`, `qmem.py queue`)")
+            raise UsageError("no memory known here starts with %s" % value,
+                             hint="a short id is looked up here only, the whole id asks the "
+                             "gateway", fix=Fix("ids"))
         raise UsageError("%s starts more than one id here: %s" % (value, ", ".join(
             found[:10]) + (", …" if len(found) > 10 else "")), hint="type more of it")
 
@@ -6650,7 +6668,7 @@ class ReadOps:
     def find(self, query, filters=Filters(), limit=10, highlight=("", "")):
         # Lexical search of the local index (offline).
         query = _check_query(query, "find", "circuit breaker")
-        limit = _check_int(limit, "--limit", 1, MAX_LIMIT)
+        limit = _check_int(limit, "the number of results", 1, MAX_LIMIT)
         doc = {"source": "local_sqlite", "degraded": False, "query": query,
                "query_cut": query_was_cut(query)}
         doc.update(self._find_local(query, filters, limit, highlight))
@@ -6688,7 +6706,7 @@ class ReadOps:
         # Private records only when asked for: the gateway has no such filter, so it is
         # asked for more, to still fill top_k.
         query = _check_query(query, "search", "how do we deploy")
-        top_k = _check_int(top_k, "--top-k", 1, 100)
+        top_k = _check_int(top_k, "the number of results", 1, 100)
         private = filters.private
         asked = top_k if private else min(100, 2 * top_k + 8)
         body = {"query": query, "top_k": asked,
@@ -6724,8 +6742,8 @@ class ReadOps:
         # One record in full, from the gateway (refreshing the local copy) or the local index.
         ops, rid = self.ops, (record_id or "").strip()
         if not rid:
-            raise UsageError("get needs a memory id")
-        _check_id(rid, "get")  # anything else is no id here nor on the gateway
+            raise UsageError("no memory id given", fix=Fix("ids"))
+        _check_id(rid)  # anything else is no id here nor on the gateway
         local = None
         try:
             if ops.has_index():  # a local id of a write delivered since: its gateway id
@@ -6766,7 +6784,7 @@ class ReadOps:
                      "answer), so it was deleted there or is another gateway's"
                      if local is not None else "")
             raise QmemError("no such memory: %s (the gateway does not know this id%s)"
-                            % (rid, known), kind="not_found")
+                            % (rid, known), kind="not_found", fix=Fix("ids"))
         if resp.status != 200:
             raise _refused(resp, "request")
         if normalize_record(resp.data) is None or resp.data.get("id") != rid:
@@ -6818,14 +6836,15 @@ class ReadOps:
     def _fallback(self, err, require_remote):
         # A read the gateway could not answer: the label of its answer from the local index
         # (source, degraded, the reason and the breaker's state), or raise (401 and
-        # configuration errors are errors; --require-remote makes any fallback exit 3).
+        # configuration errors are errors; require_remote makes any fallback exit 3).
         if not err.fallback_ok:
             raise err
         reason = self.ops.failure_reason(err)
         if require_remote:
-            raise RemoteRequired("gateway not usable and --require-remote given: %s"
-                                 % reason["reason"],
-                                 hint=err.hint if err.kind == NOT_CONFIGURED else None)
+            configure = err.kind == NOT_CONFIGURED
+            raise RemoteRequired("the gateway is required and cannot be used: %s"
+                                 % reason["reason"], hint=err.hint if configure else None,
+                                 fix=err.fixes if configure else None)
         if not self.ops.config["localFallback"]:
             raise err
         return dict(reason, source="local_sqlite", degraded=True)
@@ -6846,7 +6865,7 @@ class WriteOps:
         With supersedes it is a correction, on every path: a 409 duplicate does not apply
         it, and a paired host loads it as one."""
         if write.supersedes:
-            write = write._replace(supersedes=_check_id(write.supersedes.strip(), "--supersedes"))
+            write = write._replace(supersedes=_check_id(write.supersedes.strip()))
         return self._write(write._replace(kind=write.kind or "fact"), queue_only, allow_secret)
 
     @utf8_arguments
@@ -6855,8 +6874,8 @@ class WriteOps:
         to that memory's, as the local index knows it, else as the gateway does."""
         ops, target = self.ops, (write.supersedes or "").strip()
         if not target:
-            raise UsageError("correct needs the id of the memory it corrects")
-        _check_id(target, "correct")
+            raise UsageError("a correction needs the id of the memory it corrects")
+        _check_id(target)
         old = {}
         if ops.has_index():
             try:
@@ -6867,8 +6886,7 @@ class WriteOps:
                                       "supersedes_id": target}, ops.config.db_path)
         if old.get("failed"):
             raise UsageError("%s was refused by the gateway and never stored: there is nothing to "
-                             "correct" % target,
-                             hint="store the corrected text as a new memory (`qmem.py store`)")
+                             "correct" % target, fix=Fix("store_new"))
         if not old and not (write.project and write.kind):
             old = self._remote_target(target, needed=not write.project)
         project_from = "argument" if write.project else "the corrected memory"
@@ -6891,18 +6909,18 @@ class WriteOps:
             if not needed:
                 return {}
             raise UsageError("%s: say which project the correction belongs to" % e.message,
-                             hint=PROJECT_HINT)
+                             fix=Fix("project"))
         return {k: record.get(k) for k in ("project_id", "kind") if isinstance(record.get(k), str)}
 
     def _write(self, write, queue_only, allow_secret=False):
-        ops, payload = self.ops, _write_payload(write)
+        ops = self.ops
+        payload = _write_payload(write, now=ops.clock())
         found = None if allow_secret else secret_in_write(payload)
         if found:  # kept only in a private file: never in the outbox, a bundle or a retry
             raise _kept_aside(QmemError(
                 "not stored: the %s holds %s (at character %d), and shared memory is read by "
                 "the whole team" % (found[0], found[1], found[2] + 1), kind="secret",
-                hint="take the credential out and store it again (a person who means it: "
-                     "`--allow-secret`)"),
+                hint="take the credential out and store it again", fix=Fix("allow_secret")),
                 payload, ops.config.db_path)
         gateway = error = None
         if not queue_only:
@@ -6924,14 +6942,14 @@ class WriteOps:
                 error = self._send_now(store, gateway, local_id, token)
             except KeyboardInterrupt:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
-                                  hint="`qmem.py flush` delivers it")
+                                  fix=Fix("flush"))
         row = store.outbox.row(local_id)
         if row["state"] in WAITING and not queue_only and not ops.config["offlineQueue"]:
             store.outbox.forget(local_id)
             if isinstance(error, GatewayError):
                 raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s"
                                    % error.message,
-                                   hint=error.hint)
+                                   hint=error.hint, fix=error.fixes)
             raise QmemError("not stored (offlineQueue is off, nothing kept): %s"
                             % row["last_error"],
                             kind="not_stored")
@@ -6966,7 +6984,7 @@ class WriteOps:
         if state in WAITING:
             doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
             doc["by_bundles"] = by_bundles(ops.config["url"], ops.store())
-            doc["reason"] = "queued on request (--queue-only)" if queue_only else (
+            doc["reason"] = "queued on request, not sent" if queue_only else (
                 ops.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
                 str(error or row["last_error"] or "retry later"))
             when = max(row["next_attempt_at"],
@@ -6977,21 +6995,16 @@ class WriteOps:
             doc.update(not_applied=True, supersedes_id=payload["supersedes_id"])
             doc.update(error_document(QmemError("correction " + row["last_error"],
                                                 kind="not_applied",
-                                                hint=RETIRE_HINT.format(**doc))))
+                                                fix=Fix("retire", id=doc["supersedes_id"]))))
         elif state == FAILED:
             # A correction of what the gateway does not know cannot be fixed in the row.
-            doc["target_unknown"] = op == "correct" and row["last_status"] == 404
-            if doc["target_unknown"]:
-                hint = ("the memory it corrects is not known to the gateway: store the text as "
-                        "a new memory (`qmem.py store`) and discard this one (`qmem.py queue "
-                        "--drop %s`)" % local_id)
-            else:
-                hint = ("kept in the outbox as failed (%s); fix it and run `qmem.py flush "
-                        "--retry-failed`, or discard it with `qmem.py queue --drop %s`"
-                        % (local_id, local_id))
+            unknown = doc["target_unknown"] = op == "correct" and row["last_status"] == 404
             doc.update(error_document(QmemError(
                 "not stored: the gateway refused it: %s" % row["last_error"], kind="rejected",
-                hint=hint)))
+                hint="the memory it corrects is not known to the gateway" if unknown
+                else "kept in the outbox as failed (%s)" % local_id,
+                fix=Fix("store_instead", local_id=local_id) if unknown
+                else Fix("retry_or_drop", local_id=local_id))))
         elif error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
             # The gateway is there and will not take it as configured: still queued, but an error.
             doc.update(error_document(error))
@@ -7014,7 +7027,7 @@ class WriteOps:
     def drop(self, ids, force=False, dry_run=False):
         # Discard failed or duplicate writes and their local records; waiting ones
         # only with force. Nothing is discarded unless every id may be.
-        rows = self._outbox_rows(ids, "queue --drop needs the local id of at least one write",
+        rows = self._outbox_rows(ids, "nothing to drop: no local id of a write given",
                                  "no outbox here yet: nothing to drop")[1]
         store = self.ops.store()
         for r in rows:
@@ -7024,17 +7037,16 @@ class WriteOps:
             correction, target = next(iter(dependents.items()))
             raise UsageError("%s is a correction of %s and would point at nothing"
                              % (correction, target),
-                             hint="drop both: `qmem.py queue --drop %s %s --yes --force`"
-                             % (target, correction))
+                             fix=Fix("drop_both", target=target, correction=correction))
         if not dry_run:
             store.outbox.drop([r["local_id"] for r in rows])
         return {"source": "outbox", "dry_run": bool(dry_run), "dropped": rows,
                 "counts": store.outbox.counts()}
 
     def _outbox_rows(self, ids, usage, no_outbox=None):
-        # The ids given to queue --drop or --release (blanks left out) and their outbox
-        # rows. None given is the error `usage`; with `no_outbox`, so is a missing index;
-        # an id not in the outbox is refused.
+        # The ids given to drop or release (blanks left out) and their outbox rows. None
+        # given is the error `usage`; with `no_outbox`, so is a missing index; an id not
+        # in the outbox is refused.
         ops = self.ops
         ids = [i.strip() for i in ids if i and i.strip()]
         if not ids:
@@ -7044,20 +7056,18 @@ class WriteOps:
         rows = ops.store().outbox.items(None, ops.clock(), ids=ids) if ops.has_index() else []
         unknown = sorted(set(ids) - {r["local_id"] for r in rows})
         if unknown:
-            raise UsageError("no write %s in the outbox" % ", ".join(unknown),
-                             hint="see `qmem.py queue`")
+            raise UsageError("no write %s in the outbox" % ", ".join(unknown), fix=Fix("queue"))
         return ids, rows
 
     def release(self, ids, dry_run=False):
         # Let held writes (from an unverified bundle) be sent: the user vouches for them.
         # Nothing is released unless every id is a held write.
         ids, rows = self._outbox_rows(
-            ids, "queue --release needs the local id of at least one held write")
+            ids, "nothing to release: no local id of a held write given")
         not_held = [r["local_id"] for r in rows if r["state"] != HELD]
         if not_held:
             raise UsageError("%s is not held: only writes an unverified bundle brought are"
-                             % not_held[0],
-                             hint="`qmem.py queue --state held` lists them")
+                             % not_held[0], fix=Fix("held"))
         store = self.ops.store()
         if not dry_run:
             store.outbox.release_held(ids)
@@ -7157,20 +7167,15 @@ def _flush_problem(stats, pending, other_prober):
         if err.kind == BREAKER_OPEN and other_prober:
             return GatewayError(err.kind, "nothing delivered: %s" % err.message,
                                 hint="the writes stay queued; another process%s is trying the "
-                                "gateway now: `qmem.py flush` again once it has answered"
-                                % prober(other_prober))
+                                "gateway now" % prober(other_prober), fix=Fix("flush_after_probe"))
         return GatewayError(err.kind, "nothing delivered: %s" % err.message,
-                            hint="the writes stay queued; `qmem.py flush` again later")
+                            hint="the writes stay queued", fix=Fix("flush_later"))
     if stats.failed:
         return QmemError("%s refused by the gateway" % plural(len(stats.failed), "write"),
-                         kind="rejected",
-                         hint="`qmem.py queue --state failed` shows why; fix and `flush "
-                         "--retry-failed` (a correction not applied: correct what it corrects "
-                         "with other words), or `queue --drop ID`")
+                         kind="rejected", fix=Fix("failed_writes"))
     if (stats.retry_later or stats.held) and not delivered:
         return QmemError("nothing delivered: %s still queued" % plural(pending, "write"),
-                         kind="not_delivered",
-                         hint="`qmem.py queue` shows why and when they are tried next")
+                         kind="not_delivered", fix=Fix("queue_why"))
     return None
 
 
@@ -7188,7 +7193,7 @@ class CarryOps:
         rebuilt = self.index_identifiers() if self.ops.has_index() else None
         for root in roots or ():
             if not os.path.isdir(root):
-                raise UsageError("--sessions %s: %s"
+                raise UsageError("session folder %s: %s"
                                  % (root, "not a directory" if os.path.exists(root)
                                                          else "no such directory"))
         if not roots:
@@ -7221,7 +7226,7 @@ class CarryOps:
             if e.kind in CONFIG_KINDS or not stats.pages:
                 raise
             raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s"
-                               % (stats.pages, e.message), hint="`qmem.py pull` resumes there")
+                               % (stats.pages, e.message), fix=Fix("pull"))
         return self.ops.after_online(dict(stats.as_dict(), source="gateway",
                                           index_rebuilt=rebuilt))
 
@@ -7230,7 +7235,7 @@ class CarryOps:
         # Fetch full records for the given ids, or those known only from search hits
         # (every=True: every record here). Stops cleanly when the gateway goes away.
         if ids and every:
-            raise UsageError("give ids or --all, not both")
+            raise UsageError("give ids, or ask for every record: not both")
         gateway = self.ops.gateway()
         if not ids and not self.ops.has_index():
             return {"source": "gateway", "asked": 0, "fetched": 0, "unknown": [], "stopped": None,
@@ -7243,7 +7248,7 @@ class CarryOps:
         if stopped:
             return dict(doc, **error_document(QmemError(
                 "enrich stopped early: %s" % stopped, kind="stopped",
-                hint="what was fetched is kept; `qmem.py enrich` again goes on with the rest")))
+                hint="what was fetched is kept", fix=Fix("enrich"))))
         return self.ops.after_online(doc)
 
     # -- bundles: the knowledge in and the writes out, as one file
@@ -7254,21 +7259,21 @@ class CarryOps:
         # export leaves no half bundle), or to the binary stream when path is '-'.
         ops = self.ops
         if records_only and outbox_only:
-            raise UsageError("--records-only and --outbox-only exclude each other")
+            raise UsageError("records only and outbox only exclude each other")
         if since is not None:
             when = parse_iso(since)
             if when is None:
-                raise UsageError("--since %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
-                                 % since)
+                raise UsageError("%r is not a date to export since (use YYYY-MM-DD or an "
+                                 "ISO-8601 time)" % since)
             since = iso_from_epoch(when)
         if not ops.has_index():
             raise StoreError("no local index yet at %s: nothing to export" % ops.config.db_path,
-                             hint="run `qmem.py import` or `qmem.py pull` first")
+                             fix=Fix("index"))
         options = dict(projects=list(projects or ()) or None, since=since, records=not outbox_only,
                        outbox=not records_only, key=ops.config["bundleKey"])
         if path == "-":
             if stream is None:
-                raise UsageError("export -: there is no stdout to write the bundle to")
+                raise UsageError("there is no standard output to write the bundle to")
             try:
                 counts = write_bundle(ops.store(), stream, **options)
                 stream.flush()
@@ -7401,7 +7406,8 @@ class SetupOps:
         if failed:
             doc.update(error_document(QmemError("%s failed: %s" % (plural(len(failed), "check"),
                                                                    failed[0]["detail"]),
-                                                kind="doctor", hint=failed[0]["advice"])))
+                                                kind="doctor", hint=failed[0]["advice"],
+                                                fix=failed[0]["fixes"])))
         return doc
 
     # -- the configuration
@@ -7439,8 +7445,7 @@ class SetupOps:
                              "empty, at most %d" % MAX_KEY, hint="nothing was saved")
         if not isinstance(config.raw.get("url"), str) or not config.raw["url"].strip():
             raise UsageError("set the gateway's URL in %s first: a key is sent only to the gateway "
-                             "it was saved for" % config.path,
-                             hint="`qmem.py config url https://…`, then `qmem.py config apikey`")
+                             "it was saved for" % config.path, fix=Fix("url_then_key"))
         if on_command_line:
             warn("a key given on the command line stays in your shell history; prefer "
                  "`qmem.py config apikey` and type it at the prompt")
@@ -7460,15 +7465,13 @@ class SetupOps:
         # other host.
         config = self.ops.config
         if new == bool(key):
-            raise UsageError("give the key (on stdin or at the prompt), or --new to make one, not "
-                             "both" if key else "no bundle key given",
-                             hint="`qmem.py config bundle-key --new` "
-                             "makes one; `printf %s KEY | qmem.py config bundle-key` sets one")
+            raise UsageError("give a bundle key or ask for a new one, not both" if key
+                             else "no bundle key given", fix=Fix("bundle_key"))
         key = os.urandom(32).hex() if new else key.strip()
         if not bundle_key_ok(key):
             raise UsageError("a bundle key must be %d to %d printable characters without spaces "
                              "(128 bits: 32 hex digits)" % (MIN_BUNDLE_KEY, MAX_KEY),
-                             hint="nothing was saved; `qmem.py config bundle-key --new` makes one")
+                             hint="nothing was saved", fix=Fix("bundle_key"))
         write_config(config, {"bundleKey": key})
         doc = {"action": "bundle-key", "file": config.path, "key": "bundleKey",
                "value": mask_secret(key), "key_id": bundle_key_id(key)}
@@ -7537,19 +7540,18 @@ GATEWAY_404 = "gateway: not found (404)"  # why `get` shows this machine's copy 
 # The label of a read the gateway answered (search, meta); _fallback's when it did not.
 _ANSWERED = {"source": "gateway", "degraded": False, "reason": None, "breaker_open": False,
              "retry_in_ms": None}
-PROJECT_HINT = "give it with --project P"  # the MCP server says: pass project_id
 
 
 def _check_query(query, command, example):
     query = (query or "").strip()
     if not query:
-        raise UsageError("%s needs a query" % command,
-                         hint='e.g. qmem.py %s "%s"' % (command, example))
+        raise UsageError("a search needs a query", fix=Fix("query", command=command,
+                                                          example=example))
     return query
 
 
 def _check_int(value, name, low, high):
-    # An integer option within [low, high] ("5" is taken as 5: agents send strings).
+    # An integer within [low, high], `name` saying what it counts ("5" is taken as 5).
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -7572,13 +7574,8 @@ def _kept_aside(err, payload, db_path):
     # The StoreError of a write that could not be queued, with the user's text saved to
     # a file it names (in the database's folder, else the temporary one), or, when no file
     # can be written either, carried in full for the front end to show.
-    import shlex
     name = "%s%s-%s.txt" % (KEPT_ASIDE, time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
-    flags = "".join(" %s %s" % (flag, shlex.quote(str(payload[key])))
-                    for key, flag in _RETRY_FLAGS if payload.get(key))
-    if payload.get("private"):
-        flags += " --private"
-    before = err.hint + "; " if err.hint else ""  # the error's own hint comes first
+    again = {key: payload[key] for key in WRITE_AGAIN if payload.get(key)}
     for where in kept_aside_folders(db_path):
         path = os.path.join(where, name)
         try:
@@ -7587,42 +7584,40 @@ def _kept_aside(err, payload, db_path):
             atomic_write(path, (payload["text"] + "\n").encode("utf-8"), 0o600)
         except OSError:
             continue
-        return StoreError("%s; nothing was queued" % err.message, kind=err.kind,
-                          hint="%syour text is saved in %s: to store it after that, `qmem.py "
-                          "store --text-file %s%s`" % (before, path, shlex.quote(path), flags))
+        return StoreError("%s; nothing was queued" % err.message, kind=err.kind, hint=err.hint,
+                          fix=err.fixes + [Fix("store_saved", path=path, write=again)])
     failed = StoreError("%s; nothing was queued, and no file could hold your text either"
                         % err.message,
-                        kind=err.kind, hint="%syour text follows in full on stderr" % before)
+                        kind=err.kind, hint=err.hint, fix=err.fixes + [Fix("unsaved_text")])
     failed.unsaved_text = payload["text"]
     return failed
 
 
-# The payload's fields a retried store must carry again, and their flags.
-_RETRY_FLAGS = (("project_id", "--project"), ("kind", "--kind"), ("scope", "--scope"),
-                ("supersedes_id", "--supersedes"),
-                ("supersede_reason", "--reason"), ("expires_at", "--expires"))
+# The fields of a write that a store of its saved text must give again (Fix "store_saved").
+WRITE_AGAIN = ("project_id", "kind", "scope", "supersedes_id", "supersede_reason", "expires_at",
+               "private")
 
 
 def _unavailable(rid, err, reason):
     # The error of a get() that neither this machine nor the gateway can answer.
-    hint = ("no gateway is configured here (`qmem.py config url`)"
-            if err.kind == NOT_CONFIGURED else "try again once the gateway is back")
+    configure = err.kind == NOT_CONFIGURED
     return QmemError("%s is not in the local index, and the gateway cannot be asked (%s)"
                      % (rid, reason), kind="unavailable",
-                     hint=hint + "; `qmem.py find` searches this machine meanwhile")
+                     hint="no gateway is configured here" if configure
+                     else "try again once the gateway is back",
+                     fix=([Fix("url")] if configure else []) + [Fix("find_meanwhile")])
 
 
 SHORT_ID = 8  # the fewest characters of an id a narrow terminal shows, and a person types
 _UUID_SHAPE = "00000000-0000-0000-0000-000000000000"
 
 
-def _check_id(value, where):
+def _check_id(value):
     # A memory id, gateway or local, is a UUID: anything else would be queued only to
     # fail at flush.
     if not UUID_RE.fullmatch(value):
-        raise UsageError("%s %s is not a memory id" % (where, _fit(value, 60)),
-                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11 (see `qmem.py "
-                         "find`)")
+        raise UsageError("%s is not a memory id" % _fit(value, 60),
+                         hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11", fix=Fix("ids"))
     return value
 
 
@@ -7631,15 +7626,13 @@ def _check_droppable(row, force, now, store):
     if state == SYNCED:
         raise UsageError("%s is in shared memory already (as %s): nothing to drop"
                          % (row["local_id"], row["gateway_id"]),
-                         hint="to change what it says: `qmem.py correct %s \"…\"`"
-                         % row["gateway_id"])
+                         fix=Fix("correct", id=row["gateway_id"]))
     if (state == SENDING and row["lease_until"] and row["lease_until"] > now
             and not claimant_is_gone(store.outbox.claim_of(row["local_id"]))):
         raise UsageError("%s is being sent right now by another flush" % row["local_id"],
                          hint="try again in a moment")
     if state in WAITING and not force:
-        raise UsageError("%s is still waiting to be sent; add --force to discard it anyway"
-                         % row["local_id"])
+        raise UsageError("%s is still waiting to be sent" % row["local_id"], fix=Fix("force"))
 
 
 def _hit(result):
@@ -7674,9 +7667,9 @@ def _check_score(value):
     try:
         score = float(value)
     except (TypeError, ValueError):
-        raise UsageError("--min-score must be a number between 0 and 1, not %r" % (value,))
+        raise UsageError("the minimum score must be a number between 0 and 1, not %r" % (value,))
     if not 0 <= score <= 1:
-        raise UsageError("--min-score must be between 0 and 1")
+        raise UsageError("the minimum score must be between 0 and 1")
     return score
 
 
@@ -7688,7 +7681,9 @@ def _refused(resp, what):
 # === Output ==================================================================
 #
 # One renderer per kind of document, for a person; --json prints the document
-# itself. Errors are documents too. Nothing above this section prints.
+# itself. Errors are documents too. Nothing above this section prints. This is the
+# command line's side: each Fix of an error becomes the command that sets it right
+# (CLI_FIXES).
 
 def emit_json(doc, out=None):
     out = out or sys.stdout
@@ -7696,6 +7691,111 @@ def emit_json(doc, out=None):
         out.write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
     except UnicodeEncodeError:  # an ASCII stdout: the same document, escaped
         out.write(json.dumps(doc, sort_keys=True) + "\n")
+
+
+def _store_saved(fix):
+    # The command that stores a text kept aside (see _kept_aside), with its write's flags.
+    import shlex
+    write = fix["write"]
+    flags = "".join(" %s %s" % (flag, shlex.quote(str(write[key])))
+                    for key, flag in _WRITE_FLAGS if write.get(key))
+    if write.get("private"):
+        flags += " --private"
+    return ("your text is saved in %s: to store it after that, `qmem.py store --text-file %s%s`"
+            % (fix["path"], shlex.quote(fix["path"]), flags))
+
+
+# The flags of a write's fields (WRITE_AGAIN but private, which is a flag of its own).
+_WRITE_FLAGS = (("project_id", "--project"), ("kind", "--kind"), ("scope", "--scope"),
+                ("supersedes_id", "--supersedes"),
+                ("supersede_reason", "--reason"), ("expires_at", "--expires"))
+_REBUILD = ("move it aside and rebuild it: `qmem.py import` and `qmem.py pull` (export the "
+            "outbox first if you can: `qmem.py export --outbox-only FILE`)")
+# What sets each failure right at the command line, by the name of its Fix: a command with
+# its flags, the Fix's values filled in (or a function of the Fix, where a template cannot).
+CLI_FIXES = {
+    "allow_secret": "a person who means it: `--allow-secret`",
+    "apikey": "save the key with `qmem.py config apikey`",
+    "bin": "--bin DIR chooses one",
+    "bundle_key": "`qmem.py config bundle-key --new` makes one; `printf %s KEY | qmem.py config "
+                  "bundle-key` sets one",
+    "ca_file": "`qmem.py config set caFile PATH` sets it",
+    "correct": "to change what it says: `qmem.py correct {id} \"…\"`",
+    "drop_both": "drop both: `qmem.py queue --drop {target} {correction} --yes --force`",
+    "enrich": "`qmem.py enrich` again goes on with the rest",
+    "enrich_all": "refresh known records one by one with `qmem.py enrich --all`",
+    "failed_writes": "`qmem.py queue --state failed` shows why; fix and `flush --retry-failed` (a "
+                     "correction not applied: correct what it corrects with other words), or "
+                     "`queue --drop ID`",
+    "find_meanwhile": "`qmem.py find` searches this machine meanwhile",
+    "flush": "`qmem.py flush` delivers it",
+    "flush_after_probe": "`qmem.py flush` again once it has answered",
+    "flush_later": "`qmem.py flush` again later",
+    "force": "add --force to discard it anyway",
+    "held": "`qmem.py queue --state held` lists them",
+    "ids": "see `qmem.py find`",
+    "index": "run `qmem.py import` or `qmem.py pull` first",
+    "no_launcher": "run `python3 qmem.py` instead",
+    "outbox_full": "deliver them with `qmem.py flush` (on an air-gapped host carry them out: "
+                   "`qmem.py export --outbox-only FILE`), discard some with `qmem.py queue --drop "
+                   "ID`, or raise the bound: `qmem.py config set outboxMaxMB N`",
+    "own_db": "--db PATH or QMEM_SQLITE gives one",
+    "project": "give it with --project P",
+    "pull": "`qmem.py pull` resumes there",
+    "query": "e.g. `qmem.py {command} \"{example}\"`",
+    "queue": "see `qmem.py queue`",
+    "queue_why": "`qmem.py queue` shows why and when they are tried next",
+    "rebuild": _REBUILD,
+    "repair": "run `qmem.py doctor --repair` (REINDEX and a rebuild of the text index, inside "
+              "SQLite); if that does not mend it, " + _REBUILD,
+    "retire": "to retire {id}, correct it with other words: `qmem.py correct {id} \"…\"`",
+    "retry_or_drop": "fix it and run `qmem.py flush --retry-failed`, or discard it with `qmem.py "
+                     "queue --drop {local_id}`",
+    "store_instead": "store the text as a new memory (`qmem.py store`) and discard this one "
+                     "(`qmem.py queue --drop {local_id}`)",
+    "store_new": "store the corrected text as a new memory (`qmem.py store`)",
+    "store_saved": _store_saved,
+    "supersedes": "give the memory it corrects with --supersedes ID, or use `qmem.py correct ID`",
+    "unsaved_text": "your text follows in full on stderr",
+    "url": "run `qmem.py config url https://…`",
+    "url_then_key": "run `qmem.py config url https://…`, then `qmem.py config apikey`",
+}
+
+
+def cli_words(fix):
+    """A Fix as the command line says it: the command that sets the failure right."""
+    words = CLI_FIXES[fix["name"]]
+    return words(fix) if callable(words) else words.format(**fix)
+
+
+def cli_hint(hint, fixes):
+    """An error's hint at the command line: its own words, then each of its fixes."""
+    words = [hint] if hint else []
+    return "; ".join(words + [cli_words(f) for f in fixes]) or None
+
+
+def cli_text(err):
+    """An error's one line at the command line: what is wrong, and what helps."""
+    hint = cli_hint(err.hint, err.fixes)
+    return "%s: %s" % (err.message, hint) if hint else err.message
+
+
+def cli_document(doc):
+    """A document as the command line gives it: the fixes of its error, and of the
+    doctor's findings, worded into their hint (advice)."""
+    problem = doc.get("error")
+    if isinstance(problem, dict) and "fixes" in problem:
+        problem = dict(problem)
+        problem["hint"] = cli_hint(problem["hint"], problem.pop("fixes"))
+        doc = dict(doc, error=problem)
+    if "checks" in doc:
+        checks = []
+        for c in doc["checks"]:
+            c = dict(c, advice=cli_hint(c["advice"], c["fixes"]))
+            del c["fixes"]
+            checks.append(c)
+        doc = dict(doc, checks=checks)
+    return doc
 
 
 SNIPPET_CHARS = 200  # the longest snippet or text line of human output
@@ -8079,7 +8179,7 @@ def show_write(doc, out):
     out.write(("correction " if doc["op"] == "correct" and state == SYNCED else "")
               + write_said(doc) + "\n")
     if state == DUPLICATE and doc["duplicate_of"]:
-        out.write("  to change what it says: `qmem.py correct %(duplicate_of)s \"…\"`\n" % doc)
+        out.write("  %s\n" % cli_words(Fix("correct", id=doc["duplicate_of"])))
     elif state == FAILED:
         out.write("  %(hint)s\n" % doc["error"])
     elif state not in (SYNCED, DUPLICATE):
@@ -8355,7 +8455,7 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
 def render(command, doc, json_mode, out=None, bold=False, width=None, short=None):
     # Print a command's document: as JSON (the exact text), or with the command's
     # renderer, through TerminalText (escaped).
-    out = out or sys.stdout
+    out, doc = out or sys.stdout, cli_document(doc)
     if json_mode:
         emit_json(doc, out)
     else:
@@ -8374,13 +8474,13 @@ def render_json_version(out=None):
 def render_error(err, json_mode, out=None):
     # An error: one line on stderr, and under --json its document on stdout. Words a
     # write could not keep anywhere else follow in full on stderr (and in the document).
-    warn(str(err))
+    warn(cli_text(err))
     unsaved = getattr(err, "unsaved_text", None)
     if unsaved is not None:
         sys.stderr.write("--- your text, not saved anywhere else ---\n%s\n--- end ---\n"
                          % visible(unsaved))
     if json_mode:
-        doc = error_document(err)
+        doc = cli_document(error_document(err))
         if unsaved is not None:
             doc["unsaved_text"] = unsaved
         emit_json(doc, out)
@@ -8876,14 +8976,10 @@ class McpServer:
             self.warnings.append(_fit(message, 300))
 
     def _failure(self, err):
-        hint = err.hint or _NEXT_STEPS.get(err.kind)
-        unsaved = getattr(err, "unsaved_text", None)
-        if unsaved is not None:
-            hint = hint.replace("your text follows in full on stderr",
-                                "the text is in unsaved_text: store it again once the database is "
-                                "usable")
-        note = _for_agents(err.message + (". Next: %s." % hint.rstrip(".") if hint else "."))
+        hint = mcp_hint(err.hint, err.fixes) or _NEXT_STEPS.get(err.kind)
+        note = err.message + (". Next: %s." % hint.rstrip(".") if hint else ".")
         out = {"status": "error", "error": err.kind, "note": note}
+        unsaved = getattr(err, "unsaved_text", None)
         if unsaved is not None:
             out["unsaved_text"] = unsaved
         return out
@@ -8963,7 +9059,7 @@ class McpServer:
     def tool_search(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
         doc = ops.read.search(a["query"], _tool_filters(project, a), top_k=a.get("top_k", 8),
-                              min_score=a.get("min_score"))
+                         min_score=a.get("min_score"))
         return self._found(doc, project, where)
 
     def tool_find(self, ops, a):
@@ -8992,7 +9088,7 @@ class McpServer:
         return out
 
     def tool_get(self, ops, a):
-        doc = ops.read.get(_check_id(a["id"].strip(), "id"))
+        doc = ops.read.get(a["id"])
         record = _memory_out(doc["record"], whole=True)
         out = _read_result(doc, "found", id=record["id"], project_id=record.get("project_id"),
                            project_from="the memory", note=_get_note(doc, record))
@@ -9022,21 +9118,14 @@ class McpServer:
 
     def tool_store(self, ops, a):
         project, where = self._write_project(a.get("project_id"))
-        expires_at = a.get("expires_at")
-        if expires_at:
-            expires = parse_iso(expires_at)
-            if expires is None or expires <= self.clock():
-                raise UsageError("expires_at %s is %s" % (json.dumps(_fit(expires_at, 40)),
-                                                          "not a date" if expires is None
-                                                          else "already past"),
-                                 hint="use a future date, as YYYY-MM-DD or an ISO-8601 time")
         doc = ops.write.store_memory(Write(a["text"], project, a.get("kind"), a.get("scope"),
                                            agent=a.get("agent_id") or self.agent,
-                                           expires=expires_at, private=a.get("private", False)))
+                                           expires=a.get("expires_at"),
+                                           private=a.get("private", False)))
         return _written(doc, where)
 
     def tool_correct(self, ops, a):
-        target = _check_id(a["id"].strip(), "id")
+        target = a["id"].strip()
         doc = ops.write.correct(Write(a["text"], a.get("project_id"), a.get("kind"),
                                       agent=a.get("agent_id") or self.agent, supersedes=target,
                                       reason=a.get("reason")))
@@ -9057,9 +9146,42 @@ def _tool_filters(project, a):
                    private=a.get("private", False))
 
 
+# What sets each failure right for an agent, by the name of its Fix: a tool to call, an
+# argument to pass. A Fix not named here has no tool: the command line's words (CLI_FIXES)
+# say it, for the agent to pass on to the user; "" adds nothing.
+MCP_FIXES = {
+    "allow_secret": "",  # never offered to agents
+    "correct": "to change what it says, call qmem_correct with id {id}",
+    "find_meanwhile": "qmem_find searches this machine's index meanwhile",
+    "flush": "it is delivered after a later call that reaches the gateway",
+    "ids": "ids come from qmem_search or qmem_find results",
+    "own_db": "the server takes one as `qmem.py mcp --db PATH`, or QMEM_SQLITE in its "
+              "environment",
+    "project": "pass project_id",
+    "query": "call qmem_{command} again with the words to look for in query, e.g. \"{example}\"",
+    "retire": "to retire {id}, correct it with other words (qmem_correct)",
+    "retry_or_drop": "change what it refused and call the tool again (the refused copy stays in "
+                     "`qmem.py queue` until it is dropped)",
+    "store_instead": "store the text as a new memory with qmem_store instead",
+    "store_new": "store the corrected text as a new memory (qmem_store)",
+    "store_saved": "your text is saved in {path}",
+    "supersedes": "use qmem_correct",
+    "unsaved_text": "the text is in unsaved_text: store it again once the database is usable",
+}
+
+
+def mcp_hint(hint, fixes):
+    """An error's next step for an agent: its own words, then each fix as a tool to call
+    (or, where no tool sets it right, as the command a person runs)."""
+    words = [hint] if hint else []
+    for fix in fixes:
+        said = MCP_FIXES.get(fix["name"])
+        words.append(cli_words(fix) if said is None else said.format(**fix))
+    return "; ".join(w for w in words if w) or None
+
+
 # The next step for a failure that does not name one, by its kind.
 _NEXT_STEPS = {
-    "not_found": "ids come from qmem_search or qmem_find results",
     "usage": "correct the arguments and call the tool again",
     "config": "fix the file it names or move it aside (`qmem.py doctor` says more); until then "
               "every tool fails the same way",
@@ -9084,14 +9206,6 @@ def _check_project(project, where):
                          % (json.dumps(_fit(project, 60)), where, MAX_PROJECT),
                          hint="pass project_id, the project's short name (qmem_meta lists them)")
     return project
-
-
-def _for_agents(text):
-    # Words written for the command line, with its commands that are tools here named
-    # as the tools.
-    for command in ("find", "search", "get", "store", "correct", "meta"):
-        text = text.replace("`qmem.py %s`" % command, "qmem_" + command)
-    return text.replace(PROJECT_HINT, "pass project_id")
 
 
 def _file_stamp(path):
@@ -9180,15 +9294,8 @@ def _written(doc, where, corrects=None):
     elif status == "duplicate":
         note = ("%s; if this %s changes what that one says, correct it with qmem_correct and "
                 "that id" % (said, what))
-    elif doc.get("not_applied"):
-        note = ("%s; to retire %s, correct it with other words (qmem_correct)"
-                % (said, doc["supersedes_id"]))
-    elif status == "failed" and doc.get("target_unknown"):
-        note = ("%s; the memory it corrects is not known to the gateway, so store the text as "
-                "a new memory with qmem_store instead" % said)
-    elif status == "failed":
-        note = ("%s; change what it refused and call the tool again (the refused copy stays in "
-                "`qmem.py queue` until it is dropped)" % said)
+    elif status == "failed":  # refused, or a correction not applied: its error says what next
+        note = "%s; %s" % (said, mcp_hint(doc["error"]["hint"], doc["error"]["fixes"]))
     else:
         when = (DELIVER_BY[True] if doc.get("by_bundles") else
                 "once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
@@ -9200,8 +9307,9 @@ def _written(doc, where, corrects=None):
             if doc.get(key):
                 note += "; " + write_said(doc, what)
         if doc.get("error"):
+            problem = doc["error"]
             note += "; it will not be delivered until this is fixed: %s" % str(QmemError(
-                doc["error"]["message"], doc["error"]["hint"]))
+                problem["message"], mcp_hint(problem["hint"], problem["fixes"])))
     if corrects and doc.get("kind_from") == "default":
         note += ("; the corrected memory's kind could not be looked up, so this one is a fact "
                  "(pass kind to say otherwise)")

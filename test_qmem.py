@@ -3016,7 +3016,7 @@ class ImportTests(QmemTestCase):
         self.assertEqual(self.ok_json("import")["stats"]["lines_truncated"], 0)
         a_file = os.path.join(self.home, "f.txt")
         open(a_file, "w").close()
-        self.assertIn("--sessions %s: not a directory" % a_file,
+        self.assertIn("session folder %s: not a directory" % a_file,
                       self.expect_fail(2, "import", "--sessions", a_file))
 
     def test_a_fifo_in_a_sessions_folder_is_skipped(self):
@@ -5795,7 +5795,7 @@ class LauncherTests(QmemTestCase):
             make()
             for argv in (("install",), ("install", "--uninstall")):
                 err = self.expect_fail(2, *(argv + ("--bin", self.bin)))
-                self.assertIn("is not a launcher `qmem.py install` wrote", err)
+                self.assertIn("is not a launcher qmem.py wrote", err)
             self.assertTrue(os.path.lexists(self.launcher))
             os.unlink(self.launcher)
         self.ok("install", "--bin", self.bin)
@@ -5851,7 +5851,7 @@ class OperationsTests(GatewayTestCase):
 
     def test_a_huge_limit_is_a_usage_error(self):
         err = self.expect_fail(2, "find", "deploy", "--limit", "9223372036854775808")
-        self.assertIn("--limit must be between 1 and", err)
+        self.assertIn("the number of results must be between 1 and", err)
         self.expect_fail(2, "search", "deploy", "--top-k", "9223372036854775808")
 
     def test_the_automatic_flush_is_part_of_an_online_document(self):
@@ -5997,7 +5997,7 @@ class OperationsReadTests(GatewayTestCase):
         self.assertEqual(doc["results"][0]["id"], rec["id"])
         self.assertNotIn("score", doc["results"][0])
         err = self.expect_fail(3, "search", "circuit breaker", "--require-remote")
-        self.assertIn("--require-remote", err)
+        self.assertIn("the gateway is required and cannot be used", err)
 
     def test_fallback_reason_says_failing_or_unreachable_in_one_flat_line(self):
         self.gw.add("circuit breaker half-open")
@@ -6138,7 +6138,7 @@ class OperationsWriteTests(GatewayTestCase):
         self.put_record(unknown, "known here only")
         code, out, err = self.run_cli("correct", unknown, "the right words", "--project", "p")
         self.assertEqual(code, 1, out + err)
-        self.assertIn("the memory it corrects is not known to the gateway: store the text as "
+        self.assertIn("the memory it corrects is not known to the gateway; store the text as "
                       "a new memory (`qmem.py store`)", out + err)
         self.assertNotIn("--retry-failed", out + err)
 
@@ -6251,7 +6251,7 @@ class OperationsWriteTests(GatewayTestCase):
         self.assertIn("--supersedes abc is not a memory id",
                       self.expect_fail(2, "store", "x", "--project", "p", "--supersedes", "abc",
                                        "--queue-only"))
-        self.assertIn("correct notauuid is not a memory id",
+        self.assertIn("notauuid is not a memory id",
                       self.expect_fail(2, "correct", "notauuid", "x", "--project", "p",
                                        "--queue-only"))
         self.assertEqual(self.ok_json("queue")["items"], [])
@@ -7115,6 +7115,45 @@ class McpToolTests(McpTestCase):
             "local database %s is damaged. Next: run `qmem.py doctor --repair`" % self.db),
             result["structuredContent"]["note"])
 
+    def test_an_agent_is_told_its_tools_where_a_person_is_told_the_command_line(self):
+        """Issue 35: errors named the command line's flags and commands, and the server
+        rewrote some for agents (_for_agents): a refused credential told an agent
+        `--allow-secret` and `qmem.py store --text-file`, an empty query `qmem.py find`.
+        Each front end now words an error's fix; the error's own words are the same."""
+        server = self.server()
+        secret = server.call("qmem_store", text="la chiave AKIAIOSFODNN7EXAMPLE",
+                             project_id="p")["structuredContent"]["note"]
+        blank = server.call("qmem_find", query="  ")["structuredContent"]["note"]
+        self.assertEqual(server.close(), 0)
+        said = ("not stored: the text holds an AWS access key id (at character 11), and shared "
+                "memory is read by the whole team; nothing was queued")
+        self.assertTrue(secret.startswith(said + ". Next: take the credential out and store it "
+                                          "again; your text is saved in "), secret)
+        self.assertNotIn("--", secret)
+        self.assertNotIn("qmem.py", secret)
+        self.assertIn('Next: call qmem_find again with the words to look for in query', blank)
+        self.assertNotIn("qmem.py", blank)
+        err = self.expect_fail(1, "store", "la chiave AKIAIOSFODNN7EXAMPLE", "--project", "p")
+        self.assertTrue(err.startswith("qmem: " + said + ": take the credential out and store it "
+                                       "again; a person who means it: `--allow-secret`"), err)
+        self.assertIn("to store it after that, `qmem.py store --text-file ", err)
+        self.assertIn('e.g. `qmem.py find "circuit breaker"`', self.expect_fail(2, "find", " "))
+
+    def test_every_fix_is_worded_by_both_front_ends(self):
+        # Every Fix qmem.py names has the command line's words; one whose words name a
+        # command or a flag that an agent has as a tool or an argument has the server's.
+        with open(QMEM, encoding="utf-8") as f:
+            named = set(re.findall(r'\bFix\("(\w+)"', f.read()))
+        self.assertEqual(named, set(qmem.CLI_FIXES))
+        self.assertLessEqual(set(qmem.MCP_FIXES), named)
+        tools = re.compile(r"qmem\.py (find|search|get|store|correct|meta)\b|--(project|kind|"
+                           r"scope|text-file|supersedes|expires|private|reason|allow-secret)\b")
+        for name, words in qmem.CLI_FIXES.items():
+            if callable(words):
+                words = words(qmem.Fix(name, path="/f", write={"project_id": "p"}))
+            if tools.search(words):
+                self.assertIn(name, qmem.MCP_FIXES, words)
+
     def test_bad_arguments_are_results_that_say_what_to_do(self):
         server = self.server()
         for tool, arguments, words in (
@@ -7550,7 +7589,7 @@ class McpToolTests(McpTestCase):
                              project_id="infra")["structuredContent"]
         self.assertIn("once a gateway is configured (`qmem.py config url`)", queued["note"])
         bad_date = server.call("qmem_store", text="x", project_id="infra", expires_at="tomorrow")
-        self.assertIn("expires_at \"tomorrow\" is not a date",
+        self.assertIn("the expiry date 'tomorrow' is not a date",
                       bad_date["structuredContent"]["note"])
         self.assertEqual(server.close(), 0)
         config = os.path.join(self.home, "broken.json")
@@ -8414,6 +8453,36 @@ class ReadmeTests(QmemTestCase):
 
 class SourceTests(unittest.TestCase):
     """qmem.py and this file themselves."""
+
+    def test_no_error_below_the_front_ends_names_a_command_or_a_flag(self):
+        """Issue 35: errors raised below the front ends named the command line's flags and
+        commands (`add --force`, `qmem.py flush`). They say what is wrong in words that hold
+        for both front ends; their Fix is worded by each (CLI_FIXES, MCP_FIXES)."""
+        import ast
+        with open(QMEM, encoding="utf-8") as f:
+            source = f.read()
+        front = source[:source.index("\n# === Output ")].count("\n") + 1
+        tree = ast.parse(source)
+        errors = {n for n, v in vars(qmem).items()
+                  if isinstance(v, type) and issubclass(v, qmem.QmemError)}
+        constants = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                     for t in node.targets if isinstance(t, ast.Name)}
+        words = re.compile(r"--[a-z]|qmem\.py (import|find|status|search|get|store|correct|queue|"
+                           r"flush|enrich|pull|export|load|doctor|mcp|rules|install|breaker|"
+                           r"config)\b")
+        found = []
+        for call in ast.walk(tree):
+            name = getattr(getattr(call, "func", None), "id", None)
+            if isinstance(call, ast.Call) and name in errors and call.lineno < front:
+                for node in ast.walk(call):
+                    if isinstance(node, ast.Name) and node.id in constants:
+                        node = constants[node.id]
+                    for text in ast.walk(node):  # (a string is an ast.Str up to 3.7)
+                        value = getattr(text, "s" if type(text).__name__ == "Str" else "value",
+                                        None)
+                        if isinstance(value, str) and words.search(value):
+                            found.append((call.lineno, value))
+        self.assertEqual(found, [])
 
     def test_source_parses_as_python_3_6(self):
         import ast
