@@ -447,26 +447,8 @@ def warn(message):
     _diagnostics[0](message)
 
 
-# The command that runs this tool here, as a person types it: `qmem` through the
-# launcher, `python3 qmem.py` (or the path used) otherwise. The command line sets it for
-# a real run (command_as_run); qmem's own words name a command `qmem.py …`, and what a
-# person reads (human output, stderr) names it as it was run. --json keeps `qmem.py`.
-_as_run = ["qmem.py"]  # the name, or the function that works it out at the first hint
-
-
-def as_run(text):
-    # text with each `qmem.py …` (or `python3 qmem.py …`) named as this tool was run.
-    if "qmem.py " not in text or _as_run[0] == "qmem.py":
-        return text
-    if callable(_as_run[0]):
-        _as_run[0] = _as_run[0]()
-    return text.replace("`python3 qmem.py ", "`qmem.py ").replace("`qmem.py ",
-                                                                  "`%s " % _as_run[0])
-
-
 def stderr_diagnostic(message):
     # Escaped like human output (a gateway's words may hold an ESC); one line.
-    message = as_run(message)
     line = "qmem: %s\n" % visible(message.replace("\n", "\\n").replace("\t", "\\t"))
     try:
         sys.stderr.write(line)
@@ -7683,7 +7665,7 @@ def _refused(resp, what):
 # One renderer per kind of document, for a person; --json prints the document
 # itself. Errors are documents too. Nothing above this section prints. This is the
 # command line's side: each Fix of an error becomes the command that sets it right
-# (CLI_FIXES).
+# (CLI_FIXES), named as the user ran this tool (as_run).
 
 def emit_json(doc, out=None):
     out = out or sys.stdout
@@ -7691,6 +7673,28 @@ def emit_json(doc, out=None):
         out.write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
     except UnicodeEncodeError:  # an ASCII stdout: the same document, escaped
         out.write(json.dumps(doc, sort_keys=True) + "\n")
+
+
+# The command that runs this tool here, as a person types it: `qmem` through the
+# launcher, `python3 qmem.py` (or the path used) otherwise. The command line sets it for
+# a real run (command_as_run); qmem's own words name a command `qmem.py …`, and what a
+# person reads (human output, stderr) names it as it was run. --json keeps `qmem.py`.
+_as_run = ["qmem.py"]  # the name, or the function that works it out at the first hint
+
+
+def as_run(text):
+    """text with each `qmem.py …` (or `python3 qmem.py …`) named as this tool was run."""
+    if "qmem.py " not in text or _as_run[0] == "qmem.py":
+        return text
+    if callable(_as_run[0]):
+        _as_run[0] = _as_run[0]()
+    return text.replace("`python3 qmem.py ", "`qmem.py ").replace("`qmem.py ",
+                                                                  "`%s " % _as_run[0])
+
+
+def cli_diagnostic(message):
+    """The command line's warn(): one line on stderr, each command named as it was run."""
+    stderr_diagnostic(as_run(message))
 
 
 def _store_saved(fix):
@@ -9954,7 +9958,7 @@ def main(argv=None):
         _as_run[0] = lambda: command_as_run(argv0)
     argv = sys.argv[1:] if argv is None else list(argv)
     argv, json_mode, debug = _global_options(argv)
-    set_diagnostics(stderr_diagnostic)  # the command line's own: one line each on stderr
+    set_diagnostics(cli_diagnostic)  # the command line's own: one line each on stderr
     ops = doc_out = None  # doc_out: where documents go when stdout carries data (export -)
     try:
         if "--version" in argv and json_mode:
