@@ -6406,7 +6406,10 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
 # ops.write writes (store, correct) and keeps the outbox (queue, drop, release, flush, the
 # automatic delivery), ops.carry moves knowledge into and out of this machine (import,
 # pull, enrich, export, load), and ops.setup sets it up (config, breaker, doctor,
-# install, rules).
+# install, rules). A group reaches what is shared as self.ops, and another group through
+# it: every online answer ends with ops.after_online, which asks ops.write for the
+# automatic delivery; a correction of a memory this machine does not know asks
+# ops.read.get for its project and kind.
 
 def _check_utf8(value, name):
     try:
@@ -6420,9 +6423,9 @@ def _check_utf8(value, name):
 
 
 def utf8_arguments(method):
-    # Refuse text arguments that are not valid UTF-8 before anything is done: Python
-    # hands on bytes it could not decode (argv, stdin, environment) as lone surrogates,
-    # which SQLite and JSON cannot take.
+    """Refuse text arguments that are not valid UTF-8 before anything is done: Python
+    hands on bytes it could not decode (argv, stdin, environment) as lone surrogates,
+    which SQLite and JSON cannot take."""
     import functools
     code = method.__code__
     names = code.co_varnames[1:code.co_argcount]
@@ -6477,7 +6480,7 @@ AGENT_RULES = (
 
 
 def rules_markdown():
-    # The rules as a Markdown section to paste into AGENTS.md, CLAUDE.md or GEMINI.md.
+    """The rules as a Markdown section to paste into AGENTS.md, CLAUDE.md or GEMINI.md."""
     lines = ["## Shared memory (qmem)", "", RULES_INTRO, ""]
     lines += ["- **%s.** %s" % (title, text) for title, text in AGENT_RULES]
     return "\n".join(lines) + "\n"
@@ -6516,12 +6519,12 @@ class Operations:
         return self._gateway
 
     def gateway_answered(self):
-        # Did the gateway this command opened answer (with a key it took)?
+        """Did the gateway this command opened answer (with a key it took)?"""
         gateway = self._gateway
         return gateway is not None and gateway.answered and not gateway.key_rejected
 
     def configured_breaker(self):
-        # The configured gateway's breaker, to read; None when no gateway is configured.
+        """The configured gateway's breaker, to read; None when no gateway is configured."""
         return Breaker.from_config(self.config, clock=self.clock) if self.config["url"] else None
 
     def close(self):
@@ -6530,27 +6533,27 @@ class Operations:
             self._store.close()
 
     def close_gateway(self):
-        # Forget the gateway connection (a server does after every call: a kept-alive
-        # connection the gateway has since dropped must not count as a failure).
+        """Forget the gateway connection (a server does after every call: a kept-alive
+        connection the gateway has since dropped must not count as a failure)."""
         if self._gateway is not None:
             self._gateway.close()
             self._gateway = None
 
     def refresh(self):
-        # Before each call of a long-lived front end: see the index as it is now.
+        """Before each call of a long-lived front end: see the index as it is now."""
         if self._store is not None:
             self._store.records.refresh()
 
     def reload(self, config):
-        # Go on with a new configuration (after a change): the gateway is reopened.
+        """Go on with a new configuration (after a change): the gateway is reopened."""
         self.close()
         self.config, self._store, self._gateway = config, None, None
 
     # -- short ids: what a narrow terminal shows, and what a person types back
     def full_ids(self, values, where, tables=("records", "outbox")):
-        # The ids a person typed, each short one (the start of an id, SHORT_ID characters
-        # at least) made whole from the ids known here. An unknown or ambiguous start is
-        # refused, with the candidates: never sent to the gateway, never guessed.
+        """The ids a person typed, each short one (the start of an id, SHORT_ID characters
+        at least) made whole from the ids known here. An unknown or ambiguous start is
+        refused, with the candidates: never sent to the gateway, never guessed."""
         return [self._full_id(v.strip(), where, tables) for v in values]
 
     def _full_id(self, value, where, tables):
@@ -6576,8 +6579,8 @@ class Operations:
             found[:10]) + (", …" if len(found) > 10 else "")), hint="type more of it")
 
     def short_id(self, record_id):
-        # The shortest start (SHORT_ID characters at least) that names this id alone
-        # among those known here; the whole id when this host does not know it.
+        """The shortest start (SHORT_ID characters at least) that names this id alone
+        among those known here; the whole id when this host does not know it."""
         if not (isinstance(record_id, str) and UUID_RE.fullmatch(record_id)
                 and self.has_index()):
             return record_id
@@ -6594,8 +6597,8 @@ class Operations:
 
     # -- the gateway's answer, and what follows it
     def failure_reason(self, err):
-        # Why the gateway did not answer, as one flat phrase, and the breaker's state:
-        # 'gateway failing (HTTP 503, 3 in a row); breaker open, retry in 116 s'.
+        """Why the gateway did not answer, as one flat phrase, and the breaker's state:
+        'gateway failing (HTTP 503, 3 in a row); breaker open, retry in 116 s'."""
         if err.kind == NOT_CONFIGURED:
             return {"reason": err.message, "breaker_open": False, "retry_in_ms": None}
         breaker = Breaker.from_config(self.config, clock=self.clock)
@@ -6621,15 +6624,15 @@ class Operations:
         return {"reason": reason, "breaker_open": refused_now, "retry_in_ms": retry_ms}
 
     def after_online(self, doc):
-        # Every online command ends here: when the gateway answered it, deliver what is
-        # queued (for a few seconds at most) and say in the document what came of it.
+        """Every online command ends here: when the gateway answered it, deliver what is
+        queued (for a few seconds at most) and say in the document what came of it."""
         doc["auto_flush"] = ("after the answer" if self.flush_after_answer
                              else self.write.auto_flush())
         return doc
 
     def writes_stuck(self):
-        # While the last flush here failed on this machine's side: the sentence every
-        # result carries (a store not opened yet is not opened for it). Else None.
+        """While the last flush here failed on this machine's side: the sentence every
+        result carries (a store not opened yet is not opened for it). Else None."""
         found = flush_error(self.config.db_path, self._store)
         if found is None:
             return None
@@ -6648,7 +6651,7 @@ class ReadOps:
 
     @utf8_arguments
     def find(self, query, filters=Filters(), limit=10, highlight=("", "")):
-        # Lexical search of the local index (offline).
+        """Lexical search of the local index (offline)."""
         query = _check_query(query, "find", "circuit breaker")
         limit = _check_int(limit, "the number of results", 1, MAX_LIMIT)
         doc = {"source": "local_sqlite", "degraded": False, "query": query,
@@ -6670,7 +6673,7 @@ class ReadOps:
         return out
 
     def status(self):
-        # What the local side knows (an empty account on a fresh machine).
+        """What the local side knows (an empty account on a fresh machine)."""
         ops = self.ops
         gateway = mask_url(ops.config["url"]) if ops.config["url"] else None
         kept = kept_aside(ops.config.db_path)
@@ -6684,9 +6687,9 @@ class ReadOps:
     @utf8_arguments
     def search(self, query, filters=Filters(), top_k=8, min_score=None, require_remote=False,
                highlight=("", "")):
-        # Semantic search on the gateway; the local index answers (labelled) when it cannot.
-        # Private records only when asked for: the gateway has no such filter, so it is
-        # asked for more, to still fill top_k.
+        """Semantic search on the gateway; the local index answers (labelled) when it cannot.
+        Private records only when asked for: the gateway has no such filter, so it is
+        asked for more, to still fill top_k."""
         query = _check_query(query, "search", "how do we deploy")
         top_k = _check_int(top_k, "the number of results", 1, 100)
         private = filters.private
@@ -6721,7 +6724,7 @@ class ReadOps:
 
     @utf8_arguments
     def get(self, record_id, require_remote=False):
-        # One record in full, from the gateway (refreshing the local copy) or the local index.
+        """One record in full, from the gateway (refreshing the local copy) or the local index."""
         ops, rid = self.ops, (record_id or "").strip()
         if not rid:
             raise UsageError("no memory id given", fix=Fix("ids"))
@@ -6803,7 +6806,7 @@ class ReadOps:
             warn("the local index could not keep this answer: %s" % err.message)
 
     def meta(self, require_remote=False):
-        # What the memory holds; from the local index (labelled) when the gateway cannot say.
+        """What the memory holds; from the local index (labelled) when the gateway cannot say."""
         ops = self.ops
         try:
             resp = ops.gateway().call("GET", "/v1/meta")
@@ -6994,7 +6997,7 @@ class WriteOps:
 
     # -- the outbox
     def queue(self, state=None):
-        # The outbox, oldest first (empty on a fresh machine).
+        """The outbox, oldest first (empty on a fresh machine)."""
         ops = self.ops
         counts, items = dict.fromkeys(OUTBOX_STATES, 0), []
         if ops.has_index():
@@ -7007,8 +7010,8 @@ class WriteOps:
 
     @utf8_arguments
     def drop(self, ids, force=False, dry_run=False):
-        # Discard failed or duplicate writes and their local records; waiting ones
-        # only with force. Nothing is discarded unless every id may be.
+        """Discard failed or duplicate writes and their local records; waiting ones
+        only with force. Nothing is discarded unless every id may be."""
         rows = self._outbox_rows(ids, "nothing to drop: no local id of a write given",
                                  "no outbox here yet: nothing to drop")[1]
         store = self.ops.store()
@@ -7042,8 +7045,8 @@ class WriteOps:
         return ids, rows
 
     def release(self, ids, dry_run=False):
-        # Let held writes (from an unverified bundle) be sent: the user vouches for them.
-        # Nothing is released unless every id is a held write.
+        """Let held writes (from an unverified bundle) be sent: the user vouches for them.
+        Nothing is released unless every id is a held write."""
         ids, rows = self._outbox_rows(
             ids, "nothing to release: no local id of a held write given")
         not_held = [r["local_id"] for r in rows if r["state"] != HELD]
@@ -7058,9 +7061,9 @@ class WriteOps:
                 "by_bundles": by_bundles(self.ops.config["url"], store)}
 
     def flush(self, retry_failed=False, respect_retry_after=False, progress=None):
-        # Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
-        # backoff) is honoured only with respect_retry_after (the automatic flush always
-        # honours it). Nothing queued: no gateway needed, and no database created.
+        """Deliver the outbox, oldest first, now: a wait the gateway asked for (or a
+        backoff) is honoured only with respect_retry_after (the automatic flush always
+        honours it). Nothing queued: no gateway needed, and no database created."""
         ops = self.ops
         store = ops.store() if ops.has_index() else None
         if store is not None and retry_failed:
@@ -7101,8 +7104,8 @@ class WriteOps:
         return stats
 
     def auto_flush(self):
-        # Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
-        # (or the gateway has not answered this command).
+        """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
+        (or the gateway has not answered this command)."""
         try:
             if not self.auto_flush_due():
                 return None
@@ -7111,8 +7114,8 @@ class WriteOps:
         return self.deliver_ready()
 
     def auto_flush_due(self):
-        # Did this command reach the gateway (with a key it took), and is something in the
-        # outbox ready to go (a killed flusher's writes too: a flush takes them over)?
+        """Did this command reach the gateway (with a key it took), and is something in the
+        outbox ready to go (a killed flusher's writes too: a flush takes them over)?"""
         ops = self.ops
         if not ops.gateway_answered() or not ops.has_index():
             return False
@@ -7123,7 +7126,7 @@ class WriteOps:
                     or any(claimant_is_gone(t) for t in store.outbox.claim_tokens(now)))
 
     def deliver_ready(self):
-        # The automatic flush: what is ready, within AUTO_FLUSH_S; its counts.
+        """The automatic flush: what is ready, within AUTO_FLUSH_S; its counts."""
         store, db_path = None, self.ops.config.db_path
         try:
             store = self.ops.store()
@@ -7171,7 +7174,7 @@ class CarryOps:
 
     @utf8_arguments
     def import_sessions(self, roots=None):
-        # Index pi session files: the given folders, or pi's own.
+        """Index pi session files: the given folders, or pi's own."""
         rebuilt = self.index_identifiers() if self.ops.has_index() else None
         for root in roots or ():
             if not os.path.isdir(root):
@@ -7186,8 +7189,8 @@ class CarryOps:
                 "sessions_found": bool(roots), "stats": stats.as_dict(), "index_rebuilt": rebuilt}
 
     def index_identifiers(self):
-        # Once, for an index made before schema 4 (see _m004_words): made anew, so that
-        # identifiers are found by their parts. The number of records it holds, or None.
+        """Once, for an index made before schema 4 (see _m004_words): made anew, so that
+        identifiers are found by their parts. The number of records it holds, or None."""
         store, shown, count = self.ops.store(), Progress("search index"), None
         if store.records.fts and store.meta("words_pending"):
             count = store._one("SELECT count(*) FROM records")
@@ -7198,8 +7201,8 @@ class CarryOps:
         return count if rebuilt else None
 
     def pull(self, full=False, progress=None):
-        # Copy the shared memory into the local index, page by page; an interrupted pull
-        # keeps its pages and resumes after them.
+        """Copy the shared memory into the local index, page by page; an interrupted pull
+        keeps its pages and resumes after them."""
         gateway, stats = self.ops.gateway(), PullStats()
         rebuilt = self.index_identifiers()
         try:
@@ -7214,8 +7217,8 @@ class CarryOps:
 
     @utf8_arguments
     def enrich(self, ids=None, every=False, progress=None):
-        # Fetch full records for the given ids, or those known only from search hits
-        # (every=True: every record here). Stops cleanly when the gateway goes away.
+        """Fetch full records for the given ids, or those known only from search hits
+        (every=True: every record here). Stops cleanly when the gateway goes away."""
         if ids and every:
             raise UsageError("give ids, or ask for every record: not both")
         gateway = self.ops.gateway()
@@ -7237,8 +7240,8 @@ class CarryOps:
     @utf8_arguments
     def export(self, path, projects=None, since=None, records_only=False, outbox_only=False,
                stream=None):
-        # Write a bundle to path (through a temporary file and a rename: an interrupted
-        # export leaves no half bundle), or to the binary stream when path is '-'.
+        """Write a bundle to path (through a temporary file and a rename: an interrupted
+        export leaves no half bundle), or to the binary stream when path is '-'."""
         ops = self.ops
         if records_only and outbox_only:
             raise UsageError("records only and outbox only exclude each other")
@@ -7283,9 +7286,9 @@ class CarryOps:
 
     @utf8_arguments
     def load(self, path, dry_run=False, stream=None):
-        # Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
-        # read once, through one descriptor, into a private copy: what is merged is what
-        # was checked.
+        """Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
+        read once, through one descriptor, into a private copy: what is merged is what
+        was checked."""
         import tempfile
         ops = self.ops
         fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
@@ -7343,16 +7346,16 @@ class SetupOps:
         self.ops = ops
 
     def rules(self):
-        # The rules for agents (see AGENT_RULES), as data and as Markdown.
+        """The rules for agents (see AGENT_RULES), as data and as Markdown."""
         return {"intro": RULES_INTRO, "rules": [{"title": t, "text": x} for t, x in AGENT_RULES],
                 "markdown": rules_markdown()}
 
     def install(self, bin_dir=None, uninstall=False):
-        # The launcher (see the Launcher section), written or removed.
+        """The launcher (see the Launcher section), written or removed."""
         return install_launcher(bin_dir, uninstall)
 
     def breaker(self, reset=False):
-        # The circuit breaker's state for the configured gateway (reset=True closes it first).
+        """The circuit breaker's state for the configured gateway (reset=True closes it first)."""
         config = self.ops.config
         doc = {"url": config["url"], "configured": bool(config["url"]), "file": config.breaker_path,
                "reset": bool(reset), "trip_after": config["breakerTripAfter"]}
@@ -7374,8 +7377,8 @@ class SetupOps:
         return doc
 
     def doctor(self, offline=False, config_error=None, repair=False):
-        # What is wrong here and what to do: every check ok / warn / fail (repair=True
-        # first rebuilds the database's indexes).
+        """What is wrong here and what to do: every check ok / warn / fail (repair=True
+        first rebuilds the database's indexes)."""
         config = self.ops.config
         checks = [repair_database(config)] if repair and config_error is None else []
         checks += doctor_local(config, config_error)
@@ -7394,7 +7397,7 @@ class SetupOps:
 
     # -- the configuration
     def config_show(self):
-        # Every effective value and where it came from; the API key masked.
+        """Every effective value and where it came from; the API key masked."""
         c = self.ops.config
         shown = {k: (mask_secret(c[k]) if k in SECRET_KEYS and c[k] else c[k]) for k in CONFIG_KEYS}
         return {"action": "show", "file": c.path, "file_exists": os.path.exists(c.path),
@@ -7404,7 +7407,7 @@ class SetupOps:
 
     @utf8_arguments
     def config_url(self, url):
-        # Set the gateway URL (and reset the breakers of the old and the new one).
+        """Set the gateway URL (and reset the breakers of the old and the new one)."""
         config = self.ops.config
         url = check_url(url)
         old = config["url"]
@@ -7419,7 +7422,7 @@ class SetupOps:
 
     @utf8_arguments
     def config_apikey(self, key, on_command_line=False):
-        # Save the API key (mode 0600); the document shows it masked.
+        """Save the API key (mode 0600); the document shows it masked."""
         config = self.ops.config
         key = (key or "").strip()
         if not api_key_ok(key) or len(key) > MAX_KEY:
@@ -7442,9 +7445,9 @@ class SetupOps:
 
     @utf8_arguments
     def config_bundle_key(self, key=None, new=False):
-        # Save the key shared by the hosts that exchange bundles (mode 0600); new=True
-        # makes one (256 random bits), which the document carries once, to be set on the
-        # other host.
+        """Save the key shared by the hosts that exchange bundles (mode 0600); new=True
+        makes one (256 random bits), which the document carries once, to be set on the
+        other host."""
         config = self.ops.config
         if new == bool(key):
             raise UsageError("give a bundle key or ask for a new one, not both" if key
@@ -7463,7 +7466,7 @@ class SetupOps:
 
     @utf8_arguments
     def config_set(self, key, value):
-        # Set any key, type-checked; '', 'null' or 'default' restores the default.
+        """Set any key, type-checked; '', 'null' or 'default' restores the default."""
         config = self.ops.config
         if key not in CONFIG_KEYS:
             raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
@@ -7487,7 +7490,7 @@ class SetupOps:
         return {"action": "set", "file": config.path, "key": key, "value": parsed}
 
     def config_test(self):
-        # GET /v1/status past the breaker: reachable? key accepted? version, latency.
+        """GET /v1/status past the breaker: reachable? key accepted? version, latency."""
         c = self.ops.config
         gw = Gateway(c, Breaker.from_config(c, clock=self.ops.clock), bypass_breaker=True)
         started = time.monotonic()
@@ -8457,8 +8460,8 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
 
 
 def render(command, doc, json_mode, out=None, bold=False, width=None, short=None):
-    # Print a command's document: as JSON (the exact text), or with the command's
-    # renderer, through TerminalText (escaped).
+    """Print a command's document: as JSON (the exact text), or with the command's
+    renderer, through TerminalText (escaped)."""
     out, doc = out or sys.stdout, cli_document(doc)
     if json_mode:
         emit_json(doc, out)
@@ -8476,8 +8479,8 @@ def render_json_version(out=None):
 
 
 def render_error(err, json_mode, out=None):
-    # An error: one line on stderr, and under --json its document on stdout. Words a
-    # write could not keep anywhere else follow in full on stderr (and in the document).
+    """An error: one line on stderr, and under --json its document on stdout. Words a
+    write could not keep anywhere else follow in full on stderr (and in the document)."""
     warn(cli_text(err))
     unsaved = getattr(err, "unsaved_text", None)
     if unsaved is not None:
