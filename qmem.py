@@ -1220,11 +1220,12 @@ class Breaker:
                    lease_s=worst_call_s(config), **kw)
 
     # -- the file
-    # last_kind / last_detail: the kind and short cause of the last failure;
+    # The state of a closed breaker with nothing counted (never to be changed: read() gives a
+    # copy). last_kind / last_detail: the kind and short cause of the last failure;
     # opened_after: the consecutive failures that opened it (1: opened at once).
-    _CLOSED = {"state": "closed", "failures": 0, "trips": 0, "open_until": 0.0, "opened_at": None,
-               "opened_after": 0, "probe_token": None, "probe_until": 0.0, "last_error": None,
-               "last_error_at": None, "last_kind": None, "last_detail": None}
+    CLOSED = {"state": "closed", "failures": 0, "trips": 0, "open_until": 0.0, "opened_at": None,
+              "opened_after": 0, "probe_token": None, "probe_until": 0.0, "last_error": None,
+              "last_error_at": None, "last_kind": None, "last_detail": None}
 
     _cache = (None, None)  # (stat signature, parsed entries) of the last read
 
@@ -1267,11 +1268,11 @@ class Breaker:
         # field of the wrong type is corrupt: closed, with a warning (and rewritten on the
         # next change).
         entry = self._read_all(fresh).get(self.key)
-        state = dict(self._CLOSED)
+        state = dict(self.CLOSED)
         if entry is None:
             return state
         wrong = [] if isinstance(entry, dict) else ["the entry itself"]
-        for k, default in self._CLOSED.items() if not wrong else ():
+        for k, default in self.CLOSED.items() if not wrong else ():
             v = entry.get(k, default)
             if default is None or isinstance(default, str):
                 ok = v is None or isinstance(v, str)
@@ -1288,13 +1289,13 @@ class Breaker:
             _warn_once("breaker file %s is corrupt (%s of %s has the wrong type): treating the "
                        "breaker as closed (it is rewritten on the next change)"
                        % (self.path, ", ".join(wrong), self.key))
-            return dict(self._CLOSED)
+            return dict(self.CLOSED)
         return state
 
     def _write(self, state):
         # Under the lock: replace this URL's entry (a closed, clean state removes it).
         gateways = self._read_all(fresh=True)
-        if state == self._CLOSED:
+        if state == self.CLOSED:
             gateways.pop(self.key, None)
         else:
             gateways[self.key] = state
@@ -1351,7 +1352,7 @@ class Breaker:
         # probe), and the return value says whether the state was clean (closed, nothing
         # counted): then a success has nothing to write. The clean path writes nothing.
         state, now = self.read(), self.clock()
-        if state == self._CLOSED:
+        if state == self.CLOSED:
             return True
         if state["state"] == "closed" or (state["state"] == "half_open" and state["probe_token"]
                                           == self.token):
@@ -1392,7 +1393,7 @@ class Breaker:
 
     def success(self):
         # The gateway answered: close (writes only if something changes).
-        if self.read() == self._CLOSED:
+        if self.read() == self.CLOSED:
             return
         self.reset()
         self.probing = False
@@ -1441,7 +1442,7 @@ class Breaker:
 
     def reset(self):
         with self._lock():
-            self._write(self._CLOSED)  # (a closed, clean state: _write removes the entry)
+            self._write(self.CLOSED)  # (a closed, clean state: _write removes the entry)
 
 
 # === Gateway client ==========================================================
@@ -7363,7 +7364,7 @@ class SetupOps:
         if reset and config["url"]:
             breaker.reset()
         # no gateway configured: a closed breaker, never read nor reset
-        state, now = breaker.read() if config["url"] else Breaker._CLOSED, self.ops.clock()
+        state, now = breaker.read() if config["url"] else Breaker.CLOSED, self.ops.clock()
         is_open = state["state"] == "open"
         doc.update(state=state["state"], refusing=breaker.refuses(state, now),
                    failures=state["failures"],

@@ -1475,7 +1475,7 @@ class BreakerTests(GatewayTestCase):
         self.gw.script = [(503, None), (503, None)]
         # the third attempt answers
         self.assertEqual(self.client().call("GET", "/v1/status").status, 200)
-        self.assertEqual(self.breaker_state(), dict(qmem.Breaker._CLOSED))
+        self.assertEqual(self.breaker_state(), dict(qmem.Breaker.CLOSED))
 
     def test_breaker_command_shows_state_url_and_last_error(self):
         os.environ["QMEM_URL"] = self.dead
