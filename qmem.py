@@ -996,9 +996,18 @@ def _check_config(values, sources, path):
                    "bundle-key --new` (or the other host's key) sets it"
                    % (origin("bundleKey"), MIN_BUNDLE_KEY, MAX_KEY))
         values["bundleKey"] = None
+    wrong = breaker_times_wrong(values)
+    if wrong:
+        raise ConfigError("%s: %s" % (origin("breakerBaseMs"), wrong))
+
+
+def breaker_times_wrong(values):
+    """What is wrong with the breaker's open times in these config values, or None: the first
+    (breakerBaseMs) may not be longer than the longest (breakerMaxMs)."""
     if values["breakerBaseMs"] > values["breakerMaxMs"]:
-        raise ConfigError("%s: breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
-            origin("breakerBaseMs"), values["breakerBaseMs"], values["breakerMaxMs"]))
+        return "breakerBaseMs (%d) is longer than breakerMaxMs (%d)" % (
+            values["breakerBaseMs"], values["breakerMaxMs"])
+    return None
 
 
 def session_dirs(environ=None):
@@ -7484,9 +7493,9 @@ class SetupOps:
             if key == "caFile" and not os.path.isfile(parsed):
                 raise UsageError("caFile %s: no such file" % parsed)
         would = dict(config.values, **{key: DEFAULTS[key] if parsed is None else parsed})
-        if would["breakerBaseMs"] > would["breakerMaxMs"]:
-            raise UsageError("breakerBaseMs (%d) would be longer than breakerMaxMs (%d)" % (
-                would["breakerBaseMs"], would["breakerMaxMs"]))
+        wrong = breaker_times_wrong(would)
+        if wrong:
+            raise UsageError(wrong, hint="nothing was saved")
         write_config(config, {key: parsed})
         return {"action": "set", "file": config.path, "key": key, "value": parsed}
 
