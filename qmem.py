@@ -1892,7 +1892,7 @@ class Gateway:
         gateway = (self.host, self.port)
         peer = proxy or gateway  # where the connection goes
         if self.scheme == "https":
-            conn = http.client.HTTPSConnection(*peer, context=self._ssl_context())
+            conn = http.client.HTTPSConnection(*peer, context=tls_context(self.ca_file))
             if proxy:
                 conn.set_tunnel(*gateway)  # CONNECT, then TLS with the gateway itself
         else:
@@ -1924,22 +1924,25 @@ class Gateway:
                             detail="could not connect: %s"
                             % (getattr(e, "strerror", None) or _reason(e)))
 
-    def _ssl_context(self):
-        import ssl
-        net = _net_classes()
-        if "DeadlineSSLSocket" not in net:
-            net["DeadlineSSLSocket"] = type("DeadlineSSLSocket",
-                                            (net["DeadlineMixin"], ssl.SSLSocket), {})
-        # Verified, with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by
-        # OpenSSL) plus caFile for a private CA. There is no switch to turn it off.
-        try:
-            ctx = ssl.create_default_context(cafile=self.ca_file)
-        except OSError as e:  # ssl.SSLError too: a configuration error, not an unreachable gateway
-            raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (self.ca_file, _reason(e)),
-                               hint="caFile must be a PEM file of the CA", fix=Fix("ca_file"))
-        if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
-            ctx.sslsocket_class = net["DeadlineSSLSocket"]
-        return ctx
+
+def tls_context(ca_file):
+    """The TLS context of every connection to a gateway (a command's, doctor's): verified,
+    with the system's CAs (SSL_CERT_FILE / SSL_CERT_DIR are honoured by OpenSSL) plus ca_file
+    for a private CA; there is no switch to turn it off. GatewayError (tls) when ca_file
+    cannot be used: a configuration error, not an unreachable gateway."""
+    import ssl
+    net = _net_classes()
+    if "DeadlineSSLSocket" not in net:
+        net["DeadlineSSLSocket"] = type("DeadlineSSLSocket",
+                                        (net["DeadlineMixin"], ssl.SSLSocket), {})
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    except OSError as e:  # (an ssl.SSLError is one)
+        raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (ca_file, _reason(e)),
+                           hint="caFile must be a PEM file of the CA", fix=Fix("ca_file"))
+    if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
+        ctx.sslsocket_class = net["DeadlineSSLSocket"]
+    return ctx
 
 
 def _open_socket(address, deadline):
@@ -6201,9 +6204,11 @@ def _probe_steps(config):
     found.append(_timed("connect", "TCP connect to %s:%d" % (host, port), started, budget))
     try:
         if scheme == "https" and not proxy:  # (so host is the gateway's)
-            import ssl
             started = time.monotonic()
-            ctx = ssl.create_default_context(cafile=config["caFile"])
+            try:
+                ctx = tls_context(config["caFile"])
+            except GatewayError as e:
+                return found + [check("tls", "fail", e.message, e.hint, e.fixes)]
             try:
                 sock = ctx.wrap_socket(sock, server_hostname=host)
             except OSError as e:  # (an ssl.SSLError is one)

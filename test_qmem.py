@@ -1876,8 +1876,7 @@ class GatewayClientTests(GatewayTestCase):
         self.assertIn("queued", out)
 
     def test_tls_is_verified(self):
-        cfg = self.config(url="https://127.0.0.1:%d" % self.gw.port)
-        ctx = qmem.Gateway(cfg, qmem.Breaker.from_config(cfg))._ssl_context()
+        ctx = qmem.tls_context(None)
         import ssl
         self.assertEqual(ctx.verify_mode, ssl.CERT_REQUIRED)
         self.assertTrue(ctx.check_hostname)
@@ -5496,6 +5495,19 @@ class DoctorTests(GatewayTestCase):
         self.assertEqual(found["status"]["status"], "fail")
         self.assertIn("it did not answer within connectTimeoutMs (200 ms): on a slow link raise "
                       "it, `qmem.py config set connectTimeoutMs 3000`", found["status"]["advice"])
+
+    def test_a_ca_file_that_holds_no_certificate_fails_the_tls_check(self):
+        # Part 16: doctor's handshake made its own TLS context, and a caFile that is no PEM
+        # file ended it with an internal error.
+        ca = os.path.join(self.home, "ca.pem")
+        with open(ca, "w") as f:
+            f.write("not a certificate\n")
+        self.config_file({"caFile": ca})
+        os.environ["QMEM_URL"] = "https://127.0.0.1:%d" % self.gw.port
+        tls = self.checks(code=1)["tls"]
+        self.assertEqual(tls["status"], "fail", tls)
+        self.assertIn("caFile %s cannot be used" % ca, tls["detail"])
+        self.assertIn("config set caFile PATH", tls["advice"])
 
     def test_a_config_others_can_read_and_a_key_over_plain_http(self):
         self.config_file({"apiKey": API_KEY, "url": "http://gateway.example.test:8080"}, mode=0o644)
