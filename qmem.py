@@ -3712,6 +3712,17 @@ MAX_LINE_BYTES = 64 << 20  # a session line longer than this is skipped, not kep
 BATCH_S = 1.0
 
 
+def session_files(roots):
+    """The paths of pi's session files (*.jsonl) under the folders roots, in the order of
+    their names, folder by folder."""
+    for root in roots:
+        for folder, dirs, names in os.walk(root):
+            dirs.sort()
+            for name in sorted(names):
+                if name.endswith(".jsonl"):
+                    yield os.path.join(folder, name)
+
+
 class Importer:
     """Incremental, streaming import of pi session files into the Store.
 
@@ -3757,15 +3768,10 @@ class Importer:
     def _files_to_read(self, roots):
         # (path, stat, offset) of each session file that is new or changed, and where
         # to start reading it: a file that only grew is read on from its last complete line.
-        paths = []
-        for root in roots:
-            for folder, dirs, names in os.walk(root):
-                dirs.sort()
-                paths.extend(os.path.join(folder, n) for n in sorted(names) if n.endswith(".jsonl"))
         known = {row[0]: row[1:] for row in self.store.conn.execute(
             "SELECT path, size, mtime_ns, ino, offset, status FROM files")}
         todo = []
-        for path in paths:
+        for path in session_files(roots):
             self.stats.files_scanned += 1
             try:
                 path.encode("utf-8")
@@ -6069,14 +6075,11 @@ def _doctor_outbox(store, bundles):
 def _doctor_import_lag(store):
     last = parse_iso(store.meta("last_import_at") or "")
     newest = 0.0
-    for root in session_dirs():
-        for folder, _, names in os.walk(root):
-            for name in names:
-                if name.endswith(".jsonl"):
-                    try:
-                        newest = max(newest, os.stat(os.path.join(folder, name)).st_mtime)
-                    except OSError:
-                        continue
+    for path in session_files(session_dirs()):
+        try:
+            newest = max(newest, os.stat(path).st_mtime)
+        except OSError:
+            continue
     if newest and (last is None or newest > last):
         return check("import", "warn",
                      "pi sessions changed %s ago and are not imported yet" % duration(
