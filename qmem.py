@@ -1499,6 +1499,37 @@ HTML_PAGE = "an HTML page: " + PROXY_GUESS
 NOT_JSON_SHOWN = 200      # bytes of an answer that is not JSON quoted in the error
 MAX_JSON_VALUES = 1000000  # an export page of 500 long records has a few hundred thousand
 
+_JSON_MARK = LazyPattern(rb'[,\[{"]')  # what may add a value, or start a string
+_JSON_STRING = LazyPattern(rb'(?s)"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def json_values_over(raw, most):
+    """Does the JSON text raw (bytes) hold more than `most` values? The bound on what a text
+    from elsewhere (a gateway's answer, a bundle's line, an MCP message) becomes when parsed,
+    asked before it is parsed: a few bytes of '[{},{},...]' take a hundred times their size.
+    Every value but the first follows a ',' or is an array or an object, so one more than
+    the count of ',', '[' and '{' outside strings bounds the values. A text shorter than
+    `most` bytes holds no more (a value takes a byte at least); else they are counted over
+    every byte (at C speed; an over-estimate, as those in strings count too), then, where
+    that says too many, outside strings, stopping at `most`: about 3 * most steps at most."""
+    if len(raw) < most or raw.count(b",") + raw.count(b"[") + raw.count(b"{") < most:
+        return False
+    count, at = 0, 0
+    while count < most:
+        mark = _JSON_MARK.search(raw, at)
+        if mark is None:
+            return False
+        at = mark.end()
+        if mark.group() == b'"':
+            string = _JSON_STRING.match(raw, mark.start())
+            if string is None:
+                return False  # a string without its end: not JSON, as the parser will say
+            at = string.end()
+        else:
+            count += 1
+    return True
+
+
 # The socket/ssl classes, built on first use by _net_classes(): every connection starts with
 # a Deadline of its making, so what runs after one (_connect, _read_body, _open_socket) reads
 # _net directly.
@@ -1831,8 +1862,7 @@ class Gateway:
     def _parse(self, raw, resp):
         # The JSON of a body; a 2xx answer must be a JSON object. Bounded in what it
         # becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed.
-        values = raw.count(b",") + raw.count(b"[") + raw.count(b"{")
-        if values > MAX_JSON_VALUES:
+        if json_values_over(raw, MAX_JSON_VALUES):
             raise GatewayError(AMBIGUOUS,
                                "answer from %s holds more than %d JSON values: refused" % (
                 self.url, MAX_JSON_VALUES), resp.status, detail="answer too large")
@@ -5504,8 +5534,7 @@ def bundle_items(path):
         lines = _bundle_lines(f, path)
         next(lines)  # the header
         for line in lines:
-            if len(line) > MAX_BUNDLE_VALUES and (  # (a value takes a byte at least)
-                    line.count(b",") + line.count(b"[") + line.count(b"{") > MAX_BUNDLE_VALUES):
+            if json_values_over(line, MAX_BUNDLE_VALUES):
                 yield None
                 continue
             try:
@@ -8551,34 +8580,6 @@ def _json_kind(value):
 
 def rpc_error(rid, code, message):
     return {"jsonrpc": "2.0", "id": rid, "error": {"code": code, "message": message}}
-
-
-_JSON_MARK = LazyPattern(rb'[,\[{"]')  # what may add a value, or start a string
-_JSON_STRING = LazyPattern(rb'(?s)"[^"\\]*(?:\\.[^"\\]*)*"')
-
-
-def json_values_over(raw, most):
-    # Does the JSON text raw (bytes) hold more than `most` values, before it is parsed? Every
-    # value but the first follows a ',' or is an array or an object, so one more than the
-    # count of ',', '[' and '{' outside strings bounds the values. Counted first over every
-    # byte (at C speed; an over-estimate, as those in strings count too), then, where that
-    # says too many, outside strings, stopping at `most`: about 3 * most steps at most.
-    if raw.count(b",") + raw.count(b"[") + raw.count(b"{") < most:
-        return False
-    count, at = 0, 0
-    while count < most:
-        mark = _JSON_MARK.search(raw, at)
-        if mark is None:
-            return False
-        at = mark.end()
-        if mark.group() == b'"':
-            string = _JSON_STRING.match(raw, mark.start())
-            if string is None:
-                return False  # a string without its end: not JSON, as the parser will say
-            at = string.end()
-        else:
-            count += 1
-    return True
 
 
 def git_root(folder):

@@ -1761,6 +1761,13 @@ class GatewayClientTests(GatewayTestCase):
         self.assertEqual(doc["source"], "local_sqlite")
         self.assertIn("answer too large", doc["reason"])
 
+    def test_commas_and_brackets_in_an_answers_strings_are_no_values(self):
+        # Part 16: they counted as values (the bound on a JSON value was written three ways)
+        with mock.patch.object(qmem, "MAX_JSON_VALUES", 1000):
+            self.gw.script = [(200, {"text": "a, b, [c], {d}" * 1000})]
+            resp = self.client().call("GET", "/v1/status", retries=0)
+        self.assertEqual(len(resp.data["text"]), 14000)
+
     def test_503_with_retry_after_then_success(self):
         self.gw.script = [(503, {"detail": "warming up"}, {"Retry-After": "1"})]
         sleeps = []
