@@ -392,6 +392,19 @@ def without_surrogates(value):
     return value
 
 
+_ESCAPED_SURROGATE = LazyPattern(r"\\u[dD][89a-fA-F]")
+
+
+def without_escaped_surrogates(text, value):
+    """value, parsed from the JSON text `text` (a str), with every lone surrogate replaced
+    (without_surrogates). Strict UTF-8 has none, so only an escape can spell one: a value
+    whose text holds no escape of U+D800 to U+DFFF is returned as it is. RecursionError
+    for a value nested too deeply."""
+    if "\\u" in text and _ESCAPED_SURROGATE.search(text):
+        return without_surrogates(value)
+    return value
+
+
 
 _warned = set()
 
@@ -1867,9 +1880,8 @@ class Gateway:
                                "answer from %s holds more than %d JSON values: refused" % (
                 self.url, MAX_JSON_VALUES), resp.status, detail="answer too large")
         try:
-            parsed = json.loads(raw.decode("utf-8")) if raw else None
-            if b"\\ud" in raw or b"\\uD" in raw:  # a \ud83d escape: lone surrogates may be in it
-                parsed = without_surrogates(parsed)  # (a RecursionError is caught below)
+            text = raw.decode("utf-8")
+            parsed = without_escaped_surrogates(text, json.loads(text)) if text else None
         except RecursionError:
             raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url,
                                resp.status,
@@ -3670,9 +3682,7 @@ def _json_in_text(text):
         data = json.loads(stripped)  # a dict, as the text starts with "{"
     except (ValueError, RecursionError):
         return None
-    if "\\u" in stripped:  # it may spell a lone surrogate
-        data = without_surrogates(data)
-    return data
+    return without_escaped_surrogates(stripped, data)
 
 
 def records_from_call(name, call_args, result):
@@ -4060,7 +4070,6 @@ def _call_in(found, call_id):
 
 
 _scan_json = []  # json's own scanner, called directly: json.loads() adds ~2 us a line
-_ESCAPED_SURROGATE = LazyPattern(rb"\\u[dD][89a-fA-F]")
 
 
 def _parse_line(line):
@@ -4077,11 +4086,10 @@ def _parse_line(line):
         return None
     if end != len(text) and text[end:].strip():
         return None  # trailing garbage
-    if b"\\u" in line and _ESCAPED_SURROGATE.search(line):  # JSON may spell a lone surrogate
-        try:
-            data = without_surrogates(data)
-        except RecursionError:
-            return None
+    try:
+        data = without_escaped_surrogates(text, data)
+    except RecursionError:
+        return None
     return data if data.__class__ is dict else None
 
 
@@ -5542,12 +5550,11 @@ def bundle_items(path):
             except BundleError:
                 yield None
                 continue
-            # only a JSON escape can spell one; a record is cleaned as the gateway's answers
-            # are, an outbox row's write is judged as it was written (rebuilt_write)
-            if (b"\\u" in line and obj.get("type") == "record"
-                    and _ESCAPED_SURROGATE.search(line)):
+            # a record is cleaned of lone surrogates as the gateway's answers are, an outbox
+            # row's write is judged as it was written (rebuilt_write)
+            if obj.get("type") == "record":
                 try:
-                    obj = without_surrogates(obj)
+                    obj = without_escaped_surrogates(line.decode("utf-8"), obj)
                 except RecursionError:
                     yield None
                     continue
