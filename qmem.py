@@ -370,14 +370,22 @@ def visible(text):
     return text.translate(_ESCAPES)
 
 
-def text_of(value):
-    # A str that SQLite, JSON and a terminal can take: lone surrogates (JavaScript cut
-    # an emoji in half; JSON escapes allow them) become U+FFFD.
+def lone_surrogate_at(text):
+    """Where the first lone surrogate of text is (its index), or None: the one character of
+    a str that UTF-8, and so SQLite and JSON, cannot take. JavaScript cut an emoji in half,
+    a JSON escape spelled one, or Python stood one in for a byte it could not decode."""
     try:
-        value.encode("utf-8")  # fails on a lone surrogate only
-    except UnicodeEncodeError:
-        return re.sub("[\ud800-\udfff]", "\ufffd", value)
-    return value
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def text_of(value):
+    # A str that SQLite, JSON and a terminal can take: lone surrogates become U+FFFD.
+    if lone_surrogate_at(value) is None:
+        return value
+    return re.sub("[\ud800-\udfff]", "\ufffd", value)
 
 
 def without_surrogates(value):
@@ -5768,11 +5776,10 @@ def rebuilt_write(row):
         raise ValueError("supersedes_id is not a memory id")
     for field in ("text", "project_id", "kind", "scope", "agent_id", "source", "expires_at",
                   "supersede_reason"):  # sent as they are, or not at all
-        try:
-            (get(field) or "").encode("utf-8")  # fails on a lone surrogate only
-        except UnicodeEncodeError as e:
+        at = lone_surrogate_at(get(field) or "")
+        if at is not None:
             raise ValueError("the %s is not valid UTF-8 (a lone surrogate at character %d)"
-                             % (field.replace("_", " "), e.start + 1))
+                             % (field.replace("_", " "), at + 1))
     try:
         payload = _write_payload(Write(get("text"), get("project_id"), get("kind"), get("scope"),
                                        get("agent_id"), get("source"), get("expires_at"),
@@ -6466,13 +6473,12 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
 # ops.read.get for its project and kind.
 
 def _check_utf8(value, name):
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        bad = ord(value[e.start])
+    at = lone_surrogate_at(value)
+    if at is not None:
+        bad = ord(value[at])
         what = "byte 0x%02x" % (bad - 0xDC00) if 0xDC80 <= bad <= 0xDCFF else "a lone surrogate"
         raise UsageError("the %s is not valid UTF-8 (%s at character %d)"
-                         % (name.replace("_", " "), what, e.start + 1),
+                         % (name.replace("_", " "), what, at + 1),
                          hint="nothing was done; pass text in UTF-8")
 
 
