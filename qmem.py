@@ -3638,13 +3638,7 @@ def normalize_record(data):
         value = get(f)
         rec[f] = value if value.__class__ is str and value else None
     for f in _TIME_FIELDS:
-        value = get(f)
-        if not value:
-            rec[f] = None
-        elif value.__class__ is str and _ISO_FAST.match(value):  # the common case, inline
-            rec[f] = value if len(value) == 24 else value[:19] + ".000Z"
-        else:
-            rec[f] = iso_norm(value)
+        rec[f] = iso_norm(get(f))
     private = get("private")
     rec["private"] = int(private) if private is True or private is False else None
     if rec["kind"] is not None:
@@ -4727,6 +4721,16 @@ class Write(collections.namedtuple("Write", "text project kind scope agent sourc
 Write.__new__.__defaults__ = (None, None, None, None, None, False, None, None)  # (from kind on)
 
 
+def given_time(value, what):
+    """Epoch seconds of a date or a time given to a command (`what` it is: 'the expiry date'):
+    YYYY-MM-DD or ISO-8601, UTC without an offset. A UsageError when it is neither."""
+    when = parse_iso(value)
+    if when is None:
+        raise UsageError("%s %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
+                         % (what, value))
+    return when
+
+
 def _write_payload(write, now=None):
     """The request body of a write, every value checked first: a bad one is a usage error
     and nothing is queued. An expiry is judged against `now` (a bundle's write: when it was
@@ -4759,10 +4763,7 @@ def _write_payload(write, now=None):
     if scope:
         payload["scope"] = scope
     if expires:
-        when = parse_iso(expires)
-        if when is None:
-            raise UsageError("the expiry date %r is not a date (use YYYY-MM-DD or an ISO-8601 "
-                             "time)" % expires)
+        when = given_time(expires, "the expiry date")
         if when <= (time.time() if now is None else now):
             raise UsageError("the expiry date %s is already past" % expires,
                              hint="use a future date")
@@ -7306,11 +7307,7 @@ class CarryOps:
         if records_only and outbox_only:
             raise UsageError("records only and outbox only exclude each other")
         if since is not None:
-            when = parse_iso(since)
-            if when is None:
-                raise UsageError("%r is not a date to export since (use YYYY-MM-DD or an "
-                                 "ISO-8601 time)" % since)
-            since = iso_from_epoch(when)
+            since = iso_from_epoch(given_time(since, "the date to export since"))
         if not ops.has_index():
             raise StoreError("no local index yet at %s: nothing to export" % ops.config.db_path,
                              fix=Fix("index"))
