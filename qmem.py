@@ -4721,6 +4721,17 @@ class Write(collections.namedtuple("Write", "text project kind scope agent sourc
 Write.__new__.__defaults__ = (None, None, None, None, None, False, None, None)  # (from kind on)
 
 
+def field_wrong(name, value, bound):
+    """What is wrong with a field of a write (its project, scope, agent, source or reason),
+    in words, or None: longer than bound characters, or holding a character that is not
+    printable (a control character, a lone surrogate)."""
+    if value and len(value) > bound:
+        return "the %s is %d characters; it may have at most %d" % (name, len(value), bound)
+    if value and not value.isprintable():
+        return "the %s holds a control character" % name
+    return None
+
+
 def given_time(value, what):
     """Epoch seconds of a date or a time given to a command (`what` it is: 'the expiry date'):
     YYYY-MM-DD or ISO-8601, UTC without an offset. A UsageError when it is neither."""
@@ -4751,12 +4762,9 @@ def _write_payload(write, now=None):
                                ("scope", scope, MAX_FIELD),
                                ("agent", agent, MAX_FIELD), ("source", source, MAX_FIELD),
                                ("reason", reason, MAX_FIELD)):
-        if value and len(value) > bound:
-            raise UsageError("the %s is %d characters; it may have at most %d"
-                             % (name, len(value), bound),
-                             hint="nothing was done; give a shorter one")
-        if value and not value.isprintable():
-            raise UsageError("the %s holds a control character" % name, hint="nothing was done")
+        wrong = field_wrong(name, value, bound)
+        if wrong:
+            raise UsageError(wrong, hint="nothing was done")
     payload = {"text": text, "kind": kind, "project_id": project,
                "agent_id": agent or "qmem.py",
                "source": source or machine_identity()[:MAX_FIELD], "private": bool(private)}
@@ -9235,11 +9243,10 @@ def _printable(text):
 
 
 def _check_project(project, where):
-    # A project name as a filter or a label: printable, at most MAX_PROJECT characters.
-    if len(project) > MAX_PROJECT or _printable(project) != project:
-        raise UsageError("the project %s (from %s) is not a project name: it must be at most %d "
-                         "printable characters"
-                         % (json.dumps(_fit(project, 60)), where, MAX_PROJECT),
+    # A project name as a filter or a label, checked as a write's project is (field_wrong).
+    wrong = field_wrong("project", project, MAX_PROJECT)
+    if wrong:
+        raise UsageError("%s (%s, from %s)" % (wrong, json.dumps(_fit(project, 60)), where),
                          hint="pass project_id, the project's short name (qmem_meta lists them)")
     return project
 
