@@ -7976,13 +7976,13 @@ class CliTests(GatewayTestCase):
         self.assertIn("install, breaker, config: `qmem.py --help` says what each does", err)
         self.assertEqual(self.run_cli("--json")[0], 2)
 
-    def run_process(self, argv, stdin=b""):
-        env = dict(os.environ, PYTHONIOENCODING="utf-8")
-        proc = subprocess.run(qmem_command() + argv, input=stdin, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, env=env, timeout=60)
-        self.assertNotIn(b"Traceback", proc.stderr)
-        return (proc.returncode, proc.stdout.decode("utf-8", "replace"),
-                proc.stderr.decode("utf-8", "replace"))
+    def run_with_bytes(self, argv, stdin=b""):
+        """The CLI given bytes as a process is: argv (and stdin) as Python hands them on,
+        a byte it cannot decode as a lone surrogate (os.fsdecode)."""
+        with mock.patch("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8")):
+            code, out, err = self.run_cli(*map(os.fsdecode, argv))
+        self.assertNotIn("Traceback", err)
+        return code, out, err
 
     def test_usage_errors_exit_2_without_traceback(self):
         self.expect_fail(2, "frobnicate")
@@ -8072,19 +8072,19 @@ class CliTests(GatewayTestCase):
                          ["Perché la città usa il nodo 7", "dallo stdin"])
 
     def test_bytes_that_are_not_utf8_are_refused_before_anything_is_queued(self):
-        code, out, err = self.run_process(["store", "-", "--project", "demo", "--queue-only"],
-                                          stdin=b"x\xffy")
+        code, out, err = self.run_with_bytes(["store", "-", "--project", "demo", "--queue-only"],
+                                             stdin=b"x\xffy")
         self.assertEqual(code, 2)
         self.assertIn("the text in stdin is not valid UTF-8 (byte 0xff at offset 1)", err)
-        code, out, err = self.run_process([b"store", b"x\xffy", b"--project", b"demo",
-                                           b"--queue-only"])
+        code, out, err = self.run_with_bytes([b"store", b"x\xffy", b"--project", b"demo",
+                                              b"--queue-only"])
         self.assertEqual(code, 2)
         self.assertIn("the text is not valid UTF-8 (byte 0xff at character 2)", err)
-        code, out, err = self.run_process([b"store", b"fine", b"--project", b"de\xffmo",
-                                           b"--queue-only"])
+        code, out, err = self.run_with_bytes([b"store", b"fine", b"--project", b"de\xffmo",
+                                              b"--queue-only"])
         self.assertEqual(code, 2)
         self.assertIn("the project is not valid UTF-8", err)
-        code, out, err = self.run_process([b"find", b"x\xffy", b"--json"])
+        code, out, err = self.run_with_bytes([b"find", b"x\xffy", b"--json"])
         self.assertEqual((code, json.loads(out)["error"]["kind"]), (2, "usage"))
         self.assertEqual(self.ok_json("queue")["items"], [])
 
