@@ -2164,16 +2164,16 @@ class StoreTests(GatewayTestCase):
         self.assertIn("cannot create the local database", doc["error"]["message"])
 
     def test_folders_and_database_are_private_from_their_creation_whatever_the_umask(self):
-        script = ("import os, sys; os.umask(0); sys.path.insert(0, %r); import qmem; "
-                  "s = qmem.Store(sys.argv[1]); s.conn.execute('CREATE TABLE IF NOT EXISTS x(a)'); "
-                  "print(os.stat(sys.argv[1] + '-wal').st_mode & 0o777, "
-                  "os.stat(sys.argv[1] + '-shm').st_mode & 0o777)"
-                  % HERE)
         db = os.path.join(self.home, "a", "b", "qmem.sqlite")
-        proc = subprocess.run([sys.executable, "-c", script, db], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE)
-        self.assertEqual(proc.returncode, 0, proc.stderr)
-        self.assertEqual(proc.stdout.split(), [b"384", b"384"])  # 0600
+        umask = os.umask(0)  # (this process's: no other thread makes files meanwhile)
+        try:
+            store = qmem.Store(db)
+            self.addCleanup(store.close)
+            store.conn.execute("CREATE TABLE IF NOT EXISTS x(a)")
+        finally:
+            os.umask(umask)
+        for end in ("-wal", "-shm"):
+            self.assertEqual(os.stat(db + end).st_mode & 0o777, 0o600, end)
         self.assertEqual(os.stat(db).st_mode & 0o777, 0o600)
         for folder in (os.path.join(self.home, "a"), os.path.join(self.home, "a", "b")):
             self.assertEqual(os.stat(folder).st_mode & 0o777, 0o700, folder)
