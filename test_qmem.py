@@ -6939,6 +6939,23 @@ class McpProtocolTests(McpTestCase):
     """JSON-RPC and the MCP handshake, in this process: McpServer.handle_line as serve_mcp
     calls it."""
 
+    def test_handshake_echoes_each_known_version_and_answers_newest_otherwise(self):
+        server = self.server()
+        for version in qmem.MCP_VERSIONS:
+            result = server.initialize(version)
+            self.assertEqual(result["protocolVersion"], version)
+            self.assertEqual(result["capabilities"], {"tools": {"listChanged": False}})
+            self.assertEqual(result["serverInfo"]["name"], "qmem")
+        for asked in ("2099-01-01", "2026-07-28", None, 7):
+            reply = server.request("initialize", {"protocolVersion": asked, "capabilities": {}})
+            self.assertEqual(reply["result"]["protocolVersion"], "2025-11-25")
+        self.assertEqual(server.request("ping")["result"], {})
+        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
+        self.assertEqual(server.close(), 0)
+        self.assertEqual(server.stderr(), "")
+        # nothing opened before a tool call
+        self.assertFalse(os.path.exists(os.path.dirname(self.db)))
+
     def test_params_of_the_wrong_type_are_named(self):
         # Part 13: "params": "bad" was answered "Invalid params: params is an object".
         server = self.server()
@@ -7816,23 +7833,6 @@ class McpToolTests(McpTestCase):
 class McpProcessTests(McpTestCase):
     """`qmem.py mcp` as clients run it, a real process over pipes: what depends on the
     process (its start, its stdin and stdout, signals, its death, its encoding)."""
-
-    def test_handshake_echoes_each_known_version_and_answers_newest_otherwise(self):
-        server = self.process()
-        for version in qmem.MCP_VERSIONS:
-            result = server.initialize(version)
-            self.assertEqual(result["protocolVersion"], version)
-            self.assertEqual(result["capabilities"], {"tools": {"listChanged": False}})
-            self.assertEqual(result["serverInfo"]["name"], "qmem")
-        for asked in ("2099-01-01", "2026-07-28", None, 7):
-            reply = server.request("initialize", {"protocolVersion": asked, "capabilities": {}})
-            self.assertEqual(reply["result"]["protocolVersion"], "2025-11-25")
-        self.assertEqual(server.request("ping")["result"], {})
-        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
-        self.assertEqual(server.close(), 0)
-        self.assertEqual(server.stderr(), "")
-        # nothing opened before a tool call
-        self.assertFalse(os.path.exists(os.path.dirname(self.db)))
 
     def test_server_discover_and_unknown_methods_get_32601_at_once_before_initialize(self):
         server = self.process()
