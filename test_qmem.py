@@ -64,6 +64,18 @@ def qmem_command():
 
 
 _COMPILED = []
+
+
+def qmem_module():
+    """The start of a child's code that has the module qmem without compiling qmem.py again
+    (as `import qmem` does where no bytecode is written: PYTHONDONTWRITEBYTECODE, a folder
+    it cannot write): its code as compiled once for the run (qmem_command), run as qmem."""
+    qmem_command()
+    return ("import marshal, sys, types\n"
+            "qmem = sys.modules['qmem'] = types.ModuleType('qmem')\n"
+            "qmem.__file__ = %r\n"
+            "with open(%r, 'rb') as f:\n"
+            "    exec(marshal.load(f), qmem.__dict__)\n" % (QMEM, _COMPILED[0]))
 _AS_SCRIPT = ("import marshal, sys\n"
               "with open(sys.argv[1], 'rb') as f:\n"
               "    code = marshal.load(f)\n"
@@ -833,8 +845,7 @@ class UtilityTests(QmemTestCase):
     def test_a_claimant_killed_and_not_reaped_yet_is_gone(self):
         """Part 10's soak: a client that killed its server had not waited for it yet,
         and the zombie's claim held the write for the whole lease."""
-        child = ("import sys; sys.path.insert(0, %r); import qmem; "
-                 "print(qmem.claim_token(), flush=True); input()" % HERE)
+        child = qmem_module() + "print(qmem.claim_token(), flush=True); input()"
         proc = self.child([sys.executable, "-c", child], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, universal_newlines=True)
         token = proc.stdout.readline().strip()
@@ -1352,10 +1363,10 @@ class BreakerTests(GatewayTestCase):
         """Part 10: a flush SIGKILLed mid-request held the half-open probe, and for its
         whole lease every process answered "another process is probing it" while the
         gateway was up. A live prober keeps it."""
-        child = ("import sys, time; sys.path.insert(0, %r); import qmem\n"
+        child = (qmem_module() + "import time\n"
                  "b = qmem.Breaker(sys.argv[1], sys.argv[2], base_ms=1, max_ms=1, lease_s=50)\n"
                  "b.failure('unreachable', 'refused'); time.sleep(0.01); b.admit()\n"
-                 "print(b.read()['state'], flush=True); time.sleep(60)\n" % HERE)
+                 "print(b.read()['state'], flush=True); time.sleep(60)\n")
         proc = self.child([sys.executable, "-c", child, self.breaker_file, self.gw.url],
                           stdout=subprocess.PIPE, universal_newlines=True)
         self.assertEqual(proc.stdout.readline(), "half_open\n")
@@ -1562,14 +1573,14 @@ class BreakerTests(GatewayTestCase):
             self.assert_fails("ambiguous", gw, "GET", "/v1/status")
         self.assertEqual(self.breaker_state()["state"], "open")
         connections = self.gw.connections
-        probe = ("import sys, socket, runpy\n"
+        probe = ("import sys, socket\n"
                  "def no(*a, **k): raise AssertionError('a socket was opened')\n"
                  "socket.socket.__init__ = no\n"
                  "sys.argv = ['qmem.py', 'search', 'anything', '--json']\n"
-                 # (as __main__ the script ends the process itself: see exit_now)
-                 "code = runpy.run_path(%r, run_name='qmem_probe')['main'](sys.argv[1:])\n"
+                 + qmem_module() +
+                 "code = qmem.main(sys.argv[1:])\n"
                  "bad = [m for m in ('ssl', 'http.client') if m in sys.modules]\n"
-                 "sys.stderr.write('NET:%%s EXIT:%%s' %% (bad, code))\n" % QMEM)
+                 "sys.stderr.write('NET:%s EXIT:%s' % (bad, code))\n")
         p = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ),
                            stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, universal_newlines=True)
@@ -2215,13 +2226,13 @@ class StoreTests(GatewayTestCase):
         flush) while other processes come and go. Opening and closing the file outside
         SQLite dropped the process's locks: the next process to close deleted the WAL
         under the live connection, and a write it was told was queued was lost."""
-        child = ("import os, sys; sys.path.insert(0, %r); import qmem\n"
+        child = (qmem_module() +
                  "first = qmem.Store(sys.argv[1])\n"
                  "qmem.enqueue(first, 'store', {'text': 'w1'})\n"
                  "second = qmem.Store(sys.argv[1])\n"
                  "print('open', flush=True); sys.stdin.readline()\n"
                  "qmem.enqueue(first, 'store', {'text': 'w2'})\n"
-                 "print('queued', flush=True); sys.stdin.readline()\n" % HERE)
+                 "print('queued', flush=True); sys.stdin.readline()\n")
         write = ("store", "--queue-only", "--project", "p", "--kind", "fact")
         self.ok(*write + ("w0",))
         proc = self.child([sys.executable, "-c", child, self.db], stdin=subprocess.PIPE,
@@ -2558,11 +2569,11 @@ class StoreTests(GatewayTestCase):
 
     def test_two_processes_write_at_once(self):
         qmem.Store(self.db).close()
-        code = ("import qmem, sys\ns = qmem.Store(sys.argv[1])\nfor i in range(200):\n"
+        code = (qmem_module() + "s = qmem.Store(sys.argv[1])\nfor i in range(200):\n"
                 "    with s.transaction():\n"
                 "        s.records.upsert(qmem.normalize_record({'id': sys.argv[2] + str(i),\n"
                 "                                        'text': 'parallel write'}), 2)\n")
-        procs = [subprocess.Popen([sys.executable, "-c", code, self.db, tag], cwd=HERE)
+        procs = [subprocess.Popen([sys.executable, "-c", code, self.db, tag])
                  for tag in "ab"]
         self.assertEqual([p.wait(timeout=60) for p in procs], [0, 0])
         store = qmem.Store(self.db)
