@@ -2690,14 +2690,9 @@ class StoreTests(GatewayTestCase):
             {"jsonrpc": "2.0", "method": "notifications/initialized"},
             {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
                 "name": "qmem_store", "arguments": {"text": "dal server", "project_id": "p"}}}))
-        child = (
-            "import contextlib, io, json, marshal, os, sys, types\n"
-            "qmem = sys.modules['qmem'] = types.ModuleType('qmem')\n"  # compiled once: see
-            "with open(sys.argv[1], 'rb') as f:\n"  # qmem_command()
-            "    code = marshal.load(f)\n"
-            "qmem.__file__ = code.co_filename\n"
-            "exec(code, qmem.__dict__)\n"
-            "barrier, mcp, command = int(sys.argv[2]), sys.argv[3].encode(), sys.argv[4:]\n"
+        child = qmem_module() + (
+            "import contextlib, io, json, os\n"
+            "barrier, mcp, command = int(sys.argv[1]), sys.argv[2].encode(), sys.argv[3:]\n"
             "for home in iter(sys.stdin.readline, ''):\n"
             "    os.environ['HOME'] = home.strip()\n"
             "    os.read(barrier, 1)\n"
@@ -2718,9 +2713,8 @@ class StoreTests(GatewayTestCase):
         barrier, release = os.pipe()
         self.addCleanup(os.close, barrier)
         self.addCleanup(os.close, release)
-        compiled = qmem_command()[-1]
-        children = [self.child([sys.executable, "-c", child, compiled, str(barrier),
-                                mcp.decode()] + command, pass_fds=(barrier,),
+        children = [self.child([sys.executable, "-c", child, str(barrier), mcp.decode()]
+                               + command, pass_fds=(barrier,),
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
                     for command in commands]
         for n in range(4):
