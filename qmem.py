@@ -371,9 +371,8 @@ def visible(text):
 
 
 def lone_surrogate_at(text):
-    """Where the first lone surrogate of text is (its index), or None: the one character of
-    a str that UTF-8, and so SQLite and JSON, cannot take. JavaScript cut an emoji in half,
-    a JSON escape spelled one, or Python stood one in for a byte it could not decode."""
+    """The index of the first lone surrogate in text, or None: the one character of a str
+    that UTF-8, and so SQLite and JSON, cannot take."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -404,10 +403,9 @@ _ESCAPED_SURROGATE = LazyPattern(r"\\u[dD][89a-fA-F]")
 
 
 def without_escaped_surrogates(text, value):
-    """value, parsed from the JSON text `text` (a str), with every lone surrogate replaced
-    (without_surrogates). Strict UTF-8 has none, so only an escape can spell one: a value
-    whose text holds no escape of U+D800 to U+DFFF is returned as it is. RecursionError
-    for a value nested too deeply."""
+    """value, parsed from the JSON text `text` (a str), with its lone surrogates replaced
+    (without_surrogates). Only an escape can spell one in JSON: a text with none gives value
+    as it is."""
     if "\\u" in text and _ESCAPED_SURROGATE.search(text):
         return without_surrogates(value)
     return value
@@ -1525,14 +1523,12 @@ _JSON_STRING = LazyPattern(rb'(?s)"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def json_values_over(raw, most):
-    """Does the JSON text raw (bytes) hold more than `most` values? The bound on what a text
-    from elsewhere (a gateway's answer, a bundle's line, an MCP message) becomes when parsed,
-    asked before it is parsed: a few bytes of '[{},{},...]' take a hundred times their size.
-    Every value but the first follows a ',' or is an array or an object, so one more than
-    the count of ',', '[' and '{' outside strings bounds the values. A text shorter than
-    `most` bytes holds no more (a value takes a byte at least); else they are counted over
-    every byte (at C speed; an over-estimate, as those in strings count too), then, where
-    that says too many, outside strings, stopping at `most`: about 3 * most steps at most."""
+    """Does the JSON text raw (bytes) from elsewhere (an answer, a bundle's line, a message)
+    hold more than `most` values, before it is parsed? Every value but the first follows a
+    ',' or is an array or an object, so one more than the count of ',', '[' and '{' outside
+    strings bounds the values. Counted first over every byte (at C speed; an over-estimate,
+    as those in strings count too), then, where that says too many, outside strings,
+    stopping at `most`: about 3 * most steps at most. (A value takes a byte at least.)"""
     if len(raw) < most or raw.count(b",") + raw.count(b"[") + raw.count(b"{") < most:
         return False
     count, at = 0, 0
