@@ -399,18 +399,6 @@ def without_surrogates(value):
     return value
 
 
-_ESCAPED_SURROGATE = LazyPattern(r"\\u[dD][89a-fA-F]")
-
-
-def without_escaped_surrogates(text, value):
-    """value, parsed from the JSON text `text` (a str), with its lone surrogates replaced
-    (without_surrogates). Only an escape can spell one in JSON: a text with none gives value
-    as it is."""
-    if "\\u" in text and _ESCAPED_SURROGATE.search(text):
-        return without_surrogates(value)
-    return value
-
-
 
 _warned = set()
 
@@ -1545,6 +1533,18 @@ def json_values_over(raw, most):
         else:
             count += 1
     return True
+
+
+_ESCAPED_SURROGATE = LazyPattern(r"\\u[dD][89a-fA-F]")
+
+
+def without_escaped_surrogates(text, value):
+    """value, parsed from the JSON text `text` (a str), with its lone surrogates replaced
+    (without_surrogates). Only an escape can spell one in JSON: a text with none gives value
+    as it is."""
+    if "\\u" in text and _ESCAPED_SURROGATE.search(text):
+        return without_surrogates(value)
+    return value
 
 
 # The socket/ssl classes, built on first use by _net_classes(): every connection starts with
