@@ -48,30 +48,15 @@ import sys
 if sys.version_info < (3, 6):  # pragma: no cover - the guard itself
     sys.exit("qmem: Python 3.6 or newer is required")
 
+import argparse
 import collections
 import json
 import operator
 import os
 import re
+import sqlite3
 import stat
 import time
-
-try:  # the extension itself: the sqlite3 package around it imports datetime to register date
-    import _sqlite3 as sqlite3  # adapters qmem never uses, one percent of a `find`
-except ImportError:  # pragma: no cover - a Python whose sqlite3 is built another way
-    import sqlite3
-
-# argparse imports gettext only to translate its own words (CPython ships no catalogue for
-# them), and gettext compiles a regular expression as it is imported: 3 M instructions, on
-# every command. Unless something has imported gettext already, argparse gets these two,
-# which answer as gettext does without a catalogue.
-if "gettext" in sys.modules:
-    import argparse
-else:
-    sys.modules["gettext"] = _gettext = type(sys)("gettext")
-    _gettext.gettext, _gettext.ngettext = str, lambda one, many, n: one if n == 1 else many
-    import argparse
-    del sys.modules["gettext"], _gettext
 
 __version__ = "0.1.0"
 
@@ -216,24 +201,9 @@ class GatewayError(QmemError):
 
 # === Utilities ===============================================================
 
-class LazyPattern:
-    # A regular expression compiled at its first use, not by every command as it starts:
-    # compiling one costs 0.2 to 1 M instructions, and a command uses few of them. Once
-    # compiled, its methods are attributes of its own (no cost per call).
-
-    def __init__(self, pattern):
-        self.pattern = pattern
-
-    def __getattr__(self, name):  # (only until the first use)
-        compiled = re.compile(self.pattern)
-        for method in ("match", "fullmatch", "search", "findall", "finditer", "sub"):
-            setattr(self, method, getattr(compiled, method))
-        return getattr(compiled, name)
-
-
-UUID_RE = LazyPattern(
+UUID_RE = re.compile(
     r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_ISO_FAST = LazyPattern(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
+_ISO_FAST = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
 
 
 def iso_from_epoch(t):
@@ -1506,8 +1476,8 @@ HTML_PAGE = "an HTML page: " + PROXY_GUESS
 NOT_JSON_SHOWN = 200      # bytes of an answer that is not JSON quoted in the error
 MAX_JSON_VALUES = 1000000  # an export page of 500 long records has a few hundred thousand
 
-_JSON_MARK = LazyPattern(rb'[,\[{"]')  # what may add a value, or start a string
-_JSON_STRING = LazyPattern(rb'(?s)"[^"\\]*(?:\\.[^"\\]*)*"')
+_JSON_MARK = re.compile(rb'[,\[{"]')  # what may add a value, or start a string
+_JSON_STRING = re.compile(rb'(?s)"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
 def json_values_over(raw, most):
@@ -1535,7 +1505,7 @@ def json_values_over(raw, most):
     return True
 
 
-_ESCAPED_SURROGATE = LazyPattern(r"\\u[dD][89a-fA-F]")
+_ESCAPED_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def without_escaped_surrogates(text, value):
@@ -2187,7 +2157,7 @@ def _create_fts(conn, tokenizer):
 
 
 # What the index holds of a text: its runs of letters and digits.
-_PARTS = LazyPattern(r"[^\W_]+")
+_PARTS = re.compile(r"[^\W_]+")
 
 # The words a text's CamelCase identifiers are made of, for the index to find them by
 # their parts (Python's sqlite3 cannot register an FTS5 tokenizer): ThreadPoolExecutor
@@ -2196,10 +2166,10 @@ _PARTS = LazyPattern(r"[^\W_]+")
 # A capital that starts a hump of a CamelCase name: after a lower-case letter, or the
 # last of a run of capitals before a lower-case one (HTTPServer). Searched for first: a
 # pattern that starts with a capital scans text several times faster than any other.
-_HUMP = LazyPattern(r"[A-Z](?:(?<=[a-z][A-Z])|(?=[a-z])(?<=[A-Z][A-Z]))")
-_NAME_REST = LazyPattern(r"[A-Za-z0-9]*")
-_NAME_START = LazyPattern(r"(?s).*[^A-Za-z0-9]")  # greedy: what comes before a name
-_CAMEL_PART = LazyPattern(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
+_HUMP = re.compile(r"[A-Z](?:(?<=[a-z][A-Z])|(?=[a-z])(?<=[A-Z][A-Z]))")
+_NAME_REST = re.compile(r"[A-Za-z0-9]*")
+_NAME_START = re.compile(r"(?s).*[^A-Za-z0-9]")  # greedy: what comes before a name
+_CAMEL_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 def identifier_words(text):
@@ -2440,8 +2410,8 @@ def is_busy(e):
 
 # What SQLite says of a database whose pages or text index are damaged (FTS5 says it in
 # its own words: a shadow table gone or overwritten).
-_DAMAGED = LazyPattern(r"malformed|corrupt|vtable constructor failed|invalid fts5 file format"
-                       r"|^SQL logic error")
+_DAMAGED = re.compile(r"malformed|corrupt|vtable constructor failed|invalid fts5 file format"
+                      r"|^SQL logic error")
 
 
 def damaged(path):
@@ -3740,7 +3710,7 @@ def records_from_call(name, call_args, result):
 # toolCall ids in a raw assistant line, found without parsing it: the line is parsed
 # only when a result needs its call's arguments. pi writes a block's keys in this
 # order; a line where the pattern finds nothing is parsed at once instead.
-_CALL_ID_IN_LINE = LazyPattern(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
+_CALL_ID_IN_LINE = re.compile(rb'"type":\s*"toolCall",\s*"id":\s*"([^"\\]+)"')
 # Records whose full view this run already merged, by id -> what could still change.
 # Bounded, so memory stays flat however large the tree is.
 _SETTLED_MAX = 100000
@@ -4095,7 +4065,7 @@ def _parse_line(line):
 
 # A token of a query: a word, or one with punctuation inside — a path, a version, a flag,
 # an identifier (config/settings.toml, 2.0.0, --no-cache-dir, get_event_loop) — kept whole.
-_TOKEN_RE = LazyPattern(r"\w+(?:[^\w\s]+\w+)*")
+_TOKEN_RE = re.compile(r"\w+(?:[^\w\s]+\w+)*")
 
 
 def query_tokens(query):
@@ -4257,7 +4227,7 @@ def _is_phrase(word):
     return len(_PARTS.findall(word)) > 1
 
 
-_HEX_WORD = LazyPattern("[a-f]{8,}")  # deadbeef: part of a hash, not a word
+_HEX_WORD = re.compile("[a-f]{8,}")  # deadbeef: part of a hash, not a word
 
 
 def _near_variants(word, n, near):
