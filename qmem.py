@@ -4037,28 +4037,21 @@ def _call_in(found, call_id):
     return None
 
 
-_scan_json = []  # json's own scanner, called directly: json.loads() adds ~2 us a line
-
-
 def _parse_line(line):
-    # One session line (bytes) -> its JSON object, or None. Its strings hold no lone
-    # surrogate (strict UTF-8 has none, and a JSON escape of one is cleaned here), so
-    # what the import keeps of it (ids, names, times, records) needs no text_of().
-    if not _scan_json:
-        import json.scanner
-        _scan_json.append(json.scanner.make_scanner(json.JSONDecoder()))
+    """One session line (bytes) -> its JSON object, or None (not UTF-8, not JSON, trailing
+    garbage, not an object). Its strings hold no lone surrogate (strict UTF-8 has none, and
+    a JSON escape of one is cleaned here), so what the import keeps of it (ids, names,
+    times, records) needs no text_of()."""
     try:
         text = line.decode("utf-8")
-        data, end = _scan_json[0](text, 0)
-    except (ValueError, StopIteration, RecursionError):  # UnicodeDecodeError is a ValueError
+        data = json.loads(text)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
         return None
-    if end != len(text) and text[end:].strip():
-        return None  # trailing garbage
     try:
         data = without_escaped_surrogates(text, data)
     except RecursionError:
         return None
-    return data if data.__class__ is dict else None
+    return data if isinstance(data, dict) else None
 
 
 # === Local search and status =================================================

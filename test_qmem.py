@@ -3009,6 +3009,13 @@ class ImportTests(QmemTestCase):
         self.assertEqual(self.import_json()["lines_skipped"], 1)
         self.assertEqual(self.find_ids("valida"), [UUIDS[0]])
 
+    def test_a_line_is_one_json_object_or_nothing(self):
+        # Part 16: json.loads replaced json's scanner called directly; the same answers.
+        for line in (b'{"a": 1', b'{"a": 1} x', b'{"a": 1}{}', b'[1]', b'"s"', b'\xff{}', b''):
+            self.assertIsNone(qmem._parse_line(line), line)
+        self.assertEqual(qmem._parse_line(b'{"a": [1]}\r\n'), {"a": [1]})
+        self.assertEqual(qmem._parse_line(b'{"t": "x\\ud800y"}\n'), {"t": "x\ufffdy"})
+
     def test_a_file_that_is_not_a_session_is_skipped_with_a_warning(self):
         os.makedirs(self.sessions)
         with open(os.path.join(self.sessions, "notes.jsonl"), "w") as f:
