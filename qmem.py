@@ -9706,228 +9706,187 @@ def cli_pull(ops, a):
 
 
 class _Parser(argparse.ArgumentParser):
-    # argparse whose usage errors are QmemErrors: one line (and a JSON document under
-    # --json), exit 2, like every other error.
+    """argparse whose usage errors are QmemErrors: one line (and a JSON document under
+    --json), exit 2, like every other error."""
 
     def error(self, message):
         raise UsageError(message, hint="see `%s --help`" % self.prog)
 
 
-class _Unused:
-    # A subparser not built: the command line names another command.
-
-    def add_argument(self, *args, **kw):
-        pass
+def arg(*names, **options):
+    """One argument of a command: what ArgumentParser.add_argument takes."""
+    return names, options
 
 
-def build_parser(only=None):
-    # The parser; with only=COMMAND, of that command alone (a quarter of the cost of
-    # all of them, paid by every run).
-    # argparse makes a formatter for every argument, and without a width it asks shutil:
-    # importing shutil (with bz2 and lzma) cost a `find` more than all of its parsing.
-    import functools
-    width = (_terminal_width() or 80) - 2
-    plain = functools.partial(argparse.HelpFormatter, width=width)
+def flag(name, about):
+    """An option that is there or not (False unless given)."""
+    return arg(name, action="store_true", help=about)
+
+
+FILTERS = (arg("--project", help="only this project"),
+           arg("--kind", choices=KINDS, help="only this kind"),
+           arg("--scope", help="only this scope"))
+REMOTE = flag("--require-remote", "fail (exit 3) instead of answering from the local index")
+
+
+def write_options(default_kind, reason):
+    """The options store and correct share (see _write_options)."""
+    return (arg("--text-file", metavar="FILE", help="read the text from this file"),
+            arg("--kind", choices=KINDS,
+                help="fact | decision | preference | episode (default: %s)" % default_kind),
+            arg("--scope", help="e.g. project, global, agent"),
+            arg("--agent", help="agent_id (default qmem.py)"),
+            arg("--source", help="provenance (default: this machine)"),
+            arg("--expires", metavar="DATE", help="hidden from search after this date"),
+            flag("--private", "hidden from search unless asked for"),
+            arg("--reason", help=reason),
+            flag("--queue-only", "only queue it; `flush` sends it"),
+            flag("--allow-secret", "store it even though its text holds what looks like a "
+                 "credential (a key, a token, a password)"))
+
+
+# The commands, in the order --help lists them: (name, how it runs, what it does, its
+# arguments[, more of add_parser's keywords]). How it runs: func(ops, args), a cli_
+# function above, or where it is one call of an operation, that call.
+COMMANDS = (
+    ("import", lambda ops, a: ops.carry.import_sessions(a.sessions),
+     "Index pi session files (incremental; unchanged files are not read).",
+     [arg("--sessions", metavar="DIR", action="append",
+          help="session folder to import (repeatable; default: pi's own)")]),
+    ("find", cli_find, "Search the local index (lexical, offline).",
+     [arg("query", nargs="*", help="words to look for (all must match; the last may be a prefix)"),
+      *FILTERS,
+      arg("--limit", default=10, help="at most this many results (default 10)"),
+      flag("--include-superseded", "also show corrected records"),
+      flag("--deleted", "show only deleted records (tombstones)"),
+      flag("--private", "also show private records"),
+      flag("--include-expired", "also show expired records")]),
+    ("status", lambda ops, a: ops.read.status(),
+     "What the local side knows: records, outbox, coverage, lag, database.", []),
+    ("search", cli_search, "Semantic search on the gateway; the local index answers "
+     "(labelled) when it cannot.",
+     [arg("query", nargs="*", help="what to look for, in plain words"),
+      *FILTERS,
+      arg("--top-k", "--limit", dest="top_k", default=8,
+          help="at most this many results (default 8)"),
+      flag("--include-superseded", "also show corrected records"),
+      arg("--min-score", type=float, help="drop results scoring below this (0-1)"),
+      flag("--private", "also show private records"),
+      REMOTE]),
+    ("get", cli_get,
+     "One record in full, from the gateway (refreshing the local copy) or the local index.",
+     [arg("id", help="the memory id"), REMOTE]),
+    ("meta", lambda ops, a: ops.read.meta(require_remote=a.require_remote),
+     "What the memory holds: scope x kind counts, projects, agents, superseded, deleted.",
+     [REMOTE]),
+    ("store", cli_store,
+     "Store a memory in the shared memory; queued in the outbox when the gateway is away.",
+     [arg("text", nargs="?", help="the memory (or - to read it from stdin)"),
+      arg("--project", help="the project it belongs to (required)"),
+      arg("--supersedes", metavar="ID", help="the memory this one corrects (or use `correct ID`)"),
+      *write_options("fact", "with --supersedes: why the old memory is corrected")]),
+    ("correct", cli_correct,
+     "Store a correction: a new memory that supersedes ID (marked superseded here at once).",
+     [arg("id", help="the memory this one corrects"),
+      arg("text", nargs="?", help="the corrected memory (or - to read it from stdin)"),
+      arg("--project", help="default: the corrected memory's project"),
+      *write_options("the corrected memory's kind, else fact",
+                     "why the old memory is corrected")]),
+    ("queue", cli_queue,
+     "The outbox: writes made here, and whether they reached the shared memory (--drop "
+     "discards failed or duplicate ones).",
+     [arg("--state", choices=OUTBOX_STATES, help="only rows in this state"),
+      arg("--drop", nargs="+", metavar="ID",
+          help="discard these failed or duplicate writes and their local records"),
+      flag("--force", "with --drop: also discard writes still waiting to be sent"),
+      arg("--release", nargs="+", metavar="ID",
+          help="let these held writes (from an unverified bundle) be sent"),
+      flag("--yes", "with --drop or --release: do not ask first")]),
+    ("flush", cli_flush, "Deliver queued writes to the gateway, oldest first, each exactly once.",
+     [flag("--retry-failed", "try rows that failed again"),
+      flag("--respect-retry-after",
+           "leave rows that wait out a backoff or a Retry-After (default: try them now)")]),
+    ("enrich", cli_enrich,
+     "Fetch full records from the gateway for those known here only partially.",
+     [arg("ids", nargs="*", metavar="ID", help="these records (default: those known partially)"),
+      flag("--all", "every record of the local index")]),
+    ("pull", cli_pull, "Copy the shared memory into the local index, incrementally "
+     "(GET /v1/memories:export).",
+     [flag("--full", "start over from the beginning")]),
+    ("export", cli_export,
+     "Write the local knowledge and the outbox to one file (a bundle) to carry to another host.",
+     [arg("file", metavar="FILE",
+          help="the bundle to write (- for stdout; the summary then goes to stderr)"),
+      arg("--project", action="append", metavar="P", help="only this project (repeatable)"),
+      arg("--since", metavar="DATE", help="only what changed since this date"),
+      flag("--records-only", "the records, not the outbox"),
+      flag("--outbox-only", "the outbox (the writes made here), not the records")]),
+    ("load", cli_load, "Merge a bundle written by `export` on another host (checked whole first).",
+     [arg("file", metavar="FILE", help="the bundle to read (- for stdin)"),
+      flag("--dry-run", "say what would change, change nothing")]),
+    ("doctor", cli_doctor,
+     "Say what is wrong here and what to do: versions, database, config, the link to the "
+     "gateway, breaker, outbox.",
+     [flag("--offline", "skip the network checks"),
+      flag("--repair", "first rebuild the local database's indexes (REINDEX) and its text "
+           "index, inside SQLite")]),
+    ("mcp", run_mcp,
+     "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
+     "qmem_store, qmem_correct, qmem_meta.", [],
+     {"epilog": "Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
+      "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__)}),
+    ("rules", lambda ops, a: ops.setup.rules(),
+     "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the MCP "
+     "server's instructions).", []),
+    ("install", lambda ops, a: ops.setup.install(a.bin, uninstall=a.uninstall),
+     "Write a launcher, qmem, that imports this file so that Python caches its compiled "
+     "code, in ~/.cache/qmem/pycache (faster: python3 qmem.py compiles the whole file on every "
+     "command; a launcher of Python 3.6 or 3.7 does too).",
+     [arg("--bin", metavar="DIR", help="where to write it (default ~/.local/bin)"),
+      flag("--uninstall", "remove the launcher written there, and the code it cached")]),
+    ("breaker", lambda ops, a: ops.setup.breaker(reset=a.reset),
+     "Show the circuit breaker shared by every qmem process here (--reset closes it).",
+     [flag("--reset", "close the breaker now")]),
+    ("config", cli_config, "Show or change the configuration (shared with the pi extension).",
+     [arg("action", nargs="?", choices=("show", "url", "apikey", "bundle-key", "set", "test")),
+      arg("values", nargs="*", help=argparse.SUPPRESS),
+      flag("--new", "with bundle-key: make a new key (printed once)")],
+     {"epilog": "Actions: show | url URL | apikey (reads stdin or prompts) | bundle-key [--new] "
+      "(the same) | set KEY VALUE | test. With none, on a terminal: a menu."}),
+)
+# The options every command takes after its name too, as at the top level. SUPPRESS: a
+# --json given before the command must survive the command's default.
+COMMON_OPTIONS = (arg("--json", action="store_true", default=argparse.SUPPRESS,
+                      help="print exactly one JSON document on stdout"),
+                  arg("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS),
+                  arg("--debug", action="store_true", default=argparse.SUPPRESS,
+                      help=argparse.SUPPRESS))
+
+
+def build_parser():
+    """The command line's parser: the top-level options, and one subparser per COMMANDS."""
     about = __doc__.split("\nSections")[0]  # the rest of the docstring is for developers
-    p = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
-                formatter_class=functools.partial(argparse.RawDescriptionHelpFormatter,
-                                                  width=width))
-    add_flag(p, "--json", argparse.SUPPRESS)
-    p.add_argument("--db", metavar="PATH",
-                   help="local database (overrides localDbPath and QMEM_SQLITE)")
-    add_flag(p, "--debug", "show tracebacks for expected errors too")
-    p.add_argument("--version", action="version", version="qmem.py " + __version__)
-    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    parser = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser, [
+        flag("--json", argparse.SUPPRESS),
+        arg("--db", metavar="PATH", help="local database (overrides localDbPath and QMEM_SQLITE)"),
+        flag("--debug", "show tracebacks for expected errors too"),
+        arg("--version", action="version", version="qmem.py " + __version__)])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-
-    built = []
-
-    def command(name, func, about, **kw):
-        # func(ops, args) runs the command: a cli_ function above, or where it is one call
-        # of an operation, that call
-        built.append(name)
-        if only not in (None, name):
-            return _Unused()
-        sp = sub.add_parser(name, help=about, description=about, allow_abbrev=False,
-                            formatter_class=plain, **kw)
-        # The same options as the top level's, so that they work after the command too;
-        # SUPPRESS: a --json given before the command must survive the command's default.
-        sp.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                        help="print exactly one JSON document on stdout")
-        sp.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        sp.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                        help=argparse.SUPPRESS)
-        sp.set_defaults(func=func)
-        return sp
-
-    sp = command("import", lambda ops, a: ops.carry.import_sessions(a.sessions),
-                 "Index pi session files (incremental; unchanged files are not read).")
-    sp.add_argument("--sessions", metavar="DIR", action="append",
-                    help="session folder to import (repeatable; default: pi's own)")
-
-    sp = command("find", cli_find, "Search the local index (lexical, offline).")
-    sp.add_argument("query", nargs="*",
-                    help="words to look for (all must match; the last may be a prefix)")
-    add_filters(sp)
-    sp.add_argument("--limit", default=10, help="at most this many results (default 10)")
-    add_flag(sp, "--include-superseded", "also show corrected records")
-    add_flag(sp, "--deleted", "show only deleted records (tombstones)")
-    add_flag(sp, "--private", "also show private records")
-    add_flag(sp, "--include-expired", "also show expired records")
-
-    command("status", lambda ops, a: ops.read.status(),
-            "What the local side knows: records, outbox, coverage, lag, database.")
-
-    sp = command("search", cli_search, "Semantic search on the gateway; the local index answers "
-                 "(labelled) when it cannot.")
-    sp.add_argument("query", nargs="*", help="what to look for, in plain words")
-    add_filters(sp)
-    sp.add_argument("--top-k", "--limit", dest="top_k", default=8,
-                    help="at most this many results (default 8)")
-    add_flag(sp, "--include-superseded", "also show corrected records")
-    sp.add_argument("--min-score", type=float, help="drop results scoring below this (0-1)")
-    add_flag(sp, "--private", "also show private records")
-    add_remote(sp)
-
-    sp = command("get", cli_get,
-                 "One record in full, from the gateway (refreshing the local copy) or the local "
-                 "index.")
-    sp.add_argument("id", help="the memory id")
-    add_remote(sp)
-
-    add_remote(command("meta", lambda ops, a: ops.read.meta(require_remote=a.require_remote),
-                       "What the memory holds: scope x kind counts, projects, agents, superseded, "
-                       "deleted."))
-
-    sp = command("store", cli_store,
-                 "Store a memory in the shared memory; queued in the outbox when the gateway is "
-                 "away.")
-    sp.add_argument("text", nargs="?", help="the memory (or - to read it from stdin)")
-    sp.add_argument("--project", help="the project it belongs to (required)")
-    sp.add_argument("--supersedes", metavar="ID",
-                    help="the memory this one corrects (or use `correct ID`)")
-    add_write_options(sp, "fact", "with --supersedes: why the old memory is corrected")
-
-    sp = command("correct", cli_correct,
-                 "Store a correction: a new memory that supersedes ID (marked superseded here at "
-                 "once).")
-    sp.add_argument("id", help="the memory this one corrects")
-    sp.add_argument("text", nargs="?", help="the corrected memory (or - to read it from stdin)")
-    sp.add_argument("--project", help="default: the corrected memory's project")
-    add_write_options(sp, "the corrected memory's kind, else fact",
-                      "why the old memory is corrected")
-
-    sp = command("queue", cli_queue,
-                 "The outbox: writes made here, and whether they reached the shared memory (--drop "
-                 "discards failed or duplicate ones).")
-    sp.add_argument("--state", choices=OUTBOX_STATES, help="only rows in this state")
-    sp.add_argument("--drop", nargs="+", metavar="ID",
-                    help="discard these failed or duplicate writes and their local records")
-    add_flag(sp, "--force", "with --drop: also discard writes still waiting to be sent")
-    sp.add_argument("--release", nargs="+", metavar="ID", help="let these held writes (from an "
-                    "unverified bundle) be sent")
-    add_flag(sp, "--yes", "with --drop or --release: do not ask first")
-
-    sp = command("flush", cli_flush,
-                 "Deliver queued writes to the gateway, oldest first, each exactly once.")
-    add_flag(sp, "--retry-failed", "try rows that failed again")
-    add_flag(sp, "--respect-retry-after",
-             "leave rows that wait out a backoff or a Retry-After (default: try them now)")
-
-    sp = command("enrich", cli_enrich,
-                 "Fetch full records from the gateway for those known here only partially.")
-    sp.add_argument("ids", nargs="*", metavar="ID",
-                    help="these records (default: those known partially)")
-    add_flag(sp, "--all", "every record of the local index")
-
-    sp = command("pull", cli_pull, "Copy the shared memory into the local index, incrementally "
-                 "(GET /v1/memories:export).")
-    add_flag(sp, "--full", "start over from the beginning")
-
-    sp = command("export", cli_export,
-                 "Write the local knowledge and the outbox to one file (a bundle) to carry to "
-                 "another host.")
-    sp.add_argument("file", metavar="FILE",
-                    help="the bundle to write (- for stdout; the summary then goes to stderr)")
-    sp.add_argument("--project", action="append", metavar="P",
-                    help="only this project (repeatable)")
-    sp.add_argument("--since", metavar="DATE", help="only what changed since this date")
-    add_flag(sp, "--records-only", "the records, not the outbox")
-    add_flag(sp, "--outbox-only", "the outbox (the writes made here), not the records")
-
-    sp = command("load", cli_load,
-                 "Merge a bundle written by `export` on another host (checked whole first).")
-    sp.add_argument("file", metavar="FILE", help="the bundle to read (- for stdin)")
-    add_flag(sp, "--dry-run", "say what would change, change nothing")
-
-    sp = command("doctor", cli_doctor,
-                 "Say what is wrong here and what to do: versions, database, config, the link to "
-                 "the gateway, breaker, outbox.")
-    add_flag(sp, "--offline", "skip the network checks")
-    add_flag(sp, "--repair", "first rebuild the local database's indexes (REINDEX) and its "
-             "text index, inside SQLite")
-
-    command("mcp", run_mcp,
-            "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
-            "qmem_store, qmem_correct, qmem_meta.",
-            epilog="Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
-            "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__))
-    command("rules", lambda ops, a: ops.setup.rules(),
-            "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the "
-            "MCP server's instructions).")
-
-    sp = command("install", lambda ops, a: ops.setup.install(a.bin, uninstall=a.uninstall),
-                 "Write a launcher, qmem, that imports this file so that Python caches its "
-                 "compiled code, in ~/.cache/qmem/pycache (faster: python3 qmem.py compiles the "
-                 "whole file on every command; a launcher of Python 3.6 or 3.7 does too).")
-    sp.add_argument("--bin", metavar="DIR", help="where to write it (default ~/.local/bin)")
-    add_flag(sp, "--uninstall", "remove the launcher written there, and the code it cached")
-
-    sp = command("breaker", lambda ops, a: ops.setup.breaker(reset=a.reset),
-                 "Show the circuit breaker shared by every qmem process here (--reset closes it).")
-    add_flag(sp, "--reset", "close the breaker now")
-
-    sp = command("config", cli_config,
-                 "Show or change the configuration (shared with the pi extension).",
-                 epilog="Actions: show | url URL | apikey (reads stdin or prompts) | bundle-key "
-                 "[--new] (the same) | set KEY VALUE | test. With none, on a terminal: a menu.")
-    sp.add_argument("action", nargs="?",
-                    choices=("show", "url", "apikey", "bundle-key", "set", "test"))
-    sp.add_argument("values", nargs="*", help=argparse.SUPPRESS)
-    add_flag(sp, "--new", "with bundle-key: make a new key (printed once)")
-    p.commands = built
-    return p if only is None or only in built else build_parser()
+    for name, func, about, arguments, *more in COMMANDS:
+        command = sub.add_parser(name, help=about, description=about, allow_abbrev=False,
+                                 **(more[0] if more else {}))
+        add_arguments(command, COMMON_OPTIONS + tuple(arguments))
+        command.set_defaults(func=func)
+    return parser
 
 
-def add_write_options(sp, default_kind, reason):
-    sp.add_argument("--text-file", metavar="FILE", help="read the text from this file")
-    sp.add_argument("--kind", choices=KINDS,
-                    help="fact | decision | preference | episode (default: %s)"
-                    % default_kind)
-    sp.add_argument("--scope", help="e.g. project, global, agent")
-    sp.add_argument("--agent", help="agent_id (default qmem.py)")
-    sp.add_argument("--source", help="provenance (default: this machine)")
-    sp.add_argument("--expires", metavar="DATE", help="hidden from search after this date")
-    add_flag(sp, "--private", "hidden from search unless asked for")
-    sp.add_argument("--reason", help=reason)
-    add_flag(sp, "--queue-only", "only queue it; `flush` sends it")
-    add_flag(sp, "--allow-secret", "store it even though its text holds what looks like a "
-             "credential (a key, a token, a password)")
-
-
-def add_flag(sp, name, about):
-    # An option that is there or not (False unless given).
-    sp.add_argument(name, action="store_true", help=about)
-
-
-def add_remote(sp):
-    add_flag(sp, "--require-remote", "fail (exit 3) instead of answering from the local index")
-
-
-def add_filters(sp):
-    sp.add_argument("--project", help="only this project")
-    sp.add_argument("--kind", choices=KINDS, help="only this kind")
-    sp.add_argument("--scope", help="only this scope")
+def add_arguments(parser, arguments):
+    """Add these arg()s to parser, in order."""
+    for names, options in arguments:
+        parser.add_argument(*names, **options)
 
 
 def command_as_run(argv0):
@@ -9950,23 +9909,43 @@ def command_as_run(argv0):
 
 
 def main(argv=None):
-    # Run one qmem command; return its exit code.
+    """Run one qmem command (argv: sys.argv[1:] when None); return its exit code. Its
+    output is flushed before it returns; a reader that went away (`qmem.py find x | head
+    -1`) ends it quietly, with 0."""
     if argv is None:  # (worked out where a hint needs it: most commands print none)
         argv0 = sys.argv[0] if sys.argv else ""
         _as_run[0] = lambda: command_as_run(argv0)
     argv = sys.argv[1:] if argv is None else list(argv)
     argv, json_mode, debug = _global_options(argv)
     set_diagnostics(cli_diagnostic)  # the command line's own: one line each on stderr
+    try:
+        try:
+            return run_command(argv, json_mode, debug)
+        finally:  # (also when --help ends the run with SystemExit)
+            if sys.stdout is not None:
+                sys.stdout.flush()
+    except BrokenPipeError:
+        # Not an error worth a word. What is left unwritten goes to /dev/null, so that
+        # Python's own flush at exit finds no broken pipe either.
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # pragma: no cover - a stdout with no descriptor
+            pass
+        return EXIT_OK
+
+
+def run_command(argv, json_mode, debug):
+    """Parse argv (after _global_options), run its command and render what it returns, or
+    the error it ends with; return the exit code."""
     ops = doc_out = None  # doc_out: where documents go when stdout carries data (export -)
     try:
         if "--version" in argv and json_mode:
             render_json_version()
             return EXIT_OK
-        parser = build_parser(_command_word(argv))
         if _command_word(argv) is None and not {"-h", "--help", "--version"} & set(argv):
-            raise UsageError("a command is needed: %s" % ", ".join(parser.commands),
+            raise UsageError("a command is needed: %s" % ", ".join(c[0] for c in COMMANDS),
                              hint="`qmem.py --help` says what each does")
-        args = parser.parse_args(argv)
+        args = build_parser().parse_args(argv)
         if args.command == "mcp":
             return run_mcp(args)
         if args.command == "export" and args.file == "-":
@@ -9984,35 +9963,31 @@ def main(argv=None):
             raise
         render_error(e, json_mode, doc_out)
         return e.exit_code
-    except KeyboardInterrupt:
-        render_error(Interrupted("interrupted"), json_mode)
-        return EXIT_INTERRUPTED
-    except sqlite3.Error as e:  # one that no layer expected: still one line
-        err = store_error(e, ops.config.db_path if ops is not None else "the local database")
-        render_error(err, json_mode)
-        return err.exit_code
-    except EOFError:  # Ctrl-D at a prompt
-        err = UsageError("the input ended (Ctrl-D) before an answer", hint="nothing was changed")
-        render_error(err, json_mode)
-        return err.exit_code
-    except BrokenPipeError:
-        # The reader went away (qmem.py find x | head): not an error worth a word.
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:  # pragma: no cover
-            pass
-        return EXIT_OK
-    except Exception as e:  # a bug: one line, without the exception's words (they may hold the key)
-        if debug:
+    except BrokenPipeError:  # (main's to handle)
+        raise
+    except (KeyboardInterrupt, Exception) as e:
+        err = unexpected_error(e, ops)
+        if debug and err.kind == "internal":
             raise
-        err = QmemError("internal error (%s): a bug in qmem.py, nothing more is shown"
-                        % type(e).__name__,
-                        kind="internal", hint="run it again with --debug for the traceback")
         render_error(err, json_mode)
         return err.exit_code
     finally:
         if ops is not None:
             ops.close()
+
+
+def unexpected_error(e, ops):
+    """The QmemError a command line reports for an exception no layer turned into one."""
+    if isinstance(e, KeyboardInterrupt):
+        return Interrupted("interrupted")
+    if isinstance(e, sqlite3.Error):  # one that no layer expected: still one line
+        return store_error(e, ops.config.db_path if ops is not None else "the local database")
+    if isinstance(e, EOFError):  # Ctrl-D at a prompt
+        return UsageError("the input ended (Ctrl-D) before an answer", hint="nothing was changed")
+    # a bug: one line, without the exception's words (they may hold the key)
+    return QmemError("internal error (%s): a bug in qmem.py, nothing more is shown"
+                     % type(e).__name__,
+                     kind="internal", hint="run it again with --debug for the traceback")
 
 
 def _config_for(args):
@@ -10061,17 +10036,5 @@ def _command_word(argv):
     return None
 
 
-def exit_now(code):
-    # End the process with `code`, its output flushed, without the interpreter's teardown:
-    # freeing every module and function object of a process about to end costs ~7 ms, a
-    # sixth of a `find`. Every file and database connection is closed by then.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):  # a reader gone, a stream closed, none
-            pass
-    os._exit(code)
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    sys.exit(main())

@@ -7975,10 +7975,22 @@ class CliTests(GatewayTestCase):
     """argparse, options, prompts, stdin, exit codes, and qmem.py run as a script."""
 
     def test_a_closed_stdout_is_one_line_never_a_traceback(self):
-        # Review: exit_now flushed a sys.stdout that Python had set to None.
+        # Review: the exit flushed a sys.stdout that Python had set to None.
         p = subprocess.run([sys.executable, QMEM, "status"], stderr=subprocess.PIPE,
                            universal_newlines=True, preexec_fn=lambda: os.close(1))
         self.assertNotIn("Traceback", p.stderr)
+
+    def test_a_reader_that_went_away_is_no_error(self):
+        # Part 16: `qmem.py find x | head -1` with sys.exit, not os._exit: no traceback, no
+        # "Exception ignored" from the flush at exit.
+        env = dict(os.environ)
+        env.pop("PYTHONUNBUFFERED", None)  # (stdout buffered, as it is for most)
+        proc = subprocess.Popen(qmem_command() + ["find", "x"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc.stdout.close()  # before the child writes a byte
+        err = proc.stderr.read().decode()
+        proc.stderr.close()
+        self.assertEqual((proc.wait(30), err), (0, ""))
 
     def test_a_bare_call_names_every_command(self):
         # Part 13: it printed "the following arguments are required: COMMAND" alone.
@@ -8194,8 +8206,8 @@ class CliTests(GatewayTestCase):
         self.assertEqual(p.returncode, 0)
         for name in ("import", "find", "status"):
             self.assertIn(name, p.stdout)
-        # A script run ends without the interpreter's teardown: its output and exit code
-        # are still whole (a document on stdout, a usage error's line and 2).
+        # A script run's output and exit code are whole (a document on stdout, a usage
+        # error's line and 2).
         p = subprocess.run([sys.executable, QMEM, "status", "--json"], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
         self.assertEqual((p.returncode, json.loads(p.stdout)["index_exists"]), (0, False))
