@@ -50,13 +50,38 @@ if sys.version_info < (3, 6):  # pragma: no cover - the guard itself
 
 import argparse
 import collections
+import contextlib
+import datetime
+import functools
+import getpass
+import glob
+import gzip
+import hashlib
+import hmac
+import html
+import ipaddress
 import json
+import math
 import operator
 import os
+import platform
+import random
 import re
+import shlex
+import shutil
+import signal
 import sqlite3
 import stat
+import tempfile
+import threading
 import time
+import unicodedata
+import zlib
+
+# Not imported here: the network modules (socket, ssl, http.client, urllib, and email.utils,
+# which imports socket) are imported inside the functions that use them, because commands
+# that work offline must load none (a product rule); and fcntl, msvcrt and pwd, which only
+# some systems have.
 
 __version__ = "0.1.0"
 
@@ -233,7 +258,6 @@ def iso_norm(value):
 
 def parse_iso(value):
     # ISO-8601 date or date-time -> epoch seconds, or None. A time without an offset is UTC.
-    import datetime
     m = re.match(r"\A(\d{4})-(\d\d)-(\d\d)(?:[T ](\d\d):(\d\d)(?::(\d\d)(?:\.(\d{1,9}))?)?"
                  r"\s*(Z|z|[+-]\d\d:?\d\d)?)?\Z", value.strip())
     if not m:
@@ -294,7 +318,6 @@ def atomic_write(path, data, mode=0o600, sync=True):
     # and os.replace; readers never see a torn file, an interrupted write leaves none. The
     # file gets `mode` (0600: it may hold a secret). sync=False skips the fsync, for state
     # that may be lost on power failure (the breaker). Returns what data(file) returns.
-    import tempfile
     folder = os.path.dirname(os.path.abspath(path))
     make_private_dirs(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
@@ -383,7 +406,6 @@ def _warn_once(message):
 def finite_number(value):
     # An int (not a bool) or a float, finite as a float: what a score can be (JSON reads
     # 1e400 as inf, and an int past 1.8e308 is no float at all).
-    import math
     try:
         return type(value) in (int, float) and math.isfinite(value)
     except OverflowError:
@@ -481,7 +503,6 @@ def machine_identity():
     except OSError:
         pass
     if not os_name:
-        import platform
         os_name = (platform.system() + " " + platform.release()).strip()
     return "%s (%s)" % (hostname(), os_name or "unknown OS")
 
@@ -1038,7 +1059,6 @@ def check_url(url):
 
 def is_loopback(host):
     # Exactly 'localhost', or an IP literal of 127.0.0.0/8 or ::1 (not '127.evil.example').
-    import ipaddress
     host = (host or "").strip("[]")
     if host.lower() == "localhost":
         return True
@@ -1416,7 +1436,6 @@ class Breaker:
         self.probing = False
 
     def _open(self, state, now):
-        import random
         state["trips"] += 1
         jitter = 0.9 + 0.2 * (self.rand() if self.rand else random.random())
         seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * jitter)
@@ -1433,9 +1452,9 @@ class Breaker:
 
 # === Gateway client ==========================================================
 #
-# The only code that touches the network. socket, ssl, http.client and threading are
-# imported inside these functions: offline commands never load them, and a call
-# refused by an open breaker returns before any of them is imported.
+# The only code that touches the network. Its modules are imported inside these
+# functions (see the imports at the top): a call refused by an open breaker returns
+# before any of them is imported.
 
 class Response:
     # One answer: its status, parsed JSON and headers. `scrub` makes any text of the
@@ -1571,7 +1590,6 @@ def _net_classes():
 def _resolve(host, port, deadline):
     # getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
     # (and does not keep the process alive at exit).
-    import threading
     socket, box = _net["socket"], {}
 
     def work():
@@ -1631,7 +1649,6 @@ def retry_after_seconds(headers, now=None):
 
 def _http_date(value):
     import email.utils
-    import datetime
     try:
         dt = email.utils.parsedate_to_datetime(value)
     except (TypeError, ValueError, IndexError, OverflowError):  # a bad date raises, never None
@@ -1879,20 +1896,19 @@ class Gateway:
         # a fallback label carries: an HTML page's title, else the start).
         kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
         text = raw[:1 << 16].decode("utf-8", "replace")
-        html = (kind.lower() == "text/html"
-                or text.lstrip()[:14].lower().startswith(("<!doctype html", "<html")))
+        is_html = (kind.lower() == "text/html"
+                   or text.lstrip()[:14].lower().startswith(("<!doctype html", "<html")))
         start = self._quote(text)
         shown = "%s, %d bytes: %s" % (self.scrub(kind), len(raw), start)
-        if not html:
-            return shown, html, _fit(start, NOT_JSON_SHOWN)
+        if not is_html:
+            return shown, is_html, _fit(start, NOT_JSON_SHOWN)
         # (bounded: no page makes the search take more than a few steps per '<title')
         title = re.search(r"<title[^>]{0,200}>([^<]{0,500})<", text, re.IGNORECASE)
         if title and title.group(1).strip():
-            import html as entities
-            page = "an HTML page titled " + self._quote(entities.unescape(title.group(1)))
+            page = "an HTML page titled " + self._quote(html.unescape(title.group(1)))
         else:
             page = "an HTML page " + start
-        return shown, html, _fit(page, NOT_JSON_SHOWN) + ": " + PROXY_GUESS
+        return shown, is_html, _fit(page, NOT_JSON_SHOWN) + ": " + PROXY_GUESS
 
     def _quote(self, text):
         # Text of an answer, quoted for a message: spaces collapsed, then the key masked, then
@@ -1984,7 +2000,6 @@ def _open_socket(address, deadline):
 def _jittered(wait, told):
     # The sleep before a retry: full jitter when we chose the wait; when the gateway
     # told us (Retry-After), never earlier, a little later.
-    import random
     if told:
         return wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25))
     return random.uniform(wait / 2, wait)
@@ -2359,7 +2374,6 @@ def _fold(text):
     # Accent-folded lower case, for the LIKE search of a SQLite without FTS5.
     if not text or max(text) < "\x80":  # ASCII: nothing to fold (most text, and 20x faster)
         return text.lower() if text else text
-    import unicodedata
     decomposed = unicodedata.normalize("NFKD", text)
     return "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
 
@@ -2507,7 +2521,6 @@ def unwritable(where):
     # what its owner lacks: w, and for a folder x (to reach what is in it) as well
     lacks = "w" * (not mode & 0o200) + "x" * (stat.S_ISDIR(st.st_mode) and not mode & 0o100)
     if lacks:
-        import shlex
         return facts, "make it writable: `chmod u+%s %s`, " % (lacks, shlex.quote(where))
     # its mode lets its owner write, and yet the system refuses: a read-only mount?
     return facts + ", on a file system that refuses writes", ""
@@ -2754,7 +2767,6 @@ class Store:
 
     def snapshot(self):
         """A read transaction: every query inside sees the database as it was at the first."""
-        import contextlib
 
         @contextlib.contextmanager
         def reading():
@@ -4573,7 +4585,6 @@ KEPT_ASIDE = "qmem-unsaved-"  # how the name of a text kept aside starts (see _k
 def kept_aside_folders(db_path):
     # Where a write that could not be queued keeps its text: the database's folder, else the
     # temporary one (neither where other users may write: see _kept_aside).
-    import tempfile
     folders = [os.path.dirname(os.path.abspath(db_path))]
     try:
         folders.append(tempfile.gettempdir())
@@ -4610,7 +4621,6 @@ def kept_aside(db_path):
 def kept_aside_words(found):
     # (what, how): the texts kept aside, and how to store or delete them; the same words in
     # `status` and `doctor`.
-    import shlex
     if found["count"] == 1:
         one, which = shlex.quote(found["files"][0]), "it"
     else:
@@ -5268,13 +5278,10 @@ def by_bundles(url, store, loading=False):
 
 def bundle_key_id(key):
     # What names a bundle key without giving it away.
-    import hashlib
     return hashlib.sha256(b"qmem bundle key id\0" + key.encode("utf-8")).hexdigest()[:16]
 
 
 def _bundle_mac(key):
-    import hashlib
-    import hmac
     return hmac.new(key.encode("utf-8"), digestmod=hashlib.sha256) if key else None
 
 
@@ -5289,8 +5296,6 @@ class _BundleWriter:
     # one compress call per thousand lines).
 
     def __init__(self, out, key):
-        import gzip
-        import hashlib
         self.zipped = gzip.GzipFile(fileobj=out, mode="wb", mtime=0, compresslevel=1)
         self.digest, self.lines, self.pending = hashlib.sha256(), 0, []
         self.key, self.mac = key, _bundle_mac(key)
@@ -5362,10 +5367,6 @@ def check_bundle(stream, name, key=None, copy=None):
     # changed, is signed with another key or altered after signing, or is of a newer
     # format. Nothing past the first line is read before that line is a bundle's header.
     # Every line checked is put in `copy` (a _Copy).
-    import gzip
-    import hashlib
-    import hmac
-    import zlib
     digest, count, header, previous, mac = hashlib.sha256(), 0, None, None, _bundle_mac(key)
     try:
         if stream.read(2) != b"\x1f\x8b":
@@ -6355,8 +6356,6 @@ def _remove_cache(folder, pycache):
     the previous release's launcher kept its compiled code itself (qmem.TAG.code, and a
     qmem.TAG.code.PID left half written) and, when pycache, this one's pycache folder.
     A folder that is a link is left alone."""
-    import glob
-    import shutil
     if os.path.islink(folder):
         return
     for path in glob.glob(os.path.join(glob.escape(folder), "qmem.*.code*")):
@@ -6454,7 +6453,6 @@ def utf8_arguments(method):
     """Refuse text arguments that are not valid UTF-8 before anything is done: Python
     hands on bytes it could not decode (argv, stdin, environment) as lone surrogates,
     which SQLite and JSON cannot take."""
-    import functools
     code = method.__code__
     names = code.co_varnames[1:code.co_argcount]
 
@@ -7313,7 +7311,6 @@ class CarryOps:
         """Check a bundle whole, then merge it (see load_bundle); '-' reads stdin. It is
         read once, through one descriptor, into a private copy: what is merged is what
         was checked."""
-        import tempfile
         ops = self.ops
         fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
         rebuilt, spool = None, os.fdopen(fd, "wb")
@@ -7726,7 +7723,6 @@ def cli_diagnostic(message):
 
 def _store_saved(fix):
     # The command that stores a text kept aside (see _kept_aside), with its write's flags.
-    import shlex
     write = fix["write"]
     flags = "".join(" %s %s" % (flag, shlex.quote(str(write[key])))
                     for key, flag in _WRITE_FLAGS if write.get(key))
@@ -7837,7 +7833,6 @@ def _char_cells(c):
         return 1
     if c in HIGHLIGHT:
         return 0
-    import unicodedata
     if unicodedata.combining(c) or unicodedata.category(c) in ("Me", "Cf"):
         return 0
     return 2 if unicodedata.east_asian_width(c) in "WF" else 1
@@ -8973,7 +8968,6 @@ class McpServer:
     def _diagnostic(self, message):
         # warn() while a tool runs: on stderr, and in the result (the model sees it; not
         # what the background flush says).
-        import threading
         stderr_diagnostic(message)
         if len(self.warnings) < 10 and threading.current_thread() is not self.flusher:
             self.warnings.append(_fit(message, 300))
@@ -9015,7 +9009,6 @@ class McpServer:
             due = False
         self.ops.close_gateway()
         if due and (self.flusher is None or not self.flusher.is_alive()):
-            import threading
             self.flusher = threading.Thread(target=self._flush, args=(self.ops.config,),
                                             daemon=True)
             self.flusher.start()
@@ -9390,7 +9383,6 @@ def serve_mcp(server, wire_in, wire_out):
     # server at once, also in the middle of a call: a write is in the outbox before any
     # network, a transaction rolls back, a claim is given back, and the client that sent
     # SIGTERM waits for no answer. Returns the exit code.
-    import signal
 
     def on_signal(signum, frame):
         raise _Stop()
@@ -9528,7 +9520,6 @@ def _read_key(what="API key"):
     # A key from a hidden prompt on a terminal, else one line of stdin.
     try:
         if sys.stdin.isatty():
-            import getpass
             return getpass.getpass("%s (input hidden): " % what)
         return sys.stdin.readline()
     except EOFError:  # Ctrl-D at the prompt: no key
@@ -9893,13 +9884,11 @@ def command_as_run(argv0):
     # How a person runs this process's qmem.py again (see as_run): `python3 -m qmem`,
     # `python3 PATH` of a script, or the launcher's name when PATH finds it there.
     # (A path is quoted as a shell needs it: the hint is to be pasted.)
-    import shlex
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name == "qmem":
         return "python3 -m qmem"
     if not argv0 or argv0.endswith(".py"):
         return "python3 " + shlex.quote(argv0 or "qmem.py")
-    import shutil
     name = os.path.basename(argv0)
     found = shutil.which(name)
     try:
