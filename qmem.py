@@ -1891,9 +1891,9 @@ class Gateway:
         return parsed
 
     def _not_json(self, raw, resp):
-        # (what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
-        # whether it is an HTML page, as a proxy or a captive portal sends; the short quote
-        # a fallback label carries: an HTML page's title, else the start).
+        """(what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
+        whether it is an HTML page, as a proxy or a captive portal sends; the short quote
+        a fallback label carries: an HTML page's title, else the start)."""
         kind = (resp.getheader("Content-Type") or "no content type").split(";")[0].strip()
         text = raw[:1 << 16].decode("utf-8", "replace")
         is_html = (kind.lower() == "text/html"
@@ -9517,7 +9517,7 @@ def _interactive():
 
 
 def _read_key(what="API key"):
-    # A key from a hidden prompt on a terminal, else one line of stdin.
+    """A key from a hidden prompt on a terminal, else one line of stdin."""
     try:
         if sys.stdin.isatty():
             return getpass.getpass("%s (input hidden): " % what)
@@ -9881,9 +9881,9 @@ def add_arguments(parser, arguments):
 
 
 def command_as_run(argv0):
-    # How a person runs this process's qmem.py again (see as_run): `python3 -m qmem`,
-    # `python3 PATH` of a script, or the launcher's name when PATH finds it there.
-    # (A path is quoted as a shell needs it: the hint is to be pasted.)
+    """How a person runs this process's qmem.py again (see as_run): `python3 -m qmem`,
+    `python3 PATH` of a script, or the launcher's name when PATH finds it there.
+    (A path is quoted as a shell needs it: the hint is to be pasted.)"""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     if spec is not None and spec.name == "qmem":
         return "python3 -m qmem"
