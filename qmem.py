@@ -9855,11 +9855,10 @@ COMMON_OPTIONS = (arg("--json", action="store_true", default=argparse.SUPPRESS,
 
 
 @functools.lru_cache(maxsize=None)
-def build_parser(command=None):
-    """The command line's parser: the top-level options and a subparser for each of
-    COMMANDS, or, given the command a command line names, for that one alone (any other
-    word gets all of them, for argparse's list of choices). Built once per process and
-    command (parsing changes nothing in it): the tests run main() thousands of times."""
+def build_parser():
+    """The command line's parser: the top-level options, and one subparser per COMMANDS.
+    Built once per process (parsing changes nothing in it): the tests run main() thousands
+    of times in one process."""
     about = __doc__.split("\nSections")[0]  # the rest of the docstring is for developers
     parser = _Parser(prog="qmem.py", description=about, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -9870,11 +9869,7 @@ def build_parser(command=None):
         arg("--version", action="version", version="qmem.py " + __version__)])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    # A measured exception to the plain way (README, "Development"): the one subparser a
-    # command line needs, not all twenty, saves 8.5 ms of the launcher's `find` (median of
-    # 60 paired runs, Python 3.11 on two busy CPUs).
-    chosen = [c for c in COMMANDS if c[0] == command] or COMMANDS
-    for name, func, about, arguments, *more in chosen:
+    for name, func, about, arguments, *more in COMMANDS:
         subparser = sub.add_parser(name, help=about, description=about, allow_abbrev=False,
                                    **(more[0] if more else {}))
         add_arguments(subparser, COMMON_OPTIONS + tuple(arguments))
@@ -9939,11 +9934,10 @@ def run_command(argv, json_mode, debug):
         if "--version" in argv and json_mode:
             render_json_version()
             return EXIT_OK
-        command = _command_word(argv)
-        if command is None and not {"-h", "--help", "--version"} & set(argv):
+        if _command_word(argv) is None and not {"-h", "--help", "--version"} & set(argv):
             raise UsageError("a command is needed: %s" % ", ".join(c[0] for c in COMMANDS),
                              hint="`qmem.py --help` says what each does")
-        args = build_parser(command).parse_args(argv)
+        args = build_parser().parse_args(argv)
         if args.command == "mcp":
             return run_mcp(args)
         if args.command == "export" and args.file == "-":
@@ -10043,8 +10037,8 @@ def exit_now(code):
         except (OSError, ValueError, AttributeError):  # a reader gone, a stream closed, none
             pass
     # A measured exception to the plain way (README, "Development"): os._exit skips the
-    # interpreter's teardown (freeing every module and object), 13 ms of the launcher's
-    # `find` (median of 60 paired runs, Python 3.11 on two busy CPUs).
+    # interpreter's teardown (freeing every module and object), 8 to 16 ms of the
+    # launcher's `find` (medians of 40 and 60 paired runs, Python 3.11, two busy CPUs).
     os._exit(code)
 
 
