@@ -687,7 +687,9 @@ with open(job["code"], "rb") as f:
     exec(marshal.load(f), qmem.__dict__)
 with open(qmem.__file__, encoding="utf-8") as f:
     names = set(re.findall(r"^\s+(?:import|from) ([\w.]+)", f.read(), re.M))
-    for name in names | {"encodings.idna"}:  # (and the codec getaddrinfo looks up)
+    # (and the codec getaddrinfo looks up, and locale, which gettext imports at its first
+    # call on 3.13: argparse's words go through it)
+    for name in names | {"encodings.idna", "locale"}:
         try:
             importlib.import_module(name)
         except ImportError:
