@@ -7988,13 +7988,7 @@ class CliTests(GatewayTestCase):
         # with sys.exit(main()), as a launcher may.
         env = dict(os.environ)
         env.pop("PYTHONUNBUFFERED", None)  # (stdout buffered, as it is for most)
-        code = qmem_command()[-1]
-        by_sys_exit = ("import marshal, sys, types\n"
-                       "qmem = sys.modules['qmem'] = types.ModuleType('qmem')\n"
-                       "qmem.__file__ = %r\n"
-                       "with open(%r, 'rb') as f:\n"
-                       "    exec(marshal.load(f), qmem.__dict__)\n"
-                       "sys.exit(qmem.main(sys.argv[1:]))\n" % (QMEM, code))
+        by_sys_exit = qmem_module() + "sys.exit(qmem.main(sys.argv[1:]))\n"
         for command in (qmem_command(), [sys.executable, "-c", by_sys_exit]):
             proc = subprocess.Popen(command + ["find", "x"], env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
