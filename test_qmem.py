@@ -7977,7 +7977,7 @@ class CliTests(GatewayTestCase):
     """argparse, options, prompts, stdin, exit codes, and qmem.py run as a script."""
 
     def test_a_closed_stdout_is_one_line_never_a_traceback(self):
-        # Review: the exit flushed a sys.stdout that Python had set to None.
+        # Review: exit_now flushed a sys.stdout that Python had set to None.
         p = subprocess.run([sys.executable, QMEM, "status"], stderr=subprocess.PIPE,
                            universal_newlines=True, preexec_fn=lambda: os.close(1))
         self.assertNotIn("Traceback", p.stderr)
@@ -8211,8 +8211,8 @@ class CliTests(GatewayTestCase):
         self.assertEqual(p.returncode, 0)
         for name in ("import", "find", "status"):
             self.assertIn(name, p.stdout)
-        # A script run's output and exit code are whole (a document on stdout, a usage
-        # error's line and 2).
+        # A script run ends without the interpreter's teardown: its output and exit code
+        # are still whole (a document on stdout, a usage error's line and 2).
         p = subprocess.run([sys.executable, QMEM, "status", "--json"], env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
         self.assertEqual((p.returncode, json.loads(p.stdout)["index_exists"]), (0, False))
