@@ -121,7 +121,7 @@ class Fix(dict):
 
 
 def as_fixes(fix):
-    # A Fix, a list of them or None, as a list.
+    """A Fix, a list of them or None, as a list."""
     return [fix] if isinstance(fix, Fix) else list(fix or ())
 
 
@@ -152,36 +152,36 @@ def error_document(err):
 
 
 class UsageError(QmemError):
-    # What was asked cannot be done as it was asked: a bad argument, or a missing one.
+    """What was asked cannot be done as it was asked: a bad argument, or a missing one."""
     exit_code = EXIT_USAGE
     kind = "usage"
 
 
 class ConfigError(QmemError):
-    # The configuration file or environment is unusable.
+    """The configuration file or environment is unusable."""
     exit_code = EXIT_USAGE
     kind = "config"
 
 
 class RemoteRequired(QmemError):
-    # The gateway was required (--require-remote) and could not be used.
+    """The gateway was required (--require-remote) and could not be used."""
     exit_code = EXIT_REMOTE
     kind = "remote_required"
 
 
 class Interrupted(QmemError):
-    # Ctrl-C.
+    """Ctrl-C."""
     exit_code = EXIT_INTERRUPTED
     kind = "interrupted"
 
 
 class StoreError(QmemError):
-    # The local database cannot be used.
+    """The local database cannot be used."""
     kind = "store"
 
 
 class OutboxFull(StoreError):
-    # A write past outboxMaxMB: refused, its text kept aside (never in the outbox).
+    """A write past outboxMaxMB: refused, its text kept aside (never in the outbox)."""
     kind = "outbox_full"
 
 
@@ -220,7 +220,7 @@ class GatewayError(QmemError):
 
     @property
     def fallback_ok(self):
-        # May a read be answered from the local index instead?
+        """May a read be answered from the local index instead?"""
         return self.kind in FALLBACK_KINDS
 
 
@@ -232,7 +232,7 @@ _ISO_FAST = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
 
 
 def iso_from_epoch(t):
-    # Epoch seconds -> ISO-8601 UTC with milliseconds ('...T10:15:00.000Z').
+    """Epoch seconds -> ISO-8601 UTC with milliseconds ('...T10:15:00.000Z')."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + ".%03dZ" % (int(t * 1000) % 1000)
 
 
@@ -241,8 +241,8 @@ def iso_now():
 
 
 def iso_norm(value):
-    # Normalise an ISO-8601 timestamp to UTC '...T..:..:..sssZ', so that strings compare
-    # as times. Anything unparseable gives None: a bad date is missing data, not data.
+    """Normalise an ISO-8601 timestamp to UTC '...T..:..:..sssZ', so that strings compare
+    as times. Anything unparseable gives None: a bad date is missing data, not data."""
     if not isinstance(value, str) or not value:
         return None
     if _ISO_FAST.match(value):
@@ -257,7 +257,7 @@ def iso_norm(value):
 
 
 def parse_iso(value):
-    # ISO-8601 date or date-time -> epoch seconds, or None. A time without an offset is UTC.
+    """ISO-8601 date or date-time -> epoch seconds, or None. A time without an offset is UTC."""
     m = re.match(r"\A(\d{4})-(\d\d)-(\d\d)(?:[T ](\d\d):(\d\d)(?::(\d\d)(?:\.(\d{1,9}))?)?"
                  r"\s*(Z|z|[+-]\d\d:?\d\d)?)?\Z", value.strip())
     if not m:
@@ -276,7 +276,7 @@ def parse_iso(value):
 
 
 def mask_secret(key):
-    # 'sk-live-0123456789abcd' -> 'sk-…abcd'. Never shows more than four characters.
+    """'sk-live-0123456789abcd' -> 'sk-…abcd'. Never shows more than four characters."""
     if not key:
         return "(not set)"
     if len(key) < 12:
@@ -285,8 +285,8 @@ def mask_secret(key):
 
 
 def mask_url(url):
-    # A URL as it may be shown anywhere: no user name or password, no query or fragment
-    # (they may hold a token), escaped and short; a value that is no string is named.
+    """A URL as it may be shown anywhere: no user name or password, no query or fragment
+    (they may hold a token), escaped and short; a value that is no string is named."""
     if not isinstance(url, str):
         return "(a %s, not a URL)" % type(url).__name__
     shown = re.sub(r"(\A|//)[^/?#@]*@", "\\1…@", url.strip(), count=1)
@@ -295,8 +295,8 @@ def mask_url(url):
 
 
 def make_private_dirs(folder):
-    # Create the missing folders of a path, each 0700 whatever the umask (os.makedirs
-    # gives intermediate folders the umask's mode since Python 3.7).
+    """Create the missing folders of a path, each 0700 whatever the umask (os.makedirs
+    gives intermediate folders the umask's mode since Python 3.7)."""
     folder = os.path.abspath(folder)
     missing = []
     while not os.path.isdir(folder):
@@ -314,10 +314,10 @@ def make_private_dirs(folder):
 
 
 def atomic_write(path, data, mode=0o600, sync=True):
-    # Write bytes (or what data(file) writes: a stream) to path through a temporary file
-    # and os.replace; readers never see a torn file, an interrupted write leaves none. The
-    # file gets `mode` (0600: it may hold a secret). sync=False skips the fsync, for state
-    # that may be lost on power failure (the breaker). Returns what data(file) returns.
+    """Write bytes (or what data(file) writes: a stream) to path through a temporary file
+    and os.replace; readers never see a torn file, an interrupted write leaves none. The
+    file gets `mode` (0600: it may hold a secret). sync=False skips the fsync, for state
+    that may be lost on power failure (the breaker). Returns what data(file) returns."""
     folder = os.path.dirname(os.path.abspath(path))
     make_private_dirs(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-" + os.path.basename(path))
@@ -354,10 +354,10 @@ HIGHLIGHT = ("\ue000", "\ue001")
 
 
 def visible(text):
-    # Escape every control character (as \x1b, \u202e): memory text, ids and
-    # gateway messages come from elsewhere, and an ESC could clear the screen or set the
-    # window title. (None is printable; nor are the highlight marks, which stay: a text
-    # with only those is returned as it is, without translate()'s 50 ns a character.)
+    r"""Escape every control character (as \x1b, \u202e): memory text, ids and
+    gateway messages come from elsewhere, and an ESC could clear the screen or set the
+    window title. (None is printable; nor are the highlight marks, which stay: a text
+    with only those is returned as it is, without translate()'s 50 ns a character.)"""
     if text.replace(HIGHLIGHT[0], "").replace(HIGHLIGHT[1], "").isprintable():
         return text
     return text.translate(_ESCAPES)
@@ -374,15 +374,15 @@ def lone_surrogate_at(text):
 
 
 def text_of(value):
-    # A str that SQLite, JSON and a terminal can take: lone surrogates become U+FFFD.
+    """A str that SQLite, JSON and a terminal can take: lone surrogates become U+FFFD."""
     if lone_surrogate_at(value) is None:
         return value
     return re.sub("[\ud800-\udfff]", "\ufffd", value)
 
 
 def without_surrogates(value):
-    # A parsed answer with every lone surrogate replaced (U+FFFD): they cannot be
-    # stored, printed or written as UTF-8.
+    """A parsed answer with every lone surrogate replaced (U+FFFD): they cannot be
+    stored, printed or written as UTF-8."""
     if isinstance(value, str):
         return text_of(value)
     if isinstance(value, list):
@@ -397,15 +397,15 @@ _warned = set()
 
 
 def _warn_once(message):
-    # warn(), once per process for the same message (a flush asks the breaker per row).
+    """warn(), once per process for the same message (a flush asks the breaker per row)."""
     if message not in _warned:
         _warned.add(message)
         warn(message)
 
 
 def finite_number(value):
-    # An int (not a bool) or a float, finite as a float: what a score can be (JSON reads
-    # 1e400 as inf, and an int past 1.8e308 is no float at all).
+    """An int (not a bool) or a float, finite as a float: what a score can be (JSON reads
+    1e400 as inf, and an int past 1.8e308 is no float at all)."""
     try:
         return type(value) in (int, float) and math.isfinite(value)
     except OverflowError:
@@ -417,12 +417,12 @@ def _fit(text, width):
 
 
 def plural(n, word):
-    # '1 write', '2 writes'.
+    """'1 write', '2 writes'."""
     return "%d %s%s" % (n, word, "" if n == 1 else "s")
 
 
 def duration(seconds):
-    # A wait as a person says it: '45 s', '12 min', '24 h', '3 d' (a unit from two of it).
+    """A wait as a person says it: '45 s', '12 min', '24 h', '3 d' (a unit from two of it)."""
     for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
         if seconds >= 2 * size:
             return "%d %s" % (round(seconds / size), unit)
@@ -430,24 +430,24 @@ def duration(seconds):
 
 
 def when_utc(epoch):
-    # '2026-12-02 09:14 UTC': a moment for human output.
+    """'2026-12-02 09:14 UTC': a moment for human output."""
     return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(epoch))
 
 
 def ceil_s(ms):
-    # Milliseconds -> whole seconds, rounded up: 'retry in 1 s', never 'in 0 s'.
+    """Milliseconds -> whole seconds, rounded up: 'retry in 1 s', never 'in 0 s'."""
     return (ms + 999) // 1000
 
 
 def warn(message):
-    # A diagnostic for the user (a corrupt breaker file, a missing FTS5, a skipped
-    # file): the one channel every layer uses. It goes where the front end said with
-    # set_diagnostics(), by default to stderr as 'qmem: …'.
+    """A diagnostic for the user (a corrupt breaker file, a missing FTS5, a skipped
+    file): the one channel every layer uses. It goes where the front end said with
+    set_diagnostics(), by default to stderr as 'qmem: …'."""
     _diagnostics[0](message)
 
 
 def stderr_diagnostic(message):
-    # Escaped like human output (a gateway's words may hold an ESC); one line.
+    """Escaped like human output (a gateway's words may hold an ESC); one line."""
     line = "qmem: %s\n" % visible(message.replace("\n", "\\n").replace("\t", "\\t"))
     try:
         sys.stderr.write(line)
@@ -459,7 +459,7 @@ _diagnostics = [stderr_diagnostic]
 
 
 def set_diagnostics(sink):
-    # Route every warn() to sink(message); returns the previous sink.
+    """Route every warn() to sink(message); returns the previous sink."""
     previous, _diagnostics[0] = _diagnostics[0], sink
     return previous
 
@@ -493,7 +493,7 @@ def hostname():
 
 
 def machine_identity():
-    # 'hostname (OS name)': what local writes carry as their default source.
+    """'hostname (OS name)': what local writes carry as their default source."""
     os_name = ""
     try:
         with open("/etc/os-release", encoding="utf-8") as f:
@@ -516,16 +516,16 @@ def _read_small(path):
 
 
 def _proc_stat(pid):
-    # (state, start time in clock ticks since boot) of a process (Linux), or ('', '').
+    """(state, start time in clock ticks since boot) of a process (Linux), or ('', '')."""
     line = _read_small("/proc/%d/stat" % pid)
     fields = line[line.rfind(")") + 1:].split()
     return (fields[0], fields[19]) if len(fields) > 19 else ("", "")
 
 
 def process_identity():
-    # What names this process beyond doubt: (host, boot id, pid namespace, pid, start
-    # time). Where the system does not tell (boot id, namespace, start time: Linux only),
-    # the parts are '' and the identity proves nothing.
+    """What names this process beyond doubt: (host, boot id, pid namespace, pid, start
+    time). Where the system does not tell (boot id, namespace, start time: Linux only),
+    the parts are '' and the identity proves nothing."""
     pid = os.getpid()
     try:
         namespace = os.readlink("/proc/self/ns/pid")
@@ -536,20 +536,20 @@ def process_identity():
 
 
 def claim_token():
-    # A claim (of outbox rows, of the breaker's probe): the claimant's identity, then a
-    # random part (one token per claim).
+    """A claim (of outbox rows, of the breaker's probe): the claimant's identity, then a
+    random part (one token per claim)."""
     return "|".join(process_identity() + (os.urandom(6).hex(),))
 
 
 def claimant(token):
-    # (host, boot, pid namespace, pid, start time) of the process a claim token names, or
-    # None for a token that names none (an older qmem.py's, a damaged file's).
+    """(host, boot, pid namespace, pid, start time) of the process a claim token names, or
+    None for a token that names none (an older qmem.py's, a damaged file's)."""
     parts = (token or "").split("|")
     return tuple(parts[:5]) if len(parts) == 6 else None
 
 
 def prober(token):
-    # ' (pid 4242 on build-7)': the process a probe token names, or ''.
+    """' (pid 4242 on build-7)': the process a probe token names, or ''."""
     named = claimant(token)
     if named is None or not named[3].isdecimal():
         return ""
@@ -557,10 +557,10 @@ def prober(token):
 
 
 def claimant_is_gone(token):
-    # Does the token prove that the process that claimed is dead (same host, same boot,
-    # same pid namespace, and its pid gone, a zombie, or reused since)? Anything less proves
-    # nothing: a claim of another machine, of a container, of an older qmem.py, or from
-    # a system without /proc waits for its lease to run out.
+    """Does the token prove that the process that claimed is dead (same host, same boot,
+    same pid namespace, and its pid gone, a zombie, or reused since)? Anything less proves
+    nothing: a claim of another machine, of a container, of an older qmem.py, or from
+    a system without /proc waits for its lease to run out."""
     named = claimant(token)
     if named is None:
         return False
@@ -617,17 +617,17 @@ class Config:
 
     @property
     def db_path(self):
-        # The local database this run uses (see local_db_path).
+        """The local database this run uses (see local_db_path)."""
         return self._local_db()[0]
 
     @property
     def db_note(self):
-        # Why db_path is not the configured file (see local_db_path), or None.
+        """Why db_path is not the configured file (see local_db_path), or None."""
         return self._local_db()[1]
 
     def _local_db(self):
-        # Decided each time it is asked (cheaply: another_programs keeps its verdicts): a
-        # long-lived MCP server sees the pi extension's index made after it started.
+        """Decided each time it is asked (cheaply: another_programs keeps its verdicts): a
+        long-lived MCP server sees the pi extension's index made after it started."""
         configured = self.values["localDbPath"] or os.path.join(self.home, ".local", "share",
                                                                  "pi-qmem", "qmem.sqlite")
         given = self.sources["localDbPath"] not in ("default", "file")  # --db, QMEM_SQLITE
@@ -644,13 +644,13 @@ _QMEM_TABLES = {"records", "meta", "files", "open_calls", "outbox"}
 
 
 def local_db_path(path, given):
-    # The local database: (the path qmem.py uses, a note that says why it is not `path`,
-    # or None). A path given for this run (--db, QMEM_SQLITE) is used as it is (Store
-    # refuses another program's database). The default and localDbPath are the pi
-    # extension's too (its config file): where another program's database lies there (the
-    # extension's own index), qmem.py keeps a file of its own beside it, and never touches
-    # that one; and keeps using that file once that one is gone (its outbox is there). (If
-    # that file is another program's too, Store refuses it.)
+    """The local database: (the path qmem.py uses, a note that says why it is not `path`,
+    or None). A path given for this run (--db, QMEM_SQLITE) is used as it is (Store
+    refuses another program's database). The default and localDbPath are the pi
+    extension's too (its config file): where another program's database lies there (the
+    extension's own index), qmem.py keeps a file of its own beside it, and never touches
+    that one; and keeps using that file once that one is gone (its outbox is there). (If
+    that file is another program's too, Store refuses it.)"""
     own = os.path.join(os.path.dirname(path), QMEM_PY_DB)
     if given or os.path.basename(path) == QMEM_PY_DB:
         return path, None
@@ -666,7 +666,7 @@ def local_db_path(path, given):
 
 
 def _holds_data(path):
-    # Is there a file of some bytes at path? (stat() only.)
+    """Is there a file of some bytes at path? (stat() only.)"""
     try:
         return os.stat(path).st_size > 0
     except OSError:
@@ -674,29 +674,29 @@ def _holds_data(path):
 
 
 def is_another_programs(version, tables):
-    # Is a SQLite database of this schema version (PRAGMA user_version) and with these
-    # tables another program's? Tables, but no version or not all of qmem.py's. (A newer
-    # qmem.py's database has them: Store refuses it for its version.)
+    """Is a SQLite database of this schema version (PRAGMA user_version) and with these
+    tables another program's? Tables, but no version or not all of qmem.py's. (A newer
+    qmem.py's database has them: Store refuses it for its version.)"""
     return bool(tables) and (version == 0 or not _QMEM_TABLES <= tables)
 
 
 def table_list(tables):
-    # The first few of a database's table names, for a message.
+    """The first few of a database's table names, for a message."""
     return ", ".join(sorted(tables)[:5]) or "none"
 
 
 def sqlite_uri(path, query):
-    # An absolute path as a SQLite URI with a query ('mode=ro'): its '%', '?' and '#'
-    # escaped, and Windows' C:\x as /C:/x.
+    r"""An absolute path as a SQLite URI with a query ('mode=ro'): its '%', '?' and '#'
+    escaped, and Windows' C:\x as /C:/x."""
     if os.sep == "\\":  # pragma: no cover - Windows
         path = "/" + path.replace("\\", "/")
     return "file:%s?%s" % (path.replace("%", "%25").replace("?", "%3f").replace("#", "%23"), query)
 
 
 def another_programs(path):
-    # The tables of the SQLite database at path if it is another program's, else None:
-    # also when there is none, it is empty, no SQLite database, or cannot be read just now
-    # (Store's check, under SQLite's locks, then decides).
+    """The tables of the SQLite database at path if it is another program's, else None:
+    also when there is none, it is empty, no SQLite database, or cannot be read just now
+    (Store's check, under SQLite's locks, then decides)."""
     try:
         st = os.stat(path)  # (through a symlink: its target)
     except OSError:
@@ -722,11 +722,11 @@ _JUDGED = {}
 
 
 def read_only_uri(path):
-    # The URI that reads the SQLite database at path as it is, creating no file beside it
-    # (a plain open would make a -wal and a -shm of the database's own mode: 0400 files
-    # that, once the owner makes the database writable again, make every write of theirs
-    # fail; or fail where the folder takes no new file); None where only a writable open
-    # can read it whole. SQLite keeps -wal and -shm beside a symlink's target.
+    """The URI that reads the SQLite database at path as it is, creating no file beside it
+    (a plain open would make a -wal and a -shm of the database's own mode: 0400 files
+    that, once the owner makes the database writable again, make every write of theirs
+    fail; or fail where the folder takes no new file); None where only a writable open
+    can read it whole. SQLite keeps -wal and -shm beside a symlink's target."""
     real = os.path.realpath(path)
     wal = real + "-wal"
     if os.path.exists(wal) and os.path.exists(real + "-shm"):
@@ -763,7 +763,7 @@ def read_only_uri(path):
 
 
 def _size(path):
-    # The size of a file, 0 when there is none.
+    """The size of a file, 0 when there is none."""
     try:
         return os.stat(path).st_size
     except FileNotFoundError:
@@ -771,9 +771,9 @@ def _size(path):
 
 
 def _read_schema(path):
-    # (PRAGMA user_version, the names of its tables) of a SQLite database, or None when it
-    # cannot be read: read without changing it or making a file beside it (read_only_uri;
-    # see the rule at the top of the Local store section).
+    """(PRAGMA user_version, the names of its tables) of a SQLite database, or None when it
+    cannot be read: read without changing it or making a file beside it (read_only_uri;
+    see the rule at the top of the Local store section)."""
     uri = read_only_uri(path)
     if uri is None:
         return None
@@ -802,10 +802,10 @@ NUMBER_RANGES = {"connectTimeoutMs": (1, 600000), "timeoutMs": (1, 3600000),
 
 
 def _check_type(key, value, origin, typed=False):
-    # Validate one config value against the type of its default; return it converted.
-    # typed=True (the JSON file, shared with the extension): the value must already have
-    # the type, a boolean true or false, a number; otherwise ("5000", "no" from a command
-    # line) text is converted.
+    """Validate one config value against the type of its default; return it converted.
+    typed=True (the JSON file, shared with the extension): the value must already have
+    the type, a boolean true or false, a number; otherwise ("5000", "no" from a command
+    line) text is converted."""
     default = DEFAULTS[key]
     if isinstance(default, bool):
         if isinstance(value, bool):
@@ -843,8 +843,8 @@ MAX_CONFIG_BYTES = 1 << 20
 
 
 def not_private(st):
-    # Why a file or folder (its os.stat) is not safe to trust: 'owned by uid N' or
-    # 'writable by other users'; None when it is (or where the system has no owners).
+    """Why a file or folder (its os.stat) is not safe to trust: 'owned by uid N' or
+    'writable by other users'; None when it is (or where the system has no owners)."""
     if os.name != "posix":  # pragma: no cover - Windows: no uid to compare
         return None
     if st.st_uid != os.geteuid():
@@ -855,7 +855,7 @@ def not_private(st):
 
 
 def load_config(environ=None, overrides=None):
-    # Build the effective config: defaults < config file < environment < flags.
+    """Build the effective config: defaults < config file < environment < flags."""
     environ = os.environ if environ is None else environ
     home = environ.get("HOME") or os.path.expanduser("~")
     path = environ.get("QMEM_CONFIG") or os.path.join(home, ".config", "pi-qmem", "config.json")
@@ -890,9 +890,9 @@ def load_config(environ=None, overrides=None):
 
 
 def _read_config_file(path):
-    # The JSON object of the config file ({} when there is none). Refused unless it is
-    # ours and not writable by others: another user could point the URL elsewhere and
-    # collect the key.
+    """The JSON object of the config file ({} when there is none). Refused unless it is
+    ours and not writable by others: another user could point the URL elsewhere and
+    collect the key."""
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())
@@ -923,9 +923,9 @@ def _read_config_file(path):
 
 
 def gateway_of(url):
-    # What a key is bound to: (scheme, host in lower case, port with its default), or None
-    # when urlsplit cannot read it (a bad port). (urlsplit gives the scheme in lower case;
-    # url is a string: both callers make sure of it.)
+    """What a key is bound to: (scheme, host in lower case, port with its default), or None
+    when urlsplit cannot read it (a bad port). (urlsplit gives the scheme in lower case;
+    url is a string: both callers make sure of it.)"""
     from urllib.parse import urlsplit
     try:
         p = urlsplit(url.strip())
@@ -936,9 +936,9 @@ def gateway_of(url):
 
 
 def _key_withheld(values, sources, raw, path):
-    # Why the config file's API key must not go to the URL in use (None: it may). A key
-    # is sent only to the gateway of the file's own url: a QMEM_URL set for another one (a
-    # project's .mcp.json can set it) gets no key from the file.
+    """Why the config file's API key must not go to the URL in use (None: it may). A key
+    is sent only to the gateway of the file's own url: a QMEM_URL set for another one (a
+    project's .mcp.json can set it) gets no key from the file."""
     if sources["apiKey"] != "file" or not values["url"]:
         return None
     saved = raw.get("url")
@@ -963,14 +963,14 @@ def bundle_key_ok(key):
 
 
 def api_key_ok(key):
-    # Can this key travel in an HTTP header as it is: printable ASCII, no spaces?
+    """Can this key travel in an HTTP header as it is: printable ASCII, no spaces?"""
     return bool(key) and all(0x21 <= ord(c) <= 0x7E for c in key)
 
 
 def _check_config(values, sources, path):
-    # What no single value shows: a URL that is no gateway URL, a key that would break
-    # a header (a CRLF key file), open times the wrong way round. Named by where they came
-    # from; the key itself is never shown.
+    """What no single value shows: a URL that is no gateway URL, a key that would break
+    a header (a CRLF key file), open times the wrong way round. Named by where they came
+    from; the key itself is never shown."""
     def origin(key):
         return {"file": "config file %s" % path,
                 "flag": "option"}.get(sources[key], "environment " + sources[key][4:])
@@ -1009,7 +1009,7 @@ def breaker_times_wrong(values):
 
 
 def session_dirs(environ=None):
-    # Where pi writes its sessions, in pi's own order of precedence (pi-sessions.md §1).
+    """Where pi writes its sessions, in pi's own order of precedence (pi-sessions.md §1)."""
     environ = os.environ if environ is None else environ
     custom = environ.get("PI_CODING_AGENT_SESSION_DIR")
     if custom:
@@ -1021,8 +1021,8 @@ def session_dirs(environ=None):
 
 
 def normalize_url(url):
-    # 'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key (urlsplit gives
-    # the scheme in lower case).
+    """'HTTPS://Host:443/base/' -> 'https://host:443/base': the breaker's key (urlsplit gives
+    the scheme in lower case)."""
     from urllib.parse import urlsplit
     p = urlsplit(url.strip())
     return "%s://%s%s" % (p.scheme, p.netloc.lower(), p.path.rstrip("/"))
@@ -1034,8 +1034,8 @@ _HOST = r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z|\A[0-9A-Fa-f
 
 
 def check_url(url):
-    # A gateway URL must be http(s) with a host name (or IP), no credentials, no
-    # query. Returns it without a trailing slash.
+    """A gateway URL must be http(s) with a host name (or IP), no credentials, no
+    query. Returns it without a trailing slash."""
     from urllib.parse import urlsplit
     url = url.strip()
     try:
@@ -1058,7 +1058,7 @@ def check_url(url):
 
 
 def is_loopback(host):
-    # Exactly 'localhost', or an IP literal of 127.0.0.0/8 or ::1 (not '127.evil.example').
+    """Exactly 'localhost', or an IP literal of 127.0.0.0/8 or ::1 (not '127.evil.example')."""
     host = (host or "").strip("[]")
     if host.lower() == "localhost":
         return True
@@ -1069,7 +1069,7 @@ def is_loopback(host):
 
 
 def warn_plain_http(url, key):
-    # The API key would travel unencrypted: say so, wherever the URL came from.
+    """The API key would travel unencrypted: say so, wherever the URL came from."""
     from urllib.parse import urlsplit
     p = urlsplit(url)
     if p.scheme == "http" and key and not is_loopback(p.hostname):
@@ -1082,8 +1082,8 @@ RETRIES = 2  # further attempts after an ambiguous failure
 
 
 def worst_call_s(config, retries=RETRIES):
-    # The longest one Gateway.call() can take: every attempt using both budgets, and
-    # the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it.
+    """The longest one Gateway.call() can take: every attempt using both budgets, and
+    the capped sleeps between them. Leases (breaker probe, outbox claim) outlast it."""
     attempts = (retries + 1) * (config["connectTimeoutMs"] + config["timeoutMs"]) / 1000.0
     return attempts + retries * (RETRY_SLEEP_CAP + 1.0) + 1.0
 
@@ -1092,9 +1092,9 @@ CONFIG_KEYS = tuple(DEFAULTS)
 
 
 def write_config(config, changes):
-    # Set keys in the config file, keeping every key this tool does not know, atomically,
-    # mode 0600. A value of None removes the key. A symlinked config (a dotfiles
-    # checkout) is written where it points: the link stays a link.
+    """Set keys in the config file, keeping every key this tool does not know, atomically,
+    mode 0600. A value of None removes the key. A symlinked config (a dotfiles
+    checkout) is written where it points: the link stays a link."""
     raw = dict(config.raw)
     for key, value in changes.items():
         if value is None:
@@ -1115,8 +1115,8 @@ MAX_BREAKER_BYTES = 64 << 10  # a state per gateway URL: a few hundred bytes eac
 
 
 def _read_breaker_file(path):
-    # The breaker file's bytes: not through a symlink, a regular file of ours, at most
-    # MAX_BREAKER_BYTES (a link to /dev/zero must not fill the memory). OSError else.
+    """The breaker file's bytes: not through a symlink, a regular file of ours, at most
+    MAX_BREAKER_BYTES (a link to /dev/zero must not fill the memory). OSError else."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
@@ -1178,8 +1178,8 @@ class _FileLock:
 
 
 def why_open(state):
-    # 'opened at once: could not connect: …' or 'opened after 3 consecutive failures
-    # (last: HTTP 503)'.
+    """'opened at once: could not connect: …' or 'opened after 3 consecutive failures
+    (last: HTTP 503)'."""
     last = state["last_detail"] or state["last_error"] or "unknown error"
     if state["opened_after"] > 1:
         return "opened after %d consecutive failures (last: %s)" % (state["opened_after"], last)
@@ -1236,8 +1236,8 @@ class Breaker:
     _cache = (None, None)  # (stat signature, parsed entries) of the last read
 
     def _read_all(self, fresh=False):
-        # A flush asks before and after every row: re-read only when the file changed
-        # (and always under the lock, where a stale answer could matter).
+        """A flush asks before and after every row: re-read only when the file changed
+        (and always under the lock, where a stale answer could matter)."""
         if self.path in _BREAKER_IN_MEMORY:  # this process could not write the file
             return dict(_BREAKER_IN_MEMORY[self.path])
         try:
@@ -1270,9 +1270,9 @@ class Breaker:
             return {}
 
     def read(self, fresh=False):
-        # This URL's state. A missing field takes its closed value; an entry with a
-        # field of the wrong type is corrupt: closed, with a warning (and rewritten on the
-        # next change).
+        """This URL's state. A missing field takes its closed value; an entry with a
+        field of the wrong type is corrupt: closed, with a warning (and rewritten on the
+        next change)."""
         entry = self._read_all(fresh).get(self.key)
         state = dict(self.CLOSED)
         if entry is None:
@@ -1299,7 +1299,7 @@ class Breaker:
         return state
 
     def _write(self, state):
-        # Under the lock: replace this URL's entry (a closed, clean state removes it).
+        """Under the lock: replace this URL's entry (a closed, clean state removes it)."""
         gateways = self._read_all(fresh=True)
         if state == self.CLOSED:
             gateways.pop(self.key, None)
@@ -1321,16 +1321,16 @@ class Breaker:
 
     # -- the transitions
     def retry_in(self, state, now):
-        # Milliseconds until this state lets a call out (0 when it does now).
+        """Milliseconds until this state lets a call out (0 when it does now)."""
         if not self.refuses(state, now):
             return 0
         until = state["open_until"] if state["state"] == "open" else state["probe_until"]
         return max(0, int((until - now) * 1000))
 
     def refuses(self, state, now):
-        # Does this state refuse a call from this process now? (An open state expires
-        # by itself; a clock that went back, leaving an open_until further away than the
-        # longest open time, counts as expired.)
+        """Does this state refuse a call from this process now? (An open state expires
+        by itself; a clock that went back, leaving an open_until further away than the
+        longest open time, counts as expired.)"""
         if state["state"] == "open":
             return now < state["open_until"] <= now + 1.2 * self.max_s
         if state["state"] == "half_open":
@@ -1340,7 +1340,7 @@ class Breaker:
         return False
 
     def is_open(self):
-        # Is the breaker open now (calls from any process fail fast)?
+        """Is the breaker open now (calls from any process fail fast)?"""
         state = self.read()
         return state["state"] == "open" and self.refuses(state, self.clock())
 
@@ -1353,10 +1353,10 @@ class Breaker:
                             cause=state["last_kind"], in_a_row=state["opened_after"])
 
     def admit(self):
-        # Before a call: raise GatewayError('breaker_open') if this state refuses it.
-        # Otherwise the call may go out (closed, or this process now holds the half-open
-        # probe), and the return value says whether the state was clean (closed, nothing
-        # counted): then a success has nothing to write. The clean path writes nothing.
+        """Before a call: raise GatewayError('breaker_open') if this state refuses it.
+        Otherwise the call may go out (closed, or this process now holds the half-open
+        probe), and the return value says whether the state was clean (closed, nothing
+        counted): then a success has nothing to write. The clean path writes nothing."""
         state, now = self.read(), self.clock()
         if state == self.CLOSED:
             return True
@@ -1377,12 +1377,12 @@ class Breaker:
         return False
 
     def probe_now(self):
-        # A person who types `flush` is asking now (design.md): while the open period runs,
-        # take the half-open slot, so that the next call probes at once (admit() lets this
-        # process's probe out; its success closes the breaker, its failure reopens it for
-        # twice as long). Automatic flushes and agents' calls never come here. Returns the
-        # probe token of another process that holds the slot (its call is refused, and
-        # names it), else None.
+        """A person who types `flush` is asking now (design.md): while the open period runs,
+        take the half-open slot, so that the next call probes at once (admit() lets this
+        process's probe out; its success closes the breaker, its failure reopens it for
+        twice as long). Automatic flushes and agents' calls never come here. Returns the
+        probe token of another process that holds the slot (its call is refused, and
+        names it), else None."""
         state, now = self.read(), self.clock()
         if not self.refuses(state, now):
             return None  # closed, our own probe, or the open period is over: admit() decides
@@ -1398,16 +1398,16 @@ class Breaker:
         return None
 
     def success(self):
-        # The gateway answered: close (writes only if something changes).
+        """The gateway answered: close (writes only if something changes)."""
         if self.read() == self.CLOSED:
             return
         self.reset()
         self.probing = False
 
     def release(self):
-        # A call ended without telling whether the gateway is up (TLS or configuration
-        # error), or an explicit flush sent nothing: give back the probe, if this process
-        # held it (an open period that probe_now cut short runs on).
+        """A call ended without telling whether the gateway is up (TLS or configuration
+        error), or an explicit flush sent nothing: give back the probe, if this process
+        held it (an open period that probe_now cut short runs on)."""
         if self.probing:
             with self._lock():
                 state = self.read(fresh=True)
@@ -1418,8 +1418,8 @@ class Breaker:
             self.probing = False
 
     def failure(self, kind, message, detail=None):
-        # Record a failed call: 'unreachable' opens at once, 'ambiguous' after
-        # trip_after in a row; a failed probe reopens with a doubled open time.
+        """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
+        trip_after in a row; a failed probe reopens with a doubled open time."""
         now = self.clock()
         with self._lock():
             state = self.read(fresh=True)
@@ -1457,18 +1457,18 @@ class Breaker:
 # before any of them is imported.
 
 class Response:
-    # One answer: its status, parsed JSON and headers. `scrub` makes any text of the
-    # answer safe to store and print (the key masked, controls escaped, bounded).
-    # `not_json`: (what the body holds, whether it is an HTML page, the short quote of it a
-    # fallback label carries) when it is no JSON.
+    """One answer: its status, parsed JSON and headers. `scrub` makes any text of the
+    answer safe to store and print (the key masked, controls escaped, bounded).
+    `not_json`: (what the body holds, whether it is an HTML page, the short quote of it a
+    fallback label carries) when it is no JSON."""
     not_json = None
 
     def __init__(self, status, data, headers, scrub):
         self.status, self.data, self.headers, self.scrub = status, data, headers, scrub
 
     def detail(self):
-        # The readable part of an error body (FastAPI's 'detail': a string or a list of
-        # {loc, msg}), scrubbed; whatever its shape, never an exception.
+        """The readable part of an error body (FastAPI's 'detail': a string or a list of
+        {loc, msg}), scrubbed; whatever its shape, never an exception."""
         data = self.data
         detail = data.get("detail") if isinstance(data, dict) else None
         if isinstance(detail, list):
@@ -1481,7 +1481,7 @@ class Response:
 
 
 def _validation_error(item):
-    # One FastAPI validation error, '{loc: [body, text], msg}' -> 'text: msg'.
+    """One FastAPI validation error, '{loc: [body, text], msg}' -> 'text: msg'."""
     if not isinstance(item, dict):
         return str(item)
     loc = item.get("loc")
@@ -1543,9 +1543,9 @@ _net = {}
 
 
 def _net_classes():
-    # Sockets whose every send and receive is bounded by a total deadline
-    # (reliability.md §1.3): before each blocking call the timeout is re-armed to the
-    # time left, so a gateway trickling one byte at a time cannot stretch the budget.
+    """Sockets whose every send and receive is bounded by a total deadline
+    (reliability.md §1.3): before each blocking call the timeout is re-armed to the
+    time left, so a gateway trickling one byte at a time cannot stretch the budget."""
     if _net:
         return _net
     import socket
@@ -1588,8 +1588,8 @@ def _net_classes():
 
 
 def _resolve(host, port, deadline):
-    # getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
-    # (and does not keep the process alive at exit).
+    """getaddrinfo in a daemon thread, so a hung resolver costs the deadline, not more
+    (and does not keep the process alive at exit)."""
     socket, box = _net["socket"], {}
 
     def work():
@@ -1609,8 +1609,8 @@ def _resolve(host, port, deadline):
 
 
 def _proxy_for(scheme, host, environ=None):
-    # (host, port) of the proxy the standard variables ask for, or None. Honoured:
-    # https_proxy / http_proxy (either case) and no_proxy (suffixes, '*').
+    """(host, port) of the proxy the standard variables ask for, or None. Honoured:
+    https_proxy / http_proxy (either case) and no_proxy (suffixes, '*')."""
     environ = os.environ if environ is None else environ
     value = environ.get(scheme + "_proxy") or environ.get(scheme.upper() + "_PROXY")
     if not value or is_loopback(host):  # a proxy cannot reach this machine's loopback
@@ -1632,7 +1632,7 @@ def _proxy_for(scheme, host, environ=None):
 
 
 def retry_after_seconds(headers, now=None):
-    # Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None.
+    """Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None."""
     raw = (headers.get("Retry-After") or "").strip()
     if not raw:
         return None
@@ -1703,13 +1703,13 @@ class Gateway:
         warn_plain_http(self.url, self.key)
 
     def mask(self, text):
-        # Text with the API key masked (a gateway may echo the request's headers). The key
-        # is never empty: __init__ refuses a gateway without one.
+        """Text with the API key masked (a gateway may echo the request's headers). The key
+        is never empty: __init__ refuses a gateway without one."""
         return str(text).replace(self.key, mask_secret(self.key))
 
     def scrub(self, text):
-        # Text the gateway sent, made safe to store and print: the API key masked, then
-        # controls escaped, then cut to 500 characters (in that order: no half key).
+        """Text the gateway sent, made safe to store and print: the API key masked, then
+        controls escaped, then cut to 500 characters (in that order: no half key)."""
         return visible(self.mask(text))[:500]
 
     def close(self):
@@ -1718,8 +1718,8 @@ class Gateway:
         self.conn = self.sock = None
 
     def call(self, method, path, body=None, idempotency_key=None, retries=None):
-        # Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
-        # the caller interprets. Everything else raises GatewayError (see its kinds).
+        """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
+        the caller interprets. Everything else raises GatewayError (see its kinds)."""
         self.tries = 0
         clean = self.bypass_breaker or self.breaker.admit()
         retries = self.retries if retries is None else retries
@@ -1759,8 +1759,8 @@ class Gateway:
             self.sleep(_jittered(wait, told))
 
     def _judge(self, resp):
-        # None for an answer (2xx, and 4xx but 429); the ambiguous failure to retry
-        # for 5xx and 429. A redirect raises: it is not followed.
+        """None for an answer (2xx, and 4xx but 429); the ambiguous failure to retry
+        for 5xx and 429. A redirect raises: it is not followed."""
         status = resp.status
         if 200 <= status < 300 or (400 <= status < 500 and status != 429):
             return None
@@ -1788,8 +1788,8 @@ class Gateway:
         return h
 
     def _exchange(self, method, path, body, idempotency_key):
-        # One attempt: the request and the status line and headers within the connect
-        # budget, then the whole body within the body budget. Returns a Response.
+        """One attempt: the request and the status line and headers within the connect
+        budget, then the whole body within the body budget. Returns a Response."""
         if body is None or isinstance(body, bytes):
             data = body  # already JSON
         else:
@@ -1805,8 +1805,8 @@ class Gateway:
         return answer
 
     def _request(self, method, path, data, headers):
-        # Send the request and read the status line and headers (the connect budget);
-        # a kept-alive connection the server closed meanwhile is replaced once.
+        """Send the request and read the status line and headers (the connect budget);
+        a kept-alive connection the server closed meanwhile is replaced once."""
         import http.client
         net = _net_classes()
         for fresh in (False, True):
@@ -1832,7 +1832,7 @@ class Gateway:
                                    detail="closed the connection without answering")
 
     def _read_body(self, resp):
-        # The whole body within the body budget, or GatewayError('ambiguous').
+        """The whole body within the body budget, or GatewayError('ambiguous')."""
         import http.client
         self.sock.qm_deadline = _net["Deadline"](self.body_s, "body")
         chunks, size = [], 0
@@ -1864,8 +1864,8 @@ class Gateway:
         return b"".join(chunks)
 
     def _parse(self, raw, resp):
-        # The JSON of a body; a 2xx answer must be a JSON object. Bounded in what it
-        # becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed.
+        """The JSON of a body; a 2xx answer must be a JSON object. Bounded in what it
+        becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed."""
         if json_values_over(raw, MAX_JSON_VALUES):
             raise GatewayError(AMBIGUOUS,
                                "answer from %s holds more than %d JSON values: refused" % (
@@ -1911,14 +1911,14 @@ class Gateway:
         return shown, is_html, _fit(page, NOT_JSON_SHOWN) + ": " + PROXY_GUESS
 
     def _quote(self, text):
-        # Text of an answer, quoted for a message: spaces collapsed, then the key masked, then
-        # cut (no part of a key is shown), then in JSON's quotes and escapes, scrubbed.
+        """Text of an answer, quoted for a message: spaces collapsed, then the key masked, then
+        cut (no part of a key is shown), then in JSON's quotes and escapes, scrubbed."""
         text = " ".join(text.split())
         text = self.mask(text[:NOT_JSON_SHOWN + len(self.key)])[:NOT_JSON_SHOWN]
         return self.scrub(json.dumps(text, ensure_ascii=False))
 
     def _connect(self, deadline):
-        # Called by _request only, which then arms self.sock with the deadline.
+        """Called by _request only, which then arms self.sock with the deadline."""
         import http.client
         proxy = _proxy_for(self.scheme, self.host)
         gateway = (self.host, self.port)
@@ -1978,9 +1978,9 @@ def tls_context(ca_file):
 
 
 def _open_socket(address, deadline):
-    # http.client's _create_connection under our deadline: each resolved address in
-    # turn, each given an equal share of the time left, so that a dead first address
-    # (an IPv6 route that drops everything) leaves time for a live one within any budget.
+    """http.client's _create_connection under our deadline: each resolved address in
+    turn, each given an equal share of the time left, so that a dead first address
+    (an IPv6 route that drops everything) leaves time for a live one within any budget."""
     last = None
     addresses = _resolve(*address, deadline)  # address: (host, port)
     for n, (family, kind, proto, _, addr) in enumerate(addresses):
@@ -1998,15 +1998,15 @@ def _open_socket(address, deadline):
 
 
 def _jittered(wait, told):
-    # The sleep before a retry: full jitter when we chose the wait; when the gateway
-    # told us (Retry-After), never earlier, a little later.
+    """The sleep before a retry: full jitter when we chose the wait; when the gateway
+    told us (Retry-After), never earlier, a little later."""
     if told:
         return wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25))
     return random.uniform(wait / 2, wait)
 
 
 def _reason(e):
-    # A short, key-free description of a network exception.
+    """A short, key-free description of a network exception."""
     text = getattr(e, "strerror", None) or str(e) or type(e).__name__
     return text if type(e).__name__ in text else "%s: %s" % (type(e).__name__, text)
 
@@ -2090,12 +2090,12 @@ _RESENDABLE = "coalesce(last_status, -1) NOT IN (0, %d)" % NOT_APPLIED_STATUS
 
 
 def was_not_applied(state, last_status):
-    # Is an outbox row (its state and last_status) a correction that was not applied?
+    """Is an outbox row (its state and last_status) a correction that was not applied?"""
     return state == FAILED and last_status == NOT_APPLIED_STATUS
 
 
 def not_applied_reason(holder, target):
-    # The reason kept with a correction answered 409 duplicate: what happened.
+    """The reason kept with a correction answered 409 duplicate: what happened."""
     return "not applied: %s already holds that text, so %s is still live" % (
         holder or "a near-identical memory", target)
 
@@ -2109,7 +2109,7 @@ SECRETS_MASKED = "3"  # the version of the masking the stored records have (3: r
 
 
 def _m001_initial(conn, fts_tokenizer):
-    # Records, their FTS index, import progress, sync state and the outbox.
+    """Records, their FTS index, import progress, sync state and the outbox."""
     _script(conn, """
     CREATE TABLE records(
       rid INTEGER PRIMARY KEY,             -- stable key for the FTS index (VACUUM-proof)
@@ -2153,8 +2153,8 @@ def _m001_initial(conn, fts_tokenizer):
 
 
 def _script(conn, sql):
-    # Run several statements inside the caller's transaction. (executescript() would
-    # COMMIT it first.)
+    """Run several statements inside the caller's transaction. (executescript() would
+    COMMIT it first.)"""
     statement = ""
     for line in sql.splitlines(True):
         statement += line
@@ -2164,8 +2164,8 @@ def _script(conn, sql):
 
 
 def _create_fts(conn, tokenizer):
-    # No triggers: Store keeps the index in step row by row, which measured three
-    # times faster than the same work done by an AFTER INSERT trigger.
+    """No triggers: Store keeps the index in step row by row, which measured three
+    times faster than the same work done by an AFTER INSERT trigger."""
     conn.execute("CREATE VIRTUAL TABLE records_fts USING fts5(%s, content='records', "
                  "content_rowid='rid', tokenize='%s')" % (_FTS_COLUMNS, tokenizer))
     conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', ?)", ("fts5 " + tokenizer,))
@@ -2188,9 +2188,9 @@ _CAMEL_PART = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
 def identifier_words(text):
-    # The parts of text's CamelCase names (ASCII letters and digits), each name once,
-    # lower case, as one string ('' for none): linear in the text, never longer than
-    # twice it; 0.2 s for 100,000 memories of real text, most of it the scan for humps.
+    """The parts of text's CamelCase names (ASCII letters and digits), each name once,
+    lower case, as one string ('' for none): linear in the text, never longer than
+    twice it; 0.2 s for 100,000 memories of real text, most of it the scan for humps."""
     hump = _HUMP.search(text or "")
     names, end = {}, 0
     while hump:
@@ -2203,13 +2203,13 @@ def identifier_words(text):
 
 
 def _m004_words(conn):
-    # Schema 4. With FTS5, the index holds a fourth column, the words of each text's
-    # CamelCase identifiers (identifier_words, through the view records_words); an index
-    # made before is rebuilt so once, by the next import, pull or load (words_pending),
-    # and used as it is meanwhile. Without FTS5, each text is kept accent-folded
-    # (records.folded, kept by triggers), so that the LIKE scan is plain SQL, and the words
-    # of those texts are kept for near spellings (folded_words, made anew by the first
-    # search that needs them after a text changed: folded_changes counts the changes).
+    """Schema 4. With FTS5, the index holds a fourth column, the words of each text's
+    CamelCase identifiers (identifier_words, through the view records_words); an index
+    made before is rebuilt so once, by the next import, pull or load (words_pending),
+    and used as it is meanwhile. Without FTS5, each text is kept accent-folded
+    (records.folded, kept by triggers), so that the LIKE scan is plain SQL, and the words
+    of those texts are kept for near spellings (folded_words, made anew by the first
+    search that needs them after a text changed: folded_changes counts the changes)."""
     conn.execute("CREATE VIEW IF NOT EXISTS records_words AS SELECT rid, text, project_id, kind, "
                  "qmem_words(text) AS words FROM records")
     if conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0] != "none":
@@ -2234,9 +2234,9 @@ def _m004_words(conn):
 
 
 def _index_words(conn):
-    # Inside a transaction: the FTS index made anew with the identifiers' words, under a
-    # new name (records_index): a qmem.py of schema 3 still running (an MCP server) then
-    # fails to write to the index it knew, where it would have damaged this one.
+    """Inside a transaction: the FTS index made anew with the identifiers' words, under a
+    new name (records_index): a qmem.py of schema 3 still running (an MCP server) then
+    fails to write to the index it knew, where it would have damaged this one."""
     tokenizer = conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0][len("fts5 "):]
     _script(conn, """
     DROP TABLE IF EXISTS records_fts;
@@ -2249,19 +2249,19 @@ def _index_words(conn):
 
 
 def _m002_claims(conn):
-    # Schema 2 changes the rules of the outbox, not its tables: a claim is taken over
-    # only when its claimant is proven dead or its lease has run out (a qmem.py of schema
-    # 1 took leases that looked 'too far ahead', and judged a claimant dead by its pid
-    # alone), so an older qmem.py must not write here any more: the version refuses it.
-    # Records of writes the gateway refused are marked as such (pending 2).
+    """Schema 2 changes the rules of the outbox, not its tables: a claim is taken over
+    only when its claimant is proven dead or its lease has run out (a qmem.py of schema
+    1 took leases that looked 'too far ahead', and judged a claimant dead by its pid
+    alone), so an older qmem.py must not write here any more: the version refuses it.
+    Records of writes the gateway refused are marked as such (pending 2)."""
     conn.execute("UPDATE records SET pending=2 WHERE pending=1 AND id IN (SELECT id FROM outbox "
                  "WHERE state='failed')")
 
 
 def _m003_held(conn):
-    # Schema 3: writes from an unverified bundle wait 'held' until the user releases them
-    # (an older qmem.py would send them: it must refuse the database), and every record
-    # says where its view came from (origin).
+    """Schema 3: writes from an unverified bundle wait 'held' until the user releases them
+    (an older qmem.py would send them: it must refuse the database), and every record
+    says where its view came from (origin)."""
     sql = conn.execute("SELECT sql FROM sqlite_master WHERE name='outbox'").fetchone()[0]
     if "'held'" not in sql:  # (a database whose version was set back has it already)
         new = re.sub(r'\ACREATE TABLE "?outbox"?\(', "CREATE TABLE outbox_new(", sql)
@@ -2276,10 +2276,10 @@ def _m003_held(conn):
 
 
 def _m005_kept_words(conn):
-    # Schema 5: each record keeps its identifiers' words (records.words, set as it is
-    # written), so that making the index anew reads them instead of computing them; a row
-    # without them (written before, or its text changed since: the trigger) gets them
-    # computed there, so the index is the same either way and needs no rebuild.
+    """Schema 5: each record keeps its identifiers' words (records.words, set as it is
+    written), so that making the index anew reads them instead of computing them; a row
+    without them (written before, or its text changed since: the trigger) gets them
+    computed there, so the index is the same either way and needs no rebuild."""
     if "words" not in {row[1] for row in conn.execute("PRAGMA table_info(records)")}:
         conn.execute("ALTER TABLE records ADD COLUMN words TEXT")
     _script(conn, """
@@ -2306,10 +2306,10 @@ HEALED = "healed_not_applied"  # meta: what _m006_not_applied made live again, f
 
 
 def _m006_not_applied(conn):
-    # Schema 6: a correction the gateway answered 409 duplicate supersedes nothing there,
-    # but a qmem.py of schema 5 settled it 'duplicate' and hid what it corrected behind
-    # the duplicate, so `find` and the gateway disagreed. Each such row becomes a
-    # correction not applied (failed, never sent again) and what it hid is live again.
+    """Schema 6: a correction the gateway answered 409 duplicate supersedes nothing there,
+    but a qmem.py of schema 5 settled it 'duplicate' and hid what it corrected behind
+    the duplicate, so `find` and the gateway disagreed. Each such row becomes a
+    correction not applied (failed, never sent again) and what it hid is live again."""
     healed = []
     for local_id, target, other in conn.execute(
             "SELECT id, target, duplicate_of FROM outbox WHERE target IS NOT NULL AND "
@@ -2345,7 +2345,7 @@ SCHEMA_GAINS = {3: "identifiers found by their parts (ThreadPool: thread pool)",
 
 
 def schema_gains(version):
-    # What the migrations from schema `version` on bring, in one phrase.
+    """What the migrations from schema `version` on bring, in one phrase."""
     return "; ".join(SCHEMA_GAINS.get(n, "schema %d" % (n + 1))
                      for n in range(version, SCHEMA_VERSION))
 
@@ -2354,7 +2354,7 @@ FORCE_NO_FTS5 = False
 
 
 def fts5_tokenizer():
-    # The best unicode61 tokenizer this SQLite offers, or None without FTS5.
+    """The best unicode61 tokenizer this SQLite offers, or None without FTS5."""
     if FORCE_NO_FTS5:
         return None
     probe = sqlite3.connect(":memory:")
@@ -2371,7 +2371,7 @@ def fts5_tokenizer():
 
 
 def _fold(text):
-    # Accent-folded lower case, for the LIKE search of a SQLite without FTS5.
+    """Accent-folded lower case, for the LIKE search of a SQLite without FTS5."""
     if not text or max(text) < "\x80":  # ASCII: nothing to fold (most text, and 20x faster)
         return text.lower() if text else text
     decomposed = unicodedata.normalize("NFKD", text)
@@ -2382,12 +2382,12 @@ _MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # the keys of a row to merge
 
 
 def _merge_sql():
-    # The merge rule (design.md), written once, in SQL: never replace known data with
-    # missing data; a more complete view wins over a partial one; the mutable fields follow
-    # the newest updated_at. Returns the INSERT of a new record, the UPDATE of a known one
-    # (which changes nothing, and counts nothing, when the view adds nothing), and both in
-    # one UPSERT for bulk loads (SQLite 3.24+: no read per record). Rows are bound as dicts
-    # keyed _MERGE_KEYS (named parameters, :field: a value is used several times).
+    """The merge rule (design.md), written once, in SQL: never replace known data with
+    missing data; a more complete view wins over a partial one; the mutable fields follow
+    the newest updated_at. Returns the INSERT of a new record, the UPDATE of a known one
+    (which changes nothing, and counts nothing, when the view adds nothing), and both in
+    one UPSERT for bulk loads (SQLite 3.24+: no read per record). Rows are bound as dicts
+    keyed _MERGE_KEYS (named parameters, :field: a value is used several times)."""
     values = ["coalesce(:text, '')" if f == "text" else "coalesce(:private, 0)"
               if f == "private" else ":" + f for f in _MERGE_KEYS]
     newer = "(:updated_at IS NOT NULL AND (updated_at IS NULL OR :updated_at > updated_at))"
@@ -2417,7 +2417,7 @@ BUSY_TIMEOUT_S = 10.0
 
 
 def is_busy(e):
-    # SQLite's SQLITE_BUSY ('database is locked') or SQLITE_LOCKED ('... table is locked').
+    """SQLite's SQLITE_BUSY ('database is locked') or SQLITE_LOCKED ('... table is locked')."""
     text = str(e)
     return "locked" in text or "busy" in text
 
@@ -2429,15 +2429,15 @@ _DAMAGED = re.compile(r"malformed|corrupt|vtable constructor failed|invalid fts5
 
 
 def damaged(path):
-    # What every command says of a damaged database (doctor adds what it found).
+    """What every command says of a damaged database (doctor adds what it found)."""
     return StoreError("local database %s is damaged" % path, fix=Fix("repair"),
                       kind="store_damaged")
 
 
 def store_error(e, path, waited=None):
-    # A sqlite3 error as the StoreError a user can act on (a StoreError is one already).
-    # waited: the seconds this command waited for a busy database (patiently() measures
-    # them).
+    """A sqlite3 error as the StoreError a user can act on (a StoreError is one already).
+    waited: the seconds this command waited for a busy database (patiently() measures
+    them)."""
     if isinstance(e, StoreError):
         return e
     text = str(e)
@@ -2469,12 +2469,12 @@ def store_error(e, path, waited=None):
 
 
 def read_only_where(path):
-    # What keeps this process from writing the database at path: the file itself, its -wal
-    # or its -shm (one left 0400 by an open of the 0400 database: SQLite opens it read-only,
-    # and then every write fails), or its folder (a write needs a -wal and a -shm there,
-    # which SQLite creates, unless both are there already and ours to write); None when
-    # nothing does. SQLite keeps them beside a symlink's target. (As root, os.access says
-    # no only on a read-only file system.)
+    """What keeps this process from writing the database at path: the file itself, its -wal
+    or its -shm (one left 0400 by an open of the 0400 database: SQLite opens it read-only,
+    and then every write fails), or its folder (a write needs a -wal and a -shm there,
+    which SQLite creates, unless both are there already and ours to write); None when
+    nothing does. SQLite keeps them beside a symlink's target. (As root, os.access says
+    no only on a read-only file system.)"""
     real = os.path.realpath(path)
     folder = os.path.dirname(real)
     for each in (real, real + "-wal", real + "-shm"):  # (not there yet: SQLite makes it)
@@ -2487,8 +2487,8 @@ def read_only_where(path):
 
 
 def read_only_error(path, where=None, problem=None):
-    # The one-line StoreError of a database this process cannot write: what is read-only
-    # (the file, or its folder: `where`), whose it is, its mode, and how to fix it.
+    """The one-line StoreError of a database this process cannot write: what is read-only
+    (the file, or its folder: `where`), whose it is, its mode, and how to fix it."""
     what, fix = _read_only_facts(where or read_only_where(path) or os.path.realpath(path))
     return StoreError("local database %s is read-only (%s)%s"
                       % (path, what, ": " + problem if problem else ""), kind="store_readonly",
@@ -2496,8 +2496,8 @@ def read_only_error(path, where=None, problem=None):
 
 
 def _read_only_facts(where):
-    # (what keeps `where`, the file or the folder read_only_where named, from being
-    # written; how to fix it).
+    """(what keeps `where`, the file or the folder read_only_where named, from being
+    written; how to fix it)."""
     facts, fix = unwritable(where)
     if os.path.isdir(where):
         return ("its folder %s is %s: SQLite writes its -wal and -shm there" % (where, facts),
@@ -2508,8 +2508,8 @@ def _read_only_facts(where):
 
 
 def unwritable(where):
-    # (the mode and owner of a file or folder this process cannot write; the start of the
-    # fix, '' or ending with ', ').
+    """(the mode and owner of a file or folder this process cannot write; the start of the
+    fix, '' or ending with ', ')."""
     try:
         st = os.stat(where)
     except OSError as e:
@@ -2527,7 +2527,7 @@ def unwritable(where):
 
 
 def _owner(uid):
-    # A user's name, or 'uid N' where it has none here.
+    """A user's name, or 'uid N' where it has none here."""
     try:
         import pwd
         return pwd.getpwuid(uid).pw_name
@@ -2536,13 +2536,13 @@ def _owner(uid):
 
 
 def patiently(path, attempt):
-    # attempt(), tried again while SQLite answers busy, for at most BUSY_TIMEOUT_S from
-    # the start of the try that met the first busy answer; then the busy StoreError, with
-    # how long it waited. Most busy answers come after SQLite's busy handler waited for
-    # the lock; some come at once, whatever the busy timeout, and are waited out here like
-    # those: a read transaction that would turn into a write after another process wrote
-    # (reliability.md §4.1), as PRAGMA journal_mode=WAL does inside SQLite while another
-    # process sets up a new database. Every other error leaves as it came.
+    """attempt(), tried again while SQLite answers busy, for at most BUSY_TIMEOUT_S from
+    the start of the try that met the first busy answer; then the busy StoreError, with
+    how long it waited. Most busy answers come after SQLite's busy handler waited for
+    the lock; some come at once, whatever the busy timeout, and are waited out here like
+    those: a read transaction that would turn into a write after another process wrote
+    (reliability.md §4.1), as PRAGMA journal_mode=WAL does inside SQLite while another
+    process sets up a new database. Every other error leaves as it came."""
     since, pause = None, 0.001
     while True:
         began = time.monotonic()
@@ -2560,9 +2560,9 @@ def patiently(path, attempt):
 
 
 def _create_private(path):
-    # A new, empty database file, 0600 from its creation (SQLite gives its -wal and
-    # -shm files the same mode), in folders made 0700. O_EXCL: never a file that exists
-    # (see the rule at the top of this section).
+    """A new, empty database file, 0600 from its creation (SQLite gives its -wal and
+    -shm files the same mode), in folders made 0700. O_EXCL: never a file that exists
+    (see the rule at the top of this section)."""
     try:
         make_private_dirs(os.path.dirname(os.path.abspath(path)))
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
@@ -2574,11 +2574,11 @@ def _create_private(path):
 
 
 def _check_private(path):
-    # Refuse a database that another user could replace: the file (and its -wal and
-    # -shm) must be ours and not writable by others, its folder ours (or root's) and not
-    # writable by others. (One we create is also unreadable by others: 0600.) Through a
-    # symlink, SQLite keeps -wal and -shm beside the target: they are judged there, and
-    # both folders. stat() only: see the rule at the top of this section.
+    """Refuse a database that another user could replace: the file (and its -wal and
+    -shm) must be ours and not writable by others, its folder ours (or root's) and not
+    writable by others. (One we create is also unreadable by others: 0600.) Through a
+    symlink, SQLite keeps -wal and -shm beside the target: they are judged there, and
+    both folders. stat() only: see the rule at the top of this section."""
     real = os.path.realpath(path)
     folders = {os.path.dirname(os.path.abspath(path)), os.path.dirname(real)}
     for each in sorted(folders) + [real, real + "-wal", real + "-shm"]:
@@ -2602,7 +2602,7 @@ _OUTBOX_BUNDLE_COLUMNS = ("id", "op", "payload", "target", "state", "gateway_id"
 
 
 def _placeholders(values):
-    # '?, ?, ?': one SQL parameter for each of the values, for an IN (...) or a VALUES(...).
+    """'?, ?, ?': one SQL parameter for each of the values, for an IN (...) or a VALUES(...)."""
     return ", ".join("?" * len(values))
 
 
@@ -2618,15 +2618,15 @@ def _bundle_filter(projects, since):
 
 
 def _held_back(path, end):
-    # The read-only error of a database whose -wal (commits whose -shm is gone) or -journal
-    # (what a writer that died left to undo) only a writable open can bring in.
+    """The read-only error of a database whose -wal (commits whose -shm is gone) or -journal
+    (what a writer that died left to undo) only a writable open can bring in."""
     return read_only_error(path, problem="its %s holds a transaction that only a writable "
                            "open can bring in (then any command reads it)"
                            % os.path.basename(os.path.realpath(path) + end))
 
 
 def not_ours(path, tables):
-    # The refusal of another program's database (see is_another_programs).
+    """The refusal of another program's database (see is_another_programs)."""
     return StoreError("%s is another program's SQLite database (tables: %s); left untouched"
                       % (path, table_list(tables)),
                       hint="give qmem.py a file of its own", fix=Fix("own_db"))
@@ -2685,7 +2685,7 @@ class Store:
             raise
 
     def _set_up(self):
-        # Check, migrate and read the database (again, whole, after a busy answer).
+        """Check, migrate and read the database (again, whole, after a busy answer)."""
         version = self._check_ours()
         if version < SCHEMA_VERSION and self.read_only:
             self._read_as_it_is(version)
@@ -2699,9 +2699,9 @@ class Store:
             self.records.mask_stored_secrets()
 
     def _check_ours(self):
-        # The schema version of a database this qmem.py may use; StoreError for one of
-        # a newer qmem.py or of another program (tables, no qmem schema): left untouched.
-        # Read in one transaction, so that a qmem.py creating it meanwhile is no stranger.
+        """The schema version of a database this qmem.py may use; StoreError for one of
+        a newer qmem.py or of another program (tables, no qmem schema): left untouched.
+        Read in one transaction, so that a qmem.py creating it meanwhile is no stranger."""
         self.conn.execute("BEGIN")
         try:
             version = self._one("PRAGMA user_version")
@@ -2719,8 +2719,8 @@ class Store:
         return version
 
     def _read_as_it_is(self, version):
-        # A read-only database of an older schema is read without its migrations, from
-        # READ_AS_IT_IS_FROM on; a new one has nothing to read yet.
+        """A read-only database of an older schema is read without its migrations, from
+        READ_AS_IT_IS_FROM on; a new one has nothing to read yet."""
         if version == 0:
             raise read_only_error(self.path, problem="a new database cannot be set up in it")
         if version < READ_AS_IT_IS_FROM:
@@ -2783,7 +2783,7 @@ class Store:
         self.conn.close()
 
     def _one(self, sql, params=(), default=None):
-        # The first value of the first row the query finds, or default if it finds none.
+        """The first value of the first row the query finds, or default if it finds none."""
         row = self.conn.execute(sql, params).fetchone()
         return row[0] if row else default
 
@@ -2984,7 +2984,7 @@ class Records:
         return "updated"
 
     def _indexed(self, key, value):
-        # (rid, text, project_id, kind) of the record whose `key` is value, or None.
+        """(rid, text, project_id, kind) of the record whose `key` is value, or None."""
         return self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE %s=?"
                                  % key, (value,)).fetchone()
 
@@ -3098,9 +3098,9 @@ class Records:
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
     def _index(self, row, command=None, words=None):
-        # Index a row's (rid, text, project_id, kind), as _indexed reads it, and its
-        # identifiers' words (`words`, when they were computed already); command='delete'
-        # removes them (FTS5's external-content index needs the values it indexed).
+        """Index a row's (rid, text, project_id, kind), as _indexed reads it, and its
+        identifiers' words (`words`, when they were computed already); command='delete'
+        removes them (FTS5's external-content index needs the values it indexed)."""
         if self.fts and not self.defer_index:
             values = (command, row[0], row[1] or "", row[2], row[3])
             if self.fts_words:
@@ -3122,8 +3122,8 @@ class Records:
         return True
 
     def _reindex(self, old):
-        # Keep the index in step with a row just changed: old is its (rid, text, project_id,
-        # kind) as indexed (_indexed), the row is read again.
+        """Keep the index in step with a row just changed: old is its (rid, text, project_id,
+        kind) as indexed (_indexed), the row is read again."""
         if self.fts and not self.defer_index:
             new = self._indexed("rid", old[0])
             if new != old:  # (both tuples)
@@ -3182,8 +3182,8 @@ class Records:
         return [t for (t,) in self._among("SELECT term FROM folded_words", candidates)]
 
     def _among(self, select, candidates):
-        # The rows of `select ... WHERE term IN (candidates)`, asked in chunks (an older
-        # SQLite binds 999 values at most): one lookup of the table's key each.
+        """The rows of `select ... WHERE term IN (candidates)`, asked in chunks (an older
+        SQLite binds 999 values at most): one lookup of the table's key each."""
         found = []
         for at in range(0, len(candidates), 900):
             chunk = candidates[at:at + 900]
@@ -3497,7 +3497,7 @@ class _Transaction:
 
 
 def _row_dict(cur):
-    # The first row the query finds, as a dict keyed by its columns, or None.
+    """The first row the query finds, as a dict keyed by its columns, or None."""
     row = cur.fetchone()
     return dict(zip([d[0] for d in cur.description], row)) if row else None
 
@@ -3547,9 +3547,9 @@ _SECRET_NAME = _SECRET_NAMES + r"[\"']?\s*[:=]"  # on lower-cased text
 
 
 def _secret_kinds_in(text):
-    # (what, compiled pattern) of the kinds whose literals the text holds: plain substring
-    # tests, ~2 µs a text, decide which patterns run at all (Python's re takes ~30 µs a text
-    # over all of them).
+    """(what, compiled pattern) of the kinds whose literals the text holds: plain substring
+    tests, ~2 µs a text, decide which patterns run at all (Python's re takes ~30 µs a text
+    over all of them)."""
     kinds = []
     if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "glpat-" in text
             or "xox" in text or "AIza" in text or "sk-" in text or "SG." in text
@@ -3571,8 +3571,8 @@ _WRITE_TEXTS = (("text", "text"), ("supersede_reason", "reason"), ("scope", "sco
 
 
 def secret_in_write(payload):
-    # (which field, what kind of credential, its character offset) of the first one in a
-    # write, or None.
+    """(which field, what kind of credential, its character offset) of the first one in a
+    write, or None."""
     for key, name in _WRITE_TEXTS:
         text = payload.get(key)
         for what, pattern in _secret_kinds_in(text) if isinstance(text, str) else ():
@@ -3583,7 +3583,7 @@ def secret_in_write(payload):
 
 
 def mask_secrets(text):
-    # text with every credential replaced by a mark (an assignment keeps its name).
+    """text with every credential replaced by a mark (an assignment keeps its name)."""
     for what, pattern in _secret_kinds_in(text) if text else ():
         if pattern.groups:  # only the secret part: the name, the URL, the scheme stay
             text = pattern.sub(lambda m: m.string[m.start():m.start(1)] + "[masked]"
@@ -3594,8 +3594,8 @@ def mask_secrets(text):
 
 
 def _masked(bound, words):
-    # A record to merge, its text and reason masked (mask_secrets), and with words=True
-    # its identifiers' words (records.words).
+    """A record to merge, its text and reason masked (mask_secrets), and with words=True
+    its identifiers' words (records.words)."""
     bound["text"] = mask_secrets(bound["text"])
     bound["supersede_reason"] = mask_secrets(bound["supersede_reason"])
     bound["words"] = identifier_words(bound["text"]) if words else None
@@ -3603,8 +3603,8 @@ def _masked(bound, words):
 
 
 def normalize_record(data):
-    # A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
-    # when it has no usable id. Unknown fields are ignored; wrong types count as missing.
+    """A record-shaped dict from any source -> {id, FIELDS...} with checked types, or None
+    when it has no usable id. Unknown fields are ignored; wrong types count as missing."""
     if not isinstance(data, dict):
         return None
     get = data.get
@@ -3644,7 +3644,7 @@ class ImportStats:
 
 
 def _text_of(content):
-    # The text blocks of a toolResult content array, joined.
+    """The text blocks of a toolResult content array, joined."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -3654,7 +3654,7 @@ def _text_of(content):
 
 
 def _json_in_text(text):
-    # A JSON object that makes up the whole text, or None.
+    """A JSON object that makes up the whole text, or None."""
     stripped = text.strip()
     if not (stripped.startswith("{") and stripped.endswith("}")):
         return None
@@ -3666,12 +3666,12 @@ def _json_in_text(text):
 
 
 def records_from_call(name, call_args, result):
-    # The (record, view) pairs one qmem tool call with its result tells us.
-    #
-    # The extension's result shapes vary: read the record and id from `details`
-    # (record, id, results) first, then JSON in the text, then an id in the text;
-    # take the rest from the call's arguments, which `call_args()` returns (it is
-    # called only when they are needed: design.md, Import).
+    """The (record, view) pairs one qmem tool call with its result tells us.
+
+    The extension's result shapes vary: read the record and id from `details`
+    (record, id, results) first, then JSON in the text, then an id in the text;
+    take the rest from the call's arguments, which `call_args()` returns (it is
+    called only when they are needed: design.md, Import)."""
     details = result.get("details")
     details = details if isinstance(details, dict) else {}
     if result.get("isError") and not isinstance(details.get("record"), dict):
@@ -3786,8 +3786,8 @@ class Importer:
         return self.stats
 
     def _files_to_read(self, roots):
-        # (path, stat, offset) of each session file that is new or changed, and where
-        # to start reading it: a file that only grew is read on from its last complete line.
+        """(path, stat, offset) of each session file that is new or changed, and where
+        to start reading it: a file that only grew is read on from its last complete line."""
         known = {row[0]: row[1:] for row in self.store.conn.execute(
             "SELECT path, size, mtime_ns, ino, offset, status FROM files")}
         todo = []
@@ -3817,9 +3817,9 @@ class Importer:
         return todo
 
     def _read_all(self, todo):
-        # Read the files, committing in batches of about a second (a commit per file
-        # would cost more than the reading; a file's progress row commits with its
-        # records).
+        """Read the files, committing in batches of about a second (a commit per file
+        would cost more than the reading; a file's progress row commits with its
+        records)."""
         conn = self.store.conn
         for n, (path, st, offset) in enumerate(todo):
             self.progress.update("%d/%d files" % (n + 1, len(todo)))
@@ -3830,8 +3830,8 @@ class Importer:
             conn.execute("COMMIT")
 
     def _import_file(self, path, st, offset):
-        # Read one session file from `offset`; merge what its memory calls tell; keep
-        # the calls still waiting for a result.
+        """Read one session file from `offset`; merge what its memory calls tell; keep
+        the calls still waiting for a result."""
         conn = self.store.conn
         # toolCall id -> (name, arguments, timestamp) or the raw assistant line
         calls = {call_id: (name, json.loads(args) if args else {}, ts)
@@ -3862,9 +3862,9 @@ class Importer:
                          (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
 
     def _write_file(self, path, waiting, progress):
-        # Write what one session file gave, inside the batch's transaction: its records
-        # (merged in bulk, where the store allows it), the calls still waiting for a
-        # result, its progress row.
+        """Write what one session file gave, inside the batch's transaction: its records
+        (merged in bulk, where the store allows it), the calls still waiting for a
+        result, its progress row."""
         conn = self.store.conn
         if self.bulk:
             new, updated = self.store.records.merge_many(self.bulk)
@@ -3876,8 +3876,8 @@ class Importer:
         conn.execute("INSERT OR REPLACE INTO files VALUES(?, ?, ?, ?, ?, ?, ?)", progress)
 
     def _read_file(self, path, offset, calls):
-        # Scan a file from `offset` for the lines that mention qmem_; returns (tool
-        # results to pair, session id, status, offset after the last complete line).
+        """Scan a file from `offset` for the lines that mention qmem_; returns (tool
+        results to pair, session id, status, offset after the last complete line)."""
         results, session_id, status, pos = [], None, "ok", offset
         with open(path, "rb") as f:
             f.seek(offset)
@@ -3899,11 +3899,11 @@ class Importer:
         return results, session_id, status, pos
 
     def _scan_chunks(self, f, calls, results):
-        # Scan big chunks for "qmem_" and cut out only the lines around each hit: most
-        # of a session's bytes are ordinary tool traffic that needs no look. Returns the
-        # bytes consumed, up to the end of the last complete line. The piece of a line
-        # that runs past a chunk is kept as a list (joined once, when the line ends: linear
-        # time), and a line longer than MAX_LINE_BYTES is skipped without being kept.
+        """Scan big chunks for "qmem_" and cut out only the lines around each hit: most
+        of a session's bytes are ordinary tool traffic that needs no look. Returns the
+        bytes consumed, up to the end of the last complete line. The piece of a line
+        that runs past a chunk is kept as a list (joined once, when the line ends: linear
+        time), and a line longer than MAX_LINE_BYTES is skipped without being kept."""
         pending, pending_len, skipping, read, consumed = [], 0, False, 0, 0
         while True:
             chunk = f.read(_CHUNK)
@@ -3935,7 +3935,7 @@ class Importer:
         return consumed
 
     def _scan_lines(self, buf, start, end, calls, results):
-        # The lines of buf[start:end] (complete lines) that mention qmem_.
+        """The lines of buf[start:end] (complete lines) that mention qmem_."""
         hit = buf.find(b"qmem_", start, end)
         while hit != -1:
             first = buf.rfind(b"\n", start, hit) + 1 or start
@@ -3945,7 +3945,7 @@ class Importer:
             hit = buf.find(b"qmem_", stop, end)
 
     def _pair(self, results, calls):
-        # Merge the records each qmem tool result tells, with its call's arguments.
+        """Merge the records each qmem tool result tells, with its call's arguments."""
         stats = self.stats
         for msg, ts in results:
             name = msg["toolName"]  # a str: of no other JSON value does str() start qmem_
@@ -3973,7 +3973,7 @@ class Importer:
                 stats.lines_skipped += 1
 
     def _scan_line(self, line, calls, results):
-        # Note a line that mentions qmem_: a tool result to pair, or tool calls.
+        """Note a line that mentions qmem_: a tool result to pair, or tool calls."""
         if b'"toolResult"' in line:
             entry = _parse_line(line)
             msg = entry and entry.get("message")
@@ -4021,7 +4021,7 @@ class Importer:
 
 
 def _qmem_calls(entry):
-    # The qmem toolCall blocks (each with a str id) of a parsed assistant entry.
+    """The qmem toolCall blocks (each with a str id) of a parsed assistant entry."""
     msg = entry and entry.get("message")
     for block in (msg.get("content") if isinstance(msg, dict) else None) or ():
         if (isinstance(block, dict) and block.get("type") == "toolCall"
@@ -4031,15 +4031,15 @@ def _qmem_calls(entry):
 
 
 def _call_of(block, entry):
-    # (name, arguments, timestamp) of a toolCall block (its name a str: see _qmem_calls),
-    # as text the index can keep.
+    """(name, arguments, timestamp) of a toolCall block (its name a str: see _qmem_calls),
+    as text the index can keep."""
     ts = entry.get("timestamp")
     return block["name"], block.get("arguments"), ts if isinstance(ts, str) else None
 
 
 def _call_in(found, call_id):
-    # (name, arguments, timestamp) of the qmem toolCall call_id, from what `calls` keeps
-    # of it: that, or its raw assistant line, parsed now; None when the line has no such call.
+    """(name, arguments, timestamp) of the qmem toolCall call_id, from what `calls` keeps
+    of it: that, or its raw assistant line, parsed now; None when the line has no such call."""
     if not isinstance(found, bytes):
         return found
     entry = _parse_line(found)
@@ -4074,8 +4074,8 @@ _TOKEN_RE = re.compile(r"\w+(?:[^\w\s]+\w+)*")
 
 
 def query_tokens(query):
-    # The tokens of a user query: its words, and its punctuated tokens whole (each one
-    # matched as a phrase: its parts adjacent, in order).
+    """The tokens of a user query: its words, and its punctuated tokens whole (each one
+    matched as a phrase: its parts adjacent, in order)."""
     return _tokens(query[:MAX_QUERY_CHARS].replace("\0", " "))[:MAX_QUERY_TOKENS]
 
 
@@ -4084,8 +4084,8 @@ def _tokens(text):
 
 
 def query_was_cut(query):
-    # Did query_tokens() leave anything out (past MAX_QUERY_CHARS, also in mid-word, or
-    # MAX_QUERY_TOKENS)?
+    """Did query_tokens() leave anything out (past MAX_QUERY_CHARS, also in mid-word, or
+    MAX_QUERY_TOKENS)?"""
     return len(query) > MAX_QUERY_CHARS or len(_tokens(query)) > len(query_tokens(query))
 
 
@@ -4106,8 +4106,8 @@ HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded",
 
 
 def hidden_matches(store, query, filters, limit=1000):
-    # {reason: n} of the records that match but find hides by default (each counted
-    # once, by its first reason in HIDDEN_FLAGS order), for a search that found nothing.
+    """{reason: n} of the records that match but find hides by default (each counted
+    once, by its first reason in HIDDEN_FLAGS order), for a search that found nothing."""
     everything = filters._replace(include_superseded=True, deleted=None, private=True,
                                   include_expired=True)
     found = find_local(store, query, everything, limit)["results"]
@@ -4147,13 +4147,13 @@ iamo ata ate ati ato ita ite iti ito uta ute uti uto are ere ire ano ono a e i o
 
 
 def word_forms(word):
-    # Other forms of an (accent-folded, lower-case) English or Italian word, each as
-    # (term, prefix?): the word less the first suffix of each list that leaves MIN_STEM
-    # letters, a doubled final consonant of an English stem undone too. A stem of
-    # MIN_STEM_PREFIX letters is a prefix (deployed: deploy*, supportata: support*); a
-    # shorter one stands for itself with each ending of its list, and nothing else (caching:
-    # cache, caches, cached; running: run, runs; migrations: migration, not migrazione; file:
-    # files, not filter) — measured on the relevance set, where migr* and fil* over-reached.
+    """Other forms of an (accent-folded, lower-case) English or Italian word, each as
+    (term, prefix?): the word less the first suffix of each list that leaves MIN_STEM
+    letters, a doubled final consonant of an English stem undone too. A stem of
+    MIN_STEM_PREFIX letters is a prefix (deployed: deploy*, supportata: support*); a
+    shorter one stands for itself with each ending of its list, and nothing else (caching:
+    cache, caches, cached; running: run, runs; migrations: migration, not migrazione; file:
+    files, not filter) — measured on the relevance set, where migr* and fil* over-reached."""
     found = set()
     for suffixes, english in ((_EN_SUFFIXES, True), (_IT_SUFFIXES, False)):
         for suffix in suffixes:
@@ -4176,8 +4176,8 @@ def word_forms(word):
 
 
 def one_edit_away(word):
-    # Every string one edit from word: a letter left out, two neighbours swapped, a
-    # letter changed or put in (a Latin one, or one of the word's own).
+    """Every string one edit from word: a letter left out, two neighbours swapped, a
+    letter changed or put in (a Latin one, or one of the word's own)."""
     letters = set("abcdefghijklmnopqrstuvwxyz" + word)
     found = set()
     for n in range(len(word) + 1):
@@ -4192,13 +4192,13 @@ def one_edit_away(word):
 
 
 def search_levels(tokens, near=None):
-    # The levels find asks, in order (a generator: a level is made when it is asked
-    # for), each as (match, alternatives per word, every word or any): 'all' (every word
-    # exact, the last a prefix), 'stemmed' (every word in some form), 'fuzzy' (in some form
-    # or a near spelling: near(word) gives the index's terms one edit away; None where
-    # there is no vocabulary), 'any' (any word in some form, a punctuated token also by its
-    # parts anywhere). A punctuated token is a phrase of its parts: no forms, near spellings
-    # of its parts. Stop words are left out of the plain words when others remain.
+    """The levels find asks, in order (a generator: a level is made when it is asked
+    for), each as (match, alternatives per word, every word or any): 'all' (every word
+    exact, the last a prefix), 'stemmed' (every word in some form), 'fuzzy' (in some form
+    or a near spelling: near(word) gives the index's terms one edit away; None where
+    there is no vocabulary), 'any' (any word in some form, a punctuated token also by its
+    parts anywhere). A punctuated token is a phrase of its parts: no forms, near spellings
+    of its parts. Stop words are left out of the plain words when others remain."""
     folded = [_fold(t) for t in tokens]
     words = [w for w in folded if w not in STOP_WORDS] or folded
     last = len(words) - 1
@@ -4236,9 +4236,9 @@ _HEX_WORD = re.compile("[a-f]{8,}")  # deadbeef: part of a hash, not a word
 
 
 def _near_variants(word, n, near):
-    # Near spellings of the n-th query word (of a punctuated one: the token with one of
-    # its parts near-spelt: get_event_loop_polcy), for the first MAX_NEAR_WORDS words
-    # only; never of digits, hex, versions or ids (one edit away is another thing there).
+    """Near spellings of the n-th query word (of a punctuated one: the token with one of
+    its parts near-spelt: get_event_loop_polcy), for the first MAX_NEAR_WORDS words
+    only; never of digits, hex, versions or ids (one edit away is another thing there)."""
     if n >= MAX_NEAR_WORDS:  # (near is never None here: search_levels has no fuzzy level then)
         return []
     found = []
@@ -4251,12 +4251,12 @@ def _near_variants(word, n, near):
 
 
 def fts_expression(level, every, store):
-    # A MATCH expression that can only ever mean 'these words in the text': every term
-    # is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
-    # our own filter on the text column (and its identifiers' words, where the store's
-    # index has them), a prefix where asked; a word's forms joined by OR, the words by AND
-    # (every word) or OR (any word). Project and kind are filters (--project, --kind), not
-    # words.
+    """A MATCH expression that can only ever mean 'these words in the text': every term
+    is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
+    our own filter on the text column (and its identifiers' words, where the store's
+    index has them), a prefix where asked; a word's forms joined by OR, the words by AND
+    (every word) or OR (any word). Project and kind are filters (--project, --kind), not
+    words."""
     columns = "{text words}" if store.records.fts_words else "text"
 
     def term(text, prefix):
@@ -4266,12 +4266,12 @@ def fts_expression(level, every, store):
 
 
 def near_spellings(store, word, fts):
-    # The index's terms one edit away from word (a typo's likely intent), for a word
-    # that the index holds in no form at all (one it holds is no typo): each string one
-    # edit away looked up in the index, never a pass over its terms. Without FTS5 (fts
-    # false): the strings one edit away that are words of its folded texts (folded_words),
-    # for a word no text holds in any form. Kept for the next query of this Store (until
-    # the index changes).
+    """The index's terms one edit away from word (a typo's likely intent), for a word
+    that the index holds in no form at all (one it holds is no typo): each string one
+    edit away looked up in the index, never a pass over its terms. Without FTS5 (fts
+    false): the strings one edit away that are words of its folded texts (folded_words),
+    for a word no text holds in any form. Kept for the next query of this Store (until
+    the index changes)."""
     if word not in store.records.near:
         forms = [(word, True)] + word_forms(word)
         if fts:
@@ -4290,14 +4290,14 @@ MAX_NEAR_SPELLINGS = 8
 
 
 def _like_any(column, terms):
-    # (SQL, parameters): column holds any of the terms, anywhere (LIKE, escaped).
+    """(SQL, parameters): column holds any of the terms, anywhere (LIKE, escaped)."""
     return ("(%s)" % " OR ".join(["%s LIKE ? ESCAPE '\\'" % column] * len(terms)),
             ["%" + re.sub(r"([\\%_])", r"\\\1", term) + "%" for term in terms])
 
 
 def _substrings_apart(terms):
-    # The terms that contain none of the others: a LIKE pattern finds a term anywhere,
-    # so cache finds caches and caching (a short stem's endings are one scan, not 18).
+    """The terms that contain none of the others: a LIKE pattern finds a term anywhere,
+    so cache finds caches and caching (a short stem's endings are one scan, not 18)."""
     kept = []
     for term in sorted(set(terms), key=len):
         if not any(k in term for k in kept):
@@ -4310,12 +4310,12 @@ _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.c
 
 
 def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
-    # Lexical search of the local index, level by level (search_levels), until `limit`
-    # records are found (an exact query that fills it stops at once); then each record
-    # ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
-    # newest first). Every result carries its own level ('match');
-    # the document's is the best one present. Returns {'match': 'all'|'stemmed'|'fuzzy'|
-    # 'any'|'none', 'results': [...]}.
+    """Lexical search of the local index, level by level (search_levels), until `limit`
+    records are found (an exact query that fills it stops at once); then each record
+    ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
+    newest first). Every result carries its own level ('match');
+    the document's is the best one present. Returns {'match': 'all'|'stemmed'|'fuzzy'|
+    'any'|'none', 'results': [...]}."""
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
@@ -4354,10 +4354,10 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
 
 
 def _held_only(store, level, every):
-    # A looser level without the words as written that the index does not hold (a stem's
-    # endings: cittá gives 34), each of which would cost a lookup and match nothing; []
-    # when a word every record must match has none left. What the index holds is asked
-    # once per term, and kept with the near spellings (until the index changes).
+    """A looser level without the words as written that the index does not hold (a stem's
+    endings: cittá gives 34), each of which would cost a lookup and match nothing; []
+    when a word every record must match has none left. What the index holds is asked
+    once per term, and kept with the near spellings (until the index changes)."""
     asked = [t for alternatives in level for t, prefix in alternatives
              if not prefix and not _is_phrase(t) and ("held", t) not in store.records.near]
     if asked:
@@ -4379,10 +4379,10 @@ _STEM_CLASS = 2
 
 
 def _ranked(found, levels):
-    # found ((row, level it was found at), in the order found) ranked: by how many
-    # query words match it, then by how well (each word's best class, plus less than the
-    # gap to the next class for how much of the word the matched token shares from its
-    # start: lines before linear for line), then as found (BM25).
+    """found ((row, level it was found at), in the order found) ranked: by how many
+    query words match it, then by how well (each word's best class, plus less than the
+    gap to the next class for how much of the word the matched token shares from its
+    start: lines before linear for line), then as found (BM25)."""
     words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
     classes = _term_classes(levels)
     scored = []
@@ -4399,7 +4399,7 @@ def _ranked(found, levels):
 
 
 def _term_classes(levels):
-    # For each query word, its terms from best class to worst: [(class, term, prefix)].
+    """For each query word, its terms from best class to worst: [(class, term, prefix)]."""
     classes = [[] for _ in levels[0][1]]
     for match, level in levels:
         for terms, alternatives in zip(classes, level):
@@ -4410,8 +4410,8 @@ def _term_classes(levels):
 
 
 def _best_match(joined, word, terms):
-    # (class, share) of a query word's best term in a record's parts (' a b c '): share
-    # is how much of the word the matched token shares from its start (0 to 1).
+    """(class, share) of a query word's best term in a record's parts (' a b c '): share
+    is how much of the word the matched token shares from its start (0 to 1)."""
     word = " ".join(_PARTS.findall(word))
     for klass, term, prefix in terms:
         parts = " ".join(_PARTS.findall(term))
@@ -4423,7 +4423,7 @@ def _best_match(joined, word, terms):
 
 
 def _visibility(f):
-    # The WHERE terms (and their parameters) of Filters f.
+    """The WHERE terms (and their parameters) of Filters f."""
     where, params = [], []
     if not f.include_superseded:
         where.append("r.superseded_by IS NULL")
@@ -4444,7 +4444,7 @@ def _visibility(f):
 
 
 def _fts_query(store, level, every, where, params, limit, highlight, snippets):
-    # The rows (each with its snippet, or None when not asked for, and its rid).
+    """The rows (each with its snippet, or None when not asked for, and its rid)."""
     sql = ("SELECT %s, %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid "
            "WHERE {0} MATCH ? AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
            % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where))
@@ -4457,8 +4457,8 @@ _SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Records.fts_table)
 
 
 def _snippets(store, rows, level, highlight):
-    # The rows, a snippet given to those without one (found by a query that asked for
-    # none: a looser level fetches more rows than are shown), matched against `level`.
+    """The rows, a snippet given to those without one (found by a query that asked for
+    none: a looser level fetches more rows than are shown), matched against `level`."""
     rids = [row[-1] for row in rows if row[-2] is None]
     if rids:
         found = dict(store.conn.execute(
@@ -4471,9 +4471,9 @@ def _snippets(store, rows, level, highlight):
 
 
 def _like_query(store, level, every, where, params, limit, highlight, snippets):
-    # The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
-    # in the text, so every term acts as a prefix) on the folded text kept at write time
-    # (while a bulk import builds an FTS index, folded here), newest first.
+    """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
+    in the text, so every term acts as a prefix) on the folded text kept at write time
+    (while a bulk import builds an FTS index, folded here), newest first."""
     column = "r.folded" if store.records.folded else "qmem_fold(r.text)"
     words = [_like_any(column, _substrings_apart(t for t, _ in alternatives))
              for alternatives in level]
@@ -4484,8 +4484,8 @@ def _like_query(store, level, every, where, params, limit, highlight, snippets):
 
 
 def _results(store, cur, rows, tokens):
-    # Rows of a find query as result documents, ranked, with a snippet, and the reason
-    # for each write of this machine that the gateway refused.
+    """Rows of a find query as result documents, ranked, with a snippet, and the reason
+    for each write of this machine that the gateway refused."""
     names = [d[0] for d in cur.description[:-2]]  # (then the snippet, and the rid)
     results = []
     for n, row in enumerate(rows, 1):
@@ -4507,9 +4507,9 @@ def _results(store, cur, rows, tokens):
 
 
 def _plain_snippet(text, tokens, width=160):
-    # A snippet around the first matched word (the LIKE path has no FTS snippet(), and a
-    # text with a NUL has none that is whole). Runs of spaces, tabs and line breaks become
-    # one space; any other control character stays, for the output to show it escaped.
+    """A snippet around the first matched word (the LIKE path has no FTS snippet(), and a
+    text with a NUL has none that is whole). Runs of spaces, tabs and line breaks become
+    one space; any other control character stays, for the output to show it escaped."""
     folded = _fold(text)
     starts = [folded.find(_fold(t)) for t in tokens]
     starts = [s for s in starts if s >= 0]
@@ -4526,7 +4526,7 @@ _LAST_TIMES = ("last_import_at", "last_pull_at", "last_flush_at", "last_load_at"
 
 
 def local_status(store):
-    # Everything the local side knows, as one dict (see `status --json`).
+    """Everything the local side knows, as one dict (see `status --json`)."""
     q = store.conn.execute
 
     def counts(sql):
@@ -4569,7 +4569,7 @@ def local_status(store):
 
 
 def empty_status(db_path):
-    # local_status() of a machine with no index yet: every count 0.
+    """local_status() of a machine with no index yet: every count 0."""
     records = dict(dict.fromkeys(_RECORD_COUNTS, 0), by_kind={}, by_project={})
     return {"source": "local_sqlite", "records": records, "outbox": dict.fromkeys(OUTBOX_STATES, 0),
             "coverage": {"complete": 0, "search_hit_only": 0, "complete_share": None},
@@ -4583,8 +4583,8 @@ KEPT_ASIDE = "qmem-unsaved-"  # how the name of a text kept aside starts (see _k
 
 
 def kept_aside_folders(db_path):
-    # Where a write that could not be queued keeps its text: the database's folder, else the
-    # temporary one (neither where other users may write: see _kept_aside).
+    """Where a write that could not be queued keeps its text: the database's folder, else the
+    temporary one (neither where other users may write: see _kept_aside)."""
     folders = [os.path.dirname(os.path.abspath(db_path))]
     try:
         folders.append(tempfile.gettempdir())
@@ -4594,8 +4594,8 @@ def kept_aside_folders(db_path):
 
 
 def kept_aside(db_path):
-    # The texts kept aside on this machine and not stored since: this user's regular files
-    # qmem-unsaved-*.txt in either folder. {'count', 'folders', 'files'}, oldest first.
+    """The texts kept aside on this machine and not stored since: this user's regular files
+    qmem-unsaved-*.txt in either folder. {'count', 'folders', 'files'}, oldest first."""
     mine = os.geteuid() if hasattr(os, "geteuid") else None
     files = []
     for folder in sorted(set(kept_aside_folders(db_path))):
@@ -4619,8 +4619,8 @@ def kept_aside(db_path):
 
 
 def kept_aside_words(found):
-    # (what, how): the texts kept aside, and how to store or delete them; the same words in
-    # `status` and `doctor`.
+    """(what, how): the texts kept aside, and how to store or delete them; the same words in
+    `status` and `doctor`."""
     if found["count"] == 1:
         one, which = shlex.quote(found["files"][0]), "it"
     else:
@@ -4637,12 +4637,12 @@ def kept_aside_words(found):
 
 
 def empty_meta():
-    # local_meta() of a machine with no index yet.
+    """local_meta() of a machine with no index yet."""
     return {"scopes": {}, "projects": {}, "agents": {}, "superseded": 0, "deleted": 0}
 
 
 def local_meta(store):
-    # The discovery overview of GET /v1/meta, computed from the local index.
+    """The discovery overview of GET /v1/meta, computed from the local index."""
     q = store.conn.execute
     live = "deleted_at IS NULL"
     scopes = {}
@@ -4756,8 +4756,8 @@ def _write_payload(write, now=None):
 
 
 def new_local_id():
-    # A random (version 4) UUID: the record's id until the gateway gives it one, and
-    # its Idempotency-Key forever.
+    """A random (version 4) UUID: the record's id until the gateway gives it one, and
+    its Idempotency-Key forever."""
     b = bytearray(os.urandom(16))
     b[6], b[8] = b[6] & 0x0F | 0x40, b[8] & 0x3F | 0x80
     h = b.hex()
@@ -4765,17 +4765,17 @@ def new_local_id():
 
 
 def enqueue(store, op, payload):
-    # Put one write in the outbox and its record in the index, in one transaction:
-    # from here on it is on disk, searchable (marked pending), and will be delivered.
+    """Put one write in the outbox and its record in the index, in one transaction:
+    from here on it is on disk, searchable (marked pending), and will be delivered."""
     return enqueue_once(store, op, payload)[0]
 
 
 def enqueue_once(store, op, payload, claim=None, max_mb=None):
-    # enqueue(), unless the very same write still waits here (a call retried, a model
-    # asking twice): then it is that write. claim(local_id) -> token, when given, claims
-    # a new write in the same transaction. OutboxFull when the writes not yet settled
-    # would pass max_mb. Returns (local id, whether it was waiting, the claim's token or
-    # None).
+    """enqueue(), unless the very same write still waits here (a call retried, a model
+    asking twice): then it is that write. claim(local_id) -> token, when given, claims
+    a new write in the same transaction. OutboxFull when the writes not yet settled
+    would pass max_mb. Returns (local id, whether it was waiting, the claim's token or
+    None)."""
     payload_text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     with store.transaction():
         waiting = store.outbox.waiting_write(op, payload_text)
@@ -4789,10 +4789,10 @@ def enqueue_once(store, op, payload, claim=None, max_mb=None):
 
 
 def check_outbox_room(store, size, max_mb, held=False):
-    # Inside a transaction: OutboxFull unless `size` more bytes fit in max_mb (the
-    # payloads of the writes not yet settled: waiting or refused; settled ones do not
-    # count). Held writes have a bound of their own: a bundle nobody vouched for must not
-    # fill the room of the user's own writes.
+    """Inside a transaction: OutboxFull unless `size` more bytes fit in max_mb (the
+    payloads of the writes not yet settled: waiting or refused; settled ones do not
+    count). Held writes have a bound of their own: a bundle nobody vouched for must not
+    fill the room of the user's own writes."""
     if max_mb is not None and store.outbox.payload_bytes(held) + size > max_mb << 20:
         raise OutboxFull(
             "the outbox is full: the writes waiting here take more than outboxMaxMB (%d MB)"
@@ -4801,8 +4801,8 @@ def check_outbox_room(store, size, max_mb, held=False):
 
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
-    # Inside a transaction: an outbox row and the local record of its write (marked
-    # waiting, or refused for a failed row); a correction hides its target at once.
+    """Inside a transaction: an outbox row and the local record of its write (marked
+    waiting, or refused for a failed row); a correction hides its target at once."""
     payload = json.loads(payload_text)  # (valid UTF-8: a loaded write was checked)
     target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
     store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, "
@@ -4823,8 +4823,8 @@ RELEASE, RETRY = "release", "retry"  # give the row back untouched / try again a
 
 
 class Outcome:
-    # What became of one claimed outbox row: Flusher._send decides, _finish records;
-    # `tries`: the requests its call sent.
+    """What became of one claimed outbox row: Flusher._send decides, _finish records;
+    `tries`: the requests its call sent."""
     tries = 0
 
     def __init__(self, action, row, error=None, status=None, delay=None, record=None, sent=None,
@@ -4835,8 +4835,8 @@ class Outcome:
 
 
 class FlushStats:
-    # What a flush did, counted from the outcomes it could record (a flusher whose
-    # lease was taken over records nothing, and counts nothing).
+    """What a flush did, counted from the outcomes it could record (a flusher whose
+    lease was taken over records nothing, and counts nothing)."""
     stopped = None     # why the flush stopped early, or None
     stop_error = None  # the GatewayError that stopped it
 
@@ -4883,7 +4883,7 @@ def clear_flush_error(store):
 
 
 def flush_error(path, store=None):
-    # {'error', 'at'} of the last flush that failed here, or None.
+    """{'error', 'at'} of the last flush that failed here, or None."""
     value = None
     if store is not None:
         try:
@@ -4911,23 +4911,23 @@ class Flusher:
         self.refused = set()  # local ids the gateway refused in this run
 
     def _reclaim_dead(self, now):
-        # Rows whose claimant is proven dead are free at once: a killed flusher must not
-        # hold them for the rest of its lease. Nothing else ends a lease early.
+        """Rows whose claimant is proven dead are free at once: a killed flusher must not
+        hold them for the rest of its lease. Nothing else ends a lease early."""
         for token in self.store.outbox.claim_tokens(now):
             if claimant_is_gone(token):
                 self.store.outbox.move("unlease", "claim_token=:token", token=token)
 
     def claim_new(self, local_id):
-        # Inside the transaction that queues a write: claim it for its writer at once, so
-        # that no other flusher takes it before its writer sends it. Returns the token.
+        """Inside the transaction that queues a write: claim it for its writer at once, so
+        that no other flusher takes it before its writer sends it. Returns the token."""
         token = claim_token()
         self.store.outbox.move("claim", "id=:row AND " + state_is(PENDING), row=local_id,
                                token=token, now=self.clock(), lease=self.lease_s)
         return token
 
     def claim(self, only=None):
-        # Take up to `batch` ready rows (committed before any HTTP): pending ones whose
-        # time has come, and sending ones whose lease has run out.
+        """Take up to `batch` ready rows (committed before any HTTP): pending ones whose
+        time has come, and sending ones whose lease has run out."""
         now, token = self.clock(), claim_token()
         ready = READY + (" AND id=:only" if only is not None else "")
         with self.store.transaction():
@@ -4939,16 +4939,16 @@ class Flusher:
         return token, rows
 
     def _claimed(self, token):
-        # The rows a claim still holds.
+        """The rows a claim still holds."""
         return self.store.conn.execute("SELECT rid, id, op, payload, target FROM outbox WHERE "
                                        "claim_token=? AND %s ORDER BY rid" % state_is(SENDING),
                                        (token,)).fetchall()
 
     def run(self, only=None, budget_s=None, progress=None, claimed=None):
-        # Flush ready rows (or just the row `only`, or the rows claimed with token `claimed`)
-        # until none is left, the gateway goes away, or budget_s seconds have passed.
-        # Returns FlushStats. Interrupted, it records what was answered and gives the
-        # rest back.
+        """Flush ready rows (or just the row `only`, or the rows claimed with token `claimed`)
+        until none is left, the gateway goes away, or budget_s seconds have passed.
+        Returns FlushStats. Interrupted, it records what was answered and gives the
+        rest back."""
         stats = FlushStats()
         give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
@@ -4981,8 +4981,8 @@ class Flusher:
         return stats
 
     def _resolve_target(self, target):
-        # A correction's supersedes_id, as the gateway knows it: ('ok', id) or
-        # ('hold', why) or ('fail', why).
+        """A correction's supersedes_id, as the gateway knows it: ('ok', id) or
+        ('hold', why) or ('fail', why)."""
         if not target:
             return "ok", None
         if target in self.delivered:  # sent in this run, not committed yet
@@ -5003,7 +5003,7 @@ class Flusher:
         return "hold", "waits for the record it corrects (%s) to be delivered" % target
 
     def _send(self, row, stats):
-        # Send one claimed row; its Outcome (stats only learn why a flush stopped).
+        """Send one claimed row; its Outcome (stats only learn why a flush stopped)."""
         rid, local_id, op, payload, target = row
         verdict, value = self._resolve_target(target)
         if verdict == "hold":
@@ -5026,8 +5026,8 @@ class Flusher:
         return outcome
 
     def _failed_call(self, row, e, stats):
-        # The Outcome of a send the gateway gave no answer to: an ambiguous one is tried
-        # again after a backoff that grows with the requests sent; any other stops the flush.
+        """The Outcome of a send the gateway gave no answer to: an ambiguous one is tried
+        again after a backoff that grows with the requests sent; any other stops the flush."""
         if e.kind != AMBIGUOUS:
             stats.stopped, stats.stop_error = str(e), e
             return Outcome(RELEASE, row, error=str(e))
@@ -5043,8 +5043,8 @@ class Flusher:
                        delay=min(delay, MAX_STORED_WAIT_S))
 
     def _judge(self, row, resp, target):
-        # The Outcome an answer means; an answer of the wrong shape fails the row with
-        # the reason (the same Idempotency-Key makes a later retry safe).
+        """The Outcome an answer means; an answer of the wrong shape fails the row with
+        the reason (the same Idempotency-Key makes a later retry safe)."""
         local_id = row[1]
         data = resp.data if isinstance(resp.data, dict) else {}
         if resp.status in (200, 201):
@@ -5078,9 +5078,9 @@ class Flusher:
         return Outcome(FAILED, row, error=resp.detail(), status=resp.status)
 
     def _finish(self, token, done, stats):
-        # Record the outcomes of one claimed batch, fenced by its token (a flusher whose
-        # lease was taken over changes nothing, and counts nothing), each row in its own
-        # savepoint: one that cannot be recorded fails alone, with the reason.
+        """Record the outcomes of one claimed batch, fenced by its token (a flusher whose
+        lease was taken over changes nothing, and counts nothing), each row in its own
+        savepoint: one that cannot be recorded fails alone, with the reason."""
         conn = self.store.conn
         with self.store.transaction():
             targets = {t for (t,) in conn.execute(
@@ -5099,7 +5099,7 @@ class Flusher:
                     stats.count(o)
 
     def _record(self, o, token, targets):
-        # One outcome, fenced; returns whether it took (the row was still ours).
+        """One outcome, fenced; returns whether it took (the row was still ours)."""
         local_id = o.row[1]
         fence = dict(where="rid=:rid AND claim_token=:token AND " + state_is(SENDING),
                      rid=o.row[0], token=token, now=self.clock(), status=o.status, error=o.error,
@@ -5123,12 +5123,12 @@ class Flusher:
 
 
 def breaker_holds_until(breaker, now):
-    # The end of the breaker's open period, or 0: a waiting write is really tried next at
-    # the later of its own time (a backoff, or the wait the gateway asked for, held at most
-    # MAX_STORED_WAIT_S) and this (breakerMaxMs may hold every call for days: nothing goes
-    # out before). The one time `store`'s note and `queue` give, and `breaker`'s own when
-    # it is the later. (A half-open breaker holds nothing: its probe may answer at any
-    # moment. An explicit `flush` tries at once, whatever either says.)
+    """The end of the breaker's open period, or 0: a waiting write is really tried next at
+    the later of its own time (a backoff, or the wait the gateway asked for, held at most
+    MAX_STORED_WAIT_S) and this (breakerMaxMs may hold every call for days: nothing goes
+    out before). The one time `store`'s note and `queue` give, and `breaker`'s own when
+    it is the later. (A half-open breaker holds nothing: its probe may answer at any
+    moment. An explicit `flush` tries at once, whatever either says.)"""
     state = breaker.read() if breaker is not None else None
     if state is not None and state["state"] == "open" and breaker.refuses(state, now):
         return state["open_until"]
@@ -5136,8 +5136,8 @@ def breaker_holds_until(breaker, now):
 
 
 def _shown(value, scrub=None):
-    # A value from the gateway in a message: scrubbed (scrub: the gateway's, which masks
-    # the key), escaped, short.
+    """A value from the gateway in a message: scrubbed (scrub: the gateway's, which masks
+    the key), escaped, short."""
     text = json.dumps(value, ensure_ascii=False)
     return (scrub(text) if scrub else visible(text))[:80]
 
@@ -5152,9 +5152,9 @@ class PullStats:
 
 
 def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
-    # Incremental sync from GET /v1/memories:export. Each page's rows and the cursor
-    # that follows them commit together, so an interrupted pull resumes with no gap and
-    # no repeat. Returns PullStats; raises GatewayError when the gateway goes away.
+    """Incremental sync from GET /v1/memories:export. Each page's rows and the cursor
+    that follows them commit together, so an interrupted pull resumes with no gap and
+    no repeat. Returns PullStats; raises GatewayError when the gateway goes away."""
     from urllib.parse import urlencode
     stats = stats or PullStats()
     if full:
@@ -5192,7 +5192,7 @@ def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
 
 
 def _merge_page(store, items, next_cursor, since, stats):
-    # One page of the export and the cursor after it, in one transaction.
+    """One page of the export and the cursor after it, in one transaction."""
     newest = since
     with store.transaction():
         for rec in filter(None, map(normalize_record, items)):
@@ -5217,8 +5217,8 @@ def _merge_page(store, items, next_cursor, since, stats):
 
 
 def enrich(store, gateway, ids, progress=None):
-    # Fetch the full record for each id and merge it. Returns (fetched, unknown, stopped):
-    # stops cleanly when the gateway goes away (what was fetched is kept).
+    """Fetch the full record for each id and merge it. Returns (fetched, unknown, stopped):
+    stops cleanly when the gateway goes away (what was fetched is kept)."""
     from urllib.parse import quote
     fetched, unknown, stopped = 0, [], None
     batch = []
@@ -5271,13 +5271,13 @@ REFRESH_BY = {False: "`qmem.py pull`", True: "bundle loaded here (`qmem.py load`
 
 
 def by_bundles(url, store, loading=False):
-    # Does this host exchange with the shared memory by bundles? So it does when no gateway
-    # is configured and a bundle was loaded here (meta last_load_at), or is being loaded.
+    """Does this host exchange with the shared memory by bundles? So it does when no gateway
+    is configured and a bundle was loaded here (meta last_load_at), or is being loaded."""
     return not url and (loading or store.meta("last_load_at") is not None)
 
 
 def bundle_key_id(key):
-    # What names a bundle key without giving it away.
+    """What names a bundle key without giving it away."""
     return hashlib.sha256(b"qmem bundle key id\0" + key.encode("utf-8")).hexdigest()[:16]
 
 
@@ -5286,7 +5286,7 @@ def _bundle_mac(key):
 
 
 class BundleError(QmemError):
-    # A file that is not a complete, intact bundle this qmem.py can read.
+    """A file that is not a complete, intact bundle this qmem.py can read."""
     kind = "bad_bundle"
 
 
@@ -5316,8 +5316,8 @@ class _BundleWriter:
             del self.pending[:]
 
     def finish(self):
-        # The trailer: the count of lines and the SHA-256 of every byte before it (and,
-        # with a key, their HMAC and the key's id).
+        """The trailer: the count of lines and the SHA-256 of every byte before it (and,
+        with a key, their HMAC and the key's id)."""
         self._flush()
         trailer = {"type": "end", "lines": self.lines, "sha256": self.digest.hexdigest()}
         if self.mac is not None:
@@ -5326,8 +5326,8 @@ class _BundleWriter:
         self.zipped.close()
 
     def abandon(self):
-        # Closed once, here, after a failure: a GzipFile left to the collector would try
-        # to write again.
+        """Closed once, here, after a failure: a GzipFile left to the collector would try
+        to write again."""
         try:
             self.zipped.close()
         except OSError:
@@ -5335,9 +5335,9 @@ class _BundleWriter:
 
 
 def write_bundle(store, out, projects=None, since=None, records=True, outbox=True, key=None):
-    # Write a bundle to the binary stream out (streamed: memory stays flat), signed
-    # with key when one is given. Returns the counts of what it holds. One read
-    # transaction: a consistent snapshot. What came unverified does not travel on.
+    """Write a bundle to the binary stream out (streamed: memory stays flat), signed
+    with key when one is given. Returns the counts of what it holds. One read
+    transaction: a consistent snapshot. What came unverified does not travel on."""
     writer = _BundleWriter(out, key)
     try:
         with store.snapshot():
@@ -5362,11 +5362,11 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
 
 
 def check_bundle(stream, name, key=None, copy=None):
-    # Read a bundle whole from a binary stream and return (its header, SIGNED or
-    # UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
-    # changed, is signed with another key or altered after signing, or is of a newer
-    # format. Nothing past the first line is read before that line is a bundle's header.
-    # Every line checked is put in `copy` (a _Copy).
+    """Read a bundle whole from a binary stream and return (its header, SIGNED or
+    UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
+    changed, is signed with another key or altered after signing, or is of a newer
+    format. Nothing past the first line is read before that line is a bundle's header.
+    Every line checked is put in `copy` (a _Copy)."""
     digest, count, header, previous, mac = hashlib.sha256(), 0, None, None, _bundle_mac(key)
     try:
         if stream.read(2) != b"\x1f\x8b":
@@ -5488,8 +5488,8 @@ MAX_BUNDLE_VALUES = 100000  # JSON values in one line: '[{},{},...]' of 1 MiB pa
 
 
 def _bundle_lines(f, path):
-    # The lines of a bundle, each read with a bound: a crafted line of gigabytes is
-    # refused, not read into memory.
+    """The lines of a bundle, each read with a bound: a crafted line of gigabytes is
+    refused, not read into memory."""
     while True:
         line = f.readline(MAX_BUNDLE_LINE + 1)
         if not line:
@@ -5512,9 +5512,9 @@ def _bundle_line(line, what):
 
 
 def bundle_items(path):
-    # The records and outbox rows of a checked bundle (this process's private copy of its
-    # lines), in order; None for a line that is not one (bounded in parsed size as gateway
-    # answers are), to be counted as skipped.
+    """The records and outbox rows of a checked bundle (this process's private copy of its
+    lines), in order; None for a line that is not one (bounded in parsed size as gateway
+    answers are), to be counted as skipped."""
     with open(path, "rb") as f:
         lines = _bundle_lines(f, path)
         next(lines)  # the header
@@ -5540,15 +5540,15 @@ def bundle_items(path):
 
 
 def header_text(value):
-    # A header's words as they may be shown and kept: one line, bounded (a newline in a
-    # machine name must not print a forged line), lone surrogates as U+FFFD.
+    """A header's words as they may be shown and kept: one line, bounded (a newline in a
+    machine name must not print a forged line), lone surrogates as U+FFFD."""
     if not isinstance(value, str):
         return None
     return text_of(value).replace("\r", "\\r").replace("\n", "\\n")[:200]
 
 
 def _open_bundle(path):
-    # The one descriptor a load reads a bundle file through.
+    """The one descriptor a load reads a bundle file through."""
     if os.path.isdir(path):
         raise UsageError("%s: a folder, not a bundle" % path)
     try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
@@ -5564,7 +5564,7 @@ def _open_bundle(path):
 
 
 class LoadStats:
-    # (the counts start at 0 here and are counted on each instance)
+    """(the counts start at 0 here and are counted on each instance)"""
     records_new = records_updated = records_unchanged = 0
     outbox_added = outbox_settled = outbox_unchanged = skipped = 0
     outbox_full = 0  # writes not loaded: past outboxMaxMB
@@ -5673,7 +5673,7 @@ class _DryRun(Exception):
 
 
 def _bounded(rec):
-    # Is every field of a bundle's record within what qmem.py itself writes?
+    """Is every field of a bundle's record within what qmem.py itself writes?"""
     if (len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT
             or len(rec["project_id"] or "") > MAX_PROJECT):
         return False
@@ -5687,8 +5687,8 @@ _BOUNDED_FIELDS = operator.itemgetter("kind", "scope", "agent_id", "source", "su
 
 
 def _merge_record(store, rec, view, trust, stats, now):
-    # One record of a bundle (not of a bulk load), by the bundle's trust (an unverified
-    # bundle's record hides nothing: bundle_parts cleared what it supersedes).
+    """One record of a bundle (not of a bulk load), by the bundle's trust (an unverified
+    bundle's record hides nothing: bundle_parts cleared what it supersedes)."""
     origin = store.records.origin_of(rec["id"])
     if trust == UNVERIFIED and origin is not None:
         stats.records_unchanged += 1  # known here: an unverified view never replaces it
@@ -5713,8 +5713,8 @@ def _merge_record(store, rec, view, trust, stats, now):
 
 
 def _merge_batch(store, batch, stats, trust):
-    # A bulk merge (of a bundle into an empty index): the new rows are the bundle's (the
-    # transaction holds the write lock: no other process inserted them).
+    """A bulk merge (of a bundle into an empty index): the new rows are the bundle's (the
+    transaction holds the write lock: no other process inserted them)."""
     before = store._one("SELECT coalesce(max(rid), 0) FROM records")
     new, updated = store.records.merge_many(batch)
     store.conn.execute("UPDATE records SET origin=? WHERE rid>?",
@@ -5725,9 +5725,9 @@ def _merge_batch(store, batch, stats, trust):
 
 
 def rebuilt_write(row):
-    # The payload of a bundle's outbox row, rebuilt from qmem's own fields with the checks
-    # and bounds of `store` (an expiry judged against when the write was made); ValueError
-    # names what is wrong. Fields qmem does not write are dropped.
+    """The payload of a bundle's outbox row, rebuilt from qmem's own fields with the checks
+    and bounds of `store` (an expiry judged against when the write was made); ValueError
+    names what is wrong. Fields qmem does not write are dropped."""
     try:
         body, created = json.loads(row["payload"]), row.get("created_at")
     except (TypeError, ValueError, RecursionError, KeyError):
@@ -5770,9 +5770,9 @@ def _held_summary(local_id, payload_text):
 
 
 def _load_outbox_row(store, row, stats, max_mb, trust):
-    # One outbox row of a bundle: added here when new (held, from an unverified bundle),
-    # settling this machine's row when a signed bundle shows that very write delivered,
-    # else nothing.
+    """One outbox row of a bundle: added here when new (held, from an unverified bundle),
+    settling this machine's row when a signed bundle shows that very write delivered,
+    else nothing."""
     local_id, state = row.get("id"), row.get("state")
     if not (isinstance(local_id, str) and UUID_RE.fullmatch(local_id) and state in OUTBOX_STATES
             and state != HELD and isinstance(row.get("payload"), str)):
@@ -5856,9 +5856,9 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
 
 
 def _settle_loaded(store, row, state, stats):
-    # This machine's write, delivered where the bundle was made (SYNCED or DUPLICATE), or a
-    # correction of it that was not applied there (409 duplicate: NOT_APPLIED, whatever
-    # the bundle's qmem.py called it).
+    """This machine's write, delivered where the bundle was made (SYNCED or DUPLICATE), or a
+    correction of it that was not applied there (409 duplicate: NOT_APPLIED, whatever
+    the bundle's qmem.py called it)."""
     other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
     if state == NOT_APPLIED or (state == DUPLICATE and row["op"] == "correct"):
         if store.outbox.not_applied(row["id"], other if isinstance(other, str)
@@ -5884,27 +5884,27 @@ def _settle_loaded(store, row, state, stats):
 # `doctor --offline` runs in well under a second.
 
 def check(name, status, detail, advice=None, fix=None):
-    # One finding; `fix` (a Fix, or a list) as an error's: the front end words it.
+    """One finding; `fix` (a Fix, or a list) as an error's: the front end words it."""
     return {"name": name, "status": status, "detail": detail, "advice": advice,
             "fixes": as_fixes(fix)}
 
 
 def warn_if(name, bad, detail, advice):
-    # A check that warns, with the advice, when `bad`; else it is ok (and has none).
+    """A check that warns, with the advice, when `bad`; else it is ok (and has none)."""
     return check(name, "warn" if bad else "ok", detail, advice if bad else None)
 
 
 def doctor_local(config, config_error=None):
-    # The checks that need no network: Python, SQLite, the database, the config, the
-    # breaker, the outbox, the import lag and the folders qmem.py writes in.
+    """The checks that need no network: Python, SQLite, the database, the config, the
+    breaker, the outbox, the import lag and the folders qmem.py writes in."""
     return ([_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
             + _doctor_db_note(config) + _doctor_database(config) + [_doctor_breaker(config)]
             + _doctor_kept_aside(config) + _doctor_folders(config))
 
 
 def _doctor_db_note(config):
-    # qmem.py's own file beside another program's database (see local_db_path): said, as it
-    # is no fault.
+    """qmem.py's own file beside another program's database (see local_db_path): said, as it
+    is no fault."""
     return [check("database file", "ok", config.db_note)] if config.db_note else []
 
 
@@ -5987,7 +5987,7 @@ INTEGRITY_BUDGET_S = 30.0  # doctor's integrity check: a larger index is said to
 
 
 def repair_database(config):
-    # doctor --repair: REINDEX and the text index rebuilt, as a check of its own.
+    """doctor --repair: REINDEX and the text index rebuilt, as a check of its own."""
     try:
         store = Store(config.db_path, create=False)
     except StoreError as e:
@@ -6041,8 +6041,8 @@ def _doctor_open_store(store, url):
 
 
 def _doctor_healed(store):
-    # What the schema 6 migration made live again (an older qmem.py hid each record
-    # behind a correction that the gateway had refused), said by every doctor from then on.
+    """What the schema 6 migration made live again (an older qmem.py hid each record
+    behind a correction that the gateway had refused), said by every doctor from then on."""
     try:
         healed = json.loads(store.meta(HEALED) or "null")
         ids = [i for i in healed["ids"] if isinstance(i, str)]
@@ -6055,8 +6055,8 @@ def _doctor_healed(store):
 
 
 def _doctor_read_only(store):
-    # A database this process cannot write: a warning with the fix (every read works, no
-    # write does), and what an older schema, read as it is, goes without.
+    """A database this process cannot write: a warning with the fix (every read works, no
+    write does), and what an older schema, read as it is, goes without."""
     if not store.read_only:
         return []
     err = read_only_error(store.path, store.read_only)
@@ -6100,7 +6100,7 @@ def _doctor_import_lag(store):
 
 
 def _doctor_kept_aside(config):
-    # Texts kept aside and not stored since: a warning that says where and what to do.
+    """Texts kept aside and not stored since: a warning that says where and what to do."""
     found = kept_aside(config.db_path)
     return [check("kept aside", "warn", *kept_aside_words(found))] if found["count"] else []
 
@@ -6127,10 +6127,10 @@ def _doctor_breaker(config):
 
 
 def _doctor_folders(config):
-    # HOME, and the folders of the config, the database and the breaker's file: each
-    # must take new files (one not made yet: the nearest folder that is, must). A warning
-    # with the fix for each that cannot; not for the database's folder again when the
-    # read-only check named it already.
+    """HOME, and the folders of the config, the database and the breaker's file: each
+    must take new files (one not made yet: the nearest folder that is, must). A warning
+    with the fix for each that cannot; not for the database's folder again when the
+    read-only check named it already."""
     db = config.db_path
     named = read_only_where(db) if os.path.isfile(db) else None
     seen, found = {named}, []
@@ -6163,15 +6163,15 @@ def _doctor_folders(config):
 
 
 def _nearest_folder(path):
-    # path (absolute), or its nearest parent that exists (where it would be made).
+    """path (absolute), or its nearest parent that exists (where it would be made)."""
     while not os.path.isdir(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     return path
 
 
 def doctor_link(config, clock=time.time):
-    # The network checks, each against the configured budgets: DNS, TCP connect, TLS
-    # handshake, GET /v1/status (latency, version, clock skew, the key).
+    """The network checks, each against the configured budgets: DNS, TCP connect, TLS
+    handshake, GET /v1/status (latency, version, clock skew, the key)."""
     if not config["url"] or not config["apiKey"]:
         return []
     found = _probe_steps(config)
@@ -6196,7 +6196,7 @@ def doctor_link(config, clock=time.time):
 
 
 def _probe_steps(config):
-    # DNS, TCP connect and TLS handshake, timed (to the proxy, when one applies).
+    """DNS, TCP connect and TLS handshake, timed (to the proxy, when one applies)."""
     budget = config["connectTimeoutMs"] / 1000.0
     scheme, host, port = gateway_of(config["url"])  # (a URL _check_config checked)
     proxy = _proxy_for(scheme, host)
@@ -6241,8 +6241,8 @@ def _probe_steps(config):
 
 
 def _timed(name, what, started, budget):
-    # A step of the link, from `started` to now, against the connect budget: too close to
-    # it is a warning.
+    """A step of the link, from `started` to now, against the connect budget: too close to
+    it is a warning."""
     seconds = time.monotonic() - started
     return warn_if(name, seconds > budget / 2, "%s in %d ms" % (what, seconds * 1000),
                    "connectTimeoutMs is %d: too tight for this link, use >= %d"
@@ -6689,8 +6689,8 @@ class ReadOps:
         return doc
 
     def _find_local(self, query, filters, limit, highlight):
-        # find_local() for find and for the fallback of search: no index yet is an
-        # empty answer that says so, not an error.
+        """find_local() for find and for the fallback of search: no index yet is an
+        empty answer that says so, not an error."""
         db_path = self.ops.config.db_path
         if not self.ops.has_index():
             return {"match": "none", "results": [], "index_exists": False, "db": db_path}
@@ -6779,7 +6779,7 @@ class ReadOps:
             return dict(fb, record=_record_out(local))
 
     def _get_remote(self, rid, local, require_remote):
-        # get() of a record the gateway may know; `local` is this machine's copy, or None.
+        """get() of a record the gateway may know; `local` is this machine's copy, or None."""
         from urllib.parse import quote
         resp = self.ops.gateway().call("GET", "/v1/memories/" + quote(rid, safe=""))
         if (resp.status == 404 and local is not None and not require_remote
@@ -6806,9 +6806,9 @@ class ReadOps:
                                       "record": resp.data})
 
     def _queued_matches(self, query, filters, seen, most=10):
-        # This host's writes still in the outbox that match a search's words (lexically):
-        # the gateway cannot know them yet. After its hits, not counted in top_k, marked
-        # pending; held ones (nobody vouched for them) and private ones stay out.
+        """This host's writes still in the outbox that match a search's words (lexically):
+        the gateway cannot know them yet. After its hits, not counted in top_k, marked
+        pending; held ones (nobody vouched for them) and private ones stay out."""
         try:
             found = (find_local(self.ops.store(), query, filters._replace(queued=True), most)
                      if self.ops.has_index() else {})
@@ -6821,8 +6821,8 @@ class ReadOps:
                 if r["id"] not in seen and r["match"] != "any"]
 
     def _remember(self, records, view):
-        # Keep what the gateway said in the local index: an index that cannot take it
-        # (corrupt, full) costs a warning, not the answer; a read-only one is not asked to.
+        """Keep what the gateway said in the local index: an index that cannot take it
+        (corrupt, full) costs a warning, not the answer; a read-only one is not asked to."""
         try:
             store = self.ops.store()
             if not store.read_only:
@@ -6845,9 +6845,9 @@ class ReadOps:
         return ops.after_online(dict(_meta_counts(resp.data), **_ANSWERED))
 
     def _fallback(self, err, require_remote):
-        # A read the gateway could not answer: the label of its answer from the local index
-        # (source, degraded, the reason and the breaker's state), or raise (401 and
-        # configuration errors are errors; require_remote makes any fallback exit 3).
+        """A read the gateway could not answer: the label of its answer from the local index
+        (source, degraded, the reason and the breaker's state), or raise (401 and
+        configuration errors are errors; require_remote makes any fallback exit 3)."""
         if not err.fallback_ok:
             raise err
         reason = self.ops.failure_reason(err)
@@ -6909,9 +6909,9 @@ class WriteOps:
         return dict(doc, project_from=project_from, kind_from=kind_from)
 
     def _remote_target(self, target, needed):
-        # The project and kind of a memory this machine does not know, from the gateway.
-        # An unknown id is refused; when the gateway cannot say, {} (or, if the project
-        # was `needed`, a usage error asking for it).
+        """The project and kind of a memory this machine does not know, from the gateway.
+        An unknown id is refused; when the gateway cannot say, {} (or, if the project
+        was `needed`, a usage error asking for it)."""
         try:
             record = self.ops.read.get(target)["record"]
         except QmemError as e:
@@ -6967,8 +6967,8 @@ class WriteOps:
         return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
 
     def _send_now(self, store, gateway, local_id, token):
-        # Send a write just queued, after the queued writes it corrects (oldest first:
-        # it waits for them); the first error that stopped a send, or None.
+        """Send a write just queued, after the queued writes it corrects (oldest first:
+        it waits for them); the first error that stopped a send, or None."""
         error, clock = None, self.ops.clock
         for earlier in store.outbox.unsent_targets(local_id):
             error = Flusher(store, gateway, clock=clock).run(only=earlier).stop_error
@@ -6979,7 +6979,7 @@ class WriteOps:
         return error or stats.stop_error
 
     def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
-        # What became of a write (its outbox row), as the document of store and correct.
+        """What became of a write (its outbox row), as the document of store and correct."""
         ops, state = self.ops, row["state"]
         not_applied = was_not_applied(state, row["last_status"])
         doc = {"op": op, "source": "gateway" if state in (SYNCED, DUPLICATE, FAILED) else "outbox",
@@ -7055,9 +7055,9 @@ class WriteOps:
                 "counts": store.outbox.counts()}
 
     def _outbox_rows(self, ids, usage, no_outbox=None):
-        # The ids given to drop or release (blanks left out) and their outbox rows. None
-        # given is the error `usage`; with `no_outbox`, so is a missing index; an id not
-        # in the outbox is refused.
+        """The ids given to drop or release (blanks left out) and their outbox rows. None
+        given is the error `usage`; with `no_outbox`, so is a missing index; an id not
+        in the outbox is refused."""
         ops = self.ops
         ids = [i.strip() for i in ids if i and i.strip()]
         if not ids:
@@ -7117,9 +7117,9 @@ class WriteOps:
         return doc
 
     def _flush_outbox(self, store, **run):
-        # Flusher.run(). A failure of this machine's side (the disk, the database) is kept
-        # for every later result to say (writes_stuck); a flush that ends without one
-        # clears it.
+        """Flusher.run(). A failure of this machine's side (the disk, the database) is kept
+        for every later result to say (writes_stuck); a flush that ends without one
+        clears it."""
         try:
             stats = Flusher(store, self.ops.gateway(), clock=self.ops.clock).run(**run)
             clear_flush_error(store)
@@ -7169,8 +7169,8 @@ class WriteOps:
 
 
 def _flush_problem(stats, pending, other_prober):
-    # What an explicit flush did not do, as the error its document reports; None when
-    # it did all it could.
+    """What an explicit flush did not do, as the error its document reports; None when
+    it did all it could."""
     err, delivered = stats.stop_error, stats.synced or stats.duplicate
     if err is not None and err.kind not in AWAY_KINDS:
         return err
@@ -7557,7 +7557,7 @@ def _check_query(query, command, example):
 
 
 def _check_int(value, name, low, high):
-    # An integer within [low, high], `name` saying what it counts ("5" is taken as 5).
+    """An integer within [low, high], `name` saying what it counts ("5" is taken as 5)."""
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -7568,7 +7568,7 @@ def _check_int(value, name, low, high):
 
 
 def _record_out(rec):
-    # A local row as the record the gateway would give, plus what is local-only.
+    """A local row as the record the gateway would give, plus what is local-only."""
     out = {k: rec.get(k) for k in ("id",) + FIELDS}
     out["private"] = bool(out["private"])
     out["pending"], out["failed"] = bool(rec.get("pending")), bool(rec.get("failed"))
@@ -7577,9 +7577,9 @@ def _record_out(rec):
 
 
 def _kept_aside(err, payload, db_path):
-    # The StoreError of a write that could not be queued, with the user's text saved to
-    # a file it names (in the database's folder, else the temporary one), or, when no file
-    # can be written either, carried in full for the front end to show.
+    """The StoreError of a write that could not be queued, with the user's text saved to
+    a file it names (in the database's folder, else the temporary one), or, when no file
+    can be written either, carried in full for the front end to show."""
     name = "%s%s-%s.txt" % (KEPT_ASIDE, time.strftime("%Y%m%d-%H%M%S"), os.urandom(3).hex())
     again = {key: payload[key] for key in WRITE_AGAIN if payload.get(key)}
     for where in kept_aside_folders(db_path):
@@ -7605,7 +7605,7 @@ WRITE_AGAIN = ("project_id", "kind", "scope", "supersedes_id", "supersede_reason
 
 
 def _unavailable(rid, err, reason):
-    # The error of a get() that neither this machine nor the gateway can answer.
+    """The error of a get() that neither this machine nor the gateway can answer."""
     configure = err.kind == NOT_CONFIGURED
     return QmemError("%s is not in the local index, and the gateway cannot be asked (%s)"
                      % (rid, reason), kind="unavailable",
@@ -7619,8 +7619,8 @@ _UUID_SHAPE = "00000000-0000-0000-0000-000000000000"
 
 
 def _check_id(value):
-    # A memory id, gateway or local, is a UUID: anything else would be queued only to
-    # fail at flush.
+    """A memory id, gateway or local, is a UUID: anything else would be queued only to
+    fail at flush."""
     if not UUID_RE.fullmatch(value):
         raise UsageError("%s is not a memory id" % _fit(value, 60),
                          hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11", fix=Fix("ids"))
@@ -7642,8 +7642,8 @@ def _check_droppable(row, force, now, store):
 
 
 def _hit(result):
-    # A search result as the gateway sent it, its score kept only when it is a finite
-    # number (JSON has no Infinity, and a 1e400 score is no cosine).
+    """A search result as the gateway sent it, its score kept only when it is a finite
+    number (JSON has no Infinity, and a 1e400 score is no cosine)."""
     hit = dict(result)
     if not finite_number(hit.get("score")):
         hit.pop("score", None)
@@ -7651,7 +7651,7 @@ def _hit(result):
 
 
 def _meta_counts(data):
-    # The counts of GET /v1/meta, each checked: what has the wrong type is left out.
+    """The counts of GET /v1/meta, each checked: what has the wrong type is left out."""
     def counts(value):
         if not isinstance(value, dict):
             return None
@@ -7680,7 +7680,7 @@ def _check_score(value):
 
 
 def _refused(resp, what):
-    # A 4xx answer an operation has no use for: the gateway's own words, exit 1.
+    """A 4xx answer an operation has no use for: the gateway's own words, exit 1."""
     return QmemError("the gateway refused the %s: %s" % (what, resp.detail()), kind="refused")
 
 
@@ -7722,7 +7722,7 @@ def cli_diagnostic(message):
 
 
 def _store_saved(fix):
-    # The command that stores a text kept aside (see _kept_aside), with its write's flags.
+    """The command that stores a text kept aside (see _kept_aside), with its write's flags."""
     write = fix["write"]
     flags = "".join(" %s %s" % (flag, shlex.quote(str(write[key])))
                     for key, flag in _WRITE_FLAGS if write.get(key))
@@ -7839,14 +7839,14 @@ def _char_cells(c):
 
 
 def cells(text):
-    # How many terminal cells text takes: a wide character (CJK, emoji) two, a
-    # combining mark and the highlight marks none.
-    # (below U+0300 one cell each; a regular expression of that class costs 6 ms to compile)
+    """How many terminal cells text takes: a wide character (CJK, emoji) two, a
+    combining mark and the highlight marks none.
+    (below U+0300 one cell each; a regular expression of that class costs 6 ms to compile)"""
     return len(text) if not text or max(text) < "\u0300" else sum(map(_char_cells, text))
 
 
 def _fits(text, width):
-    # How many of text's first characters fit in `width` cells (one at least).
+    """How many of text's first characters fit in `width` cells (one at least)."""
     used = 0
     for n, c in enumerate(text):
         used += _char_cells(c)
@@ -7863,8 +7863,8 @@ _WORDS = r"( *)((?:`[^`]*`|[^ `]|`)+)"  # the spaces before a word; a `command` 
 
 
 def _wrap(line, width, indent=None):
-    # A line too wide for the terminal, broken at spaces (a `command` kept whole where
-    # it fits), each further line indented (by default two more than the first).
+    """A line too wide for the terminal, broken at spaces (a `command` kept whole where
+    it fits), each further line indented (by default two more than the first)."""
     indent = " " * min(len(line) - len(line.lstrip(" ")) + 2 if indent is None else indent,
                        width // 2)
     lines, cur = [], ""
@@ -7910,7 +7910,7 @@ class TerminalText:
             self.out.write(text.encode(encoding, "replace").decode(encoding))
 
     def listing(self, rows, caps, **layout):
-        # Rows of cells as _listing() lays them out, each line written on its own.
+        """Rows of cells as _listing() lays them out, each line written on its own."""
         for line in _listing(rows, self.width, caps, **layout):
             self.write(line + "\n")
 
@@ -7921,12 +7921,12 @@ def _column(text, width):
 
 
 def _listing(rows, width, caps, lead="", room=50):
-    # Rows of cells as aligned lines (one or two per row, as one string), the last cell
-    # (the text) at the end: a column as wide as its widest cell, at most its cap. For a
-    # pipe (no width) the text is whole; on a terminal it gets what is left, or, when that
-    # is less than `room` cells, a line of its own, indented, below its row. Columns too
-    # wide for the terminal together give up cells, the widest first, down to 8 (a column
-    # capped at 12 or less, a date or a state, keeps its cells).
+    """Rows of cells as aligned lines (one or two per row, as one string), the last cell
+    (the text) at the end: a column as wide as its widest cell, at most its cap. For a
+    pipe (no width) the text is whole; on a terminal it gets what is left, or, when that
+    is less than `room` cells, a line of its own, indented, below its row. Columns too
+    wide for the terminal together give up cells, the widest first, down to 8 (a column
+    capped at 12 or less, a date or a state, keeps its cells)."""
     if not rows:
         return []
     rows = [[visible(cell) for cell in r] for r in rows]
@@ -8081,7 +8081,7 @@ def show_get(doc, out):
 
 
 def _counts(counts):
-    # 'fact 3, decision 1': counts by name, in their order; '-' for none.
+    """'fact 3, decision 1': counts by name, in their order; '-' for none."""
     return ", ".join("%s %d" % kv for kv in counts.items()) or "-"
 
 
@@ -8191,7 +8191,7 @@ QUEUED_NOTES = (("repeated", "already_queued"), ("wait", "next_attempt_at"))
 
 
 def write_said(doc, what=None):
-    # WRITE_SAID of a write's document: of its outcome, or of `what`.
+    """WRITE_SAID of a write's document: of its outcome, or of `what`."""
     state = (NOT_APPLIED if doc.get("not_applied")
              else doc["state"] if doc["state"] in WRITE_SAID else PENDING)
     when = when_utc(parse_iso(doc["next_attempt_at"])) if doc.get("next_attempt_at") else None
@@ -8220,8 +8220,8 @@ def show_write(doc, out):
 
 
 def _one_line(text, width=SNIPPET_CHARS):
-    # Text for one line of output: newlines and tabs shown as \n and \t, runs of
-    # spaces kept short, and at most `width` characters (a single long token too).
+    r"""Text for one line of output: newlines and tabs shown as \n and \t, runs of
+    spaces kept short, and at most `width` characters (a single long token too)."""
     text = (text or "").strip().replace("\t", "\\t").replace("\r\n", "\\n").replace("\n", "\\n")
     text = " ".join(filter(None, text.split(" ")))  # no spaces at the ends: stripped
     return _fit(text, width)
@@ -8378,7 +8378,7 @@ def show_doctor(doc, out):
 
 
 def show_auto_flush(doc, out):
-    # The line an online command adds when its automatic flush delivered something.
+    """The line an online command adds when its automatic flush delivered something."""
     af = doc.get("auto_flush")
     if not isinstance(af, dict) or not (af["synced"] or af["duplicate"] or af["failed"]
                                         or af["error"]):
@@ -8539,13 +8539,13 @@ RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results,
 
 
 class RpcError(Exception):
-    # A JSON-RPC error answer (not a tool's failure: that is a result), raised as
-    # RpcError(code, message).
+    """A JSON-RPC error answer (not a tool's failure: that is a result), raised as
+    RpcError(code, message)."""
     pass
 
 
 def _json_kind(value):
-    # 'a string', 'an array', ...: what a JSON value is, for a message.
+    """'a string', 'an array', ...: what a JSON value is, for a message."""
     return {str: "a string", list: "an array", bool: "a boolean", int: "a number",
             float: "a number", dict: "an object"}.get(type(value), "null")
 
@@ -8555,7 +8555,7 @@ def rpc_error(rid, code, message):
 
 
 def git_root(folder):
-    # The nearest folder at or above `folder` that holds a .git, or None.
+    """The nearest folder at or above `folder` that holds a .git, or None."""
     folder = os.path.abspath(folder)
     while True:
         if os.path.exists(os.path.join(folder, ".git")):
@@ -8567,9 +8567,9 @@ def git_root(folder):
 
 
 def resolve_project(explicit, environ, cwd):
-    # (project, where it came from): the argument, else QMEM_PROJECT, else the name of
-    # CLAUDE_PROJECT_DIR, else the name of the git root of cwd; (None, None) when none
-    # says. The server's cwd is where its client started it, often not the project.
+    """(project, where it came from): the argument, else QMEM_PROJECT, else the name of
+    CLAUDE_PROJECT_DIR, else the name of the git root of cwd; (None, None) when none
+    says. The server's cwd is where its client started it, often not the project."""
     if explicit and explicit.strip():
         return explicit.strip(), "argument"
     named = (environ.get("QMEM_PROJECT") or "").strip()
@@ -8588,7 +8588,7 @@ def resolve_project(explicit, environ, cwd):
 # -- tools: what each takes (a plain JSON Schema: one type per property) and says
 
 def _prop(about, kind="string", **extra):
-    # A property of an inputSchema: its description, its type (a string unless said).
+    """A property of an inputSchema: its description, its type (a string unless said)."""
     return dict(extra, type=kind, description=about)
 
 
@@ -8620,9 +8620,9 @@ class McpTool:
                                 "idempotentHint": self.idempotent, "openWorldHint": False}}
 
     def arguments(self, given):
-        # The arguments, each converted to its declared type the way models send them
-        # ("5" for 5, "true" for true, "Decision" for decision); null is absent. An unknown
-        # or missing argument is a UsageError (the tool's result, not a protocol error).
+        """The arguments, each converted to its declared type the way models send them
+        ("5" for 5, "true" for true, "Decision" for decision); null is absent. An unknown
+        or missing argument is a UsageError (the tool's result, not a protocol error)."""
         args = {}
         for name, value in given.items():
             key = self.aliases.get(name, name)
@@ -8651,8 +8651,8 @@ MCP_ALIASES = {"q": "query", "project": "project_id", "type": "kind", "memory_id
 
 
 def _mcp_value(name, value, prop):
-    # One argument converted to the property's type, or a UsageError saying what it
-    # must be.
+    """One argument converted to the property's type, or a UsageError saying what it
+    must be."""
     kind, shown = prop["type"], _fit(json.dumps(value, ensure_ascii=False), 40)
     if kind == "string":
         if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -8686,7 +8686,7 @@ def _mcp_value(name, value, prop):
 
 
 def _mcp_number(value, pattern):
-    # A finite number, or a string of one that matches pattern; else None.
+    """A finite number, or a string of one that matches pattern; else None."""
     if isinstance(value, str):
         return float(value) if re.fullmatch(pattern, value) else None
     return value if type(value) is int or finite_number(value) else None  # (bounds: later)
@@ -8761,7 +8761,7 @@ MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
 
 
 def mcp_instructions():
-    # The server's instructions (clients cap them at 2 KB): the rules, plain.
+    """The server's instructions (clients cap them at 2 KB): the rules, plain."""
     rules = "\n".join("- %s" % text.replace("`", "") for _, text in AGENT_RULES)
     return "%s\n%s\nThis machine: %s." % (RULES_INTRO, rules, machine_identity())
 
@@ -8769,9 +8769,9 @@ def mcp_instructions():
 # -- results: what the model reads (structuredContent, and the same as JSON text)
 
 def tool_result(structured):
-    # A tools/call result: Claude Code shows the model only structuredContent, Gemini
-    # CLI only the text, so the text is the same document. An error when the tool failed
-    # or did not do all it was asked (a write refused, or queued with an error to fix).
+    """A tools/call result: Claude Code shows the model only structuredContent, Gemini
+    CLI only the text, so the text is the same document. An error when the tool failed
+    or did not do all it was asked (a write refused, or queued with an error to fix)."""
     return {"content": [{"type": "text", "text": json.dumps(structured, ensure_ascii=False)}],
             "structuredContent": structured,
             "isError": structured["status"] in ("error", "failed") or "error" in structured}
@@ -8782,10 +8782,10 @@ def _memories(n):
 
 
 def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
-    # A record (the gateway's answer, or a local row) as a result shows it: only the
-    # record's own fields, each of its type; the text cut to `cut` in a list of results.
-    # (Its id is a string: _found keeps only such hits, and Operations.get's record has
-    # the id asked for, from the gateway, or from the index's TEXT column.)
+    """A record (the gateway's answer, or a local row) as a result shows it: only the
+    record's own fields, each of its type; the text cut to `cut` in a list of results.
+    (Its id is a string: _found keeps only such hits, and Operations.get's record has
+    the id asked for, from the gateway, or from the index's TEXT column.)"""
     out = {"id": rec["id"]}
     for key in FIELDS:
         value = rec.get(key)
@@ -8833,8 +8833,8 @@ class McpServer:
 
     # -- messages
     def handle_line(self, raw):
-        # One line off the wire (bytes) -> the reply, or None. (No copy of the line is
-        # made but its text: json.loads takes the whitespace around a message.)
+        """One line off the wire (bytes) -> the reply, or None. (No copy of the line is
+        made but its text: json.loads takes the whitespace around a message.)"""
         if raw.startswith(b"\xef\xbb\xbf"):  # a byte-order mark some writers put first
             raw = raw[3:]
         if not raw or raw.isspace():
@@ -8928,7 +8928,7 @@ class McpServer:
 
     # -- tools
     def run_tool(self, tool, given):
-        # A tool's result: what it did, or (isError) why not and what to do next.
+        """A tool's result: what it did, or (isError) why not and what to do next."""
         self.warnings = []
         previous = set_diagnostics(self._diagnostic)
         try:
@@ -8966,8 +8966,8 @@ class McpServer:
             return None
 
     def _diagnostic(self, message):
-        # warn() while a tool runs: on stderr, and in the result (the model sees it; not
-        # what the background flush says).
+        """warn() while a tool runs: on stderr, and in the result (the model sees it; not
+        what the background flush says)."""
         stderr_diagnostic(message)
         if len(self.warnings) < 10 and threading.current_thread() is not self.flusher:
             self.warnings.append(_fit(message, 300))
@@ -8982,8 +8982,8 @@ class McpServer:
         return out
 
     def operations(self):
-        # The Operations, made again when the config file changed since (a `qmem.py
-        # config url …` reaches every running server at its next call).
+        """The Operations, made again when the config file changed since (a `qmem.py
+        config url …` reaches every running server at its next call)."""
         if self.ops is not None and self.config_stamp != _file_stamp(self.ops.config.path):
             self.ops.close()
             self.ops = None
@@ -8998,9 +8998,9 @@ class McpServer:
         return self.ops
 
     def after_answer(self):
-        # Once an answer is out: drop the gateway connection, and if this call reached the
-        # gateway and writes are ready, deliver them in the background (one flush at a
-        # time, on its own connections), so that no answer waits for it.
+        """Once an answer is out: drop the gateway connection, and if this call reached the
+        gateway and writes are ready, deliver them in the background (one flush at a
+        time, on its own connections), so that no answer waits for it."""
         if self.ops is None:
             return
         try:
@@ -9025,8 +9025,8 @@ class McpServer:
             ops.close()
 
     def finish(self, wait_s=1.5):
-        # At the end of the input: give a background flush a moment to end (a killed one
-        # costs nothing: its writes are taken over by the next).
+        """At the end of the input: give a background flush a moment to end (a killed one
+        costs nothing: its writes are taken over by the next)."""
         if self.flusher is not None:
             self.flusher.join(wait_s)
 
@@ -9129,8 +9129,8 @@ class McpServer:
 
 
 def _read_result(doc, status, **fields):
-    # A read tool's result: its status, where the answer came from, the fields given (in
-    # their order), and the reason of a fallback.
+    """A read tool's result: its status, where the answer came from, the fields given (in
+    their order), and the reason of a fallback."""
     out = dict(status=status, source=doc["source"], degraded=doc["degraded"], **fields)
     if doc["degraded"]:
         out["reason"] = doc["reason"]
@@ -9189,13 +9189,13 @@ _NEXT_STEPS = {
 
 
 def _printable(text):
-    # Text with what cannot be shown or stored taken out (controls, lone surrogates), trimmed.
+    """Text with what cannot be shown or stored taken out (controls, lone surrogates), trimmed."""
     return "".join(ch for ch in text if ch.isprintable() and
                    not 0xD800 <= ord(ch) <= 0xDFFF).strip()
 
 
 def _check_project(project, where):
-    # A project name as a filter or a label, checked as a write's project is (field_wrong).
+    """A project name as a filter or a label, checked as a write's project is (field_wrong)."""
     wrong = field_wrong("project", project, MAX_PROJECT)
     if wrong:
         raise UsageError("%s (%s, from %s)" % (wrong, json.dumps(_fit(project, 60)), where),
@@ -9274,7 +9274,7 @@ def _get_note(doc, record):
 
 
 def _written(doc, where, corrects=None):
-    # A write's result: stored, queued, duplicate or failed, and what that means.
+    """A write's result: stored, queued, duplicate or failed, and what that means."""
     state, rid, project = doc["state"], doc["id"], doc["project_id"]
     status = {SYNCED: "stored", DUPLICATE: "duplicate", FAILED: "failed"}.get(state, "queued")
     what = ("correction of %s" % corrects) if corrects else "memory"
@@ -9330,9 +9330,9 @@ class _Stop(BaseException):
 
 
 def mcp_wire():
-    # The protocol's own copies of fds 0 and 1; then fd 0 reads nothing and fd 1 goes
-    # to stderr, so a stray print (or a child process) can neither corrupt the output nor
-    # eat the input.
+    """The protocol's own copies of fds 0 and 1; then fd 0 reads nothing and fd 1 goes
+    to stderr, so a stray print (or a child process) can neither corrupt the output nor
+    eat the input."""
     wire_in, wire_out = os.fdopen(os.dup(0), "rb"), os.fdopen(os.dup(1), "wb")
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -9346,9 +9346,9 @@ def mcp_wire():
 
 
 def read_message(stream):
-    # The next message line (bytes); b"" for a line over MAX_MESSAGE (skipped to its
-    # end); None at the end of the input. A last line without its newline is kept only
-    # when it is whole JSON: else the input ended in the middle of a message.
+    """The next message line (bytes); b"" for a line over MAX_MESSAGE (skipped to its
+    end); None at the end of the input. A last line without its newline is kept only
+    when it is whole JSON: else the input ended in the middle of a message."""
     line = stream.readline(MAX_MESSAGE + 1)
     if not line:
         return None
@@ -9368,8 +9368,8 @@ def read_message(stream):
 
 
 def encode_message(reply):
-    # One message as its line: compact JSON in UTF-8 (U+2028 and U+2029 escaped, as
-    # some readers split lines there; ASCII when a text holds a lone surrogate).
+    """One message as its line: compact JSON in UTF-8 (U+2028 and U+2029 escaped, as
+    some readers split lines there; ASCII when a text holds a lone surrogate)."""
     try:
         text = json.dumps(reply, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         return (text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
@@ -9433,8 +9433,8 @@ MIN_COLUMNS = 40  # the narrowest layout; a smaller COLUMNS gets this one
 
 
 def _terminal_width():
-    # The width output fits: COLUMNS where it is set, else the terminal's; None for a
-    # pipe (nothing is cut then).
+    """The width output fits: COLUMNS where it is set, else the terminal's; None for a
+    pipe (nothing is cut then)."""
     columns = os.environ.get("COLUMNS", "").strip()
     if columns and re.fullmatch("[0-9]{1,5}", columns) and int(columns):
         return max(int(columns), MIN_COLUMNS)
@@ -9456,14 +9456,14 @@ def cli_find(ops, a):
 
 
 def _filters(a):
-    # The Filters of find's and search's options (search has no --deleted).
+    """The Filters of find's and search's options (search has no --deleted)."""
     return Filters(*(getattr(a, name, default) for name, default
                      in zip(Filters._fields, Filters())))
 
 
 def run_mcp(args):
-    # `qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
-    # first message: the configuration and the database at the first tool call.
+    """`qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
+    first message: the configuration and the database at the first tool call."""
     try:
         cwd = os.getcwd()
     except OSError:  # a folder deleted under the client
@@ -9527,7 +9527,7 @@ def _read_key(what="API key"):
 
 
 def config_menu(ops, a):
-    # The numbered menu of the extension's /qmem:config, for a terminal.
+    """The numbered menu of the extension's /qmem:config, for a terminal."""
     while True:
         print("qmem config (%s)\n  1) set gateway URL (now: %s)\n  2) change API key (now: %s)\n"
               "  3) test the connection\n  4) show everything\n  5) cancel" % (
@@ -9557,7 +9557,7 @@ def config_menu(ops, a):
 
 
 def _read_text(a):
-    # The memory's text from the argument, --text-file, or stdin ('-'), as given.
+    """The memory's text from the argument, --text-file, or stdin ('-'), as given."""
     if a.text is not None and a.text_file is not None:  # an argument or '-', and a file
         raise UsageError("give the text once: as an argument, with --text-file, or on stdin with -")
     where = a.text_file if a.text_file is not None else "stdin"
@@ -9636,9 +9636,9 @@ def cli_queue(ops, a):
 
 
 def _confirm(rows, width, question, cancelled):
-    # Ask on stderr before acting on these outbox rows (each shown, its text cut to
-    # width), on a terminal (--yes is needed elsewhere: the caller says so): y or yes
-    # goes on, any other answer is the QmemError `cancelled`.
+    """Ask on stderr before acting on these outbox rows (each shown, its text cut to
+    width), on a terminal (--yes is needed elsewhere: the caller says so): y or yes
+    goes on, any other answer is the QmemError `cancelled`."""
     for it in rows:
         shown = visible(_one_line(it["text"], width))
         sys.stderr.write("  %s  %-9s %s\n" % (it["local_id"], it["state"], shown))
@@ -9649,7 +9649,7 @@ def _confirm(rows, width, question, cancelled):
 
 
 def with_progress(label, work):
-    # Run work(progress) with a progress line on stderr (only on a terminal).
+    """Run work(progress) with a progress line on stderr (only on a terminal)."""
     progress = Progress(label)
     try:
         return work(progress)
@@ -9983,8 +9983,8 @@ def unexpected_error(e, ops):
 
 
 def _config_for(args):
-    # The configuration; for doctor a broken one is a finding (args.config_error),
-    # not the end: it goes on with the defaults.
+    """The configuration; for doctor a broken one is a finding (args.config_error),
+    not the end: it goes on with the defaults."""
     args.config_error = None
     try:
         return load_config(overrides={"localDbPath": args.db})
@@ -10000,10 +10000,10 @@ def _config_for(args):
 
 
 def _global_options(argv):
-    # --json, --debug and --db may stand anywhere before a `--`, also between a
-    # command's arguments: they are taken out and put before the command. Returns the
-    # new argv, and whether --json and --debug were asked (known before parsing, so that
-    # a usage error can be a JSON document too).
+    """--json, --debug and --db may stand anywhere before a `--`, also between a
+    command's arguments: they are taken out and put before the command. Returns the
+    new argv, and whether --json and --debug were asked (known before parsing, so that
+    a usage error can be a JSON document too)."""
     end = argv.index("--") if "--" in argv else len(argv)
     front, kept = [], []
     words = iter(argv[:end])
@@ -10018,7 +10018,7 @@ def _global_options(argv):
 
 
 def _command_word(argv):
-    # The command an argv (after _global_options) names, or None.
+    """The command an argv (after _global_options) names, or None."""
     words = iter(argv)
     for word in words:
         if word == "--db":
