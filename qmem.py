@@ -70,7 +70,7 @@ import unicodedata
 # Not imported here: the network modules (socket, ssl, http.client, urllib, and email.utils,
 # which imports socket) are imported inside the functions that use them, because commands
 # that work offline must load none (a product rule); fcntl, msvcrt and pwd, which only
-# some systems have; and, one of part 16's two measured exceptions, the modules of one
+# some systems have; and, a measured exception (README, "Development"), the modules of one
 # rare path each (hashlib, hmac, gzip, zlib: bundles; platform, html, signal, getpass,
 # shlex, glob, ipaddress): imported here, they cost every `find` 7.3 ms of CPU (59.1 ->
 # 51.8 ms, median of 40 paired runs of `main(["find", "x"])`).
