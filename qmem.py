@@ -67,13 +67,12 @@ import threading
 import time
 import unicodedata
 
-# Not imported here: the network modules (socket, ssl, http.client, urllib, and email.utils,
-# which imports socket) are imported inside the functions that use them, because commands
-# that work offline must load none (a product rule); fcntl, msvcrt and pwd, which only
-# some systems have; and, a measured exception (README, "Development"), the modules of one
-# rare path each (hashlib, hmac, gzip, zlib: bundles; platform, html, signal, getpass,
-# shlex, glob, ipaddress): imported here, they cost every `find` 7.3 ms of CPU (59.1 ->
-# 51.8 ms, median of 40 paired runs of `main(["find", "x"])`).
+# The network modules (socket, ssl, http.client, urllib, email.utils) are imported inside the
+# functions that use them: commands that work offline load none (a product rule). So are
+# fcntl, msvcrt and pwd, which only some systems have; and, a measured exception (README,
+# "Development"), the modules of one rare path each (hashlib, hmac, gzip, zlib: bundles;
+# platform, html, signal, getpass, shlex, glob, ipaddress): imported here, they cost every
+# `find` 7.3 ms of CPU (59.1 -> 51.8 ms, median of 40 paired runs of `main(["find", "x"])`).
 
 __version__ = "0.1.0"
 
@@ -98,15 +97,12 @@ MAX_QUERY_TOKENS = 32
 #
 # Every expected failure is a QmemError: one line on stderr (and, under --json, one
 # error document on stdout), never a traceback. Its class gives the exit code, its
-# `kind` a stable name for scripts. Its message and hint say what is wrong and what helps
-# in words that hold for every front end; its fixes (Fix) name what sets it right, and
-# each front end words them its own way: the command line as a command to type
-# (CLI_FIXES, in Output), the MCP server as a tool to call (MCP_FIXES).
+# `kind` a stable name for scripts. Its message and hint hold for every front end; each
+# words its fixes (Fix) its own way: a command to type (CLI_FIXES), a tool (MCP_FIXES).
 
 class Fix(dict):
-    """What sets a failure right: a name the front ends word (CLI_FIXES, MCP_FIXES), and
-    the values their words take, e.g. Fix("retire", id=...). A dict, so that an error
-    document carries it as JSON."""
+    """What sets a failure right: a name and the values its words take, e.g.
+    Fix("retire", id=...). A dict, so that an error document carries it as JSON."""
 
     def __init__(self, name, **values):
         dict.__init__(self, values, name=name)
@@ -186,8 +182,6 @@ AUTH = "auth"                      # 401/403: the API key was rejected
 NOT_CONFIGURED = "not_configured"  # no gateway URL or API key
 TLS = "tls"                        # certificate not trusted
 PROTOCOL = "protocol"              # a redirect, or an answer of the wrong shape for the request
-# A read may be answered from the local index instead.
-FALLBACK_KINDS = frozenset((UNREACHABLE, AMBIGUOUS, BREAKER_OPEN, NOT_CONFIGURED))
 # Retrying will not help: the configuration must change.
 CONFIG_KINDS = frozenset((AUTH, NOT_CONFIGURED, TLS, PROTOCOL))
 # The gateway is away right now: writes wait, a flush stops.
@@ -195,9 +189,9 @@ AWAY_KINDS = frozenset((UNREACHABLE, BREAKER_OPEN))
 
 
 class GatewayError(QmemError):
-    # The gateway gave no usable answer; `kind` (above) says why and decides what
-    # happens. `detail` is the short cause ('HTTP 503', 'connection refused') that a
-    # fallback label shows; `in_a_row` the consecutive failures behind an open breaker.
+    """The gateway gave no usable answer; `kind` (above) says why and decides what
+    happens. `detail` is the short cause ('HTTP 503', 'connection refused') that a
+    fallback label shows; `in_a_row` the consecutive failures behind an open breaker."""
 
     def __init__(self, kind, message, status=None, retry_in_ms=None, hint=None, detail=None,
                  cause=None, in_a_row=None, fix=None):
@@ -213,7 +207,7 @@ class GatewayError(QmemError):
     @property
     def fallback_ok(self):
         """May a read be answered from the local index instead?"""
-        return self.kind in FALLBACK_KINDS
+        return self.kind in (UNREACHABLE, AMBIGUOUS, BREAKER_OPEN, NOT_CONFIGURED)
 
 
 # === Utilities ===============================================================
