@@ -284,19 +284,15 @@ def make_private_dirs(folder):
     """Create the missing folders of a path, each 0700 whatever the umask (os.makedirs
     gives intermediate folders the umask's mode since Python 3.7)."""
     folder = os.path.abspath(folder)
-    missing = []
-    while not os.path.isdir(folder):
-        missing.append(folder)
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            break
-        folder = parent
-    for each in reversed(missing):
-        try:
-            os.mkdir(each, 0o700)
-        except FileExistsError:  # made meanwhile by another process
-            continue
-        os.chmod(each, 0o700)  # mkdir's mode is masked by the umask
+    if os.path.isdir(folder):
+        return
+    if os.path.dirname(folder) != folder:
+        make_private_dirs(os.path.dirname(folder))
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:  # made meanwhile by another process
+        return
+    os.chmod(folder, 0o700)  # mkdir's mode is masked by the umask
 
 
 def atomic_write(path, data, mode=0o600, sync=True):
@@ -329,7 +325,6 @@ def atomic_write(path, data, mode=0o600, sync=True):
 
 # Control characters that must not reach a terminal raw, each with its escape: C0 but tab
 # and newline, DEL, C1, the line and paragraph separators, the bidirectional overrides.
-# (A table, not a regular expression: compiling a class this wide costs every run 1 ms.)
 _ESCAPES = {c: "\\x%02x" % c for c in [*range(0x09), *range(0x0b, 0x20), *range(0x7f, 0xa0)]}
 _ESCAPES.update((c, "\\u%04x" % c) for c in [*range(0x2028, 0x202f), *range(0x2066, 0x206a)])
 
@@ -376,7 +371,6 @@ def without_surrogates(value):
     if isinstance(value, dict):
         return {without_surrogates(k): without_surrogates(v) for k, v in value.items()}
     return value
-
 
 
 _warned = set()
@@ -451,7 +445,7 @@ def set_diagnostics(sink):
 
 
 class Progress:
-    # One self-overwriting progress line on stderr, only when stderr is a terminal.
+    """One self-overwriting progress line on stderr, only when stderr is a terminal."""
 
     def __init__(self, label):
         self.label = label
