@@ -586,7 +586,7 @@ ENV_KEYS = {"url": "QMEM_URL", "apiKey": "QMEM_API_KEY", "localDbPath": "QMEM_SQ
 
 
 class Config:
-    # The effective configuration: each value and where it came from.
+    """The effective configuration: each value and where it came from."""
 
     def __init__(self, values, sources, path, raw, breaker_path, home, key_withheld):
         self.values, self.sources, self.path, self.raw = values, sources, path, raw
@@ -626,12 +626,11 @@ _QMEM_TABLES = {"records", "meta", "files", "open_calls", "outbox"}
 
 def local_db_path(path, given):
     """The local database: (the path qmem.py uses, a note that says why it is not `path`,
-    or None). A path given for this run (--db, QMEM_SQLITE) is used as it is (Store
-    refuses another program's database). The default and localDbPath are the pi
-    extension's too (its config file): where another program's database lies there (the
-    extension's own index), qmem.py keeps a file of its own beside it, and never touches
-    that one; and keeps using that file once that one is gone (its outbox is there). (If
-    that file is another program's too, Store refuses it.)"""
+    or None). A path given for this run (--db, QMEM_SQLITE) is used as it is. The default
+    and localDbPath are the pi extension's too (its config file): where another program's
+    database lies there (the extension's own index), qmem.py keeps a file of its own beside
+    it, and never touches that one; and keeps using its own once that one is gone (its
+    outbox is there). Store refuses any file that is another program's database."""
     own = os.path.join(os.path.dirname(path), QMEM_PY_DB)
     if given or os.path.basename(path) == QMEM_PY_DB:
         return path, None
@@ -640,18 +639,10 @@ def local_db_path(path, given):
         return own, ("%s is another program's SQLite database (tables: %s), left untouched: "
                      "qmem.py uses its own file beside it, %s"
                      % (path, table_list(tables), QMEM_PY_DB))
-    if _holds_data(own) and not _holds_data(path):
+    if _size(own) and not _size(path):
         return own, ("qmem.py uses its own file %s, made while %s was another program's "
                      "database" % (own, path))
     return path, None
-
-
-def _holds_data(path):
-    """Is there a file of some bytes at path? (stat() only.)"""
-    try:
-        return os.stat(path).st_size > 0
-    except OSError:
-        return False
 
 
 def is_another_programs(version, tables):
@@ -719,8 +710,7 @@ def read_only_uri(path):
         return sqlite_uri(real, "mode=ro")
     if _size(wal):
         # Commits in a -wal whose -shm is gone (mode=ro would have to create it): only a
-        # writable open can bring them in, and immutable=1 would read the database without
-        # them.
+        # writable open brings them in; immutable=1 would read the database without them.
         return None
     if _size(real + "-journal"):
         # A rollback journal: a writer at work (another program, mid-transaction), or one
@@ -744,10 +734,10 @@ def read_only_uri(path):
 
 
 def _size(path):
-    """The size of a file, 0 when there is none."""
+    """The size of a file, 0 when there is none (or stat() cannot tell)."""
     try:
         return os.stat(path).st_size
-    except FileNotFoundError:
+    except OSError:
         return 0
 
 
@@ -777,9 +767,8 @@ def _read_schema(path):
 
 # The range of each numeric key: a budget of years, or a breaker that never opens, is a typo.
 NUMBER_RANGES = {"connectTimeoutMs": (1, 600000), "timeoutMs": (1, 3600000),
-                 "breakerBaseMs": (1, 86400000),
-                 "breakerMaxMs": (1, 7 * 86400000), "breakerTripAfter": (1, 1000),
-                 "outboxMaxMB": (1, 1 << 20)}
+                 "breakerBaseMs": (1, 86400000), "breakerMaxMs": (1, 7 * 86400000),
+                 "breakerTripAfter": (1, 1000), "outboxMaxMB": (1, 1 << 20)}
 
 
 def _check_type(key, value, origin, typed=False):
@@ -1009,8 +998,7 @@ def normalize_url(url):
     return "%s://%s%s" % (p.scheme, p.netloc.lower(), p.path.rstrip("/"))
 
 
-# A host name or an IP address (patterns used once are compiled at their use, by re's cache,
-# not by every run at the start).
+# A host name or an IP address.
 _HOST = r"\A(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?)+\Z|\A[0-9A-Fa-f:.]+\Z"
 
 
