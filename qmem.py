@@ -1167,21 +1167,21 @@ _BREAKER_IN_MEMORY = {}
 
 
 class Breaker:
-    # The circuit breaker, its state in one JSON file shared by every process on the
-    # machine and keyed by gateway URL (design.md, reliability.md §2).
-    #
-    # closed     calls go through; `failures` counts consecutive ambiguous failures
-    # open       calls fail at once, without network I/O, until `open_until`
-    # half_open  one process (the holder of the probe lease) tries; the others fail fast,
-    #            until its lease runs out or it is proven dead (claimant_is_gone)
-    #
-    # An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
-    # open it; each consecutive opening doubles the open time, from base up to max; any
-    # answer from the gateway closes it. Readers take no lock; writers lock a sibling
-    # .lock file and replace the state file atomically.
+    """The circuit breaker, its state in one JSON file shared by every process on the
+    machine and keyed by gateway URL (design.md, reliability.md §2).
+
+    closed     calls go through; `failures` counts consecutive ambiguous failures
+    open       calls fail at once, without network I/O, until `open_until`
+    half_open  one process (the holder of the probe lease) tries; the others fail fast,
+               until its lease runs out or it is proven dead (claimant_is_gone)
+
+    An unreachable gateway opens it at once, `trip_after` ambiguous failures in a row
+    open it; each consecutive opening doubles the open time, from base up to max; any
+    answer from the gateway closes it. Readers take no lock; writers lock a sibling
+    .lock file and replace the state file atomically."""
 
     def __init__(self, path, url, base_ms=120000, max_ms=600000, trip_after=3, lease_s=60.0,
-                 clock=time.time, rand=None):
+                 clock=time.time, rand=random.random):
         self.path, self.key = path, normalize_url(url) if url else ""
         self.base_s, self.max_s, self.trip_after = base_ms / 1000.0, max_ms / 1000.0, trip_after
         self.lease_s, self.clock, self.rand = lease_s, clock, rand
@@ -1191,8 +1191,7 @@ class Breaker:
     @classmethod
     def from_config(cls, config, **kw):
         return cls(config.breaker_path, config["url"], config["breakerBaseMs"],
-                   config["breakerMaxMs"],
-                   config["breakerTripAfter"],
+                   config["breakerMaxMs"], config["breakerTripAfter"],
                    lease_s=worst_call_s(config), **kw)
 
     # -- the file
@@ -1276,18 +1275,14 @@ class Breaker:
         else:
             gateways[self.key] = state
         try:
-            atomic_write(self.path, (json.dumps({"version": 1, "gateways": gateways}, indent=1,
-                                                sort_keys=True)
-                                     + "\n").encode("utf-8"), sync=False)
+            text = json.dumps({"version": 1, "gateways": gateways}, indent=1, sort_keys=True)
+            atomic_write(self.path, (text + "\n").encode("utf-8"), sync=False)
         except OSError as e:  # a full disk, a read-only folder: never a reason to fail a command
             _warn_once("cannot write breaker file %s (%s): keeping the breaker's state in memory "
                        "for this process" % (self.path, e.strerror or e))
             _BREAKER_IN_MEMORY[self.path] = gateways
         else:
             _BREAKER_IN_MEMORY.pop(self.path, None)
-
-    def _lock(self):
-        return _FileLock(self.path + ".lock")
 
     # -- the transitions
     def retry_in(self, state, now):
@@ -1335,7 +1330,7 @@ class Breaker:
             return False
         if self.refuses(state, now):
             raise self._refusal(state, now)
-        with self._lock():
+        with _FileLock(self.path + ".lock"):
             state = self.read(fresh=True)
             if state["state"] == "closed":
                 return False
@@ -1356,7 +1351,7 @@ class Breaker:
         state, now = self.read(), self.clock()
         if not self.refuses(state, now):
             return None  # closed, our own probe, or the open period is over: admit() decides
-        with self._lock():
+        with _FileLock(self.path + ".lock"):
             state = self.read(fresh=True)
             if state["state"] == "half_open" and self.refuses(state, now):
                 return state["probe_token"]
@@ -1379,7 +1374,7 @@ class Breaker:
         error), or an explicit flush sent nothing: give back the probe, if this process
         held it (an open period that probe_now cut short runs on)."""
         if self.probing:
-            with self._lock():
+            with _FileLock(self.path + ".lock"):
                 state = self.read(fresh=True)
                 if state["probe_token"] == self.token:
                     state.update(state="open", probe_token=None,
@@ -1391,7 +1386,7 @@ class Breaker:
         """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
         trip_after in a row; a failed probe reopens with a doubled open time."""
         now = self.clock()
-        with self._lock():
+        with _FileLock(self.path + ".lock"):
             state = self.read(fresh=True)
             if self.refuses(state, now):
                 return  # already open: another process's failure must not double the time
@@ -1407,16 +1402,15 @@ class Breaker:
 
     def _open(self, state, now):
         state["trips"] += 1
-        jitter = 0.9 + 0.2 * (self.rand() if self.rand else random.random())
+        jitter = 0.9 + 0.2 * self.rand()
         seconds = min(self.max_s, self.base_s * 2 ** min(state["trips"] - 1, 30) * jitter)
         at_once = state["last_kind"] == UNREACHABLE
         state.update(state="open", opened_after=1 if at_once else max(1, state["failures"]),
-                     failures=0,
-                     opened_at=iso_from_epoch(now), open_until=now + seconds, probe_token=None,
-                     probe_until=0.0)
+                     failures=0, opened_at=iso_from_epoch(now), open_until=now + seconds,
+                     probe_token=None, probe_until=0.0)
 
     def reset(self):
-        with self._lock():
+        with _FileLock(self.path + ".lock"):
             self._write(self.CLOSED)  # (a closed, clean state: _write removes the entry)
 
 
