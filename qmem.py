@@ -1039,12 +1039,11 @@ def is_loopback(host):
 
 
 def warn_plain_http(url, key):
-    """The API key would travel unencrypted: say so, wherever the URL came from."""
-    from urllib.parse import urlsplit
-    p = urlsplit(url)
-    if p.scheme == "http" and key and not is_loopback(p.hostname):
+    """The API key would travel unencrypted: say so, wherever the (checked) URL came from."""
+    scheme, host = gateway_of(url)[:2]
+    if scheme == "http" and key and not is_loopback(host):
         _warn_once("the API key travels unencrypted over plain http to %s: use https unless this "
-                   "network is trusted" % p.hostname)
+                   "network is trusted" % host)
 
 
 RETRY_SLEEP_CAP = 10.0    # seconds: a longer Retry-After is reported, not slept
@@ -1416,13 +1415,11 @@ class Breaker:
 
 # === Gateway client ==========================================================
 #
-# The only code that touches the network. Its modules are imported inside these
-# functions (see the imports at the top): a call refused by an open breaker returns
-# before any of them is imported.
+# The only code that touches the network (its modules imported inside these functions): a
+# call refused by an open breaker returns before any of them is imported.
 
 class Response:
-    """One answer: its status, parsed JSON and headers. `scrub` makes any text of the
-    answer safe to store and print (the key masked, controls escaped, bounded).
+    """One answer: its status, parsed JSON and headers, and its gateway's `scrub`.
     `not_json`: (what the body holds, whether it is an HTML page, the short quote of it a
     fallback label carries) when it is no JSON."""
     not_json = None
@@ -1595,7 +1592,7 @@ def _proxy_for(scheme, host, environ=None):
     return (p.hostname, port) if p.hostname else None
 
 
-def retry_after_seconds(headers, now=None):
+def retry_after_seconds(headers):
     """Retry-After in seconds (delay-seconds or any of the three HTTP-date forms), or None."""
     raw = (headers.get("Retry-After") or "").strip()
     if not raw:
@@ -1607,7 +1604,7 @@ def retry_after_seconds(headers, now=None):
         return None
     ref = _http_date(headers.get("Date") or "")  # the server's clock cancels skew
     if ref is None:
-        ref = time.time() if now is None else now
+        ref = time.time()
     return max(0.0, target - ref)
 
 
@@ -1626,10 +1623,10 @@ def _http_date(value):
 
 
 class Gateway:
-    # A client for one gateway URL: both auth headers, JSON in and out, two total
-    # deadlines, retries of ambiguous failures, and the breaker it is given in front
-    # (bypass_breaker=True: `config test`, which must really try). One connection is
-    # kept and reused for every call of a command.
+    """A client for one gateway URL: both auth headers, JSON in and out, two total
+    deadlines, retries of ambiguous failures, and the breaker it is given in front
+    (bypass_breaker=True: `config test`, which must really try). One connection is
+    kept and reused for every call of a command."""
 
     def __init__(self, config, breaker, sleep=None, retries=RETRIES, bypass_breaker=False):
         url, self.key = config["url"], config["apiKey"]
@@ -1645,8 +1642,7 @@ class Gateway:
             raise GatewayError(NOT_CONFIGURED, "no API key configured", fix=Fix("apikey"),
                                detail="no API key configured")
         from urllib.parse import urlsplit
-        self.url = check_url(url)
-        # (A checked URL: its scheme 'http' or 'https', its host in lower case.)
+        self.url = url  # (_check_config checked it: its scheme is 'http' or 'https')
         self.scheme, self.host, self.port = gateway_of(self.url)
         self.base = urlsplit(self.url).path.rstrip("/")
         self.connect_s = config["connectTimeoutMs"] / 1000.0
@@ -1764,9 +1760,7 @@ class Gateway:
             self.close()
         else:
             self.sock.qm_deadline = None
-        answer = Response(resp.status, self._parse(raw, resp), resp.headers, self.scrub)
-        answer.not_json = getattr(resp, "qm_not_json", None)
-        return answer
+        return self._parse(raw, resp)
 
     def _request(self, method, path, data, headers):
         """Send the request and read the status line and headers (the connect budget);
@@ -1828,31 +1822,30 @@ class Gateway:
         return b"".join(chunks)
 
     def _parse(self, raw, resp):
-        """The JSON of a body; a 2xx answer must be a JSON object. Bounded in what it
-        becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed."""
+        """The Response of a body: its JSON; a 2xx answer must be a JSON object. Bounded in
+        what it becomes, not only in bytes: 30 MB of '{},' would take 800 MB parsed."""
         if json_values_over(raw, MAX_JSON_VALUES):
             raise GatewayError(AMBIGUOUS,
                                "answer from %s holds more than %d JSON values: refused" % (
                 self.url, MAX_JSON_VALUES), resp.status, detail="answer too large")
+        answer = Response(resp.status, None, resp.headers, self.scrub)
         try:
             text = raw.decode("utf-8")
-            parsed = without_escaped_surrogates(text, json.loads(text)) if text else None
+            answer.data = without_escaped_surrogates(text, json.loads(text)) if text else None
         except RecursionError:
             raise GatewayError(AMBIGUOUS, "answer from %s is nested too deeply" % self.url,
-                               resp.status,
-                               detail="answer nested too deeply")
+                               resp.status, detail="answer nested too deeply")
         except ValueError:  # not UTF-8 (a UnicodeDecodeError is a ValueError), or not JSON
-            parsed, resp.qm_not_json = None, self._not_json(raw, resp)
+            answer.not_json = self._not_json(raw, resp)
             if 200 <= resp.status < 300:
-                shown, html, quoted = resp.qm_not_json
+                shown, html, quoted = answer.not_json
                 raise GatewayError(AMBIGUOUS, "answer from %s is not JSON (%s)" % (self.url, shown),
                                    resp.status, detail="answer not JSON: " + quoted,
                                    hint=HTML_PAGE if html else "is the URL the gateway's?")
-        if 200 <= resp.status < 300 and not isinstance(parsed, dict):
+        if 200 <= resp.status < 300 and not isinstance(answer.data, dict):
             raise GatewayError(AMBIGUOUS, "answer from %s is not a JSON object" % self.url,
-                               resp.status,
-                               detail="answer not a JSON object")
-        return parsed
+                               resp.status, detail="answer not a JSON object")
+        return answer
 
     def _not_json(self, raw, resp):
         """(what a body that is not JSON holds: its type, size and start, quoted and scrubbed;
