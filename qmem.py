@@ -132,8 +132,7 @@ class QmemError(Exception):
 
 def error_document(err):
     """An error as a document (and as the part of a document that reports something not
-    done). Each front end words its `fixes` into the hint (the command line's document
-    then has `kind`, `message` and `hint`)."""
+    done); each front end words its `fixes` into the hint."""
     return {"error": {"kind": err.kind, "message": err.message, "hint": err.hint,
                       "fixes": err.fixes},
             "exit_code": err.exit_code}
@@ -978,15 +977,14 @@ def breaker_times_wrong(values):
     return None
 
 
-def session_dirs(environ=None):
+def session_dirs():
     """Where pi writes its sessions, in pi's own order of precedence (pi-sessions.md §1)."""
-    environ = os.environ if environ is None else environ
-    custom = environ.get("PI_CODING_AGENT_SESSION_DIR")
+    custom = os.environ.get("PI_CODING_AGENT_SESSION_DIR")
     if custom:
         return [os.path.expanduser(custom)]
-    agent = environ.get("PI_CODING_AGENT_DIR")
+    agent = os.environ.get("PI_CODING_AGENT_DIR")
     agent = os.path.expanduser(agent) if agent else os.path.join(
-        environ.get("HOME") or os.path.expanduser("~"), ".pi", "agent")
+        os.environ.get("HOME") or os.path.expanduser("~"), ".pi", "agent")
     return [os.path.join(agent, "sessions")]
 
 
@@ -1363,9 +1361,8 @@ class Breaker:
 
     def success(self):
         """The gateway answered: close (writes only if something changes)."""
-        if self.read() == self.CLOSED:
-            return
-        self.reset()
+        if self.read() != self.CLOSED:
+            self.reset()
         self.probing = False
 
     def release(self):
@@ -1683,7 +1680,6 @@ class Gateway:
         self.tries = 0
         clean = self.bypass_breaker or self.breaker.admit()
         retries = self.retries if retries is None else retries
-        attempt = 0
         while True:
             try:
                 self.tries += 1
@@ -1699,7 +1695,7 @@ class Gateway:
                 failure = e
             if failure is None:
                 self.answered = True
-                if not (clean and attempt == 0):  # a clean state has nothing to close
+                if not (clean and self.tries == 1):  # a clean state has nothing to close
                     self.breaker.success()
                 if resp.status in (401, 403):
                     self.key_rejected = True
@@ -1710,11 +1706,10 @@ class Gateway:
             # Every failed attempt counts, retries too (resilience4j's
             # Retry(CircuitBreaker(call))): a gateway that stalls every body costs
             # breakerTripAfter requests, not three times that.
-            attempt += 1
             self.breaker.failure(AMBIGUOUS, str(failure), failure.detail)
             told = failure.retry_in_ms is not None  # by Retry-After
-            wait = failure.retry_in_ms / 1000.0 if told else min(8.0, 0.25 * 2 ** attempt)
-            if attempt > retries or wait > RETRY_SLEEP_CAP or self.breaker.is_open():
+            wait = failure.retry_in_ms / 1000.0 if told else min(8.0, 0.25 * 2 ** self.tries)
+            if self.tries > retries or wait > RETRY_SLEEP_CAP or self.breaker.is_open():
                 raise failure
             self.sleep(_jittered(wait, told))
 
@@ -1921,17 +1916,14 @@ def tls_context(ca_file):
     for a private CA; there is no switch to turn it off. GatewayError (tls) when ca_file
     cannot be used: a configuration error, not an unreachable gateway."""
     import ssl
-    net = _net_classes()
-    if "DeadlineSSLSocket" not in net:
-        net["DeadlineSSLSocket"] = type("DeadlineSSLSocket",
-                                        (net["DeadlineMixin"], ssl.SSLSocket), {})
     try:
         ctx = ssl.create_default_context(cafile=ca_file)
     except OSError as e:  # (an ssl.SSLError is one)
         raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (ca_file, _reason(e)),
                            hint="caFile must be a PEM file of the CA", fix=Fix("ca_file"))
     if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
-        ctx.sslsocket_class = net["DeadlineSSLSocket"]
+        mixin = _net_classes()["DeadlineMixin"]
+        ctx.sslsocket_class = type("DeadlineSSLSocket", (mixin, ssl.SSLSocket), {})
     return ctx
 
 
