@@ -830,23 +830,18 @@ def load_config(environ=None, overrides=None):
     path = environ.get("QMEM_CONFIG") or os.path.join(home, ".config", "pi-qmem", "config.json")
     raw = _read_config_file(path)
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
-    for key in DEFAULTS:
-        value = raw.get(key)
-        if value is not None:
-            # ignored, warned: _check_config
-            if key == "bundleKey" and not isinstance(value, str):
-                values[key] = "(a %s)" % type(value).__name__
-            else:
-                values[key] = _check_type(key, value, "config file %s" % path, typed=True)
-            sources[key] = "file"
-    for key, var in ENV_KEYS.items():
-        if environ.get(var):
-            values[key] = _check_type(key, environ[var], "environment %s" % var)
-            sources[key] = "env " + var
-    for key, value in (overrides or {}).items():
-        if value is not None:
-            values[key] = _check_type(key, value, "option")
-            sources[key] = "flag"
+    given = [(key, raw.get(key), "file", "config file %s" % path) for key in DEFAULTS]
+    given += [(key, environ.get(var) or None, "env " + var, "environment %s" % var)
+              for key, var in ENV_KEYS.items()]
+    given += [(key, value, "flag", "option") for key, value in (overrides or {}).items()]
+    for key, value, source, origin in given:  # in their order of precedence
+        if value is None:
+            continue
+        if source == "file" and key == "bundleKey" and not isinstance(value, str):
+            values[key] = "(a %s)" % type(value).__name__  # ignored, warned: _check_config
+        else:
+            values[key] = _check_type(key, value, origin, typed=source == "file")
+        sources[key] = source
     if values["localDbPath"]:
         values["localDbPath"] = os.path.expanduser(values["localDbPath"])
     _check_config(values, sources, path)
@@ -1097,8 +1092,8 @@ def _read_breaker_file(path):
 
 
 class _FileLock:
-    # An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
-    # a read-modify-write of the breaker file. Gives up waiting after ~2 s.
+    """An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
+    a read-modify-write of the breaker file. Gives up waiting after ~2 s."""
 
     def __init__(self, path):
         self.path, self.fd = path, None
@@ -1494,9 +1489,8 @@ def without_escaped_surrogates(text, value):
     return value
 
 
-# The socket/ssl classes, built on first use by _net_classes(): every connection starts with
-# a Deadline of its making, so what runs after one (_connect, _read_body, _open_socket) reads
-# _net directly.
+# The socket classes, built on first use by _net_classes(): every connection starts with a
+# Deadline of its making, so what runs after one reads _net directly.
 _net = {}
 
 
@@ -1711,7 +1705,11 @@ class Gateway:
             wait = failure.retry_in_ms / 1000.0 if told else min(8.0, 0.25 * 2 ** self.tries)
             if self.tries > retries or wait > RETRY_SLEEP_CAP or self.breaker.is_open():
                 raise failure
-            self.sleep(_jittered(wait, told))
+            if told:  # by the gateway: never earlier, a little later
+                wait += random.uniform(0, min(1.0, 0.1 * wait + 0.25))
+            else:  # chosen here: jittered
+                wait = random.uniform(wait / 2, wait)
+            self.sleep(wait)
 
     def _judge(self, resp):
         """None for an answer (2xx, and 4xx but 429); the ambiguous failure to retry
@@ -1733,23 +1731,19 @@ class Gateway:
                                   else ""),
             hint=HTML_PAGE if html else None)
 
-    def _headers(self, body, idempotency_key):
-        h = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key,
-             "User-Agent": "qmem.py/" + __version__}
-        if body is not None:
-            h["Content-Type"] = "application/json; charset=utf-8"
-        if idempotency_key:
-            h["Idempotency-Key"] = idempotency_key
-        return h
-
     def _exchange(self, method, path, body, idempotency_key):
         """One attempt: the request and the status line and headers within the connect
         budget, then the whole body within the body budget. Returns a Response."""
-        if body is None or isinstance(body, bytes):
-            data = body  # already JSON
-        else:
-            data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-        resp = self._request(method, path, data, self._headers(body, idempotency_key))
+        headers = {"Authorization": "Bearer " + self.key, "X-API-Key": self.key,
+                   "User-Agent": "qmem.py/" + __version__}
+        data = body  # None, or bytes: JSON already
+        if body is not None:
+            headers["Content-Type"] = "application/json; charset=utf-8"
+            if not isinstance(body, bytes):
+                data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+        if idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
+        resp = self._request(method, path, data, headers)
         raw = self._read_body(resp)
         if resp.will_close:
             self.close()
@@ -1945,14 +1939,6 @@ def _open_socket(address, deadline):
             s.close()
             last = e
     raise last or OSError("no address for %s" % address[0])
-
-
-def _jittered(wait, told):
-    """The sleep before a retry: full jitter when we chose the wait; when the gateway
-    told us (Retry-After), never earlier, a little later."""
-    if told:
-        return wait + random.uniform(0, min(1.0, 0.1 * wait + 0.25))
-    return random.uniform(wait / 2, wait)
 
 
 def _reason(e):
