@@ -749,18 +749,15 @@ def _read_schema(path):
         return None
     try:
         conn = sqlite3.connect(uri, timeout=1.0, uri=True, isolation_level=None)
+        with contextlib.closing(conn):
+            # One read transaction: a qmem.py setting the database up between two reads
+            # would show its tables without its version, as another program's (seen in CI).
+            conn.execute("BEGIN")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            tables = {n for (n,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'")}
     except sqlite3.Error:
         return None
-    try:
-        # One read transaction: a qmem.py setting the database up between two reads would
-        # show its tables without its version, as another program's (seen in CI).
-        conn.execute("BEGIN")
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-        tables = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    except sqlite3.Error:
-        return None
-    finally:
-        conn.close()
     return version, tables
 
 
@@ -888,8 +885,7 @@ def _read_config_file(path):
 
 def gateway_of(url):
     """What a key is bound to: (scheme, host in lower case, port with its default), or None
-    when urlsplit cannot read it (a bad port). (urlsplit gives the scheme in lower case;
-    url is a string: both callers make sure of it.)"""
+    when urlsplit cannot read it (a bad port). (urlsplit gives the scheme in lower case.)"""
     from urllib.parse import urlsplit
     try:
         p = urlsplit(url.strip())
@@ -1136,7 +1132,6 @@ class _FileLock:
         if self.fd is not None:
             os.close(self.fd)  # closing releases the lock
             self.fd = None
-        return False
 
 
 def why_open(state):
@@ -1203,9 +1198,7 @@ class Breaker:
             return dict(_BREAKER_IN_MEMORY[self.path])
         try:
             st = None if fresh else os.stat(self.path)
-        except FileNotFoundError:
-            return {}
-        except OSError:
+        except OSError:  # (no file: _read_breaker_file says so)
             st = None
         signature = st and (st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
         if signature and self._cache[0] == signature:
@@ -1336,9 +1329,8 @@ class Breaker:
     def probe_now(self):
         """A person who types `flush` is asking now (design.md): while the open period runs,
         take the half-open slot, so that the next call probes at once (admit() lets this
-        process's probe out; its success closes the breaker, its failure reopens it for
-        twice as long). Automatic flushes and agents' calls never come here. Returns the
-        probe token of another process that holds the slot (its call is refused, and
+        process's probe out). Automatic flushes and agents' calls never come here. Returns
+        the probe token of another process that holds the slot (its call is refused, and
         names it), else None."""
         state, now = self.read(), self.clock()
         if not self.refuses(state, now):
@@ -1602,14 +1594,11 @@ def retry_after_seconds(headers):
 def _http_date(value):
     import email.utils
     try:
-        dt = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError, OverflowError):  # a bad date raises, never None
-        return None
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=datetime.timezone.utc)
-    try:
+        dt = email.utils.parsedate_to_datetime(value)  # a bad date raises, never gives None
+        if dt.tzinfo is None:
+            dt = dt.replace(tzinfo=datetime.timezone.utc)
         return dt.timestamp()
-    except (OverflowError, OSError, ValueError):
+    except (TypeError, ValueError, IndexError, OverflowError, OSError):
         return None
 
 
