@@ -1104,12 +1104,9 @@ class _FileLock:
         except OSError as e:
             _warn_once("cannot open breaker lock %s (%s); going on without it"
                        % (self.path, e.strerror or e))
-            self.fd = None
             return self
-        if unsafe:
+        if unsafe:  # (not locked: __exit__ closes it)
             _warn_once("breaker lock %s is %s; going on without it" % (self.path, unsafe))
-            os.close(self.fd)
-            self.fd = None
             return self
         try:
             import fcntl
