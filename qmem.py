@@ -1411,8 +1411,7 @@ class Response:
     def detail(self):
         """The readable part of an error body (FastAPI's 'detail': a string or a list of
         {loc, msg}), scrubbed; whatever its shape, never an exception."""
-        data = self.data
-        detail = data.get("detail") if isinstance(data, dict) else None
+        detail = self.data.get("detail") if isinstance(self.data, dict) else None
         if isinstance(detail, list):
             detail = "; ".join(_validation_error(d) for d in detail[:20])
         elif detail is not None and not isinstance(detail, str):
@@ -1709,13 +1708,12 @@ class Gateway:
                 status, self.scrub(resp.headers.get("Location") or "?")), status,
                 hint="give the gateway's final address as its URL", fix=Fix("url"))
         delay = retry_after_seconds(resp.headers)
-        html = resp.not_json and resp.not_json[1]  # a proxy's page, not the gateway's
         return GatewayError(AMBIGUOUS, "gateway answered HTTP %d%s" % (
             status, " (%s)" % resp.detail() if resp.data or resp.not_json else ""), status,
             retry_in_ms=None if delay is None else int(delay * 1000),
             detail="HTTP %d%s" % (status, ", not JSON: " + resp.not_json[2] if resp.not_json
                                   else ""),
-            hint=HTML_PAGE if html else None)
+            hint=HTML_PAGE if resp.not_json and resp.not_json[1] else None)  # a proxy's page
 
     def _exchange(self, method, path, body, idempotency_key):
         """One attempt: the request and the status line and headers within the connect
