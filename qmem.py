@@ -1234,8 +1234,7 @@ class Breaker:
             if default is None or isinstance(default, str):
                 ok = v is None or isinstance(v, str)
             else:
-                ok = (isinstance(v, (int, float)) and not isinstance(v, bool)
-                      and 0 <= v <= _BREAKER_NUMBER_MAX)
+                ok = finite_number(v) and 0 <= v <= _BREAKER_NUMBER_MAX
             if ok:
                 state[k] = v
             else:
