@@ -1940,12 +1940,9 @@ def _reason(e):
 # that does not exist yet (O_EXCL: a new inode, which no connection can hold locks on).
 # Each thread opens its own connection (the MCP server's background flush too).
 #
-# One Store is the database: its connection, set-up, migrations, transactions, meta table
-# and checks. Its two jobs are its two parts, over that connection and its one transaction
-# helper: store.records (Records: the searchable index) and store.outbox (Outbox: the writes
-# queued here and their moves). Store keeps its name: every command opens it, and neither
-# part can write without its transaction. A change that concerns both is made by the part
-# whose job it is, which calls the other by name (outbox.settle_write -> records.adopt).
+# A Store's two parts, store.records and store.outbox (see Store), share its connection
+# and its one transaction helper. A change that concerns both is made by the part whose
+# job it is, which calls the other by name (outbox.settle_write -> records.adopt).
 
 # UPSERT (INSERT ... ON CONFLICT DO UPDATE) came with SQLite 3.24.
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
@@ -2408,22 +2405,15 @@ def read_only_where(path):
 def read_only_error(path, where=None, problem=None):
     """The one-line StoreError of a database this process cannot write: what is read-only
     (the file, or its folder: `where`), whose it is, its mode, and how to fix it."""
-    what, fix = _read_only_facts(where or read_only_where(path) or os.path.realpath(path))
+    where = where or read_only_where(path) or os.path.realpath(path)
+    what, fix = unwritable(where)
+    if os.path.isdir(where):
+        what = "its folder %s is %s: SQLite writes its -wal and -shm there" % (where, what)
+    elif where.endswith(("-wal", "-shm")):
+        what = "its %s is %s" % (os.path.basename(where), what)
     return StoreError("local database %s is read-only (%s)%s"
                       % (path, what, ": " + problem if problem else ""), kind="store_readonly",
                       hint=fix + "or use another database", fix=Fix("own_db"))
-
-
-def _read_only_facts(where):
-    """(what keeps `where`, the file or the folder read_only_where named, from being
-    written; how to fix it)."""
-    facts, fix = unwritable(where)
-    if os.path.isdir(where):
-        return ("its folder %s is %s: SQLite writes its -wal and -shm there" % (where, facts),
-                fix)
-    if where.endswith(("-wal", "-shm")):
-        return "its %s is %s" % (os.path.basename(where), facts), fix
-    return facts, fix
 
 
 def unwritable(where):
@@ -2579,11 +2569,8 @@ class Store:
         # the one style that behaves the same on every Python (reliability.md §4.1). The
         # timeout is SQLite's busy timeout (every Python's connect sets it: no PRAGMA needed).
         try:
-            if self.read_only:
-                self.conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S,
-                                            isolation_level=None)
-            else:
-                self.conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None)
+            self.conn = sqlite3.connect(uri or path, uri=uri is not None, timeout=BUSY_TIMEOUT_S,
+                                        isolation_level=None)
         except sqlite3.Error as e:
             raise store_error(e, path)
         self.conn.create_function("qmem_fold", 1, _fold)
@@ -2622,14 +2609,10 @@ class Store:
         """The schema version of a database this qmem.py may use; StoreError for one of
         a newer qmem.py or of another program (tables, no qmem schema): left untouched.
         Read in one transaction, so that a qmem.py creating it meanwhile is no stranger."""
-        self.conn.execute("BEGIN")
-        try:
+        with self.snapshot():
             version = self._one("PRAGMA user_version")
             tables = {n for (n,)
                       in self.conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-        finally:
-            if self.conn.in_transaction:  # a failed read may have ended it already: say that error
-                self.conn.execute("COMMIT")
         if version > SCHEMA_VERSION and (_QMEM_TABLES <= tables or not tables):
             raise StoreError("%s was written by a newer qmem.py (schema %d, this one knows %d); "
                              "left untouched" % (self.path, version, SCHEMA_VERSION),
@@ -2668,9 +2651,30 @@ class Store:
                     MIGRATIONS[n](self.conn)
             self.conn.execute("PRAGMA user_version=%d" % SCHEMA_VERSION)
 
+    @contextlib.contextmanager
     def transaction(self):
-        """A write transaction, as a context manager: see _Transaction."""
-        return _Transaction(self)
+        """A write transaction: BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error (if SQLite
+        has not already). A busy or full database, at BEGIN, inside or at COMMIT, leaves as
+        a StoreError."""
+        if self.read_only:  # never begun: it could only fail
+            raise read_only_error(self.path, self.read_only)
+        try:
+            self.begin()
+        except sqlite3.Error as e:
+            raise store_error(e, self.path)
+        began = None
+        try:
+            yield self.conn
+            began = time.monotonic()
+            self.conn.execute("COMMIT")
+        except BaseException as e:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            if not isinstance(e, sqlite3.Error):
+                raise
+            # (a busy COMMIT: how long SQLite waited for the readers to end)
+            waited = None if began is None else time.monotonic() - began
+            raise store_error(e, self.path, waited) from e
 
     def begin(self):
         """BEGIN IMMEDIATE (every transaction that writes), waited for patiently()."""
@@ -2685,18 +2689,15 @@ class Store:
             self.conn.execute("ROLLBACK")
             raise
 
+    @contextlib.contextmanager
     def snapshot(self):
         """A read transaction: every query inside sees the database as it was at the first."""
-
-        @contextlib.contextmanager
-        def reading():
-            self.conn.execute("BEGIN")
-            try:
-                yield self.conn
-            finally:
-                if self.conn.in_transaction:
-                    self.conn.execute("COMMIT")
-        return reading()
+        self.conn.execute("BEGIN")
+        try:
+            yield self.conn
+        finally:
+            if self.conn.in_transaction:  # a failed read may have ended it already: say that error
+                self.conn.execute("COMMIT")
 
     def close(self):
         """Close the connection (both parts use it)."""
@@ -3385,37 +3386,6 @@ class Outbox:
                                       % (state_is(FAILED), _placeholders(local_ids)), local_ids))
 
 
-class _Transaction:
-    # BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on error (if SQLite has not already). A
-    # busy or full database, at BEGIN, inside or at COMMIT, leaves as a StoreError.
-
-    def __init__(self, store):
-        self.store, self.conn = store, store.conn
-
-    def __enter__(self):
-        if getattr(self.store, "read_only", None):  # never begun: it could only fail
-            raise read_only_error(self.store.path, self.store.read_only)
-        try:
-            self.store.begin()
-        except sqlite3.Error as e:
-            raise store_error(e, self.store.path)
-        return self.conn
-
-    def __exit__(self, exc_type, exc, tb):
-        waited = None  # (a busy COMMIT: how long SQLite waited for the readers to end)
-        try:
-            if exc_type is None:
-                began = time.monotonic()
-                self.conn.execute("COMMIT")
-        except sqlite3.Error as e:
-            exc_type, exc, waited = type(e), e, time.monotonic() - began
-        if exc_type is not None and self.conn.in_transaction:
-            self.conn.execute("ROLLBACK")
-        if isinstance(exc, sqlite3.Error):
-            raise store_error(exc, self.store.path, waited) from exc
-        return False
-
-
 def _row_dict(cur):
     """The first row the query finds, as a dict keyed by its columns, or None."""
     row = cur.fetchone()
@@ -3578,11 +3548,10 @@ def _json_in_text(text):
     stripped = text.strip()
     if not (stripped.startswith("{") and stripped.endswith("}")):
         return None
-    try:
-        data = json.loads(stripped)  # a dict, as the text starts with "{"
+    try:  # a dict, as the text starts with "{"
+        return without_escaped_surrogates(stripped, json.loads(stripped))
     except (ValueError, RecursionError):
         return None
-    return without_escaped_surrogates(stripped, data)
 
 
 def records_from_call(name, call_args, result):
@@ -3670,9 +3639,9 @@ class Importer:
     on two CPUs, under the 25% a child must earn (part 16).
     """
 
-    def __init__(self, store, stats=None):
+    def __init__(self, store):
         self.store = store
-        self.stats = stats or ImportStats()
+        self.stats = ImportStats()
         self.progress = Progress("import")
         self.batch_started = 0.0
         self.settled = {}
@@ -3976,12 +3945,8 @@ def _parse_line(line):
     times, records) needs no text_of()."""
     try:
         text = line.decode("utf-8")
-        data = json.loads(text)
+        data = without_escaped_surrogates(text, json.loads(text))
     except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        return None
-    try:
-        data = without_escaped_surrogates(text, data)
-    except RecursionError:
         return None
     return data if isinstance(data, dict) else None
 
