@@ -1946,10 +1946,7 @@ def _reason(e):
 
 # UPSERT (INSERT ... ON CONFLICT DO UPDATE) came with SQLite 3.24.
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
-SCHEMA_VERSION = 6  # 2: claim tokens carry the claimant's identity; 3: held writes, origins;
-#                    4: identifiers' parts indexed, accent-folded text kept without FTS5;
-#                    5: identifiers' parts kept with each record (records.words);
-#                    6: corrections answered 409 duplicate are not applied (failed)
+SCHEMA_VERSION = 6  # what each schema brought: the docstrings of MIGRATIONS
 # Outbox states (the CHECK of the outbox table). Held: from an unverified bundle, never
 # sent until the user releases it.
 PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
@@ -1989,8 +1986,7 @@ UNSETTLED = WAITING + (FAILED,)  # not in shared memory: waiting here, or refuse
 
 
 def state_is(*states):
-    """SQL: an outbox row is in one of these states ("state='held'", "state IN ('pending',
-    'sending')"), as every query outside OUTBOX_MOVES selects rows by their state."""
+    """SQL: an outbox row is in one of these states (for every query outside OUTBOX_MOVES)."""
     if len(states) == 1:
         return "state='%s'" % states[0]
     return "state IN ('%s')" % "', '".join(states)
@@ -2273,17 +2269,14 @@ def fts5_tokenizer():
     """The best unicode61 tokenizer this SQLite offers, or None without FTS5."""
     if FORCE_NO_FTS5:
         return None
-    probe = sqlite3.connect(":memory:")
-    try:
+    with contextlib.closing(sqlite3.connect(":memory:")) as probe:
         for tokenizer in ("unicode61 remove_diacritics 2", "unicode61 remove_diacritics 1"):
             try:
                 probe.execute("CREATE VIRTUAL TABLE p USING fts5(x, tokenize='%s')" % tokenizer)
                 return tokenizer
             except sqlite3.OperationalError:
                 continue
-        return None
-    finally:
-        probe.close()
+    return None
 
 
 def _fold(text):
@@ -2351,9 +2344,8 @@ def damaged(path):
 
 
 def store_error(e, path, waited=None):
-    """A sqlite3 error as the StoreError a user can act on (a StoreError is one already).
-    waited: the seconds this command waited for a busy database (patiently() measures
-    them)."""
+    """A sqlite3 error as the StoreError a user can act on (a StoreError is one already);
+    waited: the seconds this command waited for a busy database."""
     if isinstance(e, StoreError):
         return e
     text = str(e)
@@ -2558,9 +2550,8 @@ class Store:
         tables = another_programs(path)  # (read-only: never opened for writing, see there)
         if tables is not None:
             raise not_ours(path, tables)
-        # None, or what keeps this process from writing the database (the file, or the
-        # folder of its -wal and -shm): then it is only read, as it is (read_only_uri), and
-        # every transaction is refused with the read-only error.
+        # What keeps this process from writing (read_only_where), or None: then the database
+        # is only read, as it is (read_only_uri), and every transaction is refused.
         self.read_only = read_only_where(path)
         uri = read_only_uri(path) if self.read_only else None
         if self.read_only and uri is None:
@@ -2662,7 +2653,7 @@ class Store:
             self.begin()
         except sqlite3.Error as e:
             raise store_error(e, self.path)
-        began = None
+        began = None  # of COMMIT: a busy one says how long SQLite waited for the readers
         try:
             yield self.conn
             began = time.monotonic()
@@ -2672,7 +2663,6 @@ class Store:
                 self.conn.execute("ROLLBACK")
             if not isinstance(e, sqlite3.Error):
                 raise
-            # (a busy COMMIT: how long SQLite waited for the readers to end)
             waited = None if began is None else time.monotonic() - began
             raise store_error(e, self.path, waited) from e
 
@@ -2736,7 +2726,7 @@ class Store:
             if index.fts and not pending and not found and not self.read_only:  # (it writes)
                 index.verify_index(found)
         except sqlite3.DatabaseError as e:
-            if "interrupt" in str(e) or "locked" in str(e) or "busy" in str(e):
+            if "interrupt" in str(e) or is_busy(e):
                 return "unfinished", []  # out of time, or another process writing for longer
             found = [str(e)]  # the check itself could not read: damaged beyond a list
         finally:
@@ -2792,8 +2782,9 @@ class Records:
 
     def mask_stored_secrets(self):
         """Once per database (and per change of the patterns): mask the credentials in the
-        records stored before qmem.py masked them (see mask_secrets)."""
-        try:
+        records stored before qmem.py masked them (see mask_secrets). Busy or read-only:
+        the next command that can write does it."""
+        with contextlib.suppress(StoreError):
             with self.store.transaction():
                 for rid, text, project, kind, reason in self.conn.execute(
                         "SELECT rid, text, project_id, kind, supersede_reason FROM records"
@@ -2807,8 +2798,6 @@ class Records:
                         self.conn.execute("UPDATE records SET supersede_reason=? WHERE rid=?",
                                           (masked, rid))
                 self.store.set_meta("secrets_masked", SECRETS_MASKED)
-        except StoreError:  # busy or read-only: the next command that can write does it
-            pass
 
     def begin_bulk(self):
         """Prepare for merging many records: remember which ids exist (so a new one costs
@@ -3362,11 +3351,11 @@ class Outbox:
         return self.store._one("SELECT coalesce(gateway_id, duplicate_of) FROM outbox "
                                "WHERE id=?", (record_id,)) or record_id
 
-    def unsent_targets(self, local_id, most=100):
+    def unsent_targets(self, local_id):
         """The writes still waiting here that this one corrects, directly or through
         others, oldest first."""
         chain, current = [], local_id
-        for _ in range(most):
+        for _ in range(100):  # (bounded)
             current = self.store._one("SELECT t.id FROM outbox o JOIN outbox t ON "
                                       "t.id = o.target WHERE o.id=? AND t.state IN (?, ?)",
                                       (current,) + WAITING)
@@ -3437,9 +3426,7 @@ _SECRET_NAME = _SECRET_NAMES + r"[\"']?\s*[:=]"  # on lower-cased text
 
 
 def _secret_kinds_in(text):
-    """(what, compiled pattern) of the kinds whose literals the text holds: plain substring
-    tests, ~2 µs a text, decide which patterns run at all (Python's re takes ~30 µs a text
-    over all of them)."""
+    """(what, compiled pattern) of the kinds whose literals the text holds (the gate first)."""
     kinds = []
     if ("PRIVATE KEY" in text or "AKIA" in text or "ASIA" in text or "glpat-" in text
             or "xox" in text or "AIza" in text or "sk-" in text or "SG." in text
