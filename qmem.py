@@ -2058,8 +2058,12 @@ def _m001_initial(conn, fts_tokenizer):
       gateway_id TEXT, duplicate_of TEXT, last_status INTEGER, last_error TEXT);
     CREATE INDEX outbox_ready ON outbox(state, next_attempt_at, rid);
     """)
+    # No triggers: Store keeps the FTS index in step row by row, which measured three times
+    # faster than the same work done by an AFTER INSERT trigger.
     if fts_tokenizer:
-        _create_fts(conn, fts_tokenizer)
+        conn.execute("CREATE VIRTUAL TABLE records_fts USING fts5(%s, content='records', "
+                     "content_rowid='rid', tokenize='%s')" % (_FTS_COLUMNS, fts_tokenizer))
+        conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', ?)", ("fts5 " + fts_tokenizer,))
     else:
         conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', 'none')")
 
@@ -2073,14 +2077,6 @@ def _script(conn, sql):
         if sqlite3.complete_statement(statement):
             conn.execute(statement)
             statement = ""
-
-
-def _create_fts(conn, tokenizer):
-    """No triggers: Store keeps the index in step row by row, which measured three
-    times faster than the same work done by an AFTER INSERT trigger."""
-    conn.execute("CREATE VIRTUAL TABLE records_fts USING fts5(%s, content='records', "
-                 "content_rowid='rid', tokenize='%s')" % (_FTS_COLUMNS, tokenizer))
-    conn.execute("INSERT OR REPLACE INTO meta VALUES('fts', ?)", ("fts5 " + tokenizer,))
 
 
 # What the index holds of a text: its runs of letters and digits.
@@ -3186,17 +3182,15 @@ class Outbox:
 
     def forget(self, local_id):
         """Remove a write that is still waiting, and its local record (one transaction)."""
-        with self.store.transaction():
-            self.conn.execute("DELETE FROM outbox WHERE id=? AND " + state_is(*WAITING),
-                              (local_id,))
-            self.store.records.drop_local(local_id, None)
+        self.drop([local_id], WAITING)
 
-    def drop(self, local_ids):
-        """Discard outbox rows and their local records (one transaction); what a dropped
-        correction hid is shown again."""
+    def drop(self, local_ids, states=OUTBOX_STATES):
+        """Discard outbox rows (in one of `states`) and their local records (one
+        transaction); what a dropped correction hid is shown again."""
         with self.store.transaction():
             for local_id in local_ids:
-                self.conn.execute("DELETE FROM outbox WHERE id=?", (local_id,))
+                self.conn.execute("DELETE FROM outbox WHERE id=? AND " + state_is(*states),
+                                  (local_id,))
                 self.store.records.drop_local(local_id, None)
 
     def resendable(self):
@@ -3226,9 +3220,8 @@ class Outbox:
                                           % where, params):
             try:
                 body = json.loads(payload)
-            except (ValueError, RecursionError):
-                body = None
-            # a row of another qmem.py: shown, not read
+            except (ValueError, RecursionError):  # a row of another qmem.py: shown, not read
+                body = {}
             body = body if isinstance(body, dict) else {}
             items.append({"local_id": rid, "op": op, "state": st, "attempts": attempts,
                           "created_at": iso_from_epoch(created), "age_s": int(now - created),
@@ -3504,7 +3497,7 @@ def normalize_record(data):
 # === Import ==================================================================
 
 class ImportStats:
-    # What an import did, for the summary line and --json.
+    """What an import did, for the summary line and --json."""
 
     def __init__(self):
         self.files_scanned = self.files_unchanged = self.files_read = 0
@@ -3635,6 +3628,7 @@ class Importer:
         self.bulk = None  # the file's rows for Records.merge_many, when the store allows it
 
     def run(self, roots):
+        """Import the session files under the folders roots; returns the ImportStats."""
         store = self.store
         conn = store.conn
         # The index is derived from the session files and can always be rebuilt, so
@@ -3646,8 +3640,16 @@ class Importer:
             store.records.begin_bulk()
             if store.records.bulk_sql:
                 self.bulk = []
+        # Committed in batches of about a second: a commit per file would cost more than the
+        # reading (a file's progress row commits with its records).
         try:
-            self._read_all(todo)
+            for n, (path, st, offset) in enumerate(todo):
+                self.progress.update("%d/%d files" % (n + 1, len(todo)))
+                self._import_file(path, st, offset)
+                if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
+                    conn.execute("COMMIT")
+            if conn.in_transaction:
+                conn.execute("COMMIT")
         finally:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -3691,19 +3693,6 @@ class Importer:
                 offset = prev[3]
             todo.append((path, st, offset))
         return todo
-
-    def _read_all(self, todo):
-        """Read the files, committing in batches of about a second (a commit per file
-        would cost more than the reading; a file's progress row commits with its
-        records)."""
-        conn = self.store.conn
-        for n, (path, st, offset) in enumerate(todo):
-            self.progress.update("%d/%d files" % (n + 1, len(todo)))
-            self._import_file(path, st, offset)
-            if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
-                conn.execute("COMMIT")
-        if conn.in_transaction:
-            conn.execute("COMMIT")
 
     def _import_file(self, path, st, offset):
         """Read one session file from `offset`; merge what its memory calls tell; keep
@@ -3759,11 +3748,10 @@ class Importer:
             f.seek(offset)
             if offset == 0:
                 line = f.readline()
-                header = _parse_line(line) if line.endswith(b"\n") else None
-                if not line.endswith(b"\n"):
-                    # empty, or a header still being written: try again next time
-                    self.stats.lines_truncated += bool(line)
-                elif header is None or header.get("type") != "session":
+                header = _parse_line(line) or {}
+                if not line.endswith(b"\n"):  # empty, or a header still being written:
+                    self.stats.lines_truncated += bool(line)  # read it next time
+                elif header.get("type") != "session":
                     status = "not_session"
                 else:
                     sid = header.get("id")
@@ -3804,21 +3792,17 @@ class Importer:
             else:
                 buf, start = chunk, 0  # the common case: no copy
             pending, pending_len = ([chunk[-tail:]], tail) if tail else ([], 0)
-            self._scan_lines(buf, start, end, calls, results)
+            hit = buf.find(b"qmem_", start, end)  # the lines that mention qmem_
+            while hit != -1:
+                first = buf.rfind(b"\n", start, hit) + 1 or start
+                stop = buf.find(b"\n", hit) + 1
+                self._scan_line(buf[first:stop], calls, results)
+                self.stats.lines_examined += 1
+                hit = buf.find(b"qmem_", stop, end)
             consumed = read - pending_len
         if pending or skipping:
             self.stats.lines_truncated += 1  # being written: read it next time
         return consumed
-
-    def _scan_lines(self, buf, start, end, calls, results):
-        """The lines of buf[start:end] (complete lines) that mention qmem_."""
-        hit = buf.find(b"qmem_", start, end)
-        while hit != -1:
-            first = buf.rfind(b"\n", start, hit) + 1 or start
-            stop = buf.find(b"\n", hit) + 1
-            self._scan_line(buf[first:stop], calls, results)
-            self.stats.lines_examined += 1
-            hit = buf.find(b"qmem_", stop, end)
 
     def _pair(self, results, calls):
         """Merge the records each qmem tool result tells, with its call's arguments."""
