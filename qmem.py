@@ -1944,7 +1944,6 @@ def _reason(e):
 # and its one transaction helper. A change that concerns both is made by the part whose
 # job it is, which calls the other by name (outbox.settle_write -> records.adopt).
 
-# UPSERT (INSERT ... ON CONFLICT DO UPDATE) came with SQLite 3.24.
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
 SCHEMA_VERSION = 6  # what each schema brought: the docstrings of MIGRATIONS
 # Outbox states (the CHECK of the outbox table). Held: from an unverified bundle, never
@@ -1987,8 +1986,6 @@ UNSETTLED = WAITING + (FAILED,)  # not in shared memory: waiting here, or refuse
 
 def state_is(*states):
     """SQL: an outbox row is in one of these states (for every query outside OUTBOX_MOVES)."""
-    if len(states) == 1:
-        return "state='%s'" % states[0]
     return "state IN ('%s')" % "', '".join(states)
 
 
@@ -2069,8 +2066,7 @@ def _m001_initial(conn, fts_tokenizer):
 
 
 def _script(conn, sql):
-    """Run several statements inside the caller's transaction. (executescript() would
-    COMMIT it first.)"""
+    """Run several statements inside the caller's transaction (executescript() commits it)."""
     statement = ""
     for line in sql.splitlines(True):
         statement += line
@@ -2474,9 +2470,8 @@ def _create_private(path):
 def _check_private(path):
     """Refuse a database that another user could replace: the file (and its -wal and
     -shm) must be ours and not writable by others, its folder ours (or root's) and not
-    writable by others. (One we create is also unreadable by others: 0600.) Through a
-    symlink, SQLite keeps -wal and -shm beside the target: they are judged there, and
-    both folders. stat() only: see the rule at the top of this section."""
+    writable by others; through a symlink, -wal and -shm (which SQLite keeps beside the
+    target) are judged there, and both folders. stat() only (THE RULE above)."""
     real = os.path.realpath(path)
     folders = {os.path.dirname(os.path.abspath(path)), os.path.dirname(real)}
     for each in sorted(folders) + [real, real + "-wal", real + "-shm"]:
@@ -2813,15 +2808,13 @@ class Records:
             self.rebuild_index()
 
     def rebuild_index(self):
-        """Inside a transaction: the FTS index made anew from the records (no longer left
-        pending by a bulk load)."""
+        """Inside a transaction: the FTS index made anew from the records."""
         if self.fts:
             self.conn.execute("INSERT INTO {0}({0}) VALUES('rebuild')".format(self.fts_table))
             self.conn.execute("DELETE FROM meta WHERE key='fts_pending'")
 
     def verify_index(self, found):
-        """Check the FTS index against the records it indexes; what is wrong is added to
-        the list `found`."""
+        """Add to the list `found` what is wrong with the FTS index."""
         try:  # rank 1: against the records it indexes (external content), not only itself
             self.conn.execute("INSERT INTO {0}({0}, rank) VALUES('integrity-check', 1)"
                               .format(self.fts_table))
