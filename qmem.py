@@ -1995,7 +1995,8 @@ READY = "(%s AND next_attempt_at<=:now OR %s AND lease_until<:now)" % (state_is(
                                                                        state_is(SENDING))
 # The failed rows `flush --retry-failed` sends again: not those refused when loaded here
 # (last_status 0), nor corrections not applied (the gateway would refuse the same text again).
-_RESENDABLE = "coalesce(last_status, -1) NOT IN (0, %d)" % NOT_APPLIED_STATUS
+_RESENDABLE = "%s AND coalesce(last_status, -1) NOT IN (0, %d)" % (state_is(FAILED),
+                                                                   NOT_APPLIED_STATUS)
 
 
 def was_not_applied(state, last_status):
@@ -2421,7 +2422,6 @@ def unwritable(where):
 
 
 def _owner(uid):
-    """A user's name, or 'uid N' where it has none here."""
     try:
         import pwd
         return pwd.getpwuid(uid).pw_name
@@ -2495,7 +2495,6 @@ _OUTBOX_BUNDLE_COLUMNS = ("id", "op", "payload", "target", "state", "gateway_id"
 
 
 def _placeholders(values):
-    """'?, ?, ?': one SQL parameter for each of the values, for an IN (...) or a VALUES(...)."""
     return ", ".join("?" * len(values))
 
 
@@ -2626,11 +2625,10 @@ class Store:
         with self.transaction():
             # Re-read under the write lock: another process may have migrated meanwhile.
             version = self._one("PRAGMA user_version")
-            for n in range(version, SCHEMA_VERSION):
-                if n == 0:
-                    MIGRATIONS[n](self.conn, tokenizer)
-                else:
-                    MIGRATIONS[n](self.conn)
+            if version == 0:
+                _m001_initial(self.conn, tokenizer)
+            for n in range(max(version, 1), SCHEMA_VERSION):
+                MIGRATIONS[n](self.conn)
             self.conn.execute("PRAGMA user_version=%d" % SCHEMA_VERSION)
 
     @contextlib.contextmanager
@@ -2685,7 +2683,6 @@ class Store:
         self.conn.close()
 
     def _one(self, sql, params=(), default=None):
-        """The first value of the first row the query finds, or default if it finds none."""
         row = self.conn.execute(sql, params).fetchone()
         return row[0] if row else default
 
@@ -2725,9 +2722,8 @@ class Store:
         return ("damaged" if found else "ok"), found
 
     def repair(self):
-        """Rebuild every index from its table (REINDEX) and the text index from the
-        records, inside SQLite, in one transaction. What a table itself lost it cannot bring
-        back."""
+        """Rebuild every index from its table (REINDEX) and the text index from the records,
+        in one transaction. What a table itself lost it cannot bring back."""
         with self.transaction():
             self.conn.execute("REINDEX")
             self.records.rebuild_index()
@@ -2883,7 +2879,6 @@ class Records:
         return "updated"
 
     def _indexed(self, key, value):
-        """(rid, text, project_id, kind) of the record whose `key` is value, or None."""
         return self.conn.execute("SELECT rid, text, project_id, kind FROM records WHERE %s=?"
                                  % key, (value,)).fetchone()
 
@@ -2969,8 +2964,7 @@ class Records:
             self.conn.execute("UPDATE records SET id=?, pending=0, view=?, seen_at=?%s WHERE id=?"
                               % "".join(", %s=?" % f for f in given),
                               [gid, VIEW_FULL, iso_now()] + [rec[f] for f in given] + [local_id])
-        # the gateway id is here already (pulled meanwhile): keep that row
-        except sqlite3.IntegrityError:
+        except sqlite3.IntegrityError:  # the gateway id is here already (pulled meanwhile)
             self.delete(local_id)
             self.upsert(rec, VIEW_FULL, iso_now())
         else:
@@ -3188,8 +3182,7 @@ class Outbox:
 
     def resendable(self):
         """How many refused rows `flush --retry-failed` would send again."""
-        return self.store._one("SELECT count(*) FROM outbox WHERE %s AND %s"
-                               % (state_is(FAILED), _RESENDABLE))
+        return self.store._one("SELECT count(*) FROM outbox WHERE " + _RESENDABLE)
 
     def counts(self):
         """{state: how many rows are in it}, for every state."""
@@ -3251,8 +3244,8 @@ class Outbox:
         """Make every failed write pending again (flush --retry-failed): its record waits
         again, and a correction hides its target again."""
         with self.store.transaction():
-            failed = self.conn.execute("SELECT id, target FROM outbox WHERE %s AND %s"
-                                       % (state_is(FAILED), _RESENDABLE)).fetchall()
+            failed = self.conn.execute(
+                "SELECT id, target FROM outbox WHERE " + _RESENDABLE).fetchall()
             for local_id, target in failed:
                 self.store.records.mark_waiting(local_id, target)
             self.move("unfail", _RESENDABLE)
@@ -3362,7 +3355,6 @@ class Outbox:
 
 
 def _row_dict(cur):
-    """The first row the query finds, as a dict keyed by its columns, or None."""
     row = cur.fetchone()
     return dict(zip([d[0] for d in cur.description], row)) if row else None
 
@@ -3720,9 +3712,8 @@ class Importer:
                          (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
 
     def _write_file(self, path, waiting, progress):
-        """Write what one session file gave, inside the batch's transaction: its records
-        (merged in bulk, where the store allows it), the calls still waiting for a
-        result, its progress row."""
+        """Write what one session file gave inside the batch's transaction: its records (in
+        bulk, where the store allows it), its calls still waiting, its progress row."""
         conn = self.store.conn
         if self.bulk:
             new, updated = self.store.records.merge_many(self.bulk)
