@@ -2603,8 +2603,7 @@ class Store:
         return version
 
     def _read_as_it_is(self, version):
-        """A read-only database of an older schema is read without its migrations, from
-        READ_AS_IT_IS_FROM on; a new one has nothing to read yet."""
+        """A read-only database of an older schema, read as it is (READ_AS_IT_IS_FROM)."""
         if version == 0:
             raise read_only_error(self.path, problem="a new database cannot be set up in it")
         if version < READ_AS_IT_IS_FROM:
@@ -2821,12 +2820,11 @@ class Records:
 
     def get(self, record_id):
         """One record as a dict, or None."""
-        rec = _row_dict(self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
-                                          % ", ".join(FIELDS), (record_id,)))
+        rec = next(_dicts(self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
+                                            % ", ".join(FIELDS), (record_id,))), None)
         if rec:
-            local = rec["pending"]
-            rec.update(private=bool(rec["private"]), pending=local == LOCAL_WAITING,
-                       failed=local == LOCAL_FAILED)
+            rec.update(private=bool(rec["private"]), pending=rec["pending"] == LOCAL_WAITING,
+                       failed=rec["pending"] == LOCAL_FAILED)
         return rec
 
     def is_empty(self):
@@ -2939,9 +2937,7 @@ class Records:
         cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s "
                                 "ORDER BY rid"
                                 % (", ".join(FIELDS), where), params)
-        names = [d[0] for d in cur.description]
-        for row in cur:
-            rec = dict(zip(names, row))
+        for rec in _dicts(cur):
             rec["private"] = bool(rec["private"])
             yield rec
 
@@ -3124,9 +3120,9 @@ class Outbox:
 
     def row(self, local_id):
         """One outbox row's outcome (state, ids, last error and status, next try), or None."""
-        return _row_dict(self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, "
-                                           "last_status, next_attempt_at FROM outbox WHERE id=?",
-                                           (local_id,)))
+        return next(_dicts(self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, "
+                                             "last_status, next_attempt_at FROM outbox WHERE id=?",
+                                             (local_id,))), None)
 
     def write_of(self, local_id):
         """(op, payload, state) of an outbox row, or None."""
@@ -3150,12 +3146,11 @@ class Outbox:
 
     def release_held(self, local_ids):
         """Held writes -> pending (queue --release): the user vouches for them now."""
-        records = self.store.records
         with self.store.transaction():
             for local_id in local_ids:
                 self.move("unhold", "id=:row", row=local_id)
-                records.set_origin([local_id], ORIGIN_HERE)
-            records.link_supersessions()  # a released correction hides what it corrects
+            self.store.records.set_origin(local_ids, ORIGIN_HERE)
+            self.store.records.link_supersessions()  # a released correction hides what it corrects
 
     def delete_held(self, local_id):
         """Inside a transaction: the held write of this id, gone (its record stays)."""
@@ -3354,9 +3349,9 @@ class Outbox:
                                       % (state_is(FAILED), _placeholders(local_ids)), local_ids))
 
 
-def _row_dict(cur):
-    row = cur.fetchone()
-    return dict(zip([d[0] for d in cur.description], row)) if row else None
+def _dicts(cur):
+    names = [d[0] for d in cur.description]
+    return (dict(zip(names, row)) for row in cur)
 
 
 _TEXT_FIELDS = tuple(f for f in FIELDS if f != "private" and not f.endswith("_at"))
@@ -3657,12 +3652,11 @@ class Importer:
         for path in session_files(roots):
             self.stats.files_scanned += 1
             try:
-                path.encode("utf-8")
-            except UnicodeEncodeError:  # the index keeps file names as text
+                path.encode("utf-8")  # the index keeps file names as text
+                st = os.stat(path)
+            except UnicodeEncodeError:
                 warn("skipped %s: its name is not valid UTF-8" % ascii(path))
                 continue
-            try:
-                st = os.stat(path)
             except OSError as e:
                 warn("skipped %s: %s" % (path, e.strerror or e))
                 continue
