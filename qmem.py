@@ -476,7 +476,7 @@ def machine_identity():
     import platform
     os_name = ""
     try:
-        with open("/etc/os-release", encoding="utf-8") as f:
+        with open("/etc/os-release", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("PRETTY_NAME="):
                     os_name = line.split("=", 1)[1].strip().strip('"')
@@ -931,9 +931,11 @@ def _check_config(values, sources, path):
     """What no single value shows: a URL that is no gateway URL, a key that would break
     a header (a CRLF key file), open times the wrong way round. Named by where they came
     from; the key itself is never shown."""
-    def origin(key):
-        return {"file": "config file %s" % path,
-                "flag": "option"}.get(sources[key], "environment " + sources[key][4:])
+    def origin(*keys):  # where the first of these keys that is not a default came from
+        source = next((sources[k] for k in keys if sources[k] != "default"), "default")
+        if source.startswith("env "):
+            return "environment " + source[4:]
+        return {"file": "config file %s" % path, "flag": "option"}.get(source, "the defaults")
     if values["url"]:
         try:
             values["url"] = check_url(values["url"])
@@ -956,7 +958,7 @@ def _check_config(values, sources, path):
         values["bundleKey"] = None
     wrong = breaker_times_wrong(values)
     if wrong:
-        raise ConfigError("%s: %s" % (origin("breakerBaseMs"), wrong))
+        raise ConfigError("%s: %s" % (origin("breakerBaseMs", "breakerMaxMs"), wrong))
 
 
 def breaker_times_wrong(values):

@@ -817,6 +817,17 @@ class UtilityTests(QmemTestCase):
         self.assertEqual(qmem.mask_secret("sk-live-0123456789abcd"), "sk-…abcd")
         self.assertNotIn("0123", qmem.mask_secret("sk-live-0123456789abcd"))
 
+    def test_an_os_release_file_that_is_not_utf8_still_names_the_machine(self):
+        path = os.path.join(self.home, "os-release")
+        with open(path, "wb") as f:
+            f.write(b'PRETTY_NAME="Linux \xe9dition"\n')
+        real_open = open
+
+        def os_release(name, *args, **kw):
+            return real_open(path if name == "/etc/os-release" else name, *args, **kw)
+        with mock.patch("builtins.open", os_release):
+            self.assertIn("(Linux \ufffddition)", qmem.machine_identity())
+
     @unittest.skipUnless(HAS_PROC, "no /proc: a claimant is never proven dead (test below)")
     def test_a_claimant_is_dead_only_when_its_identity_proves_it(self):
         host, boot, ns, pid, start = qmem.process_identity()
@@ -1267,6 +1278,13 @@ class ConfigGatewayTests(GatewayTestCase):
             self.assertNotIn("apiKey", json.load(f))
         self.assertIn("longer than breakerMaxMs",
                       self.expect_fail(2, "config", "set", "breakerBaseMs", "1000000"))
+
+    def test_open_times_the_wrong_way_round_name_the_value_that_was_given(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        with open(os.environ["QMEM_CONFIG"], "w") as f:
+            json.dump({"breakerMaxMs": 60000}, f)  # below the default breakerBaseMs
+        err = self.expect_fail(2, "status")
+        self.assertIn("config file %s: breakerBaseMs (" % os.environ["QMEM_CONFIG"], err)
 
     def test_config_test_says_only_what_it_knows(self):
         self.gw.script = [(500, {"detail": "boom"})]
