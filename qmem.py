@@ -6272,17 +6272,10 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
 # each front end words as its own command or tool. A document whose exit code is not 0
 # says so itself, with `exit_code` and an `error` object, like an error document.
 #
-# Operations holds what every operation shares over one configuration: the store and the
-# gateway (opened on first use), ids short and whole, why the gateway did not answer,
-# and the delivery of the outbox an online command ends with. The operations are in four
-# groups, by what they serve: ops.read answers (find, search, get, meta, status),
-# ops.write writes (store, correct) and keeps the outbox (queue, drop, release, flush, the
-# automatic delivery), ops.carry moves knowledge into and out of this machine (import,
-# pull, enrich, export, load), and ops.setup sets it up (config, breaker, doctor,
-# install, rules). A group reaches what is shared as self.ops, and another group through
-# it: every online answer ends with ops.after_online, which asks ops.write for the
-# automatic delivery; a correction of a memory this machine does not know asks
-# ops.read.get for its project and kind.
+# Operations holds what the four groups of operations share (ops.read, ops.write,
+# ops.carry, ops.setup: each class says what it serves); a group reaches it, and another
+# group, as self.ops: every online answer ends with ops.after_online, which asks
+# ops.write for the automatic delivery.
 
 def _check_utf8(value, name):
     at = lone_surrogate_at(value)
@@ -6802,13 +6795,11 @@ class WriteOps:
         row = store.outbox.row(local_id)
         if row["state"] in WAITING and not queue_only and not ops.config["offlineQueue"]:
             store.outbox.forget(local_id)
+            not_kept = "not stored (offlineQueue is off, nothing kept): %s"
             if isinstance(error, GatewayError):
-                raise GatewayError(error.kind, "not stored (offlineQueue is off, nothing kept): %s"
-                                   % error.message,
-                                   hint=error.hint, fix=error.fixes)
-            raise QmemError("not stored (offlineQueue is off, nothing kept): %s"
-                            % row["last_error"],
-                            kind="not_stored")
+                raise GatewayError(error.kind, not_kept % error.message, hint=error.hint,
+                                   fix=error.fixes)
+            raise QmemError(not_kept % row["last_error"], kind="not_stored")
         return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
 
     def _send_now(self, store, gateway, local_id, token):
@@ -7205,8 +7196,8 @@ class CarryOps:
 
 
 class SetupOps:
-    """Setting this machine up: the configuration, the breaker, the doctor's checks, the
-    launcher, and the rules for agents."""
+    """Setting this machine up: the configuration, the breaker, the doctor's checks, and
+    the rules for agents."""
 
     def __init__(self, ops):
         self.ops = ops
@@ -7215,10 +7206,6 @@ class SetupOps:
         """The rules for agents (see AGENT_RULES), as data and as Markdown."""
         return {"intro": RULES_INTRO, "rules": [{"title": t, "text": x} for t, x in AGENT_RULES],
                 "markdown": rules_markdown()}
-
-    def install(self, bin_dir=None, uninstall=False):
-        """The launcher (see the Launcher section), written or removed."""
-        return install_launcher(bin_dir, uninstall)
 
     def breaker(self, reset=False):
         """The circuit breaker's state for the configured gateway (reset=True closes it first)."""
@@ -7361,8 +7348,7 @@ class SetupOps:
         gw = Gateway(c, Breaker.from_config(c, clock=self.ops.clock), bypass_breaker=True)
         started = time.monotonic()
         doc = {"action": "test", "url": c["url"], "reachable": False, "key_valid": None,
-               "version": None,
-               "latency_ms": None, "key": mask_secret(c["apiKey"])}
+               "version": None, "key": mask_secret(c["apiKey"])}
         problem = None
         try:
             resp = gw.call("GET", "/v1/status", retries=0)
@@ -8240,8 +8226,7 @@ def show_status(doc, out):
         out.write("no local index yet at %(path)s: run `qmem.py import` or `qmem.py pull`\n"
                   % doc["db"])
         show_kept_aside(doc, out)
-        show_db_note(doc, out)
-        show_machine(doc, out)
+        _status_end(doc, out)
         return
     rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
     out.write("records: %(total)d  (superseded %(superseded)d, deleted %(deleted)d, private "
@@ -8270,8 +8255,7 @@ def show_status(doc, out):
         doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
         doc["fts"]["tokenizer"] if doc["fts"]["available"]
         else "LIKE scan (this SQLite has no FTS5)"))
-    show_db_note(doc, out)
-    show_machine(doc, out)
+    _status_end(doc, out)
 
 
 def show_kept_aside(doc, out):
@@ -8279,12 +8263,10 @@ def show_kept_aside(doc, out):
         out.write("%s\n  %s\n" % kept_aside_words(doc["kept_aside"]))
 
 
-def show_db_note(doc, out):
+def _status_end(doc, out):
+    """The end of status, with an index or without: the database's note, this machine."""
     if doc.get("db_note"):
         out.write("  %(db_note)s\n" % doc)
-
-
-def show_machine(doc, out):
     out.write("this machine: %(machine)s\n" % doc)
     out.write("gateway: %s\n" % (doc["gateway"] or "none configured: this host works offline "
                                  "(`qmem.py config url https://…` sets one)"))
@@ -8337,10 +8319,6 @@ def render(command, doc, json_mode, out=None, bold=False, width=None, short=None
     if doc.get("exit_code") and isinstance(doc.get("error"), dict):  # what was asked was not done
         problem = doc["error"]
         warn(str(QmemError(problem["message"], problem.get("hint"))))
-
-
-def render_json_version(out=None):
-    emit_json({"name": "qmem.py", "version": __version__}, out)
 
 
 def render_error(err, json_mode, out=None):
@@ -9677,7 +9655,7 @@ COMMANDS = (
     ("rules", lambda ops, a: ops.setup.rules(),
      "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the MCP "
      "server's instructions).", []),
-    ("install", lambda ops, a: ops.setup.install(a.bin, uninstall=a.uninstall),
+    ("install", lambda ops, a: install_launcher(a.bin, a.uninstall),
      "Write a launcher, qmem, that imports this file so that Python caches its compiled "
      "code, in ~/.cache/qmem/pycache (faster: python3 qmem.py compiles the whole file on every "
      "command; a launcher of Python 3.6 or 3.7 does too).",
@@ -9781,7 +9759,7 @@ def run_command(argv, json_mode, debug):
     ops = doc_out = None  # doc_out: where documents go when stdout carries data (export -)
     try:
         if "--version" in argv and json_mode:
-            render_json_version()
+            emit_json({"name": "qmem.py", "version": __version__})
             return EXIT_OK
         if _command_word(argv) is None and not {"-h", "--help", "--version"} & set(argv):
             raise UsageError("a command is needed: %s" % ", ".join(c[0] for c in COMMANDS),
