@@ -9304,10 +9304,6 @@ def cli_search(ops, a):
                            highlight=("", "") if a.json else HIGHLIGHT)
 
 
-def cli_get(ops, a):
-    return ops.read.get(ops.full_ids([a.id], "get")[0], require_remote=a.require_remote)
-
-
 def cli_config(ops, a):
     action, values = a.action, a.values
     if action is None:
@@ -9474,13 +9470,16 @@ def _confirm(rows, width, question, cancelled):
         raise QmemError(cancelled, kind="cancelled")
 
 
-def with_progress(label, work):
-    """Run work(progress) with a progress line on stderr (only on a terminal)."""
-    progress = Progress(label)
-    try:
-        return work(progress)
-    finally:
-        progress.done()
+def with_progress(run):
+    """A command that runs as run(ops, args, progress), with its progress line on stderr
+    (only on a terminal)."""
+    def command(ops, a):
+        progress = Progress(a.command)
+        try:
+            return run(ops, a, progress)
+        finally:
+            progress.done()
+    return command
 
 
 def cli_export(ops, a):
@@ -9497,29 +9496,6 @@ def cli_export(ops, a):
             except OSError:  # pragma: no cover
                 pass
         raise
-
-
-def cli_load(ops, a):
-    return ops.carry.load(a.file, dry_run=a.dry_run,
-                          stream=sys.stdin.buffer if a.file == "-" else None)
-
-
-def cli_doctor(ops, a):
-    return ops.setup.doctor(offline=a.offline, config_error=a.config_error, repair=a.repair)
-
-
-def cli_flush(ops, a):
-    return with_progress("flush", lambda progress: ops.write.flush(
-        retry_failed=a.retry_failed, respect_retry_after=a.respect_retry_after, progress=progress))
-
-
-def cli_enrich(ops, a):
-    return with_progress("enrich",
-                         lambda progress: ops.carry.enrich(a.ids, every=a.all, progress=progress))
-
-
-def cli_pull(ops, a):
-    return with_progress("pull", lambda progress: ops.carry.pull(full=a.full, progress=progress))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -9590,7 +9566,7 @@ COMMANDS = (
       arg("--min-score", type=float, help="drop results scoring below this (0-1)"),
       flag("--private", "also show private records"),
       REMOTE]),
-    ("get", cli_get,
+    ("get", lambda ops, a: ops.read.get(ops.full_ids([a.id], "get")[0], a.require_remote),
      "One record in full, from the gateway (refreshing the local copy) or the local index.",
      [arg("id", help="the memory id"), REMOTE]),
     ("meta", lambda ops, a: ops.read.meta(require_remote=a.require_remote),
@@ -9619,15 +9595,18 @@ COMMANDS = (
       arg("--release", nargs="+", metavar="ID",
           help="let these held writes (from an unverified bundle) be sent"),
       flag("--yes", "with --drop or --release: do not ask first")]),
-    ("flush", cli_flush, "Deliver queued writes to the gateway, oldest first, each exactly once.",
+    ("flush", with_progress(lambda ops, a, progress: ops.write.flush(
+        a.retry_failed, a.respect_retry_after, progress)),
+     "Deliver queued writes to the gateway, oldest first, each exactly once.",
      [flag("--retry-failed", "try rows that failed again"),
       flag("--respect-retry-after",
            "leave rows that wait out a backoff or a Retry-After (default: try them now)")]),
-    ("enrich", cli_enrich,
+    ("enrich", with_progress(lambda ops, a, progress: ops.carry.enrich(a.ids, a.all, progress)),
      "Fetch full records from the gateway for those known here only partially.",
      [arg("ids", nargs="*", metavar="ID", help="these records (default: those known partially)"),
       flag("--all", "every record of the local index")]),
-    ("pull", cli_pull, "Copy the shared memory into the local index, incrementally "
+    ("pull", with_progress(lambda ops, a, progress: ops.carry.pull(a.full, progress)),
+     "Copy the shared memory into the local index, incrementally "
      "(GET /v1/memories:export).",
      [flag("--full", "start over from the beginning")]),
     ("export", cli_export,
@@ -9638,10 +9617,12 @@ COMMANDS = (
       arg("--since", metavar="DATE", help="only what changed since this date"),
       flag("--records-only", "the records, not the outbox"),
       flag("--outbox-only", "the outbox (the writes made here), not the records")]),
-    ("load", cli_load, "Merge a bundle written by `export` on another host (checked whole first).",
+    ("load", lambda ops, a: ops.carry.load(a.file, a.dry_run,
+                                           sys.stdin.buffer if a.file == "-" else None),
+     "Merge a bundle written by `export` on another host (checked whole first).",
      [arg("file", metavar="FILE", help="the bundle to read (- for stdin)"),
       flag("--dry-run", "say what would change, change nothing")]),
-    ("doctor", cli_doctor,
+    ("doctor", lambda ops, a: ops.setup.doctor(a.offline, a.config_error, a.repair),
      "Say what is wrong here and what to do: versions, database, config, the link to the "
      "gateway, breaker, outbox.",
      [flag("--offline", "skip the network checks"),
