@@ -7627,15 +7627,16 @@ def cli_words(fix):
     return words(fix) if callable(words) else words.format(**fix)
 
 
-def cli_hint(hint, fixes):
-    """An error's hint at the command line: its own words, then each of its fixes."""
-    words = [hint] if hint else []
-    return "; ".join(words + [cli_words(f) for f in fixes]) or None
+def worded_hint(hint, fixes, words=cli_words):
+    """An error's hint: its own words, then each of its fixes as `words` says it (by default
+    as the command line does)."""
+    said = [hint] + [words(fix) for fix in fixes]
+    return "; ".join(w for w in said if w) or None
 
 
 def cli_text(err):
     """An error's one line at the command line: what is wrong, and what helps."""
-    hint = cli_hint(err.hint, err.fixes)
+    hint = worded_hint(err.hint, err.fixes)
     return "%s: %s" % (err.message, hint) if hint else err.message
 
 
@@ -7645,12 +7646,12 @@ def cli_document(doc):
     problem = doc.get("error")
     if isinstance(problem, dict) and "fixes" in problem:
         problem = dict(problem)
-        problem["hint"] = cli_hint(problem["hint"], problem.pop("fixes"))
+        problem["hint"] = worded_hint(problem["hint"], problem.pop("fixes"))
         doc = dict(doc, error=problem)
     if "checks" in doc:
         checks = []
         for c in doc["checks"]:
-            c = dict(c, advice=cli_hint(c["advice"], c["fixes"]))
+            c = dict(c, advice=worded_hint(c["advice"], c["fixes"]))
             del c["fixes"]
             checks.append(c)
         doc = dict(doc, checks=checks)
@@ -8363,9 +8364,7 @@ RESULTS_TEXT_BUDGET = 40000  # characters of memory text in one list of results,
 
 
 class RpcError(Exception):
-    """A JSON-RPC error answer (not a tool's failure: that is a result), raised as
-    RpcError(code, message)."""
-    pass
+    """A JSON-RPC error answer, RpcError(code, message): not a tool's failure (a result)."""
 
 
 def _json_kind(value):
@@ -8773,21 +8772,19 @@ class McpServer:
             set_diagnostics(previous)
         if "project_from" not in structured:  # a failure: the project the call would have used
             explicit = given.get("project_id", given.get("project"))
-            project, where = self.project(explicit if isinstance(explicit, str) else None)
+            project, where = resolve_project(explicit if isinstance(explicit, str) else None,
+                                             self.environ, self.cwd)
             structured.update(project_id=_fit(project, MAX_PROJECT) if project else None,
                               project_from=where)
-        stuck = self._writes_stuck()
+        try:
+            stuck = self.ops.writes_stuck() if self.ops is not None else None
+        except QmemError:
+            stuck = None
         if stuck:
             structured["writes_stuck"] = stuck
         if self.warnings:
             structured["warnings"] = self.warnings
         return tool_result(structured)
-
-    def _writes_stuck(self):
-        try:
-            return self.ops.writes_stuck() if self.ops is not None else None
-        except QmemError:
-            return None
 
     def _diagnostic(self, message):
         """warn() while a tool runs: on stderr, and in the result (the model sees it; not
@@ -8797,7 +8794,7 @@ class McpServer:
             self.warnings.append(_fit(message, 300))
 
     def _failure(self, err):
-        hint = mcp_hint(err.hint, err.fixes) or _NEXT_STEPS.get(err.kind)
+        hint = worded_hint(err.hint, err.fixes, mcp_words) or _NEXT_STEPS.get(err.kind)
         note = err.message + (". Next: %s." % hint.rstrip(".") if hint else ".")
         out = {"status": "error", "error": err.kind, "note": note}
         unsaved = getattr(err, "unsaved_text", None)
@@ -8854,11 +8851,8 @@ class McpServer:
         if self.flusher is not None:
             self.flusher.join(wait_s)
 
-    def project(self, explicit):
-        return resolve_project(explicit, self.environ, self.cwd)
-
     def _write_project(self, explicit):
-        project, where = self.project(explicit)
+        project, where = resolve_project(explicit, self.environ, self.cwd)
         if project is None:
             raise UsageError("no project: pass project_id (the project's short name, e.g. its "
                              "repository's)",
@@ -8871,7 +8865,7 @@ class McpServer:
         return _check_project(project, where), where
 
     def _read_project(self, explicit):
-        project, where = self.project(explicit)
+        project, where = resolve_project(explicit, self.environ, self.cwd)
         if project == ALL_PROJECTS:
             return None, where
         return (_check_project(project, where) if project else None), where
@@ -8990,14 +8984,11 @@ MCP_FIXES = {
 }
 
 
-def mcp_hint(hint, fixes):
-    """An error's next step for an agent: its own words, then each fix as a tool to call
-    (or, where no tool sets it right, as the command a person runs)."""
-    words = [hint] if hint else []
-    for fix in fixes:
-        said = MCP_FIXES.get(fix["name"])
-        words.append(cli_words(fix) if said is None else said.format(**fix))
-    return "; ".join(w for w in words if w) or None
+def mcp_words(fix):
+    """A Fix as an agent is told it: a tool to call (or, where no tool sets it right, the
+    command a person runs)."""
+    said = MCP_FIXES.get(fix["name"])
+    return cli_words(fix) if said is None else said.format(**fix)
 
 
 # The next step for a failure that does not name one, by its kind.
@@ -9114,7 +9105,8 @@ def _written(doc, where, corrects=None):
         note = ("%s; if this %s changes what that one says, correct it with qmem_correct and "
                 "that id" % (said, what))
     elif status == "failed":  # refused, or a correction not applied: its error says what next
-        note = "%s; %s" % (said, mcp_hint(doc["error"]["hint"], doc["error"]["fixes"]))
+        note = "%s; %s" % (said, worded_hint(doc["error"]["hint"], doc["error"]["fixes"],
+                                             mcp_words))
     else:
         when = (DELIVER_BY[True] if doc.get("by_bundles") else
                 "once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
@@ -9128,7 +9120,7 @@ def _written(doc, where, corrects=None):
         if doc.get("error"):
             problem = doc["error"]
             note += "; it will not be delivered until this is fixed: %s" % str(QmemError(
-                problem["message"], mcp_hint(problem["hint"], problem["fixes"])))
+                problem["message"], worded_hint(problem["hint"], problem["fixes"], mcp_words)))
     if corrects and doc.get("kind_from") == "default":
         note += ("; the corrected memory's kind could not be looked up, so this one is a fact "
                  "(pass kind to say otherwise)")
@@ -9323,13 +9315,10 @@ def cli_config(ops, a):
         return ops.setup.config_bundle_key(None if a.new else _read_key("bundle key"), new=a.new)
     if a.new:
         raise UsageError("--new goes with `config bundle-key`")
-    wanted = {"show": 0, "test": 0, "url": 1, "set": 2}[action]
-    if len(values) != wanted:
-        raise UsageError({"show": "config show takes no arguments",
-                          "test": "config test takes no arguments",
-                          "url": "usage: qmem.py config url https://gateway.example:8443",
-                          "set": "usage: qmem.py config set KEY VALUE   (keys: %s)"
-                          % ", ".join(CONFIG_KEYS)}[action])
+    usage = {"url": "usage: qmem.py config url https://gateway.example:8443",
+             "set": "usage: qmem.py config set KEY VALUE   (keys: %s)" % ", ".join(CONFIG_KEYS)}
+    if len(values) != {"url": 1, "set": 2}.get(action, 0):  # show and test take none
+        raise UsageError(usage.get(action, "config %s takes no arguments" % action))
     return getattr(ops.setup, "config_" + action)(*values)
 
 
@@ -9387,26 +9376,21 @@ def _read_text(a):
         # /dev/zero must not fill the memory: read one byte past the most
         if a.text_file is not None:
             with open(a.text_file, "rb") as f:
-                return _decoded_text(f.read(MAX_TEXT_BYTES + 1))
-        if a.text == "-":
-            if not hasattr(sys.stdin, "buffer"):
-                return sys.stdin.read(MAX_TEXT + 1)
-            return _decoded_text(sys.stdin.buffer.read(MAX_TEXT_BYTES + 1))
+                data = f.read(MAX_TEXT_BYTES + 1)
+        elif a.text == "-" and hasattr(sys.stdin, "buffer"):
+            data = sys.stdin.buffer.read(MAX_TEXT_BYTES + 1)
+        else:  # the argument, or a stdin of text only
+            return sys.stdin.read(MAX_TEXT + 1) if a.text == "-" else a.text or ""
+        if len(data) > MAX_TEXT_BYTES:
+            raise UsageError("the text is longer than %d characters; a memory holds at most that "
+                             "(store a summary)" % MAX_TEXT, hint="nothing was queued")
+        return data.decode("utf-8")
     except OSError as e:
         raise UsageError("cannot read the text from %s: %s" % (where, e.strerror or e))
     except UnicodeDecodeError as e:
         raise UsageError("the text in %s is not valid UTF-8 (byte 0x%02x at offset %d)" % (
             where, e.object[e.start], e.start),
                          hint="nothing was queued; convert it to UTF-8 first")
-    return a.text or ""
-
-
-def _decoded_text(data):
-    if len(data) > MAX_TEXT_BYTES:
-        raise UsageError("the text is longer than %d characters; a memory holds at most that "
-                         "(store a summary)"
-                         % MAX_TEXT, hint="nothing was queued")
-    return data.decode("utf-8")
 
 
 def _asked_write(a, supersedes):
@@ -9652,13 +9636,10 @@ COMMANDS = (
      {"epilog": "Actions: show | url URL | apikey (reads stdin or prompts) | bundle-key [--new] "
       "(the same) | set KEY VALUE | test. With none, on a terminal: a menu."}),
 )
-# The options every command takes after its name too, as at the top level. SUPPRESS: a
-# --json given before the command must survive the command's default.
-COMMON_OPTIONS = (arg("--json", action="store_true", default=argparse.SUPPRESS,
-                      help="print exactly one JSON document on stdout"),
-                  arg("--db", metavar="PATH", default=argparse.SUPPRESS, help=argparse.SUPPRESS),
-                  arg("--debug", action="store_true", default=argparse.SUPPRESS,
-                      help=argparse.SUPPRESS))
+# --json as every command's --help lists it. The top level takes it (_global_options puts
+# it, --db and --debug before the command); SUPPRESS: the command's default must not undo that.
+JSON_OPTION = arg("--json", action="store_true", default=argparse.SUPPRESS,
+                  help="print exactly one JSON document on stdout")
 
 
 @functools.lru_cache(maxsize=None)
@@ -9679,7 +9660,7 @@ def build_parser():
     for name, func, about, arguments, *more in COMMANDS:
         subparser = sub.add_parser(name, help=about, description=about, allow_abbrev=False,
                                    **(more[0] if more else {}))
-        add_arguments(subparser, COMMON_OPTIONS + tuple(arguments))
+        add_arguments(subparser, [JSON_OPTION] + arguments)
         subparser.set_defaults(func=func)
     return parser
 
