@@ -6426,14 +6426,13 @@ class Operations:
         if len(value) < SHORT_ID:
             raise UsageError("%s %s is not a memory id (a short one has %d characters at least)"
                              % (where, value, SHORT_ID), fix=Fix("ids"))
-        outbox = tables == ("outbox",)
         found = []
         if self.has_index():  # in the case pi or the gateway wrote it
             found = sorted({i for start in {value.lower(), value.upper()}
                             for i in self.store().ids_starting(start, tables)})
         if len(found) == 1:
             return found[0]
-        if not found and outbox:
+        if not found and tables == ("outbox",):
             raise UsageError("no write in the outbox starts with %s" % value, fix=Fix("queue"))
         if not found:
             raise UsageError("no memory known here starts with %s" % value,
@@ -6490,8 +6489,10 @@ class Operations:
     def after_online(self, doc):
         """Every online command ends here: when the gateway answered it, deliver what is
         queued (for a few seconds at most) and say in the document what came of it."""
-        doc["auto_flush"] = ("after the answer" if self.flush_after_answer
-                             else self.write.auto_flush())
+        if self.flush_after_answer:
+            doc["auto_flush"] = "after the answer"
+        else:
+            doc["auto_flush"] = self.write.deliver_ready() if self.write.auto_flush_due() else None
         return doc
 
     def writes_stuck(self):
@@ -6965,27 +6966,21 @@ class WriteOps:
             raise err
         return stats
 
-    def auto_flush(self):
-        """Deliver what is ready in the outbox within AUTO_FLUSH_S; None when nothing was
-        (or the gateway has not answered this command)."""
-        try:
-            if not self.auto_flush_due():
-                return None
-        except (StoreError, sqlite3.Error):
-            return None
-        return self.deliver_ready()
-
     def auto_flush_due(self):
         """Did this command reach the gateway (with a key it took), and is something in the
-        outbox ready to go (a killed flusher's writes too: a flush takes them over)?"""
+        outbox ready to go (a killed flusher's writes too: a flush takes them over)? Not
+        while the index cannot say."""
         ops = self.ops
         if not ops.gateway_answered() or not ops.has_index():
             return False
-        store, now = ops.store(), ops.clock()
-        if store.read_only:  # what it delivered could not be recorded: nothing is sent
+        try:
+            store, now = ops.store(), ops.clock()
+            if store.read_only:  # what it delivered could not be recorded: nothing is sent
+                return False
+            return bool(store.outbox.ready(now)
+                        or any(claimant_is_gone(t) for t in store.outbox.claim_tokens(now)))
+        except (QmemError, sqlite3.Error):
             return False
-        return bool(store.outbox.ready(now)
-                    or any(claimant_is_gone(t) for t in store.outbox.claim_tokens(now)))
 
     def deliver_ready(self):
         """The automatic flush: what is ready, within AUTO_FLUSH_S; its counts."""
@@ -8420,8 +8415,6 @@ _PROJECT = _prop("the project's short name, e.g. its repository's (default: QMEM
 _READ_PROJECT = _prop("only this project (default as for writes; \"*\" searches every project)")
 _KIND = _prop("fact | decision | preference | episode", enum=list(KINDS))
 _FILTER_KIND = _prop("only this kind", enum=list(KINDS))
-_SCOPE = _prop("e.g. project, global, agent")
-_ID = _prop("a memory id (from qmem_search or qmem_find)")
 
 
 class McpTool:
@@ -8547,7 +8540,7 @@ MCP_TOOLS = (
             "One memory in full by its id: its text, project, kind, and whether it was corrected "
             "(superseded_by) or deleted. From the gateway, else from this machine's local index "
             "(labelled).",
-            {"id": _ID,
+            {"id": _prop("a memory id (from qmem_search or qmem_find)"),
              "project_id": _prop("not needed: a memory's own project is reported")},
             ["id"], read_only=True, idempotent=True),
     McpTool("qmem_store", "Store a memory",
@@ -8557,8 +8550,8 @@ MCP_TOOLS = (
             "it is queued here (status queued): not yet visible to other agents, delivered later "
             "exactly once; do not store it again.",
             {"text": _prop("the memory, self-contained"), "project_id": _PROJECT,
-             "kind": _KIND,
-             "scope": _SCOPE, "private": _prop("hidden from searches unless asked for", "boolean"),
+             "kind": _KIND, "scope": _prop("e.g. project, global, agent"),
+             "private": _prop("hidden from searches unless asked for", "boolean"),
              "expires_at": _prop("hidden from searches after this date (YYYY-MM-DD)"),
              "agent_id": _prop("who writes it (default: the client's name)")},
             ["text"], read_only=False, idempotent=False),
@@ -8824,10 +8817,7 @@ class McpServer:
         time, on its own connections), so that no answer waits for it."""
         if self.ops is None:
             return
-        try:
-            due = self.ops.write.auto_flush_due()
-        except (QmemError, sqlite3.Error):
-            due = False
+        due = self.ops.write.auto_flush_due()
         self.ops.close_gateway()
         if due and (self.flusher is None or not self.flusher.is_alive()):
             self.flusher = threading.Thread(target=self._flush, args=(self.ops.config,),
