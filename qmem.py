@@ -8222,50 +8222,44 @@ def show_status(doc, out):
         out.write("no local index yet at %(path)s: run `qmem.py import` or `qmem.py pull`\n"
                   % doc["db"])
         show_kept_aside(doc, out)
-        _status_end(doc, out)
-        return
-    rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
-    out.write("records: %(total)d  (superseded %(superseded)d, deleted %(deleted)d, private "
-              "%(private)d; written here: %(pending)d waiting to be shared, %(failed)d refused by "
-              "the gateway)\n" % rec)
-    out.write("  by kind: %s\n" % _counts(rec["by_kind"]))
-    out.write("  by project: %s\n" % _counts(rec["by_project"]))
-    share = cov["complete_share"]
-    share = "" if share is None else " (%.0f%% complete)" % (100 * share)
-    out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
-        cov["complete"], cov["search_hit_only"], share))
-    out.write("outbox: %s\n" % _counts(doc["outbox"]))
-    show_stuck(doc, out)
-    show_kept_aside(doc, out)
-    out.write("duplicates: %s stored under more than one id (%s)\n" % (
-        plural(doc["duplicates"]["groups"], "text"),
-        plural(doc["duplicates"]["records"], "record")))
-    out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: %s\n"
-              % tuple(
-        lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at", "last_pull_at",
-                                    "last_flush_at")))
-    if lag.get("last_load_at"):
-        out.write("last bundle loaded: %(last_load_at)s, from %(last_load_from)s\n" % lag)
-    out.write("session files indexed: %(files)d\n" % doc["sessions"])
-    out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
-        doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
-        doc["fts"]["tokenizer"] if doc["fts"]["available"]
-        else "LIKE scan (this SQLite has no FTS5)"))
-    _status_end(doc, out)
-
-
-def show_kept_aside(doc, out):
-    if doc["kept_aside"]["count"]:
-        out.write("%s\n  %s\n" % kept_aside_words(doc["kept_aside"]))
-
-
-def _status_end(doc, out):
-    """The end of status, with an index or without: the database's note, this machine."""
+    else:
+        rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
+        out.write("records: %(total)d  (superseded %(superseded)d, deleted %(deleted)d, private "
+                  "%(private)d; written here: %(pending)d waiting to be shared, %(failed)d "
+                  "refused by the gateway)\n" % rec)
+        out.write("  by kind: %s\n" % _counts(rec["by_kind"]))
+        out.write("  by project: %s\n" % _counts(rec["by_project"]))
+        share = cov["complete_share"]
+        share = "" if share is None else " (%.0f%% complete)" % (100 * share)
+        out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
+            cov["complete"], cov["search_hit_only"], share))
+        out.write("outbox: %s\n" % _counts(doc["outbox"]))
+        show_stuck(doc, out)
+        show_kept_aside(doc, out)
+        out.write("duplicates: %s stored under more than one id (%s)\n" % (
+            plural(doc["duplicates"]["groups"], "text"),
+            plural(doc["duplicates"]["records"], "record")))
+        when = [lag[k] or "never" for k in ("newest_entry_imported_at", "last_import_at",
+                                             "last_pull_at", "last_flush_at")]
+        out.write("newest memory call imported: %s; last import: %s; last pull: %s; last flush: "
+                  "%s\n" % tuple(when))
+        if lag.get("last_load_at"):
+            out.write("last bundle loaded: %(last_load_at)s, from %(last_load_from)s\n" % lag)
+        out.write("session files indexed: %(files)d\n" % doc["sessions"])
+        out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
+            doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
+            doc["fts"]["tokenizer"] if doc["fts"]["available"]
+            else "LIKE scan (this SQLite has no FTS5)"))
     if doc.get("db_note"):
         out.write("  %(db_note)s\n" % doc)
     out.write("this machine: %(machine)s\n" % doc)
     out.write("gateway: %s\n" % (doc["gateway"] or "none configured: this host works offline "
                                  "(`qmem.py config url https://…` sets one)"))
+
+
+def show_kept_aside(doc, out):
+    if doc["kept_aside"]["count"]:
+        out.write("%s\n  %s\n" % kept_aside_words(doc["kept_aside"]))
 
 
 def show_rules(doc, out):
