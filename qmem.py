@@ -9457,13 +9457,18 @@ def cli_export(ops, a):
                                 records_only=a.records_only, outbox_only=a.outbox_only,
                                 stream=stream)
     except QmemError as e:
-        # the reader went away: let the exit not try again
-        if stream is not None and e.kind == "io":
-            try:
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            except OSError:  # pragma: no cover
-                pass
+        if stream is not None and e.kind == "io":  # the reader went away
+            stdout_gone()
         raise
+
+
+def stdout_gone():
+    """What is left for stdout goes to /dev/null: its reader went away, and Python's own
+    flush at exit must find no broken pipe either."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # pragma: no cover - a stdout with no descriptor
+        pass
 
 
 class _Parser(argparse.ArgumentParser):
@@ -9491,7 +9496,7 @@ REMOTE = flag("--require-remote", "fail (exit 3) instead of answering from the l
 
 
 def write_options(default_kind, reason):
-    """The options store and correct share (see _write_options)."""
+    """The options store and correct share (see _asked_write)."""
     return (arg("--text-file", metavar="FILE", help="read the text from this file"),
             arg("--kind", choices=KINDS,
                 help="fact | decision | preference | episode (default: %s)" % default_kind),
@@ -9689,13 +9694,8 @@ def main(argv=None):
         finally:  # (also when --help ends the run with SystemExit)
             if sys.stdout is not None:
                 sys.stdout.flush()
-    except BrokenPipeError:
-        # Not an error worth a word. What is left unwritten goes to /dev/null, so that
-        # Python's own flush at exit finds no broken pipe either.
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):  # pragma: no cover - a stdout with no descriptor
-            pass
+    except BrokenPipeError:  # not an error worth a word
+        stdout_gone()
         return EXIT_OK
 
 
