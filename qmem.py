@@ -6744,8 +6744,8 @@ class WriteOps:
                      else "default")
         write = write._replace(project=write.project or old.get("project_id"),
                                kind=write.kind or old.get("kind") or "fact", supersedes=target)
-        doc = self._write(write, queue_only, allow_secret)
-        return dict(doc, project_from=project_from, kind_from=kind_from)
+        return dict(self._write(write, queue_only, allow_secret), project_from=project_from,
+                    kind_from=kind_from)
 
     def _remote_target(self, target, needed):
         """The project and kind of a memory this machine does not know, from the gateway.
@@ -6892,9 +6892,8 @@ class WriteOps:
                 "counts": store.outbox.counts()}
 
     def _outbox_rows(self, ids, usage, no_outbox=None):
-        """The ids given to drop or release (blanks left out) and their outbox rows. None
-        given is the error `usage`; with `no_outbox`, so is a missing index; an id not
-        in the outbox is refused."""
+        """The ids given to drop or release and their outbox rows: none is the error `usage`
+        (with `no_outbox`, so is a missing index), an id not in the outbox is refused."""
         ops = self.ops
         ids = [i.strip() for i in ids if i and i.strip()]
         if not ids:
@@ -7623,8 +7622,7 @@ def cli_words(fix):
 
 
 def worded_hint(hint, fixes, words=cli_words):
-    """An error's hint: its own words, then each of its fixes as `words` says it (by default
-    as the command line does)."""
+    """An error's hint: its own words, then each of its fixes as `words` (the CLI's) says it."""
     said = [hint] + [words(fix) for fix in fixes]
     return "; ".join(w for w in said if w) or None
 
@@ -8461,8 +8459,7 @@ MCP_ALIASES = {"q": "query", "project": "project_id", "type": "kind", "memory_id
 
 
 def _mcp_value(name, value, prop):
-    """One argument converted to the property's type, or a UsageError saying what it
-    must be."""
+    """One argument converted to the property's type, or a UsageError saying what it must be."""
     kind, shown = prop["type"], _fit(json.dumps(value, ensure_ascii=False), 40)
     if kind == "string":
         if isinstance(value, bool) or not isinstance(value, (str, int)):
@@ -9270,8 +9267,7 @@ def run_mcp(args):
     except OSError:  # a folder deleted under the client
         cwd = None
     server = McpServer(lambda: load_config(overrides={"localDbPath": args.db}), cwd=cwd)
-    wire_in, wire_out = mcp_wire()
-    return serve_mcp(server, wire_in, wire_out)
+    return serve_mcp(server, *mcp_wire())
 
 
 def cli_search(ops, a):
@@ -9439,8 +9435,7 @@ def _confirm(rows, width, question, cancelled):
 
 
 def with_progress(run):
-    """A command that runs as run(ops, args, progress), with its progress line on stderr
-    (only on a terminal)."""
+    """The command run(ops, args, progress), with its progress line (on a terminal only)."""
     def command(ops, a):
         progress = Progress(a.command)
         try:
