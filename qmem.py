@@ -9248,15 +9248,12 @@ def _color_ok():
     return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
 
 
-def cli_find(ops, a):
-    return ops.read.find(" ".join(a.query), _filters(a), limit=a.limit,
-                         highlight=("", "") if a.json else HIGHLIGHT)
-
-
-def _filters(a):
-    """The Filters of find's and search's options (search has no --deleted)."""
-    return Filters(*(getattr(a, name, default) for name, default
-                     in zip(Filters._fields, Filters())))
+def _searched(a):
+    """What find and search take from their options alike: the query, the Filters (search
+    has no --deleted), and the highlight marks (none under --json)."""
+    return {"query": " ".join(a.query), "highlight": ("", "") if a.json else HIGHLIGHT,
+            "filters": Filters(*(getattr(a, name, default) for name, default
+                                 in zip(Filters._fields, Filters())))}
 
 
 def run_mcp(args):
@@ -9268,12 +9265,6 @@ def run_mcp(args):
         cwd = None
     server = McpServer(lambda: load_config(overrides={"localDbPath": args.db}), cwd=cwd)
     return serve_mcp(server, *mcp_wire())
-
-
-def cli_search(ops, a):
-    return ops.read.search(" ".join(a.query), _filters(a), top_k=a.top_k, min_score=a.min_score,
-                           require_remote=a.require_remote,
-                           highlight=("", "") if a.json else HIGHLIGHT)
 
 
 def cli_config(ops, a):
@@ -9319,6 +9310,9 @@ def _read_key(what="API key"):
 
 def config_menu(ops, a):
     """The numbered menu of the extension's /qmem:config, for a terminal."""
+    choices = {"1": lambda: ops.setup.config_url(input("gateway URL: ")),
+               "2": lambda: ops.setup.config_apikey(_read_key()),
+               "3": ops.setup.config_test, "4": ops.setup.config_show}
     while True:
         print("qmem config (%s)\n  1) set gateway URL (now: %s)\n  2) change API key (now: %s)\n"
               "  3) test the connection\n  4) show everything\n  5) cancel" % (
@@ -9328,16 +9322,10 @@ def config_menu(ops, a):
             choice = input("choose 1-5: ").strip()
             if choice in ("5", "q", ""):
                 break
-            if choice not in ("1", "2", "3", "4"):
+            if choice not in choices:
                 print("please answer 1 to 5")
                 continue
-            if choice == "1":
-                doc = ops.setup.config_url(input("gateway URL: "))
-            elif choice == "2":
-                doc = ops.setup.config_apikey(_read_key())
-            else:
-                doc = ops.setup.config_test() if choice == "3" else ops.setup.config_show()
-            render("config", doc, False)
+            render("config", choices[choice](), False)
         except EOFError:
             print()
             break
@@ -9514,7 +9502,8 @@ COMMANDS = (
      "Index pi session files (incremental; unchanged files are not read).",
      [arg("--sessions", metavar="DIR", action="append",
           help="session folder to import (repeatable; default: pi's own)")]),
-    ("find", cli_find, "Search the local index (lexical, offline).",
+    ("find", lambda ops, a: ops.read.find(limit=a.limit, **_searched(a)),
+     "Search the local index (lexical, offline).",
      [arg("query", nargs="*", help="words to look for (all must match; the last may be a prefix)"),
       *FILTERS,
       arg("--limit", default=10, help="at most this many results (default 10)"),
@@ -9524,8 +9513,9 @@ COMMANDS = (
       flag("--include-expired", "also show expired records")]),
     ("status", lambda ops, a: ops.read.status(),
      "What the local side knows: records, outbox, coverage, lag, database.", []),
-    ("search", cli_search, "Semantic search on the gateway; the local index answers "
-     "(labelled) when it cannot.",
+    ("search", lambda ops, a: ops.read.search(top_k=a.top_k, min_score=a.min_score,
+                                              require_remote=a.require_remote, **_searched(a)),
+     "Semantic search on the gateway; the local index answers (labelled) when it cannot.",
      [arg("query", nargs="*", help="what to look for, in plain words"),
       *FILTERS,
       arg("--top-k", "--limit", dest="top_k", default=8,
