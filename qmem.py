@@ -9671,11 +9671,10 @@ def main(argv=None):
         argv0 = sys.argv[0] if sys.argv else ""
         _as_run[0] = lambda: command_as_run(argv0)
     argv = sys.argv[1:] if argv is None else list(argv)
-    argv, json_mode, debug = _global_options(argv)
     set_diagnostics(cli_diagnostic)  # the command line's own: one line each on stderr
     try:
         try:
-            return run_command(argv, json_mode, debug)
+            return run_command(argv)
         finally:  # (also when --help ends the run with SystemExit)
             if sys.stdout is not None:
                 sys.stdout.flush()
@@ -9684,15 +9683,16 @@ def main(argv=None):
         return EXIT_OK
 
 
-def run_command(argv, json_mode, debug):
-    """Parse argv (after _global_options), run its command and render what it returns, or
-    the error it ends with; return the exit code."""
+def run_command(argv):
+    """Parse argv, run its command and render what it returns, or the error it ends with;
+    return the exit code."""
+    argv, json_mode, debug, command = _global_options(argv)
     ops = doc_out = None  # doc_out: where documents go when stdout carries data (export -)
     try:
         if "--version" in argv and json_mode:
             emit_json({"name": "qmem.py", "version": __version__})
             return EXIT_OK
-        if _command_word(argv) is None and not {"-h", "--help", "--version"} & set(argv):
+        if command is None and not {"-h", "--help", "--version"} & set(argv):
             raise UsageError("a command is needed: %s" % ", ".join(c[0] for c in COMMANDS),
                              hint="`qmem.py --help` says what each does")
         args = build_parser().parse_args(argv)
@@ -9760,8 +9760,8 @@ def _config_for(args):
 def _global_options(argv):
     """--json, --debug and --db may stand anywhere before a `--`, also between a
     command's arguments: they are taken out and put before the command. Returns the
-    new argv, and whether --json and --debug were asked (known before parsing, so that
-    a usage error can be a JSON document too)."""
+    new argv, whether --json and --debug were asked (known before parsing, so that a
+    usage error can be a JSON document too), and the command word (None without one)."""
     end = argv.index("--") if "--" in argv else len(argv)
     front, kept = [], []
     words = iter(argv[:end])
@@ -9772,18 +9772,9 @@ def _global_options(argv):
             front += [word, next(words, "")]
         else:
             kept.append(word)
-    return front + kept + argv[end:], "--json" in front, "--debug" in front
-
-
-def _command_word(argv):
-    """The command an argv (after _global_options) names, or None."""
-    words = iter(argv)
-    for word in words:
-        if word == "--db":
-            next(words, None)
-        elif not word.startswith("-"):
-            return word
-    return None
+    rest = kept + argv[end:]
+    command = next((word for word in rest if not word.startswith("-")), None)
+    return front + rest, "--json" in front, "--debug" in front, command
 
 
 def exit_now(code):
