@@ -7318,12 +7318,10 @@ class SetupOps:
         if key not in CONFIG_KEYS:
             raise UsageError("unknown config key %r (keys: %s)" % (key, ", ".join(CONFIG_KEYS)))
         unset = value in ("", "null", "default")
-        if key == "url" and not unset:
-            return self.config_url(value)
-        if key == "apiKey" and not unset:
-            return self.config_apikey(value, on_command_line=True)
-        if key == "bundleKey" and not unset:
-            return self.config_bundle_key(value)
+        own = {"url": self.config_url, "bundleKey": self.config_bundle_key,  # their own checks
+               "apiKey": lambda key: self.config_apikey(key, on_command_line=True)}
+        if key in own and not unset:
+            return own[key](value)
         parsed = None if unset else _check_type(key, value, "config set")
         if key in ("localDbPath", "caFile") and parsed:
             parsed = os.path.abspath(os.path.expanduser(parsed))
@@ -7480,15 +7478,13 @@ def _meta_counts(data):
     def counts(value):
         if not isinstance(value, dict):
             return None
-        return {str(k): v for k,
-                v in value.items() if isinstance(v, int) and not isinstance(v, bool)}
+        return {str(k): v for k, v in value.items() if type(v) is int}  # (not a bool)
     scopes = data.get("scopes")
     doc = {"scopes": {str(k): counts(v) or {} for k, v in scopes.items()}
            if isinstance(scopes, dict) else None,
            "projects": counts(data.get("projects")), "agents": counts(data.get("agents"))}
     for key in ("superseded", "deleted"):
-        value = data.get(key)
-        doc[key] = value if isinstance(value, int) and not isinstance(value, bool) else None
+        doc[key] = data[key] if type(data.get(key)) is int else None
     return doc
 
 
