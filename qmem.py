@@ -6355,15 +6355,14 @@ class Operations:
     and what the groups share: the store and the gateway are opened on first use and
     closed by close()."""
 
-    def __init__(self, config, clock=time.time):
+    def __init__(self, config, clock=time.time, server=False):
         self.config, self.clock = config, clock
         self._store = self._gateway = None
-        # A front end that answers first and delivers the outbox after (the MCP server)
-        # sets this, and runs write.auto_flush_due() / write.deliver_ready() itself once the
-        # answer is out.
-        self.flush_after_answer = False
-        # of a failing gateway, per call (the MCP server: none, it has a fallback)
-        self.retries = RETRIES
+        # A server (the MCP server) answers first and delivers the outbox after, itself
+        # (write.auto_flush_due(), write.deliver_ready()); and it does not retry a failing
+        # gateway: an agent waits, and a fallback or a queued write now beats a retry later.
+        self.flush_after_answer = server
+        self.retries = 0 if server else RETRIES
         self.read, self.write = ReadOps(self), WriteOps(self)
         self.carry, self.setup = CarryOps(self), SetupOps(self)
 
@@ -8791,10 +8790,7 @@ class McpServer:
         if self.ops is None:
             config = self.load()
             self.config_stamp = _file_stamp(config.path)
-            self.ops = Operations(config, clock=self.clock)
-            self.ops.flush_after_answer = True
-            # an agent waits: a fallback or a queued write now beats a retry later
-            self.ops.retries = 0
+            self.ops = Operations(config, clock=self.clock, server=True)
         self.ops.refresh()
         return self.ops
 
