@@ -6271,11 +6271,6 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
 # failure raises QmemError, in words that hold for both front ends, with the Fix that
 # each front end words as its own command or tool. A document whose exit code is not 0
 # says so itself, with `exit_code` and an `error` object, like an error document.
-#
-# Operations holds what the four groups of operations share (ops.read, ops.write,
-# ops.carry, ops.setup: each class says what it serves); a group reaches it, and another
-# group, as self.ops: every online answer ends with ops.after_online, which asks
-# ops.write for the automatic delivery.
 
 def _check_utf8(value, name):
     at = lone_surrogate_at(value)
@@ -6351,9 +6346,9 @@ def rules_markdown():
 
 
 class Operations:
-    """The operations over one configuration, in their groups (read, write, carry, setup),
-    and what the groups share: the store and the gateway are opened on first use and
-    closed by close()."""
+    """The operations over one configuration in their groups (ops.read, ops.write, ops.carry,
+    ops.setup), and what they share: the store and the gateway, opened on first use and
+    closed by close(). A group reaches them, and another group, as self.ops."""
 
     def __init__(self, config, clock=time.time, server=False):
         self.config, self.clock = config, clock
@@ -7622,12 +7617,6 @@ def worded_hint(hint, fixes, words=cli_words):
     return "; ".join(w for w in said if w) or None
 
 
-def cli_text(err):
-    """An error's one line at the command line: what is wrong, and what helps."""
-    hint = worded_hint(err.hint, err.fixes)
-    return "%s: %s" % (err.message, hint) if hint else err.message
-
-
 def cli_document(doc):
     """A document as the command line gives it: the fixes of its error, and of the
     doctor's findings, worded into their hint (advice)."""
@@ -8307,7 +8296,8 @@ def render(command, doc, json_mode, out=None, bold=False, width=None, short=None
 def render_error(err, json_mode, out=None):
     """An error: one line on stderr, and under --json its document on stdout. Words a
     write could not keep anywhere else follow in full on stderr (and in the document)."""
-    warn(cli_text(err))
+    hint = worded_hint(err.hint, err.fixes)
+    warn("%s: %s" % (err.message, hint) if hint else err.message)
     unsaved = getattr(err, "unsaved_text", None)
     if unsaved is not None:
         sys.stderr.write("--- your text, not saved anywhere else ---\n%s\n--- end ---\n"
