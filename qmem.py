@@ -7641,9 +7641,7 @@ SNIPPET_CHARS = 200  # the longest snippet or text line of human output
 def _char_cells(c):
     if c < "\u0300":
         return 1
-    if c in HIGHLIGHT:
-        return 0
-    if unicodedata.combining(c) or unicodedata.category(c) in ("Me", "Cf"):
+    if c in HIGHLIGHT or unicodedata.combining(c) or unicodedata.category(c) in ("Me", "Cf"):
         return 0
     return 2 if unicodedata.east_asian_width(c) in "WF" else 1
 
@@ -8145,14 +8143,13 @@ def show_load(doc, out):
                   "; %(not_needed)d delivered by the other host, not needed here" % o
                   if o["not_needed"] else "",
                   "; %(skipped)d lines skipped" % doc if doc["skipped"] else ""))
-    if o["not_applied"] == 1:
-        out.write("  1 correction not applied where the bundle was made (another memory holds its "
-                  "text): what it corrects is still live; `qmem.py queue --state failed` says "
-                  "which\n")
-    elif o["not_applied"]:
-        out.write("  %d corrections not applied where the bundle was made (other memories hold "
-                  "their texts): what they correct is still live; `qmem.py queue --state failed` "
-                  "says which\n" % o["not_applied"])
+    if o["not_applied"]:
+        one = o["not_applied"] == 1
+        out.write("  %s not applied where the bundle was made (%s): what %s is still live; "
+                  "`qmem.py queue --state failed` says which\n" % (
+                      plural(o["not_applied"], "correction"),
+                      "another memory holds its text" if one else "other memories hold their texts",
+                      "it corrects" if one else "they correct"))
     if doc.get("not_loaded_outbox_full"):
         out.write("  %s not loaded: the outbox is full (outboxMaxMB); `qmem.py flush`, then load "
                   "it again\n" % plural(doc["not_loaded_outbox_full"], "write"))
