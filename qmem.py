@@ -8241,10 +8241,6 @@ def show_kept_aside(doc, out):
         out.write("%s\n  %s\n" % kept_aside_words(doc["kept_aside"]))
 
 
-def show_rules(doc, out):
-    out.write(doc["markdown"])
-
-
 def show_install(doc, out):
     """The launcher written or removed, where Python caches its code, and whether PATH finds it."""
     if doc["action"] == "uninstall":
@@ -8272,7 +8268,8 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "correct": show_write,
              "queue": show_queue, "flush": show_flush,
              "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load,
-             "doctor": show_doctor, "rules": show_rules, "install": show_install}
+             "doctor": show_doctor, "install": show_install,
+             "rules": lambda doc, out: out.write(doc["markdown"])}
 
 
 def render(command, doc, json_mode, out=None, bold=False, width=None, short=None):
@@ -8691,9 +8688,6 @@ class McpServer:
                                "version": __version__},
                 "instructions": mcp_instructions()}
 
-    def ping(self, params):
-        return {}
-
     def tools_list(self, params):
         if params.get("cursor") is not None:
             raise RpcError(RPC_PARAMS,
@@ -8712,8 +8706,8 @@ class McpServer:
             raise RpcError(RPC_PARAMS, "Invalid params: the arguments of %s are an object" % name)
         return self.run_tool(tool, arguments or {})
 
-    METHODS = {"initialize": initialize, "ping": ping, "tools/list": tools_list,
-               "tools/call": tools_call}
+    METHODS = {"initialize": initialize, "ping": lambda self, params: {},
+               "tools/list": tools_list, "tools/call": tools_call}
 
     # -- tools
     def run_tool(self, tool, given):
