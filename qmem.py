@@ -7626,11 +7626,9 @@ def cli_document(doc):
         problem["hint"] = worded_hint(problem["hint"], problem.pop("fixes"))
         doc = dict(doc, error=problem)
     if "checks" in doc:
-        checks = []
-        for c in doc["checks"]:
-            c = dict(c, advice=worded_hint(c["advice"], c["fixes"]))
-            del c["fixes"]
-            checks.append(c)
+        checks = [dict(c) for c in doc["checks"]]
+        for c in checks:
+            c["advice"] = worded_hint(c["advice"], c.pop("fixes"))
         doc = dict(doc, checks=checks)
     return doc
 
@@ -8044,8 +8042,7 @@ def show_queue(doc, out):
         then = ("to deliver it: " + DELIVER_BY[True] if doc["by_bundles"]
                 else "it will be sent by the next flush")
         out.write("released %s: %s\n" % (it["local_id"], then))
-    out.write("outbox: %s\n" % _counts(doc["counts"]))
-    show_stuck(doc, out)
+    show_outbox(doc["counts"], doc, out)
     items = doc.get("items", ())
     rows = [(out.short(it["local_id"]), it["state"],
              ("1 try" if it["attempts"] == 1 else "%(attempts)d tries" % it),
@@ -8083,7 +8080,8 @@ def show_queue(doc, out):
                   "it\n")
 
 
-def show_stuck(doc, out):
+def show_outbox(counts, doc, out):
+    out.write("outbox: %s\n" % _counts(counts))
     if doc.get("writes_stuck"):
         out.write("  %(writes_stuck)s\n" % doc)
 
@@ -8212,8 +8210,7 @@ def show_status(doc, out):
         share = "" if share is None else " (%.0f%% complete)" % (100 * share)
         out.write("coverage: %d complete views, %d known only from search hits%s\n" % (
             cov["complete"], cov["search_hit_only"], share))
-        out.write("outbox: %s\n" % _counts(doc["outbox"]))
-        show_stuck(doc, out)
+        show_outbox(doc["outbox"], doc, out)
         show_kept_aside(doc, out)
         out.write("duplicates: %s stored under more than one id (%s)\n" % (
             plural(doc["duplicates"]["groups"], "text"),
