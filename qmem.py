@@ -6873,7 +6873,17 @@ class WriteOps:
                                  "no outbox here yet: nothing to drop")[1]
         store = self.ops.store()
         for r in rows:
-            _check_droppable(r, force, self.ops.clock(), store)
+            if r["state"] == SYNCED:
+                raise UsageError("%s is in shared memory already (as %s): nothing to drop"
+                                 % (r["local_id"], r["gateway_id"]),
+                                 fix=Fix("correct", id=r["gateway_id"]))
+            if (r["state"] == SENDING and r["lease_until"] and r["lease_until"] > self.ops.clock()
+                    and not claimant_is_gone(store.outbox.claim_of(r["local_id"]))):
+                raise UsageError("%s is being sent right now by another flush" % r["local_id"],
+                                 hint="try again in a moment")
+            if r["state"] in WAITING and not force:
+                raise UsageError("%s is still waiting to be sent" % r["local_id"],
+                                 fix=Fix("force"))
         dependents = store.outbox.corrections_of([r["local_id"] for r in rows])
         if dependents:
             correction, target = next(iter(dependents.items()))
@@ -7442,20 +7452,6 @@ def _check_id(value):
         raise UsageError("%s is not a memory id" % _fit(value, 60),
                          hint="ids look like 5f0c6f2e-3c1a-4a53-9a55-2f7f2d0b8c11", fix=Fix("ids"))
     return value
-
-
-def _check_droppable(row, force, now, store):
-    state = row["state"]
-    if state == SYNCED:
-        raise UsageError("%s is in shared memory already (as %s): nothing to drop"
-                         % (row["local_id"], row["gateway_id"]),
-                         fix=Fix("correct", id=row["gateway_id"]))
-    if (state == SENDING and row["lease_until"] and row["lease_until"] > now
-            and not claimant_is_gone(store.outbox.claim_of(row["local_id"]))):
-        raise UsageError("%s is being sent right now by another flush" % row["local_id"],
-                         hint="try again in a moment")
-    if state in WAITING and not force:
-        raise UsageError("%s is still waiting to be sent" % row["local_id"], fix=Fix("force"))
 
 
 def _hit(result):
