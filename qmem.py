@@ -7685,10 +7685,10 @@ def _wrap(line, width, indent=None):
 
 
 class TerminalText:
-    # The stream human output goes through: everything written is escaped (see
-    # visible()), then the highlight marks become bold, or nothing. `width` is the
-    # terminal's (or COLUMNS), or None for a pipe: then nothing is cut or wrapped, and
-    # ids are shown whole. `short` gives the id a narrow terminal shows.
+    """The stream human output goes through: everything written is escaped (see
+    visible()), then the highlight marks become bold, or nothing. `width` is the
+    terminal's (or COLUMNS), or None for a pipe: then nothing is cut or wrapped, and
+    ids are shown whole. `short` gives the id a narrow terminal shows."""
 
     def __init__(self, out, bold=False, width=None, short=None):
         self.out, self.bold, self.width = out, bold, width
@@ -8382,7 +8382,7 @@ _FILTER_KIND = _prop("only this kind", enum=list(KINDS))
 
 
 class McpTool:
-    # One tool: its listing, the arguments it takes, and the server method that runs it.
+    """One tool: its listing, the arguments it takes, and the server method that runs it."""
 
     def __init__(self, name, title, description, properties, required, read_only, idempotent):
         self.name, self.title, self.description = name, title, description
@@ -8593,9 +8593,9 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
 
 
 class McpServer:
-    # The protocol over one connection: handle(message) -> reply (or None). Its
-    # Operations is made at the first tool call, so a broken configuration or database
-    # costs tool results that say so, never the handshake or the tool list.
+    """The protocol over one connection: handle(message) -> reply (or None). Its
+    Operations is made at the first tool call, so a broken configuration or database
+    costs tool results that say so, never the handshake or the tool list."""
 
     def __init__(self, load, environ=None, cwd=None, clock=time.time):
         self.load, self.clock = load, clock  # load() -> Config, or ConfigError
@@ -9142,10 +9142,10 @@ def encode_message(reply):
 
 
 def serve_mcp(server, wire_in, wire_out):
-    # Answer messages in order until the input ends or SIGTERM comes, which ends the
-    # server at once, also in the middle of a call: a write is in the outbox before any
-    # network, a transaction rolls back, a claim is given back, and the client that sent
-    # SIGTERM waits for no answer. Returns the exit code.
+    """Answer messages in order until the input ends or SIGTERM comes, which ends the
+    server at once, also in the middle of a call: a write is in the outbox before any
+    network, a transaction rolls back, a claim is given back, and the client that sent
+    SIGTERM waits for no answer. Returns the exit code."""
 
     import signal
     def on_signal(signum, frame):
