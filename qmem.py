@@ -9146,8 +9146,8 @@ def serve_mcp(server, wire_in, wire_out):
     server at once, also in the middle of a call: a write is in the outbox before any
     network, a transaction rolls back, a claim is given back, and the client that sent
     SIGTERM waits for no answer. Returns the exit code."""
-
     import signal
+
     def on_signal(signum, frame):
         raise _Stop()
 
