@@ -3973,7 +3973,6 @@ MAX_TYPO_WORD = 30   # a longer one is no word mistyped
 MAX_NEAR_WORDS = 8   # words of a query looked up for near spellings: past them, a paste
 MIN_PREFIX_WORD = 4  # a word form may be the word with an ending: deploy -> deploys
 
-# (in order: the first of a list that fits is taken)
 _EN_SUFFIXES = tuple("ations ation ions ion ments ment ingly edly ings ing ies ied es ed ly s e y"
                      .split())
 _IT_SUFFIXES = tuple("""amente imente mente azioni azione zioni zione avano evano ivano ando endo
@@ -4147,9 +4146,8 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     """Lexical search of the local index, level by level (search_levels), until `limit`
     records are found (an exact query that fills it stops at once); then each record
     ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
-    newest first). Every result carries its own level ('match');
-    the document's is the best one present. Returns {'match': 'all'|'stemmed'|'fuzzy'|
-    'any'|'none', 'results': [...]}."""
+    newest first). Every result carries its own level ('match'); the document's is the
+    best one present: 'all'|'stemmed'|'fuzzy'|'any'|'none'."""
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
@@ -4352,9 +4350,8 @@ def _plain_snippet(text, tokens, width=160):
     return ("…" if start else "") + piece + ("…" if start + width < len(text) else "")
 
 
-# The record counts of `status`, in the order local_status() selects them; and the times
-# it shows under "lag" as they are kept in meta (newest_entry_at shows as
-# newest_entry_imported_at, before them).
+# The record counts of `status`, in local_status()'s order; the times under "lag" as meta
+# keeps them (after newest_entry_imported_at, which meta keeps as newest_entry_at).
 _RECORD_COUNTS = ("total", "superseded", "deleted", "private", "partial_only", "pending", "failed")
 _LAST_TIMES = ("last_import_at", "last_pull_at", "last_flush_at", "last_load_at", "last_load_from")
 
