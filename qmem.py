@@ -4523,14 +4523,12 @@ Write.__new__.__defaults__ = (None, None, None, None, None, False, None, None)  
 
 
 def field_wrong(name, value, bound):
-    """What is wrong with a field of a write (its project, scope, agent, source or reason),
-    in words, or None: longer than bound characters, or holding a character that is not
-    printable (a control character, a lone surrogate)."""
+    """What is wrong with a field of a write, in words, or None: longer than bound
+    characters, or holding a character that is not printable (a lone surrogate too)."""
     if value and len(value) > bound:
         return "the %s is %d characters; it may have at most %d" % (name, len(value), bound)
     if value and not value.isprintable():
         return "the %s holds a control character" % name
-    return None
 
 
 def given_time(value, what):
@@ -4730,9 +4728,9 @@ def flush_error(path, store=None):
 
 
 class Flusher:
-    # Delivers the outbox under the invariants of design.md: creation order, a lease
-    # and a fencing token per claimed row, the same Idempotency-Key on every attempt,
-    # one connection for the whole flush.
+    """Delivers the outbox under the invariants of design.md: creation order, a lease
+    and a fencing token per claimed row, the same Idempotency-Key on every attempt,
+    one connection for the whole flush."""
 
     def __init__(self, store, gateway, clock=time.time, lease_s=None, batch=CLAIM_BATCH):
         self.store, self.gateway, self.clock = store, gateway, clock
@@ -4741,13 +4739,6 @@ class Flusher:
         self.lease_s, self.batch = lease_s or max(LEASE_S, 2 * self.call_s), batch
         self.delivered = {}  # local id -> gateway id, for rows of this run
         self.refused = set()  # local ids the gateway refused in this run
-
-    def _reclaim_dead(self, now):
-        """Rows whose claimant is proven dead are free at once: a killed flusher must not
-        hold them for the rest of its lease. Nothing else ends a lease early."""
-        for token in self.store.outbox.claim_tokens(now):
-            if claimant_is_gone(token):
-                self.store.outbox.move("unlease", "claim_token=:token", token=token)
 
     def claim_new(self, local_id):
         """Inside the transaction that queues a write: claim it for its writer at once, so
@@ -4763,7 +4754,11 @@ class Flusher:
         now, token = self.clock(), claim_token()
         ready = READY + (" AND id=:only" if only is not None else "")
         with self.store.transaction():
-            self._reclaim_dead(now)
+            # Rows whose claimant is proven dead are free at once: a killed flusher must not
+            # hold them for the rest of its lease. Nothing else ends a lease early.
+            for dead in self.store.outbox.claim_tokens(now):
+                if claimant_is_gone(dead):
+                    self.store.outbox.move("unlease", "claim_token=:token", token=dead)
             self.store.outbox.move(
                 "claim", "rid IN (SELECT rid FROM outbox WHERE %s ORDER BY rid LIMIT :n)" % ready,
                 token=token, now=now, lease=self.lease_s, n=self.batch, only=only)
