@@ -5733,15 +5733,15 @@ def warn_if(name, bad, detail, advice):
 def doctor_local(config, config_error=None):
     """The checks that need no network: Python, SQLite, the database, the config, the
     breaker, the outbox, the import lag and the folders qmem.py writes in."""
-    return ([_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
-            + _doctor_db_note(config) + _doctor_database(config) + [_doctor_breaker(config)]
-            + _doctor_kept_aside(config) + _doctor_folders(config))
-
-
-def _doctor_db_note(config):
-    """qmem.py's own file beside another program's database (see local_db_path): said, as it
-    is no fault."""
-    return [check("database file", "ok", config.db_note)] if config.db_note else []
+    found = [_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
+    note = config.db_note  # qmem.py's own file beside another program's database: no fault
+    if note:
+        found.append(check("database file", "ok", note))
+    found += _doctor_database(config) + [_doctor_breaker(config)]
+    aside = kept_aside(config.db_path)
+    if aside["count"]:
+        found.append(check("kept aside", "warn", *kept_aside_words(aside)))
+    return found + _doctor_folders(config)
 
 
 def _doctor_python():
@@ -5935,12 +5935,6 @@ def _doctor_import_lag(store):
     return check("import", "ok", "last import %s" % (store.meta("last_import_at") or "never"))
 
 
-def _doctor_kept_aside(config):
-    """Texts kept aside and not stored since: a warning that says where and what to do."""
-    found = kept_aside(config.db_path)
-    return [check("kept aside", "warn", *kept_aside_words(found))] if found["count"] else []
-
-
 def _doctor_breaker(config):
     if not config["url"]:
         return check("breaker", "ok", "no gateway, no breaker")
@@ -6077,16 +6071,17 @@ def _probe_steps(config):
 
 
 def _timed(name, what, started, budget):
-    """A step of the link, from `started` to now, against the connect budget: too close to
-    it is a warning."""
+    """A step of the link, from `started` to now, against the connect budget (_too_slow)."""
     seconds = time.monotonic() - started
-    return warn_if(name, seconds > budget / 2, "%s in %d ms" % (what, seconds * 1000),
+    return _too_slow(name, "%s in %d ms" % (what, seconds * 1000), seconds, budget)
+
+
+def _too_slow(name, detail, seconds, budget):
+    """A check that warns when what took `seconds` took over half the connect budget, and
+    then advises three times that, in whole seconds."""
+    return warn_if(name, seconds > budget / 2, detail,
                    "connectTimeoutMs is %d: too tight for this link, use >= %d"
-                   % (round(budget * 1000), _suggested_budget_ms(seconds)))
-
-
-def _suggested_budget_ms(seconds):
-    return int(-(-seconds * 3 // 1)) * 1000  # three times what it took, in whole seconds
+                   % (round(budget * 1000), int(-(-seconds * 3 // 1)) * 1000))
 
 
 def _judge_status(resp, took, config, clock):
@@ -6096,10 +6091,8 @@ def _judge_status(resp, took, config, clock):
                       "is the URL the gateway's base URL?")]
     version = resp.data.get("version")  # (a 2xx answer is a JSON object: Gateway._parse)
     parts = [int(n) for n in re.findall(r"\d+", str(version or ""))[:3]]
-    found = [warn_if("status", took > config["connectTimeoutMs"] / 1000.0 / 2,
-                     "GET /v1/status took %.1f s" % took,
-                     "connectTimeoutMs is %d: too tight for this link, use >= %d"
-                     % (config["connectTimeoutMs"], _suggested_budget_ms(took))),
+    found = [_too_slow("status", "GET /v1/status took %.1f s" % took, took,
+                       config["connectTimeoutMs"] / 1000.0),
              check("api key", "ok", "accepted"),
              warn_if("gateway version", parts and parts < [2, 12, 0],
                      "the gateway is %s" % _shown(version),
