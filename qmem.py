@@ -5121,9 +5121,9 @@ class BundleError(QmemError):
 
 
 class _BundleWriter:
-    # The lines of a bundle, hashed and gzip-compressed as they are put (level 1: nine
-    # times faster than gzip's default 9, for a bundle about a third larger; one hash and
-    # one compress call per thousand lines).
+    """The lines of a bundle, hashed and gzip-compressed as they are put (level 1: nine
+    times faster than gzip's default 9, for a bundle about a third larger; one hash and
+    one compress call per thousand lines)."""
 
     def __init__(self, out, key):
         import gzip
@@ -5157,14 +5157,6 @@ class _BundleWriter:
         self.zipped.write((json.dumps(trailer, sort_keys=True) + "\n").encode("utf-8"))
         self.zipped.close()
 
-    def abandon(self):
-        """Closed once, here, after a failure: a GzipFile left to the collector would try
-        to write again."""
-        try:
-            self.zipped.close()
-        except OSError:
-            pass
-
 
 def write_bundle(store, out, projects=None, since=None, records=True, outbox=True, key=None):
     """Write a bundle to the binary stream out (streamed: memory stays flat), signed
@@ -5188,12 +5180,14 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
                 writer.put(dict(row, type="outbox"))
         writer.finish()
     except BaseException:
-        writer.abandon()
+        # closed once, here: a GzipFile left to the collector would try to write again
+        with contextlib.suppress(OSError):
+            writer.zipped.close()
         raise
     return counts
 
 
-def check_bundle(stream, name, key=None, copy=None):
+def check_bundle(stream, name, key, copy):
     """Read a bundle whole from a binary stream and return (its header, SIGNED or
     UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
     changed, is signed with another key or altered after signing, or is of a newer
@@ -5217,8 +5211,7 @@ def check_bundle(stream, name, key=None, copy=None):
                     count += 1
                 if header is None:
                     header = _bundle_header(line, name)
-                if copy is not None:
-                    copy.put(line)
+                copy.put(line)
                 previous = line
     except (OSError, EOFError, zlib.error) as e:
         raise BundleError("%s is not a complete qmem bundle (%s): nothing was loaded" % (
@@ -5256,23 +5249,19 @@ def _bundle_header(line, name):
 
 
 class _Prepend:
-    # A binary stream with some bytes put back in front of it.
+    """A binary stream with some bytes put back in front of it, read as GzipFile reads: so
+    many bytes at a time."""
 
     def __init__(self, head, stream):
         self.head, self.stream = head, stream
 
-    def read(self, size=-1):
-        if not self.head:
-            return self.stream.read(size)
-        head, self.head = self.head, b""
-        if size is not None and 0 <= size < len(head):
-            self.head = head[size:]
-            return head[:size]
-        return head + self.stream.read(-1 if size is None or size < 0 else size - len(head))
+    def read(self, size):
+        head, self.head = self.head[:size], self.head[size:]
+        return head + self.stream.read(size - len(head))
 
 
 class _Capped:
-    # A stream read to at most MAX_BUNDLE_BYTES.
+    """A stream read to at most MAX_BUNDLE_BYTES."""
 
     def __init__(self, stream, name):
         self.stream, self.name, self.size = stream, name, 0
@@ -5287,10 +5276,10 @@ class _Capped:
 
 
 class _Copy:
-    # A load's private copy of the lines it checked, as read, uncompressed: what is merged
-    # is what was checked, and is not decompressed twice. At most MAX_EXPANSION times the
-    # bytes read from `source` (a _Capped), past the first COPY_FREE bytes: a gzip bomb is
-    # refused before it fills the temporary folder. A full disk is said to be one.
+    """A load's private copy of the lines it checked, as read, uncompressed: what is merged
+    is what was checked, and is not decompressed twice. At most MAX_EXPANSION times the
+    bytes read from `source` (a _Capped), past the first COPY_FREE bytes: a gzip bomb is
+    refused before it fills the temporary folder. A full disk is said to be one."""
 
     def __init__(self, file, name, source):
         self.file, self.name, self.source, self.size = file, name, source, 0
@@ -5317,8 +5306,6 @@ class _Copy:
 
 MAX_BUNDLE_BYTES = 4 << 30  # compressed; a bundle of a million memories is a few hundred MiB
 COPY_FREE, MAX_EXPANSION = 64 << 20, 32  # a load's uncompressed copy: see _Copy
-
-
 MAX_BUNDLE_LINE = 1 << 20  # bytes; a record is at most a few hundred KiB
 MAX_BUNDLE_VALUES = 100000  # JSON values in one line: '[{},{},...]' of 1 MiB parses to 60 MB
 
@@ -5360,17 +5347,13 @@ def bundle_items(path):
                 continue
             try:
                 obj = _bundle_line(line, "line")
-            except BundleError:
+                # a record is cleaned of lone surrogates as the gateway's answers are, an
+                # outbox row's write is judged as it was written (rebuilt_write)
+                if obj.get("type") == "record":
+                    obj = without_escaped_surrogates(line.decode("utf-8"), obj)
+            except (BundleError, RecursionError):
                 yield None
                 continue
-            # a record is cleaned of lone surrogates as the gateway's answers are, an outbox
-            # row's write is judged as it was written (rebuilt_write)
-            if obj.get("type") == "record":
-                try:
-                    obj = without_escaped_surrogates(line.decode("utf-8"), obj)
-                except RecursionError:
-                    yield None
-                    continue
             if obj.get("type") in ("record", "outbox"):
                 yield obj
 
@@ -5434,8 +5417,7 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
     `store` checks them.
 
     The bundle is read in this process: a child reader cut the load of the records-only
-    export by 20% on two CPUs, under the 25% a child must earn (part 16).
-    """
+    export by 20% on two CPUs, under the 25% a child must earn (part 16)."""
     bulk = not dry_run and store.records.is_empty()
     if bulk:
         store.records.begin_bulk()  # an empty index: merge in bulk, build the FTS index once
@@ -5468,12 +5450,9 @@ def load_bundle(store, path, header, dry_run=False, max_mb=None, trust=SIGNED):
 
 
 def bundle_parts(path, trust, now, batched):
-    """What a checked copy holds, in order, as a load merges it.
-
-    ("rows", rows for Records.merge_many) in batches where it merges in bulk, else
-    ("record", (record, view)) each; ("outbox", row); ("skipped", None) for an item that
-    is none of them.
-    """
+    """What a checked copy holds, in order, as a load merges it: ("rows", rows for
+    Records.merge_many) in batches where it merges in bulk, else ("record", (record, view))
+    each; ("outbox", row); ("skipped", None) for an item that is none of them."""
     batch = []
     for item in bundle_items(path):
         if item is None or item["type"] == "outbox":
@@ -5501,7 +5480,7 @@ def bundle_parts(path, trust, now, batched):
 
 
 class _DryRun(Exception):
-    # Leaves a load's transaction rolled back, with what it would have done.
+    """Leaves a load's transaction rolled back, with what it would have done."""
 
     def __init__(self, stats):
         Exception.__init__(self, "dry run")
@@ -5598,13 +5577,6 @@ def rebuilt_write(row):
     return json.dumps(payload, ensure_ascii=False, sort_keys=True)
 
 
-def _held_summary(local_id, payload_text):
-    body = json.loads(payload_text)
-    return {"local_id": local_id, "project_id": body["project_id"], "kind": body["kind"],
-            "agent_id": body.get("agent_id") or "?", "source": body.get("source") or "?",
-            "text": body["text"][:120], "text_chars": len(body["text"])}
-
-
 def _load_outbox_row(store, row, stats, max_mb, trust):
     """One outbox row of a bundle: added here when new (held, from an unverified bundle),
     settling this machine's row when a signed bundle shows that very write delivered,
@@ -5625,7 +5597,7 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
         stats.outbox_not_needed += 1
     elif trust == UNVERIFIED:
         stats.outbox_unchanged += 1
-    elif not (here[0] == row.get("op") and _same_payload(here[1], row["payload"])):
+    elif not (here[0] == row.get("op") and _parsed(row["payload"]) == json.loads(here[1])):
         stats.skipped += 1  # not the write it claims to settle
     elif delivered and here[2] not in (SYNCED, DUPLICATE):  # (a held one was dropped above)
         _settle_loaded(store, row, state, stats)
@@ -5641,18 +5613,12 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
         stats.outbox_unchanged += 1
 
 
-def _is_object(payload):
+def _parsed(text):
+    """A bundle's JSON text as the value it holds; None when it is not JSON."""
     try:
-        return isinstance(json.loads(payload), dict)
+        return json.loads(text)
     except (ValueError, RecursionError):
-        return False
-
-
-def _same_payload(a, b):
-    try:
-        return json.loads(a) == json.loads(b)
-    except (ValueError, RecursionError):
-        return False
+        return None
 
 
 def _add_loaded_write(store, row, stats, max_mb, trust):
@@ -5670,17 +5636,21 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
         return
     except ValueError as e:
         stats.skipped += 1
-        if trust == SIGNED and store.records.get(local_id) is None and _is_object(row["payload"]):
+        if (trust == SIGNED and store.records.get(local_id) is None
+                and isinstance(_parsed(row["payload"]), dict)):
             store.outbox.refuse_loaded(local_id, row, str(e))  # so that the return bundle says so
         return
     if trust == UNVERIFIED:
-        # nobody vouched for it: it must not wait to be let out
-        if secret_in_write(json.loads(payload)):
+        body = json.loads(payload)
+        if secret_in_write(body):  # nobody vouched for it: it must not wait to be let out
             stats.skipped += 1
             return
         add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)
         store.records.set_origin([local_id], ORIGIN_UNVERIFIED)
-        stats.held.append(_held_summary(local_id, payload))
+        stats.held.append({"local_id": local_id, "project_id": body["project_id"],
+                           "kind": body["kind"], "agent_id": body.get("agent_id") or "?",
+                           "source": body.get("source") or "?", "text": body["text"][:120],
+                           "text_chars": len(body["text"])})
         return
     # Only a refusal's reason is the write's own; "breaker open, retry in 104 s" was the
     # other host's state.
