@@ -6084,11 +6084,10 @@ def _judge_status(resp, took, config, clock):
 # runs. `qmem.py install` writes a small launcher, `qmem`, that imports this file by
 # its path and runs main(), with the interpreter that installed it, isolated (-I: no
 # folder of the launcher's, no PYTHON* variable on sys.path). On 3.8+ Python caches the
-# code under the user's cache folder (sys.pycache_prefix), never beside qmem.py, and
-# runs it from there only if the launcher's cache_folder() (the one place of that rule)
-# finds the folder is the user's alone; it makes one only under a folder of theirs (a sudo
-# that keeps HOME leaves none of root's). Otherwise, and on 3.6 and 3.7, the launcher
-# compiles qmem.py at every run and reads or writes no compiled file, not even beside it.
+# code in the user's cache folder (sys.pycache_prefix), never beside qmem.py, when the
+# launcher's cache_folder() (the one place of that rule) trusts it (a sudo that keeps HOME
+# makes none of root's there). Otherwise, and on 3.6 and 3.7, the launcher compiles
+# qmem.py at every run and reads or writes no compiled file, not even beside it.
 
 LAUNCHER_MARK = "# qmem launcher, written by `qmem.py install`"
 LAUNCHER = '''#!%(python)s -I
@@ -6171,11 +6170,10 @@ def _remove_cache(folder, pycache):
             pass
 
 
-def install_launcher(bin_dir=None, uninstall=False, environ=None):
+def install_launcher(bin_dir=None, uninstall=False):
     """Write (or remove) the launcher DIR/qmem, replacing one qmem.py wrote (and the cache
     of an earlier release's); a file there that qmem.py did not write is left alone."""
-    environ = os.environ if environ is None else environ
-    home = environ.get("HOME") or os.path.expanduser("~")
+    home = os.environ.get("HOME") or os.path.expanduser("~")
     folder = os.path.abspath(os.path.expanduser(bin_dir or os.path.join(home, ".local", "bin")))
     path = os.path.join(folder, "qmem")
     ours = _launcher_is_ours(path)
@@ -6183,7 +6181,7 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
         raise UsageError("%s is not a launcher qmem.py wrote: leaving it alone" % path,
                          hint="move it aside, or choose another folder", fix=Fix("bin"))
     # The cache of the user running this, as the launcher works it out (cache_folder)
-    base = environ.get("XDG_CACHE_HOME") or ""
+    base = os.environ.get("XDG_CACHE_HOME") or ""
     user_cache = os.path.join(base if os.path.isabs(base) else os.path.join(home, ".cache"), "qmem")
     pycache = os.path.join(user_cache, "pycache")
     doc = {"action": "uninstall" if uninstall else "install", "launcher": path,
@@ -6214,7 +6212,7 @@ def install_launcher(bin_dir=None, uninstall=False, environ=None):
         raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
     _remove_cache(user_cache, pycache=False)
     on_path = any(p and os.path.realpath(p) == os.path.realpath(folder)
-                  for p in environ.get("PATH", "").split(os.pathsep))
+                  for p in os.environ.get("PATH", "").split(os.pathsep))
     return dict(doc, source=source, python=python, on_path=on_path)
 
 
