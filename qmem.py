@@ -4366,7 +4366,6 @@ def local_status(store):
     r = q("""SELECT count(*), sum(superseded_by IS NOT NULL), sum(deleted_at IS NOT NULL),
                     sum(private != 0), sum(view = 0), sum(pending = 1), sum(pending = 2)
              FROM records""").fetchone()
-    total = r[0]
     records = dict(zip(_RECORD_COUNTS, (n or 0 for n in r)),  # (a sum of no rows is NULL)
                    by_kind=counts("SELECT kind, count(*) FROM records GROUP BY kind "
                                   "ORDER BY 2 DESC"),
@@ -4381,14 +4380,13 @@ def local_status(store):
     size = sum(os.path.getsize(store.path + s) for s in ("", "-wal")
                if os.path.exists(store.path + s))
     files = counts("SELECT status, count(*) FROM files GROUP BY status")
+    complete = records["total"] - records["partial_only"]
     return {
         "source": "local_sqlite",
         "records": records,
         "outbox": outbox,
-        "coverage": {"complete": total - records["partial_only"],
-                     "search_hit_only": records["partial_only"],
-                     "complete_share": round((total - records["partial_only"]) / total, 4) if total
-                     else None},
+        "coverage": {"complete": complete, "search_hit_only": records["partial_only"],
+                     "complete_share": round(complete / r[0], 4) if r[0] else None},
         "lag": {"newest_entry_imported_at": store.meta("newest_entry_at"),
                 **{k: store.meta(k) for k in _LAST_TIMES}},
         "duplicates": {"groups": dups[0], "records": dups[1]},
@@ -4417,10 +4415,8 @@ def kept_aside_folders(db_path):
     """Where a write that could not be queued keeps its text: the database's folder, else the
     temporary one (neither where other users may write: see _kept_aside)."""
     folders = [os.path.dirname(os.path.abspath(db_path))]
-    try:
+    with contextlib.suppress(OSError):  # no usable temporary folder at all (FileNotFoundError)
         folders.append(tempfile.gettempdir())
-    except OSError:  # no usable temporary folder at all (FileNotFoundError)
-        pass
     return folders
 
 
