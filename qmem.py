@@ -4648,16 +4648,14 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
 RELEASE, RETRY = "release", "retry"  # give the row back untouched / try again after a delay
 
 
-class Outcome:
+class Outcome(collections.namedtuple("Outcome", "action row error status delay record sent "
+                                                "duplicate_of held tries")):
     """What became of one claimed outbox row: Flusher._send decides, _finish records;
     `tries`: the requests its call sent."""
-    tries = 0
+    __slots__ = ()
 
-    def __init__(self, action, row, error=None, status=None, delay=None, record=None, sent=None,
-                 duplicate_of=None, held=False):
-        self.action, self.row, self.error, self.status = action, row, error, status
-        self.delay = delay
-        self.record, self.sent, self.duplicate_of, self.held = record, sent, duplicate_of, held
+
+Outcome.__new__.__defaults__ = (None, None, None, None, None, None, False, 0)  # (from error on)
 
 
 class FlushStats:
@@ -4712,10 +4710,8 @@ def flush_error(path, store=None):
     """{'error', 'at'} of the last flush that failed here, or None."""
     value = None
     if store is not None:
-        try:
+        with contextlib.suppress(sqlite3.Error):
             value = store.meta(_FLUSH_ERROR)
-        except sqlite3.Error:
-            pass
     try:
         data = json.loads(value or _FLUSH_ERRORS.get(path) or "null")
     except ValueError:
@@ -4845,8 +4841,7 @@ class Flusher:
             outcome = self._failed_call(row, e, stats)
         else:
             outcome = self._judge(row, resp, value)
-        outcome.tries = self.gateway.tries
-        return outcome
+        return outcome._replace(tries=self.gateway.tries)
 
     def _failed_call(self, row, e, stats):
         """The Outcome of a send the gateway gave no answer to: an ambiguous one is tried
@@ -4929,8 +4924,7 @@ class Flusher:
                      tries=o.tries)
         if o.action in (RELEASE, RETRY):
             return self.store.outbox.move(o.action, delay=o.delay, **fence)
-        # SYNCED, DUPLICATE, FAILED or NOT_APPLIED; `other`: the record's gateway id, the
-        # memory that holds its text, or None
+        # `other`: the record's gateway id, the memory that holds its text, or None
         took = self.store.outbox.move(o.action, other=o.record["id"] if o.action == SYNCED
                                       else o.duplicate_of, **fence)
         if took:
@@ -4974,12 +4968,11 @@ class PullStats:
                 "unchanged": self.same}
 
 
-def pull(store, gateway, full=False, page_size=500, progress=None, stats=None):
-    """Incremental sync from GET /v1/memories:export. Each page's rows and the cursor
-    that follows them commit together, so an interrupted pull resumes with no gap and
-    no repeat. Returns PullStats; raises GatewayError when the gateway goes away."""
+def pull(store, gateway, stats, full=False, page_size=500, progress=None):
+    """Incremental sync from GET /v1/memories:export, counted in stats (a PullStats). Each
+    page's rows and the cursor that follows them commit together, so an interrupted pull
+    resumes with no gap and no repeat. Raises GatewayError when the gateway goes away."""
     from urllib.parse import urlencode
-    stats = stats or PullStats()
     if full:
         with store.transaction():
             store.conn.execute("DELETE FROM meta WHERE key IN ('pull_cursor', 'pull_since')")
