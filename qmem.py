@@ -5481,9 +5481,7 @@ def _bounded(rec):
     if (len(rec["id"]) > 100 or len(rec["text"] or "") > MAX_TEXT
             or len(rec["project_id"] or "") > MAX_PROJECT):
         return False
-    fields = _BOUNDED_FIELDS(rec)  # (all of them together, as a rule, are within one bound)
-    return (len("".join(filter(None, fields))) <= MAX_FIELD
-            or all(len(v) <= MAX_FIELD for v in fields if v))
+    return all(len(v) <= MAX_FIELD for v in _BOUNDED_FIELDS(rec) if v)
 
 
 _BOUNDED_FIELDS = operator.itemgetter("kind", "scope", "agent_id", "source", "supersede_reason",
