@@ -5688,8 +5688,7 @@ def warn_if(name, bad, detail, advice):
 
 
 def doctor_local(config, config_error=None):
-    """The checks that need no network: Python, SQLite, the database, the config, the
-    breaker, the outbox, the import lag and the folders qmem.py writes in."""
+    """The checks that need no network (`doctor --offline`)."""
     found = [_doctor_python(), _doctor_sqlite()] + _doctor_config(config, config_error)
     note = config.db_note  # qmem.py's own file beside another program's database: no fault
     if note:
@@ -5881,10 +5880,8 @@ def _doctor_import_lag(store):
     last = parse_iso(store.meta("last_import_at") or "")
     newest = 0.0
     for path in session_files(session_dirs()):
-        try:
+        with contextlib.suppress(OSError):
             newest = max(newest, os.stat(path).st_mtime)
-        except OSError:
-            continue
     if newest and (last is None or newest > last):
         return check("import", "warn",
                      "pi sessions changed %s ago and are not imported yet" % duration(
@@ -5933,8 +5930,9 @@ def _doctor_folders(config):
              os.path.dirname(os.path.abspath(config.breaker_path)),
              "the breaker's state stays in each process's memory",
              "or set QMEM_BREAKER_FILE to a file elsewhere")):
-        folder = os.path.abspath(folder)
-        where = _nearest_folder(folder)
+        folder = where = os.path.abspath(folder)
+        while not os.path.isdir(where) and os.path.dirname(where) != where:
+            where = os.path.dirname(where)
         if where in seen:
             continue
         seen.add(where)
@@ -5947,13 +5945,6 @@ def _doctor_folders(config):
         return found
     return [check("folders", "ok", "HOME, and the folders of the config, the database and the "
                   "breaker, can be written")]
-
-
-def _nearest_folder(path):
-    """path (absolute), or its nearest parent that exists (where it would be made)."""
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
 
 
 def doctor_link(config, clock=time.time):
