@@ -6136,16 +6136,12 @@ def _remove_cache(folder, pycache):
     if os.path.islink(folder):
         return
     for path in glob.glob(os.path.join(glob.escape(folder), "qmem.*.code*")):
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(path)
-        except OSError:
-            pass
     if pycache:
         shutil.rmtree(os.path.join(folder, "pycache"), ignore_errors=True)  # (never via a link)
-        try:
+        with contextlib.suppress(OSError):  # not empty: something else is kept there
             os.rmdir(folder)
-        except OSError:  # not empty: something else is kept there
-            pass
 
 
 def install_launcher(bin_dir=None, uninstall=False):
