@@ -5526,14 +5526,19 @@ def _merge_batch(store, batch, stats, trust):
     stats.records_unchanged += len(batch) - new - updated
 
 
+def _parsed(text):
+    """A bundle's JSON text as the value it holds; None when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def rebuilt_write(row):
     """The payload of a bundle's outbox row, rebuilt from qmem's own fields with the checks
     and bounds of `store` (an expiry judged against when the write was made); ValueError
     names what is wrong. Fields qmem does not write are dropped."""
-    try:
-        body, created = json.loads(row["payload"]), row.get("created_at")
-    except (TypeError, ValueError, RecursionError, KeyError):
-        raise ValueError("not a write of qmem.py")
+    body, created = _parsed(row["payload"]), row.get("created_at")
     if isinstance(created, bool) or not isinstance(created, (int, float)):
         raise ValueError("not a write of qmem.py (no time it was made)")
     if not (isinstance(body, dict) and 0 < created < 1e11 and row.get("op")
@@ -5600,14 +5605,6 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
         stats.outbox_unchanged += 1
 
 
-def _parsed(text):
-    """A bundle's JSON text as the value it holds; None when it is not JSON."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
 def _add_loaded_write(store, row, stats, max_mb, trust):
     local_id = row["id"]
     if trust == SIGNED:
@@ -5653,17 +5650,16 @@ def _settle_loaded(store, row, state, stats):
     correction of it that was not applied there (409 duplicate: NOT_APPLIED, whatever
     the bundle's qmem.py called it)."""
     other = row.get("gateway_id") if state == SYNCED else row.get("duplicate_of")
+    other = other if isinstance(other, str) and UUID_RE.fullmatch(other) else None
     if state == NOT_APPLIED or (state == DUPLICATE and row["op"] == "correct"):
-        if store.outbox.not_applied(row["id"], other if isinstance(other, str)
-                                    and UUID_RE.fullmatch(other) else None):
+        if store.outbox.not_applied(row["id"], other):
             stats.outbox_not_applied += 1
         else:
             stats.outbox_unchanged += 1
         return
     # The record it was delivered as must be known (the bundle's records are merged
     # first), and a write is never the duplicate of itself.
-    if not (isinstance(other, str) and UUID_RE.fullmatch(other) and other != row["id"]
-            and store.records.get(other) is not None):
+    if not (other and other != row["id"] and store.records.get(other) is not None):
         stats.skipped += 1
         return
     store.outbox.settle_write(row["id"], state, other)
