@@ -4088,8 +4088,7 @@ def fts_expression(level, every, store):
     is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
     our own filter on the text column (and its identifiers' words, where the store's
     index has them), a prefix where asked; a word's forms joined by OR, the words by AND
-    (every word) or OR (any word). Project and kind are filters (--project, --kind), not
-    words."""
+    (every word) or OR (any word). Project and kind are filters, not words."""
     columns = "{text words}" if store.records.fts_words else "text"
 
     def term(text, prefix):
@@ -4434,12 +4433,10 @@ def kept_aside(db_path):
         except OSError:
             continue
         for entry in entries:
-            try:
+            with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            if stat.S_ISREG(st.st_mode) and mine in (None, st.st_uid):
-                files.append(entry.path)
+                if stat.S_ISREG(st.st_mode) and mine in (None, st.st_uid):
+                    files.append(entry.path)
     files.sort(key=os.path.basename)  # (a name starts with when it was kept)
     return {"count": len(files), "folders": sorted({os.path.dirname(f) for f in files}),
             "files": files}
