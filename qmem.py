@@ -4680,8 +4680,7 @@ class FlushStats:
 
 # A flush that failed on this machine's side (the disk, the database), not the gateway's:
 # its writes are stuck, and every later result says so until a flush ends without such
-# an error. Kept in the meta table, where every process sees it, or, where the database
-# cannot take even that, in this process.
+# an error. Kept in the meta table, where every process sees it.
 _FLUSH_ERROR = "flush_error"
 _FLUSH_ERRORS = {}  # database path -> the error, when its meta row could not be written
 
