@@ -6120,10 +6120,9 @@ def _launcher_is_ours(path):
 
 
 def _remove_cache(folder, pycache):
-    """Remove from the user's cache folder what launchers cached there: the files in which
-    the previous release's launcher kept its compiled code itself (qmem.TAG.code, and a
-    qmem.TAG.code.PID left half written) and, when pycache, this one's pycache folder.
-    A folder that is a link is left alone."""
+    """Remove from the user's cache folder (not a link) what launchers cached there: the
+    files in which the previous release's launcher kept its compiled code (qmem.TAG.code,
+    and a qmem.TAG.code.PID left half written) and, when pycache, this one's folder."""
     import glob
     if os.path.islink(folder):
         return
