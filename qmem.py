@@ -4596,9 +4596,8 @@ def enqueue(store, op, payload):
 def enqueue_once(store, op, payload, claim=None, max_mb=None):
     """enqueue(), unless the very same write still waits here (a call retried, a model
     asking twice): then it is that write. claim(local_id) -> token, when given, claims
-    a new write in the same transaction. OutboxFull when the writes not yet settled
-    would pass max_mb. Returns (local id, whether it was waiting, the claim's token or
-    None)."""
+    a new write in the same transaction. Returns (local id, whether it was waiting, the
+    claim's token or None)."""
     payload_text = json.dumps(payload, ensure_ascii=False, sort_keys=True)
     with store.transaction():
         waiting = store.outbox.waiting_write(op, payload_text)
@@ -4613,9 +4612,8 @@ def enqueue_once(store, op, payload, claim=None, max_mb=None):
 
 def check_outbox_room(store, size, max_mb, held=False):
     """Inside a transaction: OutboxFull unless `size` more bytes fit in max_mb (the
-    payloads of the writes not yet settled: waiting or refused; settled ones do not
-    count). Held writes have a bound of their own: a bundle nobody vouched for must not
-    fill the room of the user's own writes."""
+    payloads of the writes not yet settled: waiting or refused). Held writes have a bound
+    of their own: a bundle nobody vouched for must not fill the room of the user's own."""
     if max_mb is not None and store.outbox.payload_bytes(held) + size > max_mb << 20:
         raise OutboxFull(
             "the outbox is full: the writes waiting here take more than outboxMaxMB (%d MB)"
@@ -4702,16 +4700,21 @@ def clear_flush_error(store):
             store.conn.execute("DELETE FROM meta WHERE key=?", (_FLUSH_ERROR,))
 
 
+def _parsed(text):
+    """JSON text as the value it holds; None when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def flush_error(path, store=None):
     """{'error', 'at'} of the last flush that failed here, or None."""
     value = None
     if store is not None:
         with contextlib.suppress(sqlite3.Error):
             value = store.meta(_FLUSH_ERROR)
-    try:
-        data = json.loads(value or _FLUSH_ERRORS.get(path) or "null")
-    except ValueError:
-        return None
+    data = _parsed(value or _FLUSH_ERRORS.get(path) or "null")
     return data if isinstance(data, dict) and isinstance(data.get("error"), str) else None
 
 
@@ -5083,8 +5086,7 @@ REFRESH_BY = {False: "`qmem.py pull`", True: "bundle loaded here (`qmem.py load`
 
 
 def by_bundles(url, store, loading=False):
-    """Does this host exchange with the shared memory by bundles? So it does when no gateway
-    is configured and a bundle was loaded here (meta last_load_at), or is being loaded."""
+    """Does this host exchange with the shared memory by bundles (no gateway, one loaded)?"""
     return not url and (loading or store.meta("last_load_at") is not None)
 
 
@@ -5520,14 +5522,6 @@ def _merge_batch(store, batch, stats, trust):
     stats.records_new += new
     stats.records_updated += updated
     stats.records_unchanged += len(batch) - new - updated
-
-
-def _parsed(text):
-    """A bundle's JSON text as the value it holds; None when it is not JSON."""
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
 
 
 def rebuilt_write(row):
