@@ -4654,8 +4654,7 @@ Outcome.__new__.__defaults__ = (None, None, None, None, None, None, False, 0)  #
 
 
 class FlushStats:
-    """What a flush did, counted from the outcomes it could record (a flusher whose
-    lease was taken over records nothing, and counts nothing)."""
+    """What a flush did, counted from the outcomes it could record (Flusher._finish)."""
     stopped = None     # why the flush stopped early, or None
     stop_error = None  # the GatewayError that stopped it
 
@@ -4765,8 +4764,7 @@ class Flusher:
     def run(self, only=None, budget_s=None, progress=None, claimed=None):
         """Flush ready rows (or just the row `only`, or the rows claimed with token `claimed`)
         until none is left, the gateway goes away, or budget_s seconds have passed.
-        Returns FlushStats. Interrupted, it records what was answered and gives the
-        rest back."""
+        Returns FlushStats."""
         stats = FlushStats()
         give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
