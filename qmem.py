@@ -5133,8 +5133,7 @@ class _BundleWriter:
             del self.pending[:]
 
     def finish(self):
-        """The trailer: the count of lines and the SHA-256 of every byte before it (and,
-        with a key, their HMAC and the key's id)."""
+        """The trailer (see the section's note; with a key, their HMAC and the key's id)."""
         self._flush()
         trailer = {"type": "end", "lines": self.lines, "sha256": self.digest.hexdigest()}
         if self.mac is not None:
@@ -5485,8 +5484,7 @@ _BOUNDED_FIELDS = operator.itemgetter("kind", "scope", "agent_id", "source", "su
 
 
 def _merge_record(store, rec, view, trust, stats, now):
-    """One record of a bundle (not of a bulk load), by the bundle's trust (an unverified
-    bundle's record hides nothing: bundle_parts cleared what it supersedes)."""
+    """One record of a bundle (not of a bulk load), by the bundle's trust."""
     origin = store.records.origin_of(rec["id"])
     if trust == UNVERIFIED and origin is not None:
         stats.records_unchanged += 1  # known here: an unverified view never replaces it
