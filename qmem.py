@@ -6094,9 +6094,8 @@ if __name__ == "__main__":
 
 
 def _launcher_is_ours(path):
-    """None when there is no file at path, else whether it is a launcher qmem.py wrote, of
-    this release or an earlier one (they carry the same mark); a link or anything but a
-    regular file is not."""
+    """None when there is no file at path, else whether it is a launcher qmem.py wrote (of
+    any release: they carry the same mark); a link or anything but a regular file is not."""
     try:
         if not stat.S_ISREG(os.lstat(path).st_mode):
             return False
