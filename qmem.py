@@ -5690,13 +5690,12 @@ def _doctor_python():
 
 def _doctor_sqlite():
     tokenizer = fts5_tokenizer()
-    detail = "SQLite %s, %s" % (sqlite3.sqlite_version,
-                                "FTS5 " + tokenizer if tokenizer else "no FTS5")
     advice = ("find uses a slower LIKE scan, newest first rather than ranked: a Python "
               "with a newer SQLite searches better" if tokenizer is None
               else "SQLite older than 3.24: imports merge row by row (slower)" if not HAS_UPSERT
               else None)
-    return warn_if("sqlite", advice, detail, advice)
+    return warn_if("sqlite", advice, "SQLite %s, %s" % (
+        sqlite3.sqlite_version, "FTS5 " + tokenizer if tokenizer else "no FTS5"), advice)
 
 
 def _doctor_config(config, config_error):
