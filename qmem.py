@@ -4145,8 +4145,8 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     """Lexical search of the local index, level by level (search_levels), until `limit`
     records are found (an exact query that fills it stops at once); then each record
     ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
-    newest first). Every result carries its own level ('match'); the document's is the
-    best one present: 'all'|'stemmed'|'fuzzy'|'any'|'none'."""
+    newest first). Returns {'match', 'results'}: every result carries its own level
+    ('match': 'all'|'stemmed'|'fuzzy'|'any'), the document the best one present or 'none'."""
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
