@@ -5133,7 +5133,7 @@ class _BundleWriter:
             del self.pending[:]
 
     def finish(self):
-        """The trailer (see the section's note; with a key, their HMAC and the key's id)."""
+        """The trailer of the section's note (and with a key, the HMAC and the key's id)."""
         self._flush()
         trailer = {"type": "end", "lines": self.lines, "sha256": self.digest.hexdigest()}
         if self.mac is not None:
