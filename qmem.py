@@ -4639,8 +4639,7 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
         store.records.mark_waiting(local_id, target if state == PENDING else None)
 
 
-# What a flush does with a claimed row, beside the final states.
-RELEASE, RETRY = "release", "retry"  # give the row back untouched / try again after a delay
+RELEASE, RETRY = "release", "retry"  # beside the final states: give back untouched / retry later
 
 
 class Outcome(collections.namedtuple("Outcome", "action row error status delay record sent "
@@ -4718,9 +4717,8 @@ def flush_error(path, store=None):
 
 
 class Flusher:
-    """Delivers the outbox under the invariants of design.md: creation order, a lease
-    and a fencing token per claimed row, the same Idempotency-Key on every attempt,
-    one connection for the whole flush."""
+    """Delivers the outbox under the invariants of design.md (see the section's note), in
+    creation order, over one connection for the whole flush."""
 
     def __init__(self, store, gateway, clock=time.time, lease_s=None, batch=CLAIM_BATCH):
         self.store, self.gateway, self.clock = store, gateway, clock
