@@ -5173,8 +5173,7 @@ def check_bundle(stream, name, key, copy):
     """Read a bundle whole from a binary stream and return (its header, SIGNED or
     UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
     changed, is signed with another key or altered after signing, or is of a newer
-    format. Nothing past the first line is read before that line is a bundle's header.
-    Every line checked is put in `copy` (a _Copy)."""
+    format. Nothing past the first line is read before that line is a bundle's header."""
     import gzip
     import hashlib
     import hmac
