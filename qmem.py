@@ -9588,7 +9588,7 @@ def run_command(argv):
         err = unexpected_error(e, ops)
         if debug and err.kind == "internal":
             raise
-        render_error(err, json_mode)
+        render_error(err, json_mode, doc_out)
         return err.exit_code
     finally:
         if ops is not None:

@@ -8000,6 +8000,12 @@ class CliTests(GatewayTestCase):
                            universal_newlines=True, preexec_fn=lambda: os.close(1))
         self.assertNotIn("Traceback", p.stderr)
 
+    def test_an_interrupted_export_to_stdout_leaves_stdout_to_the_bundle(self):
+        with mock.patch.object(qmem.CarryOps, "export", side_effect=KeyboardInterrupt):
+            code, out, err = self.run_cli("export", "-", "--json")
+        self.assertEqual((code, out), (130, ""))
+        self.assertEqual(json.loads(err)["error"]["kind"], "interrupted")
+
     def test_a_reader_that_went_away_is_no_error(self):
         # Part 16: `qmem.py find x | head -1` gives no traceback and no "Exception ignored"
         # from the flush at exit, as a script (exit_now) and where a caller ends the process
