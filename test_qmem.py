@@ -8004,7 +8004,7 @@ class CliTests(GatewayTestCase):
         with mock.patch.object(qmem.CarryOps, "export", side_effect=KeyboardInterrupt):
             code, out, err = self.run_cli("export", "-", "--json")
         self.assertEqual((code, out), (130, ""))
-        self.assertEqual(json.loads(err)["error"]["kind"], "interrupted")
+        self.assertEqual(json.loads(err.splitlines()[-1])["error"]["kind"], "interrupted")
 
     def test_a_reader_that_went_away_is_no_error(self):
         # Part 16: `qmem.py find x | head -1` gives no traceback and no "Exception ignored"
