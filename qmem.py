@@ -4174,7 +4174,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
             break
     if not found:
         return {"match": "none", "results": []}
-    ranked = _ranked(list(found.values()), levels)[:limit]
+    ranked = _corrections_first(_ranked(list(found.values()), levels))[:limit]
     rows = [row for row, _ in ranked]
     if use_fts:
         rows = _snippets(store, rows, [sorted(set(terms))], highlight)  # any term asked
@@ -4227,6 +4227,21 @@ def _ranked(found, levels):
         scored.append(((-matched, -sum(c + 0.49 * share for c, share in best), n),
                        (row, level)))
     return [item for _, item in sorted(scored, key=lambda pair: pair[0])]
+
+
+def _corrections_first(ranked):
+    """The ranked (row, level) list with each correction found placed just above the record
+    it replaced (its superseded_by: shown with --include-superseded), the newest first."""
+    by_id = {item[0][0]: item for item in ranked}
+    placed, out = set(), []
+    for row, _ in ranked:
+        chain, rid = [], row[0]
+        while rid in by_id and rid not in placed and rid not in chain:
+            chain.append(rid)
+            rid = by_id[rid][0][8]  # (r.superseded_by)
+        out += [by_id[rid] for rid in reversed(chain)]
+        placed.update(chain)
+    return out
 
 
 def _term_classes(levels):

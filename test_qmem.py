@@ -3294,6 +3294,19 @@ class FindTests(QmemTestCase):
         self.assertIn(UUIDS[3], self.find_ids("alpha", "--private"))
         self.assertIn(UUIDS[4], self.find_ids("alpha", "--include-expired"))
 
+    def test_a_correction_ranks_above_the_record_it_replaced(self):
+        # Part 17: shown together (--include-superseded, search's fallback, MCP), BM25 put
+        # the shorter, older text first, and the record it replaced above a correction.
+        self.put(0, "Staging certificate: staging uses Let's Encrypt", superseded_by=UUIDS[1])
+        self.put(1, "The certificate of staging now comes from our own CA, renewed monthly",
+                 supersedes_id=UUIDS[0], superseded_by=UUIDS[2])
+        self.put(2, "Since May the staging certificate is issued by Vault, each week, by the "
+                 "job that also renews production's", supersedes_id=UUIDS[1])
+        self.put(3, "staging certificate")
+        self.assertEqual(self.find_ids("staging certificate"), [UUIDS[3], UUIDS[2]])
+        self.assertEqual(self.find_ids("staging certificate", "--include-superseded"),
+                         [UUIDS[3], UUIDS[2], UUIDS[1], UUIDS[0]])
+
     def test_find_says_what_it_left_out(self):
         self.put_record(UUIDS[0], "segreto di stato", private=True)
         self.put_record(UUIDS[1], "vecchia verità", superseded_by=UUIDS[2])
