@@ -4264,8 +4264,13 @@ def _best_match(joined, word, terms):
         at = joined.find(" %s%s" % (parts, "" if prefix else " "))
         if at >= 0:
             token = joined[at + 1:joined.index(" ", at + 1 + len(parts))]
+            if prefix and klass < _WORD_CLASS["all"] and token[len(parts):] not in _ENDINGS:
+                klass -= 1  # another word that starts alike (chiave*: chiavetta), not a form
             return klass, len(os.path.commonprefix([word, token])) / max(len(word), len(token))
     return 0, 0
+
+
+_ENDINGS = frozenset(("",) + _EN_SUFFIXES + _IT_SUFFIXES)
 
 
 def _visibility(f):
