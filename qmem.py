@@ -53,6 +53,7 @@ import collections
 import contextlib
 import datetime
 import functools
+import itertools
 import json
 import math
 import operator
@@ -4174,6 +4175,10 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
             break
     if not found:
         return {"match": "none", "results": []}
+    # (fewer found, or none with every word: no record left out holds a name of them all)
+    if use_fts and len(found) >= limit and any(m != "any" for _, m in found.values()):
+        for row in _name_rows(store, levels, [r for r, _ in found.values()], where, params, limit):
+            found.setdefault(row[0], (row, "fuzzy"))  # (its real level: _ranked)
     ranked = _corrections_first(_ranked(list(found.values()), levels))[:limit]
     rows = [row for row, _ in ranked]
     if use_fts:
@@ -4216,7 +4221,10 @@ def _ranked(found, levels):
     start: lines before linear for line), then as found (BM25)."""
     words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
     classes = _term_classes(levels)
-    scored = []
+    # (one word of one part is the same wherever it stands; short stems make no name)
+    names = [[("".join(_PARTS.findall(t)), p) for c, t, p in terms if p or c != _STEM_CLASS]
+             for terms in classes] if sum(len(_PARTS.findall(w)) for w in words) > 1 else []
+    scored, seen = [], {}
     for n, (row, match) in enumerate(found):
         joined = " %s %s " % (" ".join(_PARTS.findall(_fold(row[1]))), identifier_words(row[1]))
         best = [_best_match(joined, w, terms) for w, terms in zip(words, classes)]
@@ -4224,8 +4232,8 @@ def _ranked(found, levels):
         worst = max(floor, min(c for c, _ in best))
         level = next(m for m in _WORD_CLASS if _WORD_CLASS[m] <= worst or m == "any")
         matched = len(best) if floor else sum(1 for c, _ in best if c)
-        scored.append(((-matched, -sum(c + 0.49 * share for c, share in best), n),
-                       (row, level)))
+        scored.append(((-matched, -_name_score(row[1], names, seen) if names else 0,
+                        -sum(c + 0.49 * share for c, share in best), n), (row, level)))
     return [item for _, item in sorted(scored, key=lambda pair: pair[0])]
 
 
@@ -4271,6 +4279,40 @@ def _best_match(joined, word, terms):
 
 
 _ENDINGS = frozenset(("",) + _EN_SUFFIXES + _IT_SUFFIXES)
+_NAME_TOKEN = re.compile(r"\w+(?:\.\w+)*")  # a name of code has "_", dots or a hump inside
+
+
+def _name_score(text, names, seen):
+    """How many parts of one name of code in text (snake_case, CamelCase, dotted: the most
+    of any name) the query's words cover, each word a run of its parts in any order,
+    joined or not (names: each word's terms, [(letters, prefix?)]); 0 below two: a name
+    above the same words scattered in prose. seen: {name: its count}, for this query."""
+    tokens = _NAME_TOKEN.findall(text or "")
+    for token in set(tokens).difference(seen):
+        seen[token] = 0
+        if "_" in token or "." in token or token[1:] != token[1:].lower():
+            whole, covered = _fold(token).replace("_", "").replace(".", ""), set()
+            parts = [_fold(p) for piece in re.split(r"[_.]+", token) if piece for p in (
+                _CAMEL_PART.findall(piece) if max(piece) < "\x80" else [piece])]
+            for terms in names:
+                covered.update(next((run for run in (_run_of(parts, t, p) for t, p in terms
+                                                     if t and t in whole) if run), ()))
+            seen[token] = len(covered)
+    best = max(map(seen.get, tokens), default=0)
+    return best if best >= 2 else 0
+
+
+def _run_of(parts, term, prefix):
+    """The positions of the run of parts that spells term (its start, if a prefix)."""
+    for i in range(len(parts)):
+        spelt = ""
+        for j in range(i, len(parts)):
+            spelt += parts[j]
+            if spelt == term or (prefix and spelt.startswith(term)):
+                return range(i, j + 1)
+            if not term.startswith(spelt):
+                break
+    return None
 
 
 def _visibility(f):
@@ -4305,6 +4347,36 @@ def _fts_query(store, level, every, where, params, limit, highlight, snippets):
 
 
 _SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Records.fts_table)
+MAX_NAME_WORDS = 4  # a longer query is no name of code typed as words
+MAX_NAME_ROWS = 100  # records with those words near each other looked at, the newest first
+
+
+def _name_rows(store, levels, rows, where, params, limit):
+    """Rows (as _fts_query's, no snippets) of records holding a name of code made of the
+    query's words (_name_score), which BM25 can leave out of `rows` among records holding
+    them in prose (unless 3 of `rows` hold one): of the newest MAX_NAME_ROWS with the words
+    near each other, in any order, as typed, a prefix form or a near spelling."""
+    near, exact = _WORD_CLASS["fuzzy"], _WORD_CLASS["all"]
+    terms = [[(t, p) for c, t, p in klass if c == near][:3] or
+             [(t, p) for c, t, p in klass if (c > near and p) or c == exact][:3]
+             for klass in _term_classes(levels)]  # (a typo's near spellings, or the word's)
+    names, seen = [[("".join(_PARTS.findall(t)), p) for t, p in alts] for alts in terms], {}
+    whole = sum(len(_PARTS.findall(alts[0][0])) for alts in terms if alts)
+    if (not 1 <= len(terms) <= MAX_NAME_WORDS or whole < 2 or not all(terms) or sum(
+            _name_score(row[1], names, seen) >= whole for row in rows) >= 3):
+        return []
+    columns = "{text words}" if store.records.fts_words else "text"
+    groups = [" ".join('"%s"%s' % (t.replace('"', '""'), "*" if p else "") for t, p in combo)
+              for combo in itertools.islice(itertools.product(*terms), 8)]
+    # (newest first, not by BM25: its weights would count the records of each word)
+    sql = ("SELECT %s, NULL, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid WHERE {0} MATCH ?"
+           " AND %s ORDER BY {0}.rowid DESC LIMIT ?" % (_RESULT_COLUMNS, " AND ".join(where))
+           ).format(store.records.fts_table)
+    rows = store.conn.execute(sql, [" OR ".join("%s : NEAR(%s, 2)" % (columns, g) for g in groups)]
+                              + params + [MAX_NAME_ROWS]).fetchall()
+    scored = [(-_name_score(row[1], names, seen), len(row[1]), n, row)
+              for n, row in enumerate(rows)]
+    return [row for score, _, _, row in sorted(scored) if score][:limit]  # the shortest first
 
 
 def _snippets(store, rows, level, highlight):
