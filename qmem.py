@@ -1948,7 +1948,10 @@ def _reason(e):
 # job it is, which calls the other by name (outbox.settle_write -> records.adopt).
 
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
-SCHEMA_VERSION = 6  # what each schema brought: the docstrings of MIGRATIONS
+SCHEMA_VERSION = 7  # what each schema brought: the docstrings of MIGRATIONS
+# An agent started before qmem.py was upgraded runs the older one, which refuses a database of
+# a newer schema (an MCP server that had it open fails to use it from the next migration on).
+RESTART_AGENTS = "restart the agents (their MCP servers) started before qmem.py was upgraded"
 # Outbox states (the CHECK of the outbox table). Held: from an unverified bundle, never
 # sent until the user releases it.
 PENDING, SENDING, SYNCED, DUPLICATE, FAILED, HELD = OUTBOX_STATES = (
@@ -2210,6 +2213,7 @@ _LINK_SUPERSESSIONS = """
                AND pending != 2 AND origin != 2)
 """
 HEALED = "healed_not_applied"  # meta: what _m006_not_applied made live again, for `doctor`
+UPGRADED = "upgraded"  # meta: the schema a database was last brought up from, and when
 
 
 def _m006_not_applied(conn):
@@ -2239,16 +2243,51 @@ def _m006_not_applied(conn):
                      (HEALED, json.dumps({"at": iso_now(), "ids": healed})))
 
 
+def _m007_folding(conn):
+    """Schema 7: the index holds each text as _fold folds it, the query's own folding in
+    every script (FTS5's unicode61 folded the accents of Latin letters only), and a fifth
+    column, its pairs of Chinese, Japanese and Korean characters (cjk_pairs). It is made
+    anew here, under a new name (records_search: a qmem.py of schema 6 still running then
+    fails to write to it rather than damage it), with progress on a terminal; without
+    FTS5, the folded texts, and their words at the next search. The outbox is untouched."""
+    fts = conn.execute("SELECT value FROM meta WHERE key='fts'").fetchone()[0]
+    progress = Progress("search index")
+    count, last = conn.execute("SELECT count(*), coalesce(max(rid), 0) FROM records").fetchone()
+    if fts != "none":
+        _script(conn, """
+        DROP VIEW IF EXISTS records_words;
+        CREATE VIEW records_words AS SELECT rid, qmem_fold(text) AS text, project_id, kind,
+          coalesce(words, qmem_words(text)) AS words, qmem_pairs(text) AS pairs FROM records;
+        DROP TABLE IF EXISTS records_fts;
+        DROP TABLE IF EXISTS records_index;
+        DROP TABLE IF EXISTS records_search;
+        CREATE VIRTUAL TABLE records_search USING fts5(%s, words, pairs,
+          content='records_words', content_rowid='rid', tokenize='%s');
+        INSERT OR REPLACE INTO meta VALUES('fts_words', '1');
+        DELETE FROM meta WHERE key IN ('words_pending', 'fts_pending');
+        """ % (_FTS_COLUMNS, fts[len("fts5 "):]))
+    sql = ("INSERT INTO records_search(rowid, {0}, words, pairs) SELECT rid, {0}, words, pairs "
+           "FROM records_words".format(_FTS_COLUMNS) if fts != "none"
+           else "UPDATE records SET folded = qmem_fold(text)")
+    done = 0
+    for start in range(0, last, 10000):  # (in steps, to show progress)
+        done += conn.execute(sql + " WHERE rid > ? AND rid <= ?", (start, start + 10000)).rowcount
+        progress.update("made anew for words in every script: %d of %d records" % (done, count))
+    conn.execute("UPDATE meta SET value = value + 1 WHERE key = 'folded_changes'")
+    progress.done()
+
+
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
 MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words, _m005_kept_words,
-              _m006_not_applied]
+              _m006_not_applied, _m007_folding]
 # A read-only database is read as it is, without its migrations, from schema 3 on (before,
 # records do not say where each came from: find and export need to). What MIGRATIONS[n]
 # brings, that one of schema n goes without:
 READ_AS_IT_IS_FROM = 3
 SCHEMA_GAINS = {3: "identifiers found by their parts (ThreadPool: thread pool)",
                 4: "identifiers' parts kept with each record (a faster rebuild of the index)",
-                5: "corrections answered 409 duplicate no longer hide what they corrected"}
+                5: "corrections answered 409 duplicate no longer hide what they corrected",
+                6: "words found as typed in every script (ёлка: елка, νύχτα, सर्वर, 金曜日)"}
 
 
 def schema_gains(version):
@@ -2274,12 +2313,51 @@ def fts5_tokenizer():
     return None
 
 
+# What _fold takes away: the marks of Latin, Greek and Cyrillic letters (and the other
+# combining marks of their blocks), Hebrew niqqud and Arabic harakat; never the vowel
+# signs and viramas of Indic scripts and Thai, nor the voicing marks of kana (parts of
+# the letter). Letters that do not decompose are folded by a table.
+_FOLDED_MARKS = re.compile("[\u0300-\u036f\u0591-\u05bd\u05bf\u05c1\u05c2\u05c4\u05c5"
+                           "\u05c7\u064b-\u065f\u0670\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff"
+                           "\ufe20-\ufe2f]")
+_FOLDED_LETTERS = str.maketrans({"đ": "d", "ð": "d", "ħ": "h", "ı": "i", "ł": "l", "ø": "o",
+                                 "ŧ": "t", "æ": "ae", "œ": "oe", "þ": "th"})
+
+
+def _is_ascii(text):
+    """Is text ('' or None) all ASCII? (str.isascii is Python 3.7+.)"""
+    return not text or len(text.encode("utf-8", "surrogatepass")) == len(text)
+
+
 def _fold(text):
-    """Accent-folded lower case, for the LIKE search of a SQLite without FTS5."""
-    if not text or max(text) < "\x80":  # ASCII: nothing to fold (most text, and 20x faster)
-        return text.lower() if text else text
-    decomposed = unicodedata.normalize("NFKD", text)
-    return "".join(c for c in decomposed if not unicodedata.combining(c)).lower()
+    """Text as find compares it, the one folding of the index and of the query: lower
+    case (ß: ss), compatibility forms as their letters (ｆｕｌｌ: full, ﾃﾞ: デ), and the
+    marks of _FOLDED_MARKS taken away (ёлка: елка, νύχτα: νυχτα, İ: i)."""
+    if _is_ascii(text):
+        return text.lower() if text else text  # nothing else to fold (most text)
+    decomposed = unicodedata.normalize("NFKD", text).casefold()
+    return unicodedata.normalize("NFC", _FOLDED_MARKS.sub("", decomposed)).translate(
+        _FOLDED_LETTERS)
+
+
+# The letters of Chinese, Japanese and Korean (Han, kana, Hangul): written without spaces
+# between words (Korean: with its endings attached), so that a whole run is one token.
+_CJK = ("\u2e80-\u2fdf\u3005-\u3007\u3021-\u3029\u3031-\u3035\u3038-\u303c\u3041-\u309f"
+        "\u30a1-\u30fa\u30fc-\u30ff\u3105-\u312f\u3131-\u318e\u31a0-\u31bf\u31f0-\u31ff"
+        "\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f\uac00-\ud7ff\uf900-\ufaff\uff66-\uff9f"
+        "\U00020000-\U0003ffff")
+_CJK_RUN = re.compile("[%s]{2,}" % _CJK)
+
+
+def cjk_pairs(text):
+    """The overlapping pairs of Chinese, Japanese and Korean characters of text, folded,
+    as words ('金曜日に' -> '金曜 曜日 日に'), which the index keeps in a column of
+    their own: any run of two or more typed as a query is then a phrase of its pairs.
+    None for a text without two such characters in a row (most text: one scan)."""
+    if _is_ascii(text) or not _CJK_RUN.search(text):
+        return None
+    return " ".join(run[n:n + 2] for run in _CJK_RUN.findall(_fold(text))
+                    for n in range(len(run) - 1))
 
 
 _MERGE_KEYS = ("id", "view", "seen_at") + FIELDS  # the keys of a row to merge
@@ -2558,6 +2636,7 @@ class Store:
             raise store_error(e, path)
         self.conn.create_function("qmem_fold", 1, _fold)
         self.conn.create_function("qmem_words", 1, identifier_words)
+        self.conn.create_function("qmem_pairs", 1, cjk_pairs)
         self.records, self.outbox = Records(self), Outbox(self)
         try:
             patiently(path, self._set_up)
@@ -2630,6 +2709,8 @@ class Store:
                 _m001_initial(self.conn, tokenizer)
             for n in range(max(version, 1), SCHEMA_VERSION):
                 MIGRATIONS[n](self.conn)
+            if 0 < version < SCHEMA_VERSION:  # (for doctor: agents started before run the old one)
+                self.set_meta(UPGRADED, json.dumps({"from": version, "at": iso_now()}))
             self.conn.execute("PRAGMA user_version=%d" % SCHEMA_VERSION)
 
     @contextlib.contextmanager
@@ -2662,12 +2743,6 @@ class Store:
 
     def _begin(self):
         self.conn.execute("BEGIN IMMEDIATE")
-        try:
-            if self.records.fts_words is False:  # made anew since we looked?
-                self.records.see_index()
-        except sqlite3.Error:
-            self.conn.execute("ROLLBACK")
-            raise
 
     @contextlib.contextmanager
     def snapshot(self):
@@ -2755,17 +2830,15 @@ class Records:
         """Read, at set-up, which text index the database has: FTS5 (fts), or a LIKE scan
         of accent-folded text kept by triggers (folded)."""
         self.fts = self.store.meta("fts") != "none"
-        self.see_index()
+        self.fts_words = self.store.meta("fts_words") == "1"  # (the index holds identifier_words)
         self.folded = self.store.meta("folded") == "1"  # (no FTS5) records.folded is kept
-
-    def see_index(self):
-        """Read which FTS index the database has (another process may have made it anew
-        since this Store looked): fts_words, the index holds identifier_words."""
-        self.fts_words = self.store.meta("fts_words") == "1"
 
     @property
     def fts_table(self):
-        """The FTS index: records_index (schema 4), or records_fts until it is made anew."""
+        """The FTS index: records_search (schema 7); in a database of an older schema read
+        as it is, records_index (schema 4), or records_fts before."""
+        if self.store.version >= 7:
+            return "records_search"
         return "records_index" if self.fts_words else "records_fts"
 
     def mask_stored_secrets(self):
@@ -2989,28 +3062,17 @@ class Records:
             self.conn.execute("DELETE FROM records WHERE rid=?", (row[0],))
 
     def _index(self, row, command=None, words=None):
-        """Index a row's (rid, text, project_id, kind), as _indexed reads it, and its
-        identifiers' words (`words`, when they were computed already); command='delete'
-        removes them (FTS5's external-content index needs the values it indexed)."""
+        """Index a row's (rid, text, project_id, kind), as _indexed reads it: its text
+        folded, its identifiers' words (`words`, when they were computed already) and its
+        CJK pairs, as the view records_words gives them; command='delete' removes them
+        (FTS5's external-content index needs the values it indexed)."""
         if self.fts and not self.defer_index:
-            values = (command, row[0], row[1] or "", row[2], row[3])
-            if self.fts_words:
-                values += (identifier_words(row[1]) if words is None else words,)
-            self.conn.execute("INSERT INTO {0}({0}, rowid, {1}{2}) VALUES({3})".format(
-                self.fts_table, _FTS_COLUMNS, ", words" if self.fts_words else "",
-                _placeholders(values)), values)
-
-    def index_identifiers(self):
-        """An index made before schema 4 made anew with its identifiers' words (once: see
-        _m004_words); True if it was."""
-        self.see_index()
-        if not (self.fts and self.store.meta("words_pending")):
-            return False
-        with self.store.transaction():
-            if self.store.meta("words_pending"):  # (another process may have done it meanwhile)
-                _index_words(self.conn)
-        self.fts_words = True
-        return True
+            text = row[1] or ""
+            self.conn.execute("INSERT INTO records_search(records_search, rowid, %s, words, "
+                              "pairs) VALUES(?, ?, ?, ?, ?, ?, ?)" % _FTS_COLUMNS, (
+                                  command, row[0], _fold(text), row[2], row[3],
+                                  identifier_words(text) if words is None else words,
+                                  cjk_pairs(text)))
 
     def _reindex(self, old):
         """Keep the index in step with a row just changed: old is its (rid, text, project_id,
@@ -3054,11 +3116,16 @@ class Records:
 
     def refresh(self):
         """Forget what was cached from the index (its terms) once it has changed, here or in
-        another connection: for a long-lived process, such as the MCP server."""
+        another connection: for a long-lived process, such as the MCP server, which refuses
+        the database once a newer qmem.py has brought it to a schema it does not know."""
         mark = (self.store._one("PRAGMA data_version"), self.conn.total_changes)
         if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
             self.near, self._terms, self._mark = {}, None, mark
-            self.see_index()
+            version = self.store._one("PRAGMA user_version")
+            if version > SCHEMA_VERSION:
+                raise StoreError("%s was brought to schema %d by a newer qmem.py since this one "
+                                 "started (it knows %d)" % (self.store.path, version,
+                                                            SCHEMA_VERSION), hint=RESTART_AGENTS)
 
     def folded_words_among(self, candidates):
         """(No FTS5) those of the candidates that are words of the folded texts: looked up
@@ -4091,9 +4158,13 @@ def fts_expression(level, every, store):
     index has them), a prefix where asked; a word's forms joined by OR, the words by AND
     (every word) or OR (any word). Project and kind are filters, not words."""
     columns = "{text words}" if store.records.fts_words else "text"
+    pairs = store.version >= 7  # (a run of CJK characters: also a phrase of its pairs)
 
     def term(text, prefix):
-        return '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
+        quoted = '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
+        if pairs and _CJK_RUN.fullmatch(text):
+            return '%s OR pairs : "%s"' % (quoted, cjk_pairs(text))
+        return quoted
     words = ["(%s)" % " OR ".join(term(t, p) for t, p in alternatives) for alternatives in level]
     return (" AND " if every else " OR ").join(words)
 
@@ -4166,7 +4237,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
             continue
         want = len(found) + (limit if every else max(2 * limit, 20))
         cur = store.conn.execute(*(_fts_query if use_fts else _like_query)(
-            store, level, every, where, params, want, highlight, snippets=not asked))
+            store, level, every, where, params, want))
         asked.add(key)
         terms += [alternative for alternatives in level for alternative in alternatives]
         for row in cur.fetchall():
@@ -4180,10 +4251,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
         for row in _name_rows(store, levels, [r for r, _ in found.values()], where, params, limit):
             found.setdefault(row[0], (row, "fuzzy"))  # (its real level: _ranked)
     ranked = _corrections_first(_ranked(list(found.values()), levels))[:limit]
-    rows = [row for row, _ in ranked]
-    if use_fts:
-        rows = _snippets(store, rows, [sorted(set(terms))], highlight)  # any term asked
-    results = _results(store, cur, rows, tokens)
+    results = _results(store, cur, [row for row, _ in ranked], set(terms), highlight)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
     return {"match": results[0]["match"], "results": results}
@@ -4275,6 +4343,8 @@ def _best_match(joined, word, terms):
             if prefix and klass < _WORD_CLASS["all"] and token[len(parts):] not in _ENDINGS:
                 klass -= 1  # another word that starts alike (chiave*: chiavetta), not a form
             return klass, len(os.path.commonprefix([word, token])) / max(len(word), len(token))
+    if _CJK_RUN.fullmatch(word) and word in joined:  # inside a run: after the whole words
+        return terms[0][0], 0
     return 0, 0
 
 
@@ -4336,23 +4406,20 @@ def _visibility(f):
     return where or ["1"], params
 
 
-def _fts_query(store, level, every, where, params, limit, highlight, snippets):
-    """The rows (each with its snippet, or None when not asked for, and its rid)."""
-    sql = ("SELECT %s, %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid "
-           "WHERE {0} MATCH ? AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5) LIMIT ?"
-           % (_RESULT_COLUMNS, _SNIPPET if snippets else "NULL", " AND ".join(where))
-           ).format(store.records.fts_table)
-    return sql, (list(highlight) if snippets else []) + [
-        fts_expression(level, every, store)] + params + [limit]
+def _fts_query(store, level, every, where, params, limit):
+    """The rows, each with its rid last."""
+    sql = ("SELECT %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid WHERE {0} MATCH ? "
+           "AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5, 0.5) LIMIT ?"
+           % (_RESULT_COLUMNS, " AND ".join(where))).format(store.records.fts_table)
+    return sql, [fts_expression(level, every, store)] + params + [limit]
 
 
-_SNIPPET = "snippet({0}, 0, ?, ?, '…', 24)"  # ({0}: Records.fts_table)
 MAX_NAME_WORDS = 4  # a longer query is no name of code typed as words
 MAX_NAME_ROWS = 100  # records with those words near each other looked at, the newest first
 
 
 def _name_rows(store, levels, rows, where, params, limit):
-    """Rows (as _fts_query's, no snippets) of records holding a name of code made of the
+    """Rows (as _fts_query's) of records holding a name of code made of the
     query's words (_name_score), which BM25 can leave out of `rows` among records holding
     them in prose (unless 3 of `rows` hold one): of the newest MAX_NAME_ROWS with the words
     near each other, in any order, as typed, a prefix form or a near spelling."""
@@ -4369,7 +4436,7 @@ def _name_rows(store, levels, rows, where, params, limit):
     groups = [" ".join('"%s"%s' % (t.replace('"', '""'), "*" if p else "") for t, p in combo)
               for combo in itertools.islice(itertools.product(*terms), 8)]
     # (newest first, not by BM25: its weights would count the records of each word)
-    sql = ("SELECT %s, NULL, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid WHERE {0} MATCH ?"
+    sql = ("SELECT %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid WHERE {0} MATCH ?"
            " AND %s ORDER BY {0}.rowid DESC LIMIT ?" % (_RESULT_COLUMNS, " AND ".join(where))
            ).format(store.records.fts_table)
     rows = store.conn.execute(sql, [" OR ".join("%s : NEAR(%s, 2)" % (columns, g) for g in groups)]
@@ -4379,37 +4446,23 @@ def _name_rows(store, levels, rows, where, params, limit):
     return [row for score, _, _, row in sorted(scored) if score][:limit]  # the shortest first
 
 
-def _snippets(store, rows, level, highlight):
-    """The rows, a snippet given to those without one (found by a query that asked for
-    none: a looser level fetches more rows than are shown), matched against `level`."""
-    rids = [row[-1] for row in rows if row[-2] is None]
-    if rids:
-        found = dict(store.conn.execute(
-            ("SELECT rowid, %s FROM {0} WHERE {0} MATCH ? AND rowid IN (%s)"
-             % (_SNIPPET, _placeholders(rids))).format(store.records.fts_table), list(highlight) + [
-                fts_expression(level, False, store)] + rids))
-        rows = [row if row[-2] is not None else row[:-2] + (found.get(row[-1]), row[-1])
-                for row in rows]
-    return rows
-
-
-def _like_query(store, level, every, where, params, limit, highlight, snippets):
+def _like_query(store, level, every, where, params, limit):
     """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
     in the text, so every term acts as a prefix) on the folded text kept at write time
     (while a bulk import builds an FTS index, folded here), newest first."""
     column = "r.folded" if store.records.folded else "qmem_fold(r.text)"
     words = [_like_any(column, _substrings_apart(t for t, _ in alternatives))
              for alternatives in level]
-    sql = ("SELECT %s, NULL, r.rid FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC "
+    sql = ("SELECT %s, r.rid FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC "
            "LIMIT ?") % (_RESULT_COLUMNS, (" AND " if every else " OR ").join(
                clause for clause, _ in words), " AND ".join(where))
     return sql, [p for _, patterns in words for p in patterns] + params + [limit]
 
 
-def _results(store, cur, rows, tokens):
-    """Rows of a find query as result documents, ranked, with a snippet, and the reason
-    for each write of this machine that the gateway refused."""
-    names = [d[0] for d in cur.description[:-2]]  # (then the snippet, and the rid)
+def _results(store, cur, rows, terms, highlight):
+    """Rows of a find query as result documents, ranked, with a snippet (_snippet, of the
+    terms asked), and the reason for each write of this machine that the gateway refused."""
+    names = [d[0] for d in cur.description[:-1]]  # (then the rid)
     results = []
     for n, row in enumerate(rows, 1):
         rec = dict(zip(names, row))
@@ -4417,10 +4470,7 @@ def _results(store, cur, rows, tokens):
         rec.update(private=bool(rec["private"]), pending=local == LOCAL_WAITING,
                    failed=local == LOCAL_FAILED,
                    unverified=rec.pop("origin") == ORIGIN_UNVERIFIED,
-                   rank=n,
-                   # (FTS5's snippet() drops what follows each NUL of a text, up to the next word)
-                   snippet=row[-2] if row[-2] is not None and "\x00" not in (rec["text"] or "")
-                   else _plain_snippet(rec["text"] or "", tokens))
+                   rank=n, snippet=_snippet(rec["text"] or "", terms, highlight))
         results.append(rec)
     failed = [r["id"] for r in results if r["failed"]]
     reasons = store.outbox.failures(failed) if failed else {}
@@ -4429,16 +4479,44 @@ def _results(store, cur, rows, tokens):
     return results
 
 
-def _plain_snippet(text, tokens, width=160):
-    """A snippet around the first matched word (the LIKE path has no FTS snippet(), and a
-    text with a NUL has none that is whole). Runs of spaces, tabs and line breaks become
-    one space; any other control character stays, for the output to show it escaped."""
-    folded = _fold(text)
-    starts = [folded.find(_fold(t)) for t in tokens]
-    starts = [s for s in starts if s >= 0]
-    start = max(0, min(starts) - 40) if starts else 0
-    piece = re.sub("[ \t\r\n]+", " ", text[start:start + width]).strip(" ")
-    return ("…" if start else "") + piece + ("…" if start + width < len(text) else "")
+SNIPPET_WORDS = 24  # the most words a snippet shows
+
+
+def _snippet(text, terms, highlight):
+    """Up to SNIPPET_WORDS words of the text as written, around the most of the terms
+    asked ((term, prefix?), folded), '…' where it goes on, each word a term matches
+    between the highlight marks. A term's parts match words on their own (folded as the
+    index folds them), and a run of CJK characters anywhere inside one."""
+    whole, starts, runs = set(), [], [t for t, _ in terms if _CJK_RUN.fullmatch(t)]
+    for term, prefix in terms:
+        parts = _PARTS.findall(term)
+        whole.update(parts[:-1] if prefix else parts)
+        starts += parts[-1:] if prefix else []
+    words, hits = list(re.finditer(r"\S+", text)), {}
+    for n, word in enumerate(words):
+        folded = _fold(word.group())
+        found = [p for p in _PARTS.findall(folded) if p in whole or p.startswith(tuple(starts))]
+        inside = [r for r in runs if r in folded] if runs and not found else []
+        if found or inside:
+            span = re.search(r"(?s)[^\W_].*[^\W_]|[^\W_]", word.group())
+            at = folded.find(inside[0]) if inside and len(folded) == len(word.group()) else -1
+            a, b = (at, at + len(inside[0])) if at >= 0 else span.span() if span else (0, 0)
+            hits[n] = (found or inside)[0], word.start() + a, word.start() + b
+    best, first = 0, 0  # the window holding the most distinct terms, first of those
+    for n in sorted(hits):
+        held = {hits[m][0] for m in hits if n <= m < n + SNIPPET_WORDS}
+        if len(held) > best:
+            best, first = len(held), n
+    last = max([m for m in hits if first <= m < first + SNIPPET_WORDS] or [first])
+    start = max(0, min(first - (SNIPPET_WORDS - 1 - last + first) // 2,
+                       len(words) - SNIPPET_WORDS))
+    end = min(start + SNIPPET_WORDS, len(words))
+    shown, at = ["…" if start else ""], words[start].start() if start else 0
+    for a, b in sorted(hits[n][1:] for n in range(start, end) if n in hits):
+        shown += [text[at:a], highlight[0], text[a:b], highlight[1]]
+        at = b
+    return "".join(shown) + (text[at:words[end - 1].end()] + "…" if end < len(words)
+                             else text[at:])
 
 
 # The record counts of `status`, in local_status()'s order; the times under "lag" as meta
@@ -5893,13 +5971,20 @@ def _doctor_open_store(store, url):
                              "%s: intact, schema %d, %s" % (store.path, store.version, journal),
                              "WAL is not available here: several processes at once will wait on "
                              "each other"))
-    found += _doctor_read_only(store)
-    if store.records.fts and store.meta("words_pending"):
-        found.append(check("search index", "warn", "made by an older qmem.py: identifiers are "
-                           "not found by their parts yet",
-                           "`qmem.py import` (or `pull`, `load`) makes it anew, once"))
+    found += _doctor_read_only(store) + _doctor_upgraded(store)
     return found + _doctor_healed(store) + [_doctor_outbox(store, by_bundles(url, store)),
                                             _doctor_import_lag(store)]
+
+
+def _doctor_upgraded(store):
+    """When the database was last brought up to this schema: agents started before run
+    the older qmem.py, which refuses it."""
+    try:
+        upgraded = json.loads(store.meta(UPGRADED) or "null")
+        return [check("upgrade", "ok", "schema %d brought up to %d at %s: %s" % (
+            int(upgraded["from"]), store.version, visible(str(upgraded["at"])), RESTART_AGENTS))]
+    except (ValueError, TypeError, KeyError):
+        return []
 
 
 def _doctor_healed(store):
@@ -7030,7 +7115,6 @@ class CarryOps:
     @utf8_arguments
     def import_sessions(self, roots=None):
         """Index pi session files: the given folders, or pi's own."""
-        rebuilt = self.index_identifiers() if self.ops.has_index() else None
         for root in roots or ():
             if not os.path.isdir(root):
                 raise UsageError("session folder %s: %s"
@@ -7041,25 +7125,12 @@ class CarryOps:
         # none of pi's folders here: nothing imported, and no database made for it
         stats = Importer(self.ops.store()).run(roots) if roots else ImportStats()
         return {"source": "local_sqlite", "looked_in": roots or session_dirs(),
-                "sessions_found": bool(roots), "stats": stats.as_dict(), "index_rebuilt": rebuilt}
-
-    def index_identifiers(self):
-        """Once, for an index made before schema 4 (see _m004_words): made anew, so that
-        identifiers are found by their parts. The number of records it holds, or None."""
-        store, shown, count = self.ops.store(), Progress("search index"), None
-        if store.records.fts and store.meta("words_pending"):
-            count = store._one("SELECT count(*) FROM records")
-            shown.update("made anew, once, so that identifiers are found by their parts (%d "
-                         "records)…" % count)
-        rebuilt = store.records.index_identifiers()  # (or sees what another process did)
-        shown.done()
-        return count if rebuilt else None
+                "sessions_found": bool(roots), "stats": stats.as_dict()}
 
     def pull(self, full=False, progress=None):
         """Copy the shared memory into the local index, page by page; an interrupted pull
         keeps its pages and resumes after them."""
         gateway, stats = self.ops.gateway(), PullStats()
-        rebuilt = self.index_identifiers()
         try:
             pull(self.ops.store(), gateway, full=full, progress=progress, stats=stats)
         except GatewayError as e:
@@ -7067,8 +7138,7 @@ class CarryOps:
                 raise
             raise GatewayError(e.kind, "pull stopped after %d pages, which are kept: %s"
                                % (stats.pages, e.message), fix=Fix("pull"))
-        return self.ops.after_online(dict(stats.as_dict(), source="gateway",
-                                          index_rebuilt=rebuilt))
+        return self.ops.after_online(dict(stats.as_dict(), source="gateway"))
 
     @utf8_arguments
     def enrich(self, ids=None, every=False, progress=None):
@@ -7142,7 +7212,7 @@ class CarryOps:
         was checked."""
         ops = self.ops
         fd, copy = tempfile.mkstemp(prefix="qmem-bundle-")
-        rebuilt, spool = None, os.fdopen(fd, "wb")
+        spool = os.fdopen(fd, "wb")
         try:
             try:
                 source = stream if path == "-" else _open_bundle(path)
@@ -7170,13 +7240,12 @@ class CarryOps:
                     finally:
                         scratch.close()
             else:
-                rebuilt = None if dry_run else self.index_identifiers()
                 stats = self._load(ops.store(), copy, header, dry_run, trust)
         finally:
             os.unlink(copy)
         return dict(stats.as_dict(), source="bundle", dry_run=bool(dry_run),
                     by_bundles=by_bundles(ops.config["url"], None, loading=True),
-                    verified=trust == SIGNED, index_rebuilt=rebuilt,
+                    verified=trust == SIGNED,
                     verification=why, machine=header_text(header.get("machine")),
                     created_at=header_text(header.get("created_at")))
 
@@ -7789,17 +7858,10 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
             n in sorted(hidden.items()) if n)))
 
 
-def show_index_rebuilt(doc, out):
-    if doc.get("index_rebuilt") is not None:
-        out.write("search index made anew (once, for this version): %s, identifiers now found "
-                  "by their parts\n" % plural(doc["index_rebuilt"], "record"))
-
-
 def show_import(doc, out):
     if not doc["sessions_found"]:
         out.write("no pi sessions found (looked in %s): nothing to import\n"
                   % ", ".join(doc["looked_in"]))
-        show_index_rebuilt(doc, out)
         return
     st = doc["stats"]
     errored = st.get("errored") or {}
@@ -7816,7 +7878,6 @@ def show_import(doc, out):
         st["records_new"], st["records_updated"], st["lines_skipped"], st["lines_truncated"],
         "; %(files_not_sessions)d files are not pi sessions" % st if st["files_not_sessions"]
         else ""))
-    show_index_rebuilt(doc, out)
 
 
 # Cosine score bands of the gateway's BGE-M3 search (gateway-api.md).
@@ -8105,7 +8166,6 @@ def show_enrich(doc, out):
 def show_pull(doc, out):
     out.write("pull: %s; %d new, %d updated, %d newly deleted, %d unchanged\n" % (
         plural(doc["pages"], "page"), doc["new"], doc["updated"], doc["deleted"], doc["unchanged"]))
-    show_index_rebuilt(doc, out)
 
 
 def show_export(doc, out):
@@ -8124,7 +8184,6 @@ def show_load(doc, out):
     out.write("load%s: bundle of %s, written %s\n"
               % (" (dry run, nothing changed)" if doc["dry_run"] else "",
                  doc["machine"] or "?", doc["created_at"] or "?"))
-    show_index_rebuilt(doc, out)
     out.write("  records: %(new)d new, %(updated)d updated, %(unchanged)d unchanged\n" % r)
     out.write("  outbox: %d added (to deliver with %s), %d settled (delivered "
               "elsewhere), %d unchanged%s%s\n" % (
