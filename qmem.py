@@ -2820,7 +2820,7 @@ class Records:
 
     def __init__(self, store):
         self.store, self.conn = store, store.conn
-        self.fts = self.fts_words = self.folded = None  # read_index() reads them
+        self.fts = self.fts_words = self.folded = self.fts_table = self.pairs = None  # read_index
         self.near = {}  # near_spellings() of each word, until the index changes
         self._terms = None  # (no FTS5) folded_words_among(), when they cannot be kept
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
@@ -2828,18 +2828,16 @@ class Records:
 
     def read_index(self):
         """Read, at set-up, which text index the database has: FTS5 (fts), or a LIKE scan
-        of accent-folded text kept by triggers (folded)."""
+        of folded text kept by triggers (folded). The FTS index (fts_table) is
+        records_search, which holds the words of identifiers and the pairs of CJK
+        characters (pairs); in a database of an older schema read as it is, records_index
+        (schema 4 on: the words, fts_words) or records_fts."""
         self.fts = self.store.meta("fts") != "none"
-        self.fts_words = self.store.meta("fts_words") == "1"  # (the index holds identifier_words)
+        self.fts_words = self.store.meta("fts_words") == "1"
+        self.pairs = self.store.version >= 7
+        self.fts_table = ("records_search" if self.pairs else
+                          "records_index" if self.fts_words else "records_fts")
         self.folded = self.store.meta("folded") == "1"  # (no FTS5) records.folded is kept
-
-    @property
-    def fts_table(self):
-        """The FTS index: records_search (schema 7); in a database of an older schema read
-        as it is, records_index (schema 4), or records_fts before."""
-        if self.store.version >= 7:
-            return "records_search"
-        return "records_index" if self.fts_words else "records_fts"
 
     def mask_stored_secrets(self):
         """Once per database (and per change of the patterns): mask the credentials in the
@@ -4158,11 +4156,10 @@ def fts_expression(level, every, store):
     index has them), a prefix where asked; a word's forms joined by OR, the words by AND
     (every word) or OR (any word). Project and kind are filters, not words."""
     columns = "{text words}" if store.records.fts_words else "text"
-    pairs = store.version >= 7  # (a run of CJK characters: also a phrase of its pairs)
 
-    def term(text, prefix):
+    def term(text, prefix):  # a run of CJK characters: also a phrase of its pairs
         quoted = '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
-        if pairs and _CJK_RUN.fullmatch(text):
+        if store.records.pairs and _CJK_RUN.fullmatch(text):
             return '%s OR pairs : "%s"' % (quoted, cjk_pairs(text))
         return quoted
     words = ["(%s)" % " OR ".join(term(t, p) for t, p in alternatives) for alternatives in level]
@@ -4480,6 +4477,7 @@ def _results(store, cur, rows, terms, highlight):
 
 
 SNIPPET_WORDS = 24  # the most words a snippet shows
+SNIPPET_SCAN = 100000  # the characters of a text a snippet looks for its words in (bounded)
 
 
 def _snippet(text, terms, highlight):
@@ -4492,10 +4490,10 @@ def _snippet(text, terms, highlight):
         parts = _PARTS.findall(term)
         whole.update(parts[:-1] if prefix else parts)
         starts += parts[-1:] if prefix else []
-    words, hits = list(re.finditer(r"\S+", text)), {}
+    words, hits, starts = list(re.finditer(r"\S+", text[:SNIPPET_SCAN])), {}, tuple(starts)
     for n, word in enumerate(words):
         folded = _fold(word.group())
-        found = [p for p in _PARTS.findall(folded) if p in whole or p.startswith(tuple(starts))]
+        found = [p for p in _PARTS.findall(folded) if p in whole or p.startswith(starts)]
         inside = [r for r in runs if r in folded] if runs and not found else []
         if found or inside:
             span = re.search(r"(?s)[^\W_].*[^\W_]|[^\W_]", word.group())
@@ -4504,19 +4502,19 @@ def _snippet(text, terms, highlight):
             hits[n] = (found or inside)[0], word.start() + a, word.start() + b
     best, first = 0, 0  # the window holding the most distinct terms, first of those
     for n in sorted(hits):
-        held = {hits[m][0] for m in hits if n <= m < n + SNIPPET_WORDS}
+        held = {hits[m][0] for m in range(n, n + SNIPPET_WORDS) if m in hits}
         if len(held) > best:
             best, first = len(held), n
-    last = max([m for m in hits if first <= m < first + SNIPPET_WORDS] or [first])
-    start = max(0, min(first - (SNIPPET_WORDS - 1 - last + first) // 2,
-                       len(words) - SNIPPET_WORDS))
+    last = max([m for m in range(first, first + SNIPPET_WORDS) if m in hits] or [first])
+    start = 0 if last < SNIPPET_WORDS else min(first - (SNIPPET_WORDS - 1 - last + first) // 2,
+                                               len(words) - SNIPPET_WORDS)
     end = min(start + SNIPPET_WORDS, len(words))
     shown, at = ["…" if start else ""], words[start].start() if start else 0
     for a, b in sorted(hits[n][1:] for n in range(start, end) if n in hits):
         shown += [text[at:a], highlight[0], text[a:b], highlight[1]]
         at = b
     return "".join(shown) + (text[at:words[end - 1].end()] + "…" if end < len(words)
-                             else text[at:])
+                             or len(text) > SNIPPET_SCAN else text[at:])
 
 
 # The record counts of `status`, in local_status()'s order; the times under "lag" as meta
