@@ -4074,10 +4074,17 @@ def word_forms(word):
         o != t and t.startswith(o) for o in prefixes))
 
 
+# The letters a typo may bring into a word (as _fold leaves them): Latin, and Greek or
+# Cyrillic where the word has some.
+_ALPHABETS = ("abcdefghijklmnopqrstuvwxyz", "αβγδεζηθικλμνξοπρστυφχψω",
+              "абвгдежзиклмнопрстуфхцчшщъыьэюяєіґ")
+
+
 def one_edit_away(word):
     """Every string one edit from word: a letter left out, two neighbours swapped, a
-    letter changed or put in (a Latin one, or one of the word's own)."""
-    letters = set("abcdefghijklmnopqrstuvwxyz" + word)
+    letter changed or put in (a Latin one, one of the word's Greek or Cyrillic alphabet,
+    or one of the word's own)."""
+    letters = set(_ALPHABETS[0] + word).union(*(a for a in _ALPHABETS[1:] if set(a) & set(word)))
     found = set()
     for n in range(len(word) + 1):
         head, tail = word[:n], word[n:]

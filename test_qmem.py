@@ -2532,7 +2532,7 @@ class StoreTests(GatewayTestCase):
 
     def older_and_live_databases(self):
         """Part 15: read-only databases (0400) that SQLite's immutable open would misread
-        (commits still in their -wal), and of older schemas (2, 3, 4), in a folder of their
+        (commits still in their -wal), and of older schemas (2, 3, 4, 6), in a folder of their
         own: the steps that read them, the folder, and the names in it."""
         folder = os.path.join(self.home, "older")
         os.mkdir(folder, 0o700)
@@ -2546,14 +2546,14 @@ class StoreTests(GatewayTestCase):
             with open(live + end, "rb") as f, open(torn + end, "wb") as copy:
                 copy.write(f.read())
         old_schema_db(os.path.join(folder, "s2.sqlite"), 2, [(UUIDS[2], "schema two")])
-        for version in (3, 4):
+        for version in (3, 4, 6):
             old_schema_db(os.path.join(folder, "s%d.sqlite" % version), version,
                           [(UUIDS[version], "schema %d ThreadPool" % version)])
         for name in os.listdir(folder):
             os.chmod(os.path.join(folder, name), 0o400)
         steps = [("live", ["--db", live, "find", "wal", "--json"], {}),
                  ("torn", ["--db", torn, "find", "file", "--json"], {})]
-        for version in (2, 3, 4):
+        for version in (2, 3, 4, 6):
             db = os.path.join(folder, "s%d.sqlite" % version)
             steps += [("%d %s" % (version, argv[0]), ["--db", db] + argv, {}) for argv in (
                 ["find", "ThreadPool", "--json"], ["status", "--json"],
@@ -2574,18 +2574,19 @@ class StoreTests(GatewayTestCase):
         too_old = {c["name"]: c for c in json.loads(done[5]["out"])["checks"]}["database"]
         self.assertEqual(too_old["status"], "warn")  # read-only: no failure of the doctor's
         self.assertIn("chmod u+w", too_old["advice"])
-        for version, at in ((3, 6), (4, 10)):
+        for version, at in ((3, 6), (4, 10), (6, 14)):
             find, status, export, doctor = done[at:at + 4]
             self.assertEqual(self.finds(find), [UUIDS[version]])
             self.assertIn("schema %d of an older qmem.py, read as it is" % version, find["err"])
             self.assertIn("a writable copy would gain", find["err"])
-            self.assertIn("identifiers' parts kept with each record", find["err"])
+            self.assertIn("words found as typed in every script", find["err"])
             self.assertEqual(json.loads(status["out"])["db"]["schema_version"], version)
             self.assertEqual(export["code"], 0, export)
             checks = {c["name"]: c for c in json.loads(doctor["out"])["checks"]}
             self.assertEqual(checks["schema"]["status"], "warn")
             self.assertEqual(checks["database"]["status"], "ok")
         self.assertIn("identifiers found by their parts", done[6]["err"])  # what 4 brings
+        self.assertIn("identifiers' parts kept with each record", done[10]["err"])
 
     def finds(self, step):
         """The ids a `find --json` step of run_as_owner found."""
@@ -3222,11 +3223,14 @@ class ImportTests(QmemTestCase):
 
 # Part 17: one sentence in each of 15 languages, and words each must be found by: as the
 # sentence writes them, and without the marks its language writes optionally (ё, tonos,
-# harakat, niqqud, Vietnamese, Polish, German and Turkish letters). The first four are the
-# issue's own; Thai by a whole space-separated chunk; CJK by any run of two characters or more.
+# harakat, niqqud, Vietnamese, Polish, German and Turkish letters), and a Cyrillic and a
+# Greek typo. The first four are the issue's own; Thai by a whole space-separated chunk;
+# CJK by any run of two characters or more.
 SCRIPT_SENTENCES = [
-    ("Сервер перезапускается ночью, ёлка и йогурт", "ёлка елка ЁЛКА йогурт перезапускается"),
-    ("Ο διακομιστής επανεκκινείται τη νύχτα", "διακομιστής νύχτα νυχτα ΔΙΑΚΟΜΙΣΤΗΣ διακομιστης"),
+    ("Сервер перезапускается ночью, ёлка и йогурт",
+     "ёлка елка ЁЛКА йогурт перезапускается перезапускаетса"),
+    ("Ο διακομιστής επανεκκινείται τη νύχτα",
+     "διακομιστής νύχτα νυχτα ΔΙΑΚΟΜΙΣΤΗΣ διακομιστης διακομιστες"),
     ("सर्वर रात को पुनः आरंभ होता है", "सर्वर रात आरंभ"),
     ("デプロイは金曜日に禁止されています", "デプロイ 金曜日 禁止 ﾃﾞﾌﾟﾛｲ"),
     ("Вночі сервер перезавантажується, а їжак шукає ґудзик", "перезавантажується їжак ґудзик"),
