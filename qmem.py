@@ -4511,7 +4511,8 @@ def _snippet(text, terms, highlight):
         if found or inside:
             span = re.search(r"(?s)[^\W_].*[^\W_]|[^\W_]", word.group())
             at = folded.find(inside[0]) if inside and len(folded) == len(word.group()) else -1
-            a, b = (at, at + len(inside[0])) if at >= 0 else span.span() if span else (0, 0)
+            a, b = ((at, at + len(inside[0])) if at >= 0 else span.span() if span
+                    else (0, len(word.group())))
             hits[n] = (found or inside)[0], word.start() + a, word.start() + b
     best, first = 0, 0  # the window holding the most distinct terms, first of those
     for n in sorted(hits):
@@ -4526,8 +4527,9 @@ def _snippet(text, terms, highlight):
     for a, b in sorted(hits[n][1:] for n in range(start, end) if n in hits):
         shown += [text[at:a], highlight[0], text[a:b], highlight[1]]
         at = b
-    return "".join(shown) + (text[at:words[end - 1].end()] + "…" if end < len(words)
-                             or len(text) > SNIPPET_SCAN else text[at:])
+    if end < len(words) or len(text) > SNIPPET_SCAN:
+        return "".join(shown) + text[at:words[end - 1].end() if words else 0] + "…"
+    return "".join(shown) + text[at:]
 
 
 # The record counts of `status`, in local_status()'s order; the times under "lag" as meta
