@@ -2707,7 +2707,7 @@ class Store:
         tokenizer = fts5_tokenizer() if version == 0 else None
         if version == 0 and tokenizer is None:
             warn("this Python's SQLite has no FTS5: local search falls back to a slower LIKE scan "
-                 "(words, their forms and near spellings, newest first rather than ranked)")
+                 "(words, their forms and near spellings, ranked by their rarer words)")
         with self.transaction():
             # Re-read under the write lock: another process may have migrated meanwhile.
             version = self._one("PRAGMA user_version")
@@ -4227,7 +4227,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     """Lexical search of the local index, level by level (search_levels), until `limit`
     records are found (an exact query that fills it stops at once); then each record
     ranked by how each query word matched it (_ranked), then by BM25 (on the LIKE path,
-    newest first). Returns {'match', 'results'}: every result carries its own level
+    _like_scores). Returns {'match', 'results'}: every result carries its own level
     ('match': 'all'|'stemmed'|'fuzzy'|'any'), the document the best one present or 'none'."""
     tokens = query_tokens(query)
     if not tokens:
@@ -4246,11 +4246,14 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
         if not level or key in asked:
             continue
         want = len(found) + (limit if every else max(2 * limit, 20))
-        cur = store.conn.execute(*(_fts_query if use_fts else _like_query)(
-            store, level, every, where, params, want))
+        if use_fts:
+            cur = store.conn.execute(*_fts_query(store, level, every, where, params, want))
+            rows = cur.fetchall()
+        else:
+            cur, rows = _like_rows(store, level, every, where, params, want)
         asked.add(key)
         terms += [alternative for alternatives in level for alternative in alternatives]
-        for row in cur.fetchall():
+        for row in rows:
             found.setdefault(row[0], (row, match if every else "any"))
         if len(found) >= limit:
             break
@@ -4456,17 +4459,56 @@ def _name_rows(store, levels, rows, where, params, limit):
     return [row for score, _, _, row in sorted(scored) if score][:limit]  # the shortest first
 
 
-def _like_query(store, level, every, where, params, limit):
-    """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere
-    in the text, so every term acts as a prefix) on the folded text kept at write time
-    (while a bulk import builds an FTS index, folded here), newest first."""
+MAX_LIKE_SCORED = 5000  # records a LIKE level scores, the newest: a common word stays fast
+
+
+def _like_rows(store, level, every, where, params, limit):
+    """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere in
+    the text, so every term acts as a prefix) on the folded text kept at write time
+    (while a bulk import builds an FTS index, folded here). Returns (cursor, rows) of the
+    `limit` best, ranked as BM25 would with one occurrence of each word: the more of the
+    query's rarer words a record holds, and the shorter it is, the higher (_like_scores)."""
     column = "r.folded" if store.records.folded else "qmem_fold(r.text)"
     words = [_like_any(column, _substrings_apart(t for t, _ in alternatives))
              for alternatives in level]
-    sql = ("SELECT %s, r.rid FROM records r WHERE (%s) AND %s ORDER BY r.created_at DESC "
-           "LIMIT ?") % (_RESULT_COLUMNS, (" AND " if every else " OR ").join(
-               clause for clause, _ in words), " AND ".join(where))
-    return sql, [p for _, patterns in words for p in patterns] + params + [limit]
+    clauses, holds = [c for c, _ in words], [p for _, patterns in words for p in patterns]
+    sql = ("SELECT r.rid, length(%s), %s FROM records r WHERE (%s) AND %s ORDER BY r.rid DESC "
+           "LIMIT ?") % (column, ", ".join(clauses), (" AND " if every else " OR ").join(clauses),
+                         " AND ".join(where))
+    found = store.conn.execute(sql, holds + holds + params + [MAX_LIKE_SCORED]).fetchall()
+    best = _like_scores(store, found, where if not every else None, params)[:limit]
+    rows = {}  # (an older SQLite binds 999 values at most; none: IN () finds nothing)
+    for at in range(0, len(best) or 1, 900):
+        chunk = best[at:at + 900]
+        cur = store.conn.execute("SELECT %s, r.rid FROM records r WHERE r.rid IN (%s)"
+                                 % (_RESULT_COLUMNS, _placeholders(chunk)), chunk)
+        rows.update((row[-1], row) for row in cur)
+    return cur, [rows[rid] for rid in best if rid in rows]
+
+
+def _like_scores(store, found, where, params):
+    """The rids of found ((rid, length, holds word 1, word 2, ...), newest first), best
+    first: BM25 (k1 1.2, b 0.75) with one occurrence of each word held, each word's document
+    frequency counted among them, out of the records the filters show (where: counted once
+    per Store; None when each holds every word, so that their weights are alike)."""
+    if not found:
+        return []
+    total = len(found)
+    if where:
+        key = ("shown", tuple(where), tuple(params))
+        if key not in store.records.near:
+            store.records.near[key] = store._one("SELECT count(*) FROM records r WHERE %s"
+                                                 % " AND ".join(where), params)
+        total = max(store.records.near[key], total)
+    average = sum(row[1] or 0 for row in found) / len(found) or 1
+    idf = [math.log(1 + (total - df + 0.5) / (df + 0.5))
+           for df in (sum(row[n] for row in found) for n in range(2, len(found[0])))]
+    scored = []
+    for row in found:
+        weight = sum(w for w, holds in zip(idf, row[2:]) if holds)
+        scored.append((-weight * 2.2 / (1 + 1.2 * (0.25 + 0.75 * (row[1] or 0) / average)),
+                       -row[0]))
+    return [-rid for _, rid in sorted(scored)]
 
 
 def _results(store, cur, rows, terms, highlight):
@@ -5870,7 +5912,7 @@ def _doctor_python():
 
 def _doctor_sqlite():
     tokenizer = fts5_tokenizer()
-    advice = ("find uses a slower LIKE scan, newest first rather than ranked: a Python "
+    advice = ("find uses a slower LIKE scan, which matches a word inside others: a Python "
               "with a newer SQLite searches better" if tokenizer is None
               else "SQLite older than 3.24: imports merge row by row (slower)" if not HAS_UPSERT
               else None)

@@ -3538,7 +3538,7 @@ class FindWithoutFts5Tests(QmemTestCase):
         code, out, err = self.run_cli("import")
         self.assertEqual(code, 0)
         self.assertIn("no FTS5", err)
-        self.assertIn("near spellings, newest first", err)
+        self.assertIn("near spellings, ranked by their rarer words", err)
         self.assertEqual(self.find_ids("perche", "citta"), [UUIDS[0]])
         self.assertEqual(self.find_ids("città"), [UUIDS[0]])
         self.assertEqual(self.find_ids("100%"), [UUIDS[0]])
@@ -3548,6 +3548,31 @@ class FindWithoutFts5Tests(QmemTestCase):
         code, out, err = self.run_cli("find", "perche")
         self.assertEqual(err, "")  # said once, at creation, not on every search
         self.assertIn("LIKE", self.ok("status"))
+
+    def put_in_order(self, texts):
+        """Records, each created a minute after the one before (UUIDS in order)."""
+        with contextlib.redirect_stderr(io.StringIO()):  # (the notice of no FTS5)
+            store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with store.transaction():
+            for n, text in enumerate(texts):
+                store.records.upsert(qmem.normalize_record(record(
+                    UUIDS[n], text, created_at="2026-03-01T10:%02d:00Z" % n)), qmem.VIEW_FULL)
+
+    def test_more_of_the_rarer_words_rank_first_however_old(self):
+        # Part 17: where not every word matched, this path listed the newest records that
+        # held any word (here 30 newer backups), not those that held more of them.
+        self.put_in_order(["Glacier storage pricing changed in March",
+                           "The nightly backup goes to the Glacier vault"]
+                          + ["The backup of host %d finished" % n for n in range(30)])
+        found = self.find_ids("backup", "glacier", "frankfurt", "--limit", "5")
+        self.assertEqual(found[:2], [UUIDS[1], UUIDS[0]])  # both words, then the rarer one
+        self.assertEqual(len(found), 5)
+
+    def test_among_records_with_the_same_words_the_shorter_ranks_first(self):
+        self.put_in_order(["the qdrant collection", "qdrant mentioned once among many other "
+                           "words about the weather, the lunch and the trains of the morning"])
+        self.assertEqual(self.find_ids("qdrant"), [UUIDS[0], UUIDS[1]])  # (not newest first)
 
 
 RELEVANCE_RECORDS = [
