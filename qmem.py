@@ -4002,10 +4002,10 @@ QUERY_CUT = "only the first %d words and %d characters of the query were searche
 
 # What a search shows: of a project, kind, scope (None: any), and what it hides unless
 # asked (deleted: True for only tombstones, None for both); queued: only this host's
-# writes still waiting (not held ones).
+# writes still waiting (not held ones); since, until: created from, to (dated_filters).
 Filters = collections.namedtuple("Filters", "project kind scope include_superseded deleted "
-                                 "private include_expired queued")
-Filters.__new__.__defaults__ = (None, None, None, False, False, False, False, False)
+                                 "private include_expired queued since until")
+Filters.__new__.__defaults__ = (None, None, None, False, False, False, False, False, None, None)
 # Why a matching record is not shown by default, and the flag that shows it.
 HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded",
                 "private": "--private", "expired": "--include-expired"}
@@ -4416,6 +4416,10 @@ def _visibility(f):
         if value is not None:
             where.append("r.%s = ?" % column)
             params.append(value)
+    for bound, value in ((">=", f.since), ("<=", f.until)):
+        if value is not None:
+            where.append("r.created_at %s ?" % bound)
+            params.append(value)
     return where or ["1"], params
 
 
@@ -4757,6 +4761,25 @@ def given_time(value, what):
         raise UsageError("%s %r is not a date (use YYYY-MM-DD or an ISO-8601 time)"
                          % (what, value))
     return when
+
+
+def dated_filters(filters):
+    """Filters whose since and until, as given (YYYY-MM-DD or ISO-8601), are the UTC times
+    find compares created_at with, both inclusive: a date alone from its start (since)
+    or to its end (until). A UsageError for one that is not a date (worded alike on every
+    front end), or a since after the until."""
+    bounds = {}
+    for name in ("since", "until"):
+        value = getattr(filters, name)
+        if value is not None:  # (no date is longer than 40 characters: shown cut)
+            when = given_time(_fit(value, 40), name)
+            day = re.match(r"\s*\d{4}-\d\d-\d\d\s*\Z", value) and name == "until"
+            bounds[name] = (time.strftime("%Y-%m-%dT23:59:59.999Z", time.gmtime(when)) if day
+                            else iso_norm(value))
+    if len(bounds) == 2 and bounds["since"] > bounds["until"]:
+        raise UsageError("since %r is after until %r: no record is in between"
+                         % (filters.since, filters.until))
+    return filters._replace(**bounds)
 
 
 def _write_payload(write, now=None):
@@ -6648,11 +6671,13 @@ class ReadOps:
         """Lexical search of the local index (offline)."""
         query = _check_query(query, "find", "circuit breaker")
         limit = _check_int(limit, "the number of results", 1, MAX_LIMIT)
+        filters = dated_filters(filters)
         doc = {"source": "local_sqlite", "degraded": False, "query": query,
                "query_cut": query_was_cut(query)}
         doc.update(self._find_local(query, filters, limit, highlight))
         doc["hidden"] = {}
-        if not doc["results"] and doc["index_exists"] and filters[3:] == Filters()[3:]:
+        shows = filters._replace(since=None, until=None)  # (what it hides, whenever made)
+        if not doc["results"] and doc["index_exists"] and shows[3:] == Filters()[3:]:
             doc["hidden"] = hidden_matches(self.ops.store(), query, filters)
         return doc
 
@@ -8606,7 +8631,9 @@ MCP_TOOLS = (
              "scope": _prop("only this scope"),
              "limit": _prop("at most this many results (default 10)", "integer", minimum=1,
                             maximum=MCP_MAX_RESULTS),
-             "include_superseded": _prop("also corrected memories (default false)", "boolean")},
+             "include_superseded": _prop("also corrected memories (default false)", "boolean"),
+             "since": _prop("only memories created on or after this date (YYYY-MM-DD)"),
+             "until": _prop("only memories created on or before this date (YYYY-MM-DD)")},
             ["query"], read_only=True, idempotent=True),
     McpTool("qmem_get", "Get one memory",
             "One memory in full by its id: its text, project, kind, and whether it was corrected "
@@ -9013,7 +9040,7 @@ def _read_result(doc, status, **fields):
 
 def _tool_filters(project, a):
     return Filters(project, a.get("kind"), a.get("scope"), a.get("include_superseded", False),
-                   private=a.get("private", False))
+                   private=a.get("private", False), since=a.get("since"), until=a.get("until"))
 
 
 # What sets each failure right for an agent, by the name of its Fix: a tool to call, an
@@ -9585,7 +9612,9 @@ COMMANDS = (
       flag("--include-superseded", "also show corrected records"),
       flag("--deleted", "show only deleted records (tombstones)"),
       flag("--private", "also show private records"),
-      flag("--include-expired", "also show expired records")]),
+      flag("--include-expired", "also show expired records"),
+      arg("--since", metavar="DATE", help="only records created on or after DATE (YYYY-MM-DD)"),
+      arg("--until", metavar="DATE", help="only records created on or before DATE")]),
     ("status", lambda ops, a: ops.read.status(),
      "What the local side knows: records, outbox, coverage, lag, database.", []),
     ("search", lambda ops, a: ops.read.search(top_k=a.top_k, min_score=a.min_score,

@@ -3378,6 +3378,25 @@ class FindTests(QmemTestCase):
         self.assertEqual(len(self.find_ids("gamma", "--limit", "1")), 1)
         self.expect_fail(2, "find", "gamma", "--kind", "rumour")
 
+    def test_since_and_until_keep_the_records_created_in_those_days(self):
+        # Part 17: find had no date filter ("what did we decide last week?").
+        for n, at in enumerate(("2026-03-01T10:00:00.000Z", "2026-03-02T23:59:59.999Z",
+                                "2026-03-03T00:00:00.000Z")):
+            self.put(n, "deploy decision %d" % n, created_at=at)
+        self.assertEqual(sorted(self.find_ids("deploy", "--since", "2026-03-02")), UUIDS[1:3])
+        self.assertEqual(self.find_ids("deploy", "--since", "2026-03-02", "--until",
+                                       "2026-03-02"), [UUIDS[1]])  # the whole day, inclusive
+        self.assertEqual(self.find_ids("deploy", "--until", "2026-03-02T12:00"), [UUIDS[0]])
+        self.assertEqual(sorted(self.find_ids("deploy", "--since", "2026-03-03T01:00+02:00")),
+                         UUIDS[1:3])  # 23:00 UTC the day before
+        for dates, said in ((("--since", "last week"), "since 'last week' is not a date (use "
+                             "YYYY-MM-DD or an ISO-8601 time)"),
+                            (("--since", "2026-03-03", "--until", "2026-03-01"),
+                             "since '2026-03-03' is after until '2026-03-01'")):
+            err = self.expect_fail(2, "find", "deploy", *dates)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertTrue(err.startswith("qmem: " + said), err)
+
     def test_json_shape(self):
         self.put(0, "delta record", agent_id="pi@laptop")
         out = self.ok_json("find", "delta")
@@ -7459,6 +7478,22 @@ class McpToolTests(McpTestCase):
                          ("local_sqlite", True, "gateway: not found (404)", "appunto locale"))
         self.assertIn("the gateway does not know it", got["note"])
         self.assertEqual(server.close(), 0)
+
+    def test_find_takes_since_and_until_and_says_a_bad_date_as_the_command_line(self):
+        # Part 17: qmem_find had no date filter.
+        self.put_record(UUIDS[0], "deploy decision of March", created_at="2026-03-02T09:00:00Z")
+        self.put_record(UUIDS[1], "deploy decision of April", created_at="2026-04-02T09:00:00Z")
+        server = self.server()
+        found = server.call("qmem_find", query="deploy", project_id="infra", since="2026-03-01",
+                            until="2026-03-31")["structuredContent"]
+        self.assertEqual([r["id"] for r in found["results"]], [UUIDS[0]])
+        bad = server.call("qmem_find", query="deploy", project_id="infra", until="April")
+        self.assertEqual(server.close(), 0)
+        self.assertIs(bad["isError"], True)
+        said = "until 'April' is not a date (use YYYY-MM-DD or an ISO-8601 time)"
+        self.assertTrue(bad["structuredContent"]["note"].startswith(said), bad)
+        self.assertTrue(self.expect_fail(2, "find", "deploy", "--until", "April").startswith(
+            "qmem: " + said))
 
     def test_the_machine_is_named_and_a_refused_write_says_so_in_its_text(self):
         # Part 13: the instructions said memories "name this machine" without naming it, and
