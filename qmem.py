@@ -1948,7 +1948,7 @@ def _reason(e):
 # job it is, which calls the other by name (outbox.settle_write -> records.adopt).
 
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
-SCHEMA_VERSION = 7  # what each schema brought: the docstrings of MIGRATIONS
+SCHEMA_VERSION = 8  # what each schema brought: the docstrings of MIGRATIONS
 # An agent started before qmem.py was upgraded runs the older one, which refuses a database of
 # a newer schema (an MCP server that had it open fails to use it from the next migration on).
 RESTART_AGENTS = "restart the agents (their MCP servers) started before qmem.py was upgraded"
@@ -2277,17 +2277,37 @@ def _m007_folding(conn):
     progress.done()
 
 
+_SESSION_INDEX = ("CREATE INDEX IF NOT EXISTS records_session ON records(session, session_pos) "
+                  "WHERE session IS NOT NULL")
+
+
+def _m008_sessions(conn):
+    """Schema 8: a record a qmem_store or qmem_correct call of a pi session wrote keeps that
+    session (records.session: its number in sessions, keyed by the header's id, else the
+    file's path) and its place in it (session_pos: the offset of the result's line). Those
+    imported before do not know theirs: every session file is marked to be read again,
+    whole, by the next import (files.size -1, counted by status and doctor)."""
+    if "session" not in {row[1] for row in conn.execute("PRAGMA table_info(records)")}:
+        conn.execute("ALTER TABLE records ADD COLUMN session INTEGER")
+        conn.execute("ALTER TABLE records ADD COLUMN session_pos INTEGER")
+    conn.execute("CREATE TABLE IF NOT EXISTS sessions(id INTEGER PRIMARY KEY, key TEXT UNIQUE)")
+    conn.execute(_SESSION_INDEX)
+    conn.execute("UPDATE files SET size=-1, offset=0 WHERE status='ok'")
+
+
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
 MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words, _m005_kept_words,
-              _m006_not_applied, _m007_folding]
+              _m006_not_applied, _m007_folding, _m008_sessions]
 # A read-only database is read as it is, without its migrations, from schema 3 on (before,
 # records do not say where each came from: find and export need to). What MIGRATIONS[n]
 # brings, that one of schema n goes without:
 READ_AS_IT_IS_FROM = 3
+SESSIONS_FROM = 8  # the schema from which records know their session
 SCHEMA_GAINS = {3: "identifiers found by their parts (ThreadPool: thread pool)",
                 4: "identifiers' parts kept with each record (a faster rebuild of the index)",
                 5: "corrections answered 409 duplicate no longer hide what they corrected",
-                6: "words found as typed in every script (ёлка: елка, νύχτα, सर्वर, 金曜日)"}
+                6: "words found as typed in every script (ёлка: елка, νύχτα, सर्वर, 金曜日)",
+                7: "records know their pi session (once the next import reads its files again)"}
 
 
 def schema_gains(version):
@@ -2388,9 +2408,14 @@ def _merge_sql():
             f=f, newer=newer)
     sets = ["%s = CASE WHEN %s THEN :%s ELSE %s END" % (f, takes[f], f, f)
             for f in IMMUTABLE + ("updated_at",) + MUTABLE]
-    sets += ["view = max(view, :view)", "seen_at = coalesce(:seen_at, seen_at)"]
-    insert = "INSERT INTO records(id, view, seen_at, %s, words) VALUES(%s, :words)" % (
-        ", ".join(FIELDS), ", ".join(values))
+    sets += ["view = max(view, :view)", "seen_at = coalesce(:seen_at, seen_at)",
+             # the session a record was written in: the first one known, never lost
+             "session_pos = CASE WHEN session IS NULL THEN :session_pos ELSE session_pos END",
+             "session = coalesce(session, :session)"]
+    takes["session"] = "(:session IS NOT NULL AND session IS NULL)"
+    insert = ("INSERT INTO records(id, view, seen_at, %s, words, session, session_pos) "
+              "VALUES(%s, :words, :session, :session_pos)") % (", ".join(FIELDS),
+                                                                  ", ".join(values))
     update = "SET %s WHERE (%s)" % (", ".join(sets), " OR ".join(takes.values()))
     return insert, "UPDATE records %s AND id = :id" % update, "%s ON CONFLICT(id) DO UPDATE %s" % (
         insert, update)
@@ -2867,17 +2892,21 @@ class Records:
     def begin_bulk(self):
         """Prepare for merging many records: remember which ids exist (so a new one costs
         no lookup) and, on an empty table, build the FTS index once at the end instead of
-        row by row (measured four times cheaper). The 'fts_pending' mark makes `find` use
-        the LIKE scan until finish_bulk(), even if this process dies first."""
+        row by row (measured four times cheaper), and records_session too. The 'fts_pending'
+        mark makes `find` use the LIKE scan until finish_bulk(), even if this process dies
+        first."""
         self.known = {hash(i) for (i,) in self.conn.execute("SELECT id FROM records")}
-        if self.fts and not self.known:
-            self.defer_index = True
+        if not self.known:
             with self.store.transaction():
-                self.store.set_meta("fts_pending", "1")
+                self.conn.execute("DROP INDEX IF EXISTS records_session")
+                if self.fts:
+                    self.defer_index = True
+                    self.store.set_meta("fts_pending", "1")
 
     def finish_bulk(self):
-        """Inside a transaction: rebuild the FTS index if a bulk load left it pending."""
+        """Inside a transaction: make the indexes a bulk load left to its end."""
         self.known, self.defer_index = None, False
+        self.conn.execute(_SESSION_INDEX)
         if self.fts and self.store.meta("fts_pending"):
             self.rebuild_index()
 
@@ -2906,6 +2935,22 @@ class Records:
                        failed=rec["pending"] == LOCAL_FAILED)
         return rec
 
+    def neighbours(self, record_id, before=1, after=1):
+        """The records written just before and just after this one in its pi session, as
+        get() gives them, in the session's order (itself left out): at most `before` and
+        `after` of them; [] for a record of no session (from the gateway or a bundle)."""
+        if self.store.version < SESSIONS_FROM:  # (an older database, read as it is)
+            return []
+        at = self.conn.execute("SELECT session, session_pos FROM records WHERE id=?",
+                               (record_id,)).fetchone()
+        if not at or at[0] is None:
+            return []
+        sql = ("SELECT id FROM records WHERE session=? AND session_pos %s ? "
+               "ORDER BY session_pos %s LIMIT ?")
+        ids = [i for (i,) in self.conn.execute(sql % ("<", "DESC"), at + (before,))][::-1]
+        ids += [i for (i,) in self.conn.execute(sql % (">", "ASC"), at + (after,))]
+        return [self.get(i) for i in ids]
+
     def is_empty(self):
         """True when the index holds no record at all."""
         return self.store._one("SELECT 1 FROM records LIMIT 1") is None
@@ -2932,11 +2977,13 @@ class Records:
         new = self.store._one("SELECT coalesce(max(rid), 0) FROM records") - before
         return new, changed - new
 
-    def upsert(self, rec, view, seen_at=None):
+    def upsert(self, rec, view, seen_at=None, session=(None, None)):
         """Merge one view of a record into the index under the merge rule (_merge_sql), its
         credentials masked (every path into the index comes here, to merge_many or to
-        adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record()."""
-        bound = _masked(dict(rec, view=view, seen_at=seen_at), self.fts)
+        adopt); 'new', 'updated' or 'same'. `rec` must come from normalize_record();
+        session: (session, session_pos) of a record written in a pi session."""
+        bound = _masked(dict(rec, view=view, seen_at=seen_at, session=session[0],
+                             session_pos=session[1]), self.fts)
         old = None
         if self.known is None or hash(rec["id"]) in self.known:
             old = self._indexed("id", rec["id"])
@@ -3522,6 +3569,8 @@ def _masked(bound, words):
     bound["text"] = mask_secrets(bound["text"])
     bound["supersede_reason"] = mask_secrets(bound["supersede_reason"])
     bound["words"] = identifier_words(bound["text"]) if words else None
+    for key in ("session", "session_pos"):  # (known of records imported from sessions)
+        bound.setdefault(key, None)
     return bound
 
 
@@ -3695,9 +3744,9 @@ class Importer:
         # Committed in batches of about a second: a commit per file would cost more than the
         # reading (a file's progress row commits with its records).
         try:
-            for n, (path, st, offset) in enumerate(todo):
+            for n, (path, st, offset, session) in enumerate(todo):
                 self.progress.update("%d/%d files" % (n + 1, len(todo)))
-                self._import_file(path, st, offset)
+                self._import_file(path, st, offset, session)
                 if conn.in_transaction and time.monotonic() - self.batch_started > BATCH_S:
                     conn.execute("COMMIT")
             if conn.in_transaction:
@@ -3710,6 +3759,9 @@ class Importer:
             store.records.finish_bulk()
             store.records.link_supersessions()
             store.set_meta("last_import_at", iso_now())
+            gone = [row for row in conn.execute("SELECT path FROM files WHERE size < 0")
+                    if not os.path.exists(row[0])]  # marked to read again (_m008_sessions)
+            conn.executemany("DELETE FROM files WHERE path=?", gone)
             newest = self.stats.newest_entry_at
             if newest and newest > (store.meta("newest_entry_at") or ""):
                 store.set_meta("newest_entry_at", newest)
@@ -3719,7 +3771,7 @@ class Importer:
         """(path, stat, offset) of each session file that is new or changed, and where
         to start reading it: a file that only grew is read on from its last complete line."""
         known = {row[0]: row[1:] for row in self.store.conn.execute(
-            "SELECT path, size, mtime_ns, ino, offset, status FROM files")}
+            "SELECT path, size, mtime_ns, ino, offset, status, session_id FROM files")}
         todo = []
         for path in session_files(roots):
             self.stats.files_scanned += 1
@@ -3739,22 +3791,22 @@ class Importer:
             if prev and prev[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
                 self.stats.files_unchanged += 1
                 continue
-            offset = 0
+            offset, session = 0, None
             if prev and prev[2] == st.st_ino and prev[4] == "ok" and prev[3] <= st.st_size:
-                offset = prev[3]
-            todo.append((path, st, offset))
+                offset, session = prev[3], prev[5]  # (read from its header before)
+            todo.append((path, st, offset, session))
         return todo
 
-    def _import_file(self, path, st, offset):
-        """Read one session file from `offset`; merge what its memory calls tell; keep
-        the calls still waiting for a result."""
+    def _import_file(self, path, st, offset, session_id):
+        """Read one session file from `offset` (session_id: of its header, read before);
+        merge what its memory calls tell; keep the calls still waiting for a result."""
         conn = self.store.conn
         # toolCall id -> (name, arguments, timestamp) or the raw assistant line
         calls = {call_id: (name, json.loads(args) if args else {}, ts)
                  for call_id, name, args, ts in conn.execute(
                      "SELECT call_id, name, args, ts FROM open_calls WHERE path=?", (path,))}
         try:
-            results, session_id, status, pos = self._read_file(path, offset, calls)
+            results, header_id, status, pos = self._read_file(path, offset, calls)
         except OSError as e:  # unreadable, or gone since it was listed: the next import tries again
             warn("skipped %s: %s" % (path, e.strerror or e))
             return
@@ -3766,7 +3818,8 @@ class Importer:
         if not conn.in_transaction:
             self.store.begin()
             self.batch_started = time.monotonic()
-        self._pair(results, calls)
+        session_id = header_id or session_id
+        self._pair(results, calls, self._session(session_id or path) if results else None)
         # Calls still waiting for their result are kept: the file may grow.
         waiting = []
         for call_id, found in calls.items():
@@ -3776,6 +3829,11 @@ class Importer:
         self.stats.calls_without_result += len(waiting)
         self._write_file(path, waiting,
                          (path, st.st_size, st.st_mtime_ns, st.st_ino, pos, session_id, status))
+
+    def _session(self, key):
+        """The number of a session (sessions.id) by its key, made at first sight."""
+        self.store.conn.execute("INSERT OR IGNORE INTO sessions(key) VALUES(?)", (key,))
+        return self.store._one("SELECT id FROM sessions WHERE key=?", (key,))
 
     def _write_file(self, path, waiting, progress):
         """Write what one session file gave inside the batch's transaction: its records (in
@@ -3809,15 +3867,16 @@ class Importer:
                     pos += len(line)
                     self.stats.lines_examined += 1
             if status == "ok" and pos > 0:
-                pos += self._scan_chunks(f, calls, results)
+                pos += self._scan_chunks(f, calls, results, pos)
         return results, session_id, status, pos
 
-    def _scan_chunks(self, f, calls, results):
+    def _scan_chunks(self, f, calls, results, origin):
         """Scan big chunks for "qmem_" and cut out only the lines around each hit: most
         of a session's bytes are ordinary tool traffic that needs no look. Returns the
-        bytes consumed, up to the end of the last complete line. The piece of a line
-        that runs past a chunk is kept as a list (joined once, when the line ends: linear
-        time), and a line longer than MAX_LINE_BYTES is skipped without being kept."""
+        bytes consumed (from `origin`, the file's offset), up to the end of the last
+        complete line. The piece of a line that runs past a chunk is kept as a list
+        (joined once, when the line ends: linear time), and a line longer than
+        MAX_LINE_BYTES is skipped without being kept."""
         pending, pending_len, skipping, read, consumed = [], 0, False, 0, 0
         while True:
             chunk = f.read(_CHUNK)
@@ -3833,6 +3892,7 @@ class Importer:
                         pending, pending_len, skipping = [], 0, True
                 continue
             tail = len(chunk) - end  # bytes of a line that goes on past the chunk
+            at = origin + read - len(chunk) - pending_len  # where in the file buf starts
             if skipping:  # the long line ends in this chunk: skip it, scan what follows
                 self.stats.lines_skipped += 1
                 buf, start, skipping = chunk, chunk.find(b"\n") + 1, False
@@ -3846,7 +3906,7 @@ class Importer:
             while hit != -1:
                 first = buf.rfind(b"\n", start, hit) + 1 or start
                 stop = buf.find(b"\n", hit) + 1
-                self._scan_line(buf[first:stop], calls, results)
+                self._scan_line(buf[first:stop], calls, results, at + first)
                 self.stats.lines_examined += 1
                 hit = buf.find(b"qmem_", stop, end)
             consumed = read - pending_len
@@ -3854,10 +3914,11 @@ class Importer:
             self.stats.lines_truncated += 1  # being written: read it next time
         return consumed
 
-    def _pair(self, results, calls):
-        """Merge the records each qmem tool result tells, with its call's arguments."""
+    def _pair(self, results, calls, session):
+        """Merge the records each qmem tool result tells, with its call's arguments; those
+        a call wrote (store, correct) know their session and place in it."""
         stats = self.stats
-        for msg, ts in results:
+        for msg, ts, pos in results:
             name = msg["toolName"]  # a str: of no other JSON value does str() start qmem_
             stats.calls[name] += 1
             if msg.get("isError"):
@@ -3875,15 +3936,16 @@ class Importer:
             def call_args(call=call, call_id=call_id):
                 found = _call_in(call, call_id)
                 return found[1] if found else None
+            written = (session, pos) if name in ("qmem_store", "qmem_correct") else (None, None)
             try:
                 for data, view in records_from_call(name, call_args, msg):
-                    self._merge(data, view, seen)
+                    self._merge(data, view, seen, written)
             # a shape nobody writes
             except (TypeError, ValueError, AttributeError, KeyError, RecursionError):
                 stats.lines_skipped += 1
 
-    def _scan_line(self, line, calls, results):
-        """Note a line that mentions qmem_: a tool result to pair, or tool calls."""
+    def _scan_line(self, line, calls, results, pos):
+        """Note a line (at offset pos) that mentions qmem_: a tool result, or tool calls."""
         if b'"toolResult"' in line:
             entry = _parse_line(line)
             msg = entry and entry.get("message")
@@ -3891,7 +3953,7 @@ class Importer:
                 self.stats.lines_skipped += entry is None
                 return
             if str(msg.get("toolName", "")).startswith("qmem_"):
-                results.append((msg, entry.get("timestamp")))
+                results.append((msg, entry.get("timestamp"), pos))
         elif b'"toolCall"' in line:
             ids = _CALL_ID_IN_LINE.findall(line)
             for call_id in ids:
@@ -3903,22 +3965,24 @@ class Importer:
         elif _parse_line(line) is None:
             self.stats.lines_skipped += 1
 
-    def _merge(self, data, view, seen_at):
+    def _merge(self, data, view, seen_at, session):
         rid = data.get("id")
         if not isinstance(rid, str):  # an id of the wrong type: nothing to merge
             return
         settled = self.settled.get(rid)
+        placed = session[0] is not None or bool(settled and settled[3])  # in its session
         if settled is not None and settled == (
                 data.get("updated_at") or settled[0], data.get("superseded_by") or settled[1],
-                data.get("deleted_at") or settled[2]):
+                data.get("deleted_at") or settled[2], placed):
             return  # a full view of it is merged already and this one adds nothing
         rec = normalize_record(data)
         if rec is None:
             return
         if self.bulk is not None:
-            self.bulk.append(dict(rec, view=view, seen_at=seen_at))
+            self.bulk.append(dict(rec, view=view, seen_at=seen_at, session=session[0],
+                                  session_pos=session[1]))
         else:
-            outcome = self.store.records.upsert(rec, view, seen_at)
+            outcome = self.store.records.upsert(rec, view, seen_at, session)
             if outcome == "new":
                 self.stats.records_new += 1
             elif outcome == "updated":
@@ -3927,7 +3991,7 @@ class Importer:
             if len(self.settled) >= _SETTLED_MAX:
                 self.settled.clear()
             self.settled[rid] = (data.get("updated_at"), data.get("superseded_by"),
-                                 data.get("deleted_at"))
+                                 data.get("deleted_at"), placed)
 
 
 def _qmem_calls(entry):
@@ -4618,7 +4682,8 @@ def local_status(store):
         "lag": {"newest_entry_imported_at": store.meta("newest_entry_at"),
                 **{k: store.meta(k) for k in _LAST_TIMES}},
         "duplicates": {"groups": dups[0], "records": dups[1]},
-        "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0)},
+        "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0),
+                     "to_read_again": store._one("SELECT count(*) FROM files WHERE size < 0")},
         "db": {"path": store.path, "bytes": size, "schema_version": store.version},
         "fts": {"available": store.records.fts, "tokenizer": store.meta("fts")},
         "machine": machine_identity(),
@@ -4631,7 +4696,8 @@ def empty_status(db_path):
     return {"source": "local_sqlite", "records": records, "outbox": dict.fromkeys(OUTBOX_STATES, 0),
             "coverage": {"complete": 0, "search_hit_only": 0, "complete_share": None},
             "lag": dict.fromkeys(("newest_entry_imported_at",) + _LAST_TIMES),
-            "duplicates": {"groups": 0, "records": 0}, "sessions": {"files": 0, "not_sessions": 0},
+            "duplicates": {"groups": 0, "records": 0},
+            "sessions": {"files": 0, "not_sessions": 0, "to_read_again": 0},
             "db": {"path": db_path, "bytes": 0, "schema_version": None},
             "fts": {"available": None, "tokenizer": None}, "machine": machine_identity()}
 
@@ -6110,6 +6176,11 @@ def _doctor_outbox(store, bundles):
 
 
 def _doctor_import_lag(store):
+    again = store._one("SELECT count(*) FROM files WHERE size < 0")  # (_m008_sessions)
+    if again:
+        return check("import", "warn", "%s imported by an older qmem.py: their records do not "
+                     "know their pi session yet" % plural(again, "session file"),
+                     "run `qmem.py import`: it reads them again, once, whole")
     last = parse_iso(store.meta("last_import_at") or "")
     newest = 0.0
     for path in session_files(session_dirs()):
@@ -8352,6 +8423,9 @@ def show_status(doc, out):
         if lag.get("last_load_at"):
             out.write("last bundle loaded: %(last_load_at)s, from %(last_load_from)s\n" % lag)
         out.write("session files indexed: %(files)d\n" % doc["sessions"])
+        if doc["sessions"].get("to_read_again"):
+            out.write("  %s to read again by the next import, for their records to know "
+                      "their session\n" % plural(doc["sessions"]["to_read_again"], "file"))
         out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
             doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
             doc["fts"]["tokenizer"] if doc["fts"]["available"]
