@@ -3216,10 +3216,26 @@ class Records:
         """Those of the candidates the full-text index holds, the most widely used first:
         each looked up in the index's own b-tree (through an fts5vocab table in this
         connection's temp schema, nothing written to the database), never a scan."""
-        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_terms USING "
-                          "fts5vocab(main, {0}, row)".format(self.fts_table))
-        found = self._among("SELECT term, doc FROM temp.%s_terms" % self.fts_table, candidates)
+        found = self._among("SELECT term, doc FROM %s" % self._vocabulary("row"), candidates)
         return [term for term, _ in sorted(found, key=lambda row: -row[1])]
+
+    def _vocabulary(self, counts):
+        """The fts5vocab table of the index in this connection's temp schema: counts per
+        term ('row') or per term and column ('col')."""
+        name = "temp.%s_%s" % (self.fts_table, {"row": "terms", "col": "columns"}[counts])
+        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS %s USING fts5vocab(main, %s, %s)"
+                          % (name, self.fts_table, counts))
+        return name
+
+    def holding(self, term, prefix):
+        """How many texts hold term (as a prefix: any word it starts, each counted), as the
+        index's b-tree counts them (terms_among's way); kept with the near spellings."""
+        if ("holding", term, prefix) not in self.near:
+            self.near[("holding", term, prefix)] = self.store._one(
+                "SELECT sum(doc) FROM %s WHERE term >= ? AND term <= ? AND col IN ('text', "
+                "'words')" % self._vocabulary("col"),
+                (term, term + "\U0010ffff" if prefix else term)) or 0
+        return self.near[("holding", term, prefix)]
 
 
 class Outbox:
@@ -4327,7 +4343,8 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     if use_fts and len(found) >= limit and any(m != "any" for _, m in found.values()):
         for row in _name_rows(store, levels, [r for r, _ in found.values()], where, params, limit):
             found.setdefault(row[0], (row, "fuzzy"))  # (its real level: _ranked)
-    ranked = _corrections_first(_ranked(list(found.values()), levels))[:limit]
+    weights = _rarity(store, levels[-1][1]) if use_fts and match == "any" else None
+    ranked = _corrections_first(_ranked(list(found.values()), levels, weights))[:limit]
     results = _results(store, cur, [row for row, _ in ranked], set(terms), highlight)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
@@ -4359,11 +4376,12 @@ _WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}  # the levels, be
 _STEM_CLASS = 2
 
 
-def _ranked(found, levels):
+def _ranked(found, levels, weights=None):
     """found ((row, level it was found at), in the order found) ranked: by how many
     query words match it, then by how well (each word's best class, plus less than the
     gap to the next class for how much of the word the matched token shares from its
-    start: lines before linear for line), then as found (BM25)."""
+    start: lines before linear for line), then as found (BM25). With weights (_rarity),
+    by the weights of the words it holds, then as without, how well by _weighed."""
     words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
     classes = _term_classes(levels)
     # (one word of one part is the same wherever it stands; short stems make no name)
@@ -4377,8 +4395,13 @@ def _ranked(found, levels):
         worst = max(floor, min(c for c, _ in best))
         level = next(m for m in _WORD_CLASS if _WORD_CLASS[m] <= worst or m == "any")
         matched = len(best) if floor else sum(1 for c, _ in best if c)
-        scored.append(((-matched, -_name_score(row[1], names, seen) if names else 0,
-                        -sum(c + 0.49 * share for c, share in best), n), (row, level)))
+        name = -_name_score(row[1], names, seen) if names else 0
+        if weights:  # the weights of the words it holds, then as without: how well
+            held = sum(w for (c, _), w in zip(best, weights) if c or floor)
+            scored.append(((-held, name, -_weighed(best, weights), n), (row, level)))
+        else:
+            scored.append(((-matched, name, -sum(c + 0.49 * share for c, share in best), n),
+                           (row, level)))
     return [item for _, item in sorted(scored, key=lambda pair: pair[0])]
 
 
@@ -4460,6 +4483,27 @@ def _run_of(parts, term, prefix):
             if not term.startswith(spelt):
                 break
     return None
+
+
+# Rank for questions: a word of a question weighs by how rare it is (where many words
+# match, the rarer ones name the answer).
+
+
+def _rarity(store, level):
+    """The weight of each word of a level (its alternatives), as BM25 weighs a term held
+    by n of N records: log(1 + (N - n + 0.5) / (n + 0.5)), n counting the records that
+    hold any of its terms (a punctuated token: as if none held it)."""
+    total = store._one("SELECT max(rid) FROM records") or 1
+    held = [min(total, sum(store.records.holding(t, p) for t, p in alternatives
+                           if not _is_phrase(t))) for alternatives in level]
+    return [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in held]
+
+
+def _weighed(best, weights):
+    """A record's score for a query whose words weigh (_rarity): each word's weight times
+    how well it matched (_best_match: 1 for an exact word, less for a form, a near
+    spelling)."""
+    return sum(w * (c + 0.49 * share) for (c, share), w in zip(best, weights)) / _WORD_CLASS["all"]
 
 
 def _visibility(f):

@@ -4040,6 +4040,22 @@ class FindRelevanceTests(QmemTestCase):
         self.assertEqual(misses, [])
         self.assertGreaterEqual((len(NAMES), len(WORD_FORMS)), (20, 20))
 
+    def test_the_rare_word_of_a_question_outweighs_its_common_ones(self):
+        """Part 17: where no record holds every word of a question, the one that holds its
+        rare word ranks above those that hold two of its common ones."""
+        texts = ["We deploy the %s service to staging every Tuesday" % name for name in (
+            "billing", "search", "ledger", "mailer", "gateway", "scheduler", "reports",
+            "exports", "images", "accounts", "notifications", "checkout")]
+        texts.append("PgBouncer runs in transaction mode in front of Postgres")
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with store.transaction():
+            for n, text in enumerate(texts):
+                store.records.upsert(qmem.normalize_record(record(UUIDS[n], text)), qmem.VIEW_FULL)
+        found = qmem.find_local(store, "how do we deploy pgbouncer on staging?", limit=5)
+        self.assertEqual(found["results"][0]["text"], texts[-1])
+        self.assertEqual(found["match"], "any")
+
 
 def look_alikes(n, seed=7):
     """Sentences made of the relevance records' own words (services, actions, things,
