@@ -4312,13 +4312,15 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     tokens = query_tokens(query)
     if not tokens:
         return {"match": "none", "results": []}
+    dates, when = query_dates(tokens)
     where, params = _visibility(filters)
     # While a bulk import builds the index, the LIKE scan gives complete answers.
     use_fts = store.records.fts and not store.meta("fts_pending")
     near = ((lambda word: near_spellings(store, word, use_fts))
             if use_fts or store.records.folded else None)
     found, levels, asked, terms = {}, [], set(), []
-    for match, level, every in search_levels(tokens, near):
+    asked_words = [t for n, t in enumerate(tokens) if n not in when] or tokens
+    for match, level, every in search_levels(asked_words, near):
         levels.append((match, level))
         if use_fts and match != "all":  # (an exact word the index lacks just matches nothing)
             level = _held_only(store, level, every)
@@ -4337,14 +4339,18 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
             found.setdefault(row[0], (row, match if every else "any"))
         if len(found) >= limit:
             break
+    if dates:  # (also what was stored then, that the looser levels may not have reached)
+        _found_at(store, found, level or levels[-1][1], where, params, dates, use_fts)
     if not found:
         return {"match": "none", "results": []}
     # (fewer found, or none with every word: no record left out holds a name of them all)
     if use_fts and len(found) >= limit and any(m != "any" for _, m in found.values()):
         for row in _name_rows(store, levels, [r for r, _ in found.values()], where, params, limit):
             found.setdefault(row[0], (row, "fuzzy"))  # (its real level: _ranked)
-    weights = _rarity(store, levels[-1][1]) if use_fts and match == "any" else None
-    ranked = _corrections_first(_ranked(list(found.values()), levels, weights))[:limit]
+    weights = _rarity(store, levels[-1][1]) if use_fts and (match == "any" or dates) else None
+    unasked = _unasked(store, tokens, levels, when) if weights else []
+    ranked = _corrections_first(_ranked(list(found.values()), levels, weights, dates,
+                                        unasked))[:limit]
     results = _results(store, cur, [row for row, _ in ranked], set(terms), highlight)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
@@ -4376,12 +4382,14 @@ _WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}  # the levels, be
 _STEM_CLASS = 2
 
 
-def _ranked(found, levels, weights=None):
+def _ranked(found, levels, weights=None, dates=(), unasked=()):
     """found ((row, level it was found at), in the order found) ranked: by how many
     query words match it, then by how well (each word's best class, plus less than the
     gap to the next class for how much of the word the matched token shares from its
     start: lines before linear for line), then as found (BM25). With weights (_rarity),
-    by the weights of the words it holds, then as without, how well by _weighed."""
+    by the weights of the words it holds (and DATE_WEIGHT if it was stored at one of the
+    dates, the weights of the _unasked words it holds), then as without, how well by
+    _weighed; without, a record stored at one of the dates counts as a word more."""
     words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
     classes = _term_classes(levels)
     # (one word of one part is the same wherever it stands; short stems make no name)
@@ -4396,12 +4404,14 @@ def _ranked(found, levels, weights=None):
         level = next(m for m in _WORD_CLASS if _WORD_CLASS[m] <= worst or m == "any")
         matched = len(best) if floor else sum(1 for c, _ in best if c)
         name = -_name_score(row[1], names, seen) if names else 0
+        dated = any(start <= (row[6] or "")[:10] <= end for start, end in dates)
         if weights:  # the weights of the words it holds, then as without: how well
-            held = sum(w for (c, _), w in zip(best, weights) if c or floor)
+            held = (sum(w for (c, _), w in zip(best, weights) if c or floor) + DATE_WEIGHT * dated
+                    + sum(w for word, w in unasked if " %s " % word in joined))
             scored.append(((-held, name, -_weighed(best, weights), n), (row, level)))
         else:
-            scored.append(((-matched, name, -sum(c + 0.49 * share for c, share in best), n),
-                           (row, level)))
+            scored.append(((-matched - dated, name, -sum(c + 0.49 * share for c, share in best),
+                            n), (row, level)))
     return [item for _, item in sorted(scored, key=lambda pair: pair[0])]
 
 
@@ -4486,7 +4496,9 @@ def _run_of(parts, term, prefix):
 
 
 # Rank for questions: a word of a question weighs by how rare it is (where many words
-# match, the rarer ones name the answer).
+# match, the rarer ones name the answer), and a date it names favours what was stored then.
+DATE_WEIGHT = 3.0  # a date the query names weighs as a word that 1 record in 20 holds
+MAX_DATED = 20  # records stored at a date the query names, added to those found
 
 
 def _rarity(store, level):
@@ -4499,11 +4511,105 @@ def _rarity(store, level):
     return [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in held]
 
 
+def _unasked(store, tokens, levels, when):
+    """The words of the dates the query names (when: their tokens' places) that no level
+    asks for, each as (its parts joined by spaces, its weight): where a record says them,
+    they count as any word does."""
+    asked = {alternatives[0][0] for alternatives in levels[0][1]}
+    words = sorted({_fold(tokens[n]) for n in when} - asked)
+    return list(zip((" ".join(_PARTS.findall(w)) for w in words),
+                    _rarity(store, [[(w, False)] for w in words])))
+
+
 def _weighed(best, weights):
     """A record's score for a query whose words weigh (_rarity): each word's weight times
     how well it matched (_best_match: 1 for an exact word, less for a form, a near
     spelling)."""
     return sum(w * (c + 0.49 * share) for (c, share), w in zip(best, weights)) / _WORD_CLASS["all"]
+
+
+_MONTHS = {name: n % 12 + 1 for n, name in enumerate(
+    "january february march april may june july august september october november december "
+    "gennaio febbraio marzo aprile maggio giugno luglio agosto settembre ottobre novembre "
+    "dicembre".split())}
+_DAY = r"(\d\d?)(?:st|nd|rd|th)?"
+_DATE_RE = re.compile(r"\b(?:%s )?(%s)(?: %s)?(?: (\d{4}))?\b|\b(\d{4})-(\d\d)-(\d\d)\b|"
+                      r"\b((?:19|20)\d\d)\b" % (_DAY, "|".join(_MONTHS), _DAY))
+# A time said in words: how many of a unit back (today, last week, il mese scorso)
+_SPANS = {"today": ("day", 0), "oggi": ("day", 0), "yesterday": ("day", 1), "ieri": ("day", 1),
+          "this week": ("week", 0), "last week": ("week", 1), "questa settimana": ("week", 0),
+          "settimana scorsa": ("week", 1), "this month": ("month", 0),
+          "last month": ("month", 1), "questo mese": ("month", 0), "mese scorso": ("month", 1),
+          "this year": ("year", 0), "last year": ("year", 1), "quest'anno": ("year", 0),
+          "anno scorso": ("year", 1)}
+_SPAN_RE = re.compile(r"\b(%s)\b" % "|".join(_SPANS))
+
+
+def query_dates(tokens, today=None):
+    """The dates a query names, as [(first day, last day)] ('YYYY-MM-DD'), and the places
+    of the tokens that name them: a day (13 October 2023, October 13, 2023, 2023-10-13),
+    a month (March 2024; June alone: in each of the last ten years), a year (2023); today,
+    yesterday; this week, month or year (to today); last week (from its Monday to today:
+    as people say it), last month or year (that one); in English and Italian."""
+    today = today or datetime.date.today()
+    folded = [_fold(t) for t in tokens]
+    said, spans, places, starts = " ".join(folded), [], set(), [0]
+    for word in folded:
+        starts.append(starts[-1] + len(word) + 1)
+    for m in list(_DATE_RE.finditer(said)) + list(_SPAN_RE.finditer(said)):
+        found = [(start.isoformat(), end.isoformat()) for start, end in _said_dates(m, today)]
+        spans += found
+        places.update(n for n, at in enumerate(starts) if found and m.start() <= at < m.end())
+    return spans, places
+
+
+def _said_dates(m, today):
+    """query_dates() of one match of _DATE_RE or _SPAN_RE."""
+    if m.re is _SPAN_RE:
+        unit, back = _SPANS[m.group(1)]
+        if unit == "day":
+            return [(today - datetime.timedelta(days=back),) * 2]
+        if unit == "week":
+            return [(today - datetime.timedelta(days=today.weekday() + 7 * back), today)]
+        start = today.replace(day=1) if unit == "month" else today.replace(month=1, day=1)
+        before = start - datetime.timedelta(days=1)
+        return (_span(before.year, before.month if unit == "month" else None) if back
+                else [(start, today)])
+    day1, month, day2, year, iso_y, iso_m, iso_d, lone = m.groups()
+    if lone or iso_y:
+        return _span(int(lone or iso_y), iso_m and int(iso_m), iso_d and int(iso_d))
+    if month == "may" and not (day1 or day2 or year):  # (may: also a verb)
+        return []
+    return [span for y in ([int(year)] if year else range(today.year - 9, today.year + 1))
+            for span in _span(y, _MONTHS[month], int(day1 or day2 or 0) or None)]
+
+
+def _span(year, month=None, day=None):
+    """[(first day, last day)] of a year, a month of it or a day ([] if there is none)."""
+    try:
+        start = datetime.date(year, month or 1, day or 1)
+    except ValueError:  # 31 February
+        return []
+    if day:
+        return [(start, start)]
+    end = (start + datetime.timedelta(days=31)).replace(day=1) if month else start.replace(
+        year=year + 1)
+    return [(start, end - datetime.timedelta(days=1))]
+
+
+def _found_at(store, found, level, where, params, dates, use_fts):
+    """Add to found (at level 'any') the MAX_DATED best of the records stored at one of
+    the dates that hold any word of the level."""
+    level = [alternatives for alternatives in level if alternatives]
+    if level:
+        where = where + ["(%s)" % " OR ".join(
+            ["substr(r.created_at, 1, 10) BETWEEN ? AND ?"] * len(dates))]
+        params = params + [day for span in dates for day in span]
+        rows = (store.conn.execute(*_fts_query(store, level, False, where, params, MAX_DATED))
+                .fetchall() if use_fts else _like_rows(store, level, False, where, params,
+                                                        MAX_DATED)[1])
+        for row in rows:
+            found.setdefault(row[0], (row, "any"))
 
 
 def _visibility(f):
