@@ -4504,10 +4504,12 @@ MAX_DATED = 20  # records stored at a date the query names, added to those found
 def _rarity(store, level):
     """The weight of each word of a level (its alternatives), as BM25 weighs a term held
     by n of N records: log(1 + (N - n + 0.5) / (n + 0.5)), n counting the records that
-    hold any of its terms (a punctuated token: as if none held it)."""
+    hold any of its terms (a punctuated token: as if none held it; a word _held_only
+    found the index lacks is not looked up again)."""
     total = store._one("SELECT max(rid) FROM records") or 1
-    held = [min(total, sum(store.records.holding(t, p) for t, p in alternatives
-                           if not _is_phrase(t))) for alternatives in level]
+    held = [min(total, sum(store.records.holding(t, p) for t, p in alternatives if not
+                           _is_phrase(t) and (p or store.records.near.get(("held", t), True))))
+            for alternatives in level]
     return [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in held]
 
 
