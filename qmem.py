@@ -3216,25 +3216,21 @@ class Records:
         """Those of the candidates the full-text index holds, the most widely used first:
         each looked up in the index's own b-tree (through an fts5vocab table in this
         connection's temp schema, nothing written to the database), never a scan."""
-        found = self._among("SELECT term, doc FROM %s" % self._vocabulary("row"), candidates)
+        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_terms USING "
+                          "fts5vocab(main, {0}, row)".format(self.fts_table))
+        found = self._among("SELECT term, doc FROM temp.%s_terms" % self.fts_table, candidates)
         return [term for term, _ in sorted(found, key=lambda row: -row[1])]
-
-    def _vocabulary(self, counts):
-        """The fts5vocab table of the index in this connection's temp schema: counts per
-        term ('row') or per term and column ('col')."""
-        name = "temp.%s_%s" % (self.fts_table, {"row": "terms", "col": "columns"}[counts])
-        self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS %s USING fts5vocab(main, %s, %s)"
-                          % (name, self.fts_table, counts))
-        return name
 
     def holding(self, term, prefix):
         """How many texts hold term (as a prefix: any word it starts, each counted), as the
         index's b-tree counts them (terms_among's way); kept with the near spellings."""
         if ("holding", term, prefix) not in self.near:
+            self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_columns USING "
+                              "fts5vocab(main, {0}, col)".format(self.fts_table))
+            last = term + "\U0010ffff" if prefix else term
             self.near[("holding", term, prefix)] = self.store._one(
-                "SELECT sum(doc) FROM %s WHERE term >= ? AND term <= ? AND col IN ('text', "
-                "'words')" % self._vocabulary("col"),
-                (term, term + "\U0010ffff" if prefix else term)) or 0
+                "SELECT sum(doc) FROM temp.%s_columns WHERE term BETWEEN ? AND ? AND col IN "
+                "('text', 'words')" % self.fts_table, (term, last)) or 0
         return self.near[("holding", term, prefix)]
 
 
@@ -4592,11 +4588,8 @@ def _span(year, month=None, day=None):
         start = datetime.date(year, month or 1, day or 1)
     except ValueError:  # 31 February
         return []
-    if day:
-        return [(start, start)]
-    end = (start + datetime.timedelta(days=31)).replace(day=1) if month else start.replace(
-        year=year + 1)
-    return [(start, end - datetime.timedelta(days=1))]
+    after = datetime.date(year + (month or 12) // 12, (month or 12) % 12 + 1, 1)
+    return [(start, start if day else after - datetime.timedelta(days=1))]
 
 
 def _found_at(store, found, level, where, params, dates, use_fts):
