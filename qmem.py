@@ -4498,10 +4498,8 @@ MAX_DATED = 20  # records stored at a date the query names, added to those found
 
 
 def _rarity(store, level):
-    """The weight of each word of a level (its alternatives), as BM25 weighs a term held
-    by n of N records: log(1 + (N - n + 0.5) / (n + 0.5)), n counting the records that
-    hold any of its terms (a punctuated token: as if none held it; a word _held_only
-    found the index lacks is not looked up again)."""
+    """Each word's weight (of its alternatives), as BM25 weighs a term n of N records
+    hold: log(1 + (N - n + 0.5) / (n + 0.5)) (a punctuated token: as if none held it)."""
     total = store._one("SELECT max(rid) FROM records") or 1
     held = [min(total, sum(store.records.holding(t, p) for t, p in alternatives if not
                            _is_phrase(t) and (p or store.records.near.get(("held", t), True))))
@@ -4510,9 +4508,8 @@ def _rarity(store, level):
 
 
 def _unasked(store, tokens, levels, when):
-    """The words of the dates the query names (when: their tokens' places) that no level
-    asks for, each as (its parts joined by spaces, its weight): where a record says them,
-    they count as any word does."""
+    """(parts, weight) of each word of a date the query names (when: the tokens' places)
+    that no level asks for: where a record says it, it counts as any word does."""
     asked = {alternatives[0][0] for alternatives in levels[0][1]}
     words = sorted({_fold(tokens[n]) for n in when} - asked)
     return list(zip((" ".join(_PARTS.findall(w)) for w in words),
@@ -4520,9 +4517,8 @@ def _unasked(store, tokens, levels, when):
 
 
 def _weighed(best, weights):
-    """A record's score for a query whose words weigh (_rarity): each word's weight times
-    how well it matched (_best_match: 1 for an exact word, less for a form, a near
-    spelling)."""
+    """How well a record matched the words that weigh (_rarity): each word's weight times
+    its class (1 for an exact word, less for a form...) and share (_best_match)."""
     return sum(w * (c + 0.49 * share) for (c, share), w in zip(best, weights)) / _WORD_CLASS["all"]
 
 
@@ -4550,10 +4546,8 @@ def query_dates(tokens, today=None):
     yesterday; this week, month or year (to today); last week (from its Monday to today:
     as people say it), last month or year (that one); in English and Italian."""
     today = today or datetime.date.today()
-    folded = [_fold(t) for t in tokens]
-    said, spans, places, starts = " ".join(folded), [], set(), [0]
-    for word in folded:
-        starts.append(starts[-1] + len(word) + 1)
+    said, spans, places = " ".join(_fold(t).replace(" ", "") for t in tokens), [], set()
+    starts = [m.start() for m in re.finditer(r"\S+", said)]  # (each token's)
     for m in list(_DATE_RE.finditer(said)) + list(_SPAN_RE.finditer(said)):
         found = [(start.isoformat(), end.isoformat()) for start, end in _said_dates(m, today)]
         spans += found
@@ -4593,8 +4587,7 @@ def _span(year, month=None, day=None):
 
 
 def _found_at(store, found, level, where, params, dates, use_fts):
-    """Add to found (at level 'any') the MAX_DATED best of the records stored at one of
-    the dates that hold any word of the level."""
+    """Add to found ('any') the MAX_DATED best records stored at the dates with a word."""
     level = [alternatives for alternatives in level if alternatives]
     if level:
         where = where + ["(%s)" % " OR ".join(
