@@ -4344,9 +4344,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
         for row in _name_rows(store, levels, [r for r, _ in found.values()], where, params, limit):
             found.setdefault(row[0], (row, "fuzzy"))  # (its real level: _ranked)
     weights = _rarity(store, levels[-1][1]) if use_fts and (match == "any" or dates) else None
-    unasked = _unasked(store, tokens, levels, when) if weights else []
-    ranked = _corrections_first(_ranked(list(found.values()), levels, weights, dates,
-                                        unasked))[:limit]
+    ranked = _corrections_first(_ranked(list(found.values()), levels, weights, dates))[:limit]
     results = _results(store, cur, [row for row, _ in ranked], set(terms), highlight)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
@@ -4378,14 +4376,13 @@ _WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}  # the levels, be
 _STEM_CLASS = 2
 
 
-def _ranked(found, levels, weights=None, dates=(), unasked=()):
+def _ranked(found, levels, weights=None, dates=()):
     """found ((row, level it was found at), in the order found) ranked: by how many
     query words match it, then by how well (each word's best class, plus less than the
     gap to the next class for how much of the word the matched token shares from its
     start: lines before linear for line), then as found (BM25). With weights (_rarity),
-    by the weights of the words it holds (and DATE_WEIGHT if it was stored at one of the
-    dates, the weights of the _unasked words it holds), then as without, how well by
-    _weighed; without, a record stored at one of the dates counts as a word more."""
+    by the weights of the words it holds (and DATE_WEIGHT if stored at one of the dates),
+    then as without, how well by _weighed; without, being so stored counts as a word."""
     words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
     classes = _term_classes(levels)
     # (one word of one part is the same wherever it stands; short stems make no name)
@@ -4402,8 +4399,7 @@ def _ranked(found, levels, weights=None, dates=(), unasked=()):
         name = -_name_score(row[1], names, seen) if names else 0
         dated = any(start <= (row[6] or "")[:10] <= end for start, end in dates)
         if weights:  # the weights of the words it holds, then as without: how well
-            held = (sum(w for (c, _), w in zip(best, weights) if c or floor) + DATE_WEIGHT * dated
-                    + sum(w for word, w in unasked if " %s " % word in joined))
+            held = sum(w for (c, _), w in zip(best, weights) if c or floor) + DATE_WEIGHT * dated
             scored.append(((-held, name, -_weighed(best, weights), n), (row, level)))
         else:
             scored.append(((-matched - dated, name, -sum(c + 0.49 * share for c, share in best),
@@ -4505,15 +4501,6 @@ def _rarity(store, level):
                            _is_phrase(t) and (p or store.records.near.get(("held", t), True))))
             for alternatives in level]
     return [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in held]
-
-
-def _unasked(store, tokens, levels, when):
-    """(parts, weight) of each word of a date the query names (when: the tokens' places)
-    that no level asks for: where a record says it, it counts as any word does."""
-    asked = {alternatives[0][0] for alternatives in levels[0][1]}
-    words = sorted({_fold(tokens[n]) for n in when} - asked)
-    return list(zip((" ".join(_PARTS.findall(w)) for w in words),
-                    _rarity(store, [[(w, False)] for w in words])))
 
 
 def _weighed(best, weights):
