@@ -4085,8 +4085,9 @@ class FindRelevanceTests(QmemTestCase):
     def test_questions_about_deliberate_records(self):
         """Part 17: what a user asks of decisions, preferences and facts, among look-alikes
         that share their words, some by when (in March 2024, last month, ieri): recall@1,
-        @3 and @5 (find before part 17: 0.865, 0.955, 0.962; among look_alikes(600) too,
-        0.820, 0.910, 0.910; now 0.925, 0.970, 0.977 and 0.895, 0.947, 0.947)."""
+        @3 and @5 (find before this ranking, c122026: 0.857, 0.955, 0.962; among
+        look_alikes(600) too, 0.812, 0.910, 0.910; now 0.917, 0.970, 0.977 and 0.895,
+        0.947, 0.947)."""
         today = datetime.date.today()
         days = {"today": today, "yesterday": today - datetime.timedelta(days=1),
                 "last month": (today.replace(day=1) - datetime.timedelta(days=1)).replace(day=15),
