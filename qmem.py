@@ -4516,22 +4516,20 @@ _MONTHS = {name: n % 12 + 1 for n, name in enumerate(
 _DAY = r"(\d\d?)(?:st|nd|rd|th)?"
 _DATE_RE = re.compile(r"\b(?:%s )?(%s)(?: %s)?(?: (\d{4}))?\b|\b(\d{4})-(\d\d)-(\d\d)\b|"
                       r"\b((?:19|20)\d\d)\b" % (_DAY, "|".join(_MONTHS), _DAY))
-# A time said in words: how many of a unit back (today, last week, il mese scorso)
-_SPANS = {"today": ("day", 0), "oggi": ("day", 0), "yesterday": ("day", 1), "ieri": ("day", 1),
-          "this week": ("week", 0), "last week": ("week", 1), "questa settimana": ("week", 0),
-          "settimana scorsa": ("week", 1), "this month": ("month", 0),
-          "last month": ("month", 1), "questo mese": ("month", 0), "mese scorso": ("month", 1),
-          "this year": ("year", 0), "last year": ("year", 1), "quest'anno": ("year", 0),
-          "anno scorso": ("year", 1)}
+# A time said in words: its unit, and how many of them back (today, il mese scorso)
+_SPANS = {said: (unit, back) for unit, back, words in (
+    ("day", 0, "today|oggi"), ("day", 1, "yesterday|ieri"), ("week", 0, "this week|questa "
+     "settimana"), ("week", 1, "last week|settimana scorsa"), ("month", 0, "this month|questo "
+     "mese"), ("month", 1, "last month|mese scorso"), ("year", 0, "this year|quest'anno"),
+    ("year", 1, "last year|anno scorso")) for said in words.split("|")}
 _SPAN_RE = re.compile(r"\b(%s)\b" % "|".join(_SPANS))
 
 
 def query_dates(tokens, today=None):
-    """The dates a query names, as [(first day, last day)] ('YYYY-MM-DD'), and the places
-    of the tokens that name them: a day (13 October 2023, October 13, 2023, 2023-10-13),
-    a month (March 2024; June alone: in each of the last ten years), a year (2023); today,
-    yesterday; this week, month or year (to today); last week (from its Monday to today:
-    as people say it), last month or year (that one); in English and Italian."""
+    """The dates a query names, [(first day, last day)] ('YYYY-MM-DD'), and the places of
+    its tokens that name them: a day (13 October 2023, October 13, 2023, 2023-10-13), a
+    month (March 2024; June: in each of the last ten years), a year; today, yesterday, this
+    week, month or year; last week (its Monday to today), month or year (English, Italian)."""
     today = today or datetime.date.today()
     said, spans, places = " ".join(_fold(t).replace(" ", "") for t in tokens), [], set()
     starts = [m.start() for m in re.finditer(r"\S+", said)]  # (each token's)
