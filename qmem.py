@@ -4344,7 +4344,9 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
         for row in _name_rows(store, levels, [r for r, _ in found.values()], where, params, limit):
             found.setdefault(row[0], (row, "fuzzy"))  # (its real level: _ranked)
     weights = _rarity(store, levels[-1][1]) if use_fts and (match == "any" or dates) else None
-    ranked = _corrections_first(_ranked(list(found.values()), levels, weights, dates))[:limit]
+    before = _written_before(store, found, where, params) if weights else {}
+    ranked = _corrections_first(_ranked(list(found.values()), levels, weights, dates,
+                                        before))[:limit]
     results = _results(store, cur, [row for row, _ in ranked], set(terms), highlight)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
@@ -4376,13 +4378,14 @@ _WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}  # the levels, be
 _STEM_CLASS = 2
 
 
-def _ranked(found, levels, weights=None, dates=()):
+def _ranked(found, levels, weights=None, dates=(), before=None):
     """found ((row, level it was found at), in the order found) ranked: by how many
     query words match it, then by how well (each word's best class, plus less than the
     gap to the next class for how much of the word the matched token shares from its
     start: lines before linear for line), then as found (BM25). With weights (_rarity),
-    by the weights of the words it holds (and DATE_WEIGHT if stored at one of the dates),
-    then as without, how well by _weighed; without, being so stored counts as a word."""
+    by the weights of the words it holds (DATE_WEIGHT more if stored at one of the dates,
+    NEIGHBOUR_SHARE of those the record written before it holds: before, {id: its parts}),
+    then as without, how well, each word by its weight; without, a date counts as a word."""
     words = [alternatives[0][0] for alternatives in levels[0][1]]  # as the exact level has them
     classes = _term_classes(levels)
     # (one word of one part is the same wherever it stands; short stems make no name)
@@ -4400,7 +4403,10 @@ def _ranked(found, levels, weights=None, dates=()):
         dated = any(start <= (row[6] or "")[:10] <= end for start, end in dates)
         if weights:  # the weights of the words it holds, then as without: how well
             held = sum(w for (c, _), w in zip(best, weights) if c or floor) + DATE_WEIGHT * dated
-            scored.append(((-held, name, -_weighed(best, weights), n), (row, level)))
+            held += NEIGHBOUR_SHARE * sum(w for w, word, terms in zip(weights, words, classes)
+                                          if _best_match(before.get(row[0], " "), word, terms)[0])
+            how = sum(w * (c + 0.49 * share) for (c, share), w in zip(best, weights))
+            scored.append(((-held, name, -how, n), (row, level)))
         else:
             scored.append(((-matched - dated, name, -sum(c + 0.49 * share for c, share in best),
                             n), (row, level)))
@@ -4487,10 +4493,11 @@ def _run_of(parts, term, prefix):
     return None
 
 
-# Rank for questions: a word of a question weighs by how rare it is (where many words
-# match, the rarer ones name the answer), and a date it names favours what was stored then.
+# Rank for questions: rarer words weigh more; a date named favours what was stored then.
 DATE_WEIGHT = 3.0  # a date the query names weighs as a word that 1 record in 20 holds
 MAX_DATED = 20  # records stored at a date the query names, added to those found
+NEIGHBOUR_SHARE = 0.2  # of the weights of the words the record written just before holds
+MAX_NEIGHBOURED = 300  # records found whose neighbours are looked at (the first found)
 
 
 def _rarity(store, level):
@@ -4503,10 +4510,28 @@ def _rarity(store, level):
     return [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in held]
 
 
-def _weighed(best, weights):
-    """How well a record matched the words that weigh (_rarity): each word's weight times
-    its class (1 for an exact word, less for a form...) and share (_best_match)."""
-    return sum(w * (c + 0.49 * share) for (c, share), w in zip(best, weights)) / _WORD_CLASS["all"]
+def _written_before(store, found, where, params):
+    """{id: the parts of the record written just before it in its pi session, joined as
+    _ranked joins them} of the records found, and of the records written just after them
+    (added to found, 'any'): a question often names what the turn before said."""
+    rids = [row[-1] for row, _ in list(found.values())[:MAX_NEIGHBOURED]]
+    if store.version < SESSIONS_FROM or not rids:
+        return {}
+    next_to = ("(SELECT o.id FROM records o WHERE o.session = r.session AND "
+               "o.session_pos %s r.session_pos ORDER BY o.session_pos %s LIMIT 1)")
+    pairs = store.conn.execute("SELECT r.id, %s, %s FROM records r WHERE r.rid IN (%s) AND "
+                               "r.session IS NOT NULL" % (next_to % ("<", "DESC"), next_to % (
+                                   ">", "ASC"), _placeholders(rids)), rids).fetchall()
+    ids = sorted({i for pair in pairs for i in pair[1:] if i})
+    shown = {row[0]: row for row in store.conn.execute(
+        "SELECT %s, r.rid FROM records r WHERE r.id IN (%s) AND %s" % (
+            _RESULT_COLUMNS, _placeholders(ids), " AND ".join(where)), ids + params)}
+    before = {rid: shown[previous][1] for rid, previous, _ in pairs if previous in shown}
+    for rid, _, after in pairs:
+        if after in shown and after not in found:
+            found[after], before[after] = (shown[after], "any"), found[rid][0][1]
+    return {rid: " %s %s " % (" ".join(_PARTS.findall(_fold(text))), identifier_words(text))
+            for rid, text in before.items()}
 
 
 _MONTHS = {name: n % 12 + 1 for n, name in enumerate(

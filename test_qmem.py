@@ -4082,6 +4082,25 @@ class FindRelevanceTests(QmemTestCase):
                 found = qmem.find_local(store, question, limit=3)["results"]
                 self.assertEqual(found[0]["text"], texts[want][1], (fts, question))
 
+    def test_what_follows_the_record_a_question_names_in_its_session(self):
+        """Part 17: the record written just after the one a question names, in its pi
+        session (the answer to what that one asked), ranks among the first three, above
+        records that hold only the question's common words."""
+        talk = Session(self.sessions, "talk.jsonl")
+        talk.store(record(UUIDS[0], "Anna asked which message broker the billing mailer "
+                                    "should use"))
+        talk.store(record(UUIDS[1], "RabbitMQ, one queue per tenant, until ten thousand tenants"))
+        talk.store(record(UUIDS[2], "The release is on Thursday"))
+        talk.write()
+        other = Session(self.sessions, "other-day.jsonl")
+        for n, thing in enumerate(["invoices", "refunds", "VAT rates", "card retries", "dunning",
+                                   "credit notes", "exports", "the ledger", "currencies"]):
+            other.store(record(UUIDS[10 + n], "The billing service owns %s" % thing))
+        other.write()
+        self.ok("import")
+        found = self.find_ids("which message broker will the billing mailer use?")
+        self.assertEqual(found[:2], [UUIDS[0], UUIDS[1]])
+
     def test_questions_about_deliberate_records(self):
         """Part 17: what a user asks of decisions, preferences and facts, among look-alikes
         that share their words, some by when (in March 2024, last month, ieri): recall@1,
