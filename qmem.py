@@ -4570,7 +4570,8 @@ def _said_dates(m, today):
     if m.re is _SPAN_RE:
         unit, back = _SPANS[m.group(1)]
         if unit == "day":
-            return [(today - datetime.timedelta(days=back),) * 2]
+            day = today - datetime.timedelta(days=back)
+            return [(day, day)]
         if unit == "week":
             return [(today - datetime.timedelta(days=today.weekday() + 7 * back), today)]
         start = today.replace(day=1) if unit == "month" else today.replace(month=1, day=1)
@@ -4592,7 +4593,7 @@ def _span(year, month=None, day=None):
         start = datetime.date(year, month or 1, day or 1)
     except ValueError:  # 31 February
         return []
-    after = datetime.date(year + (month or 12) // 12, (month or 12) % 12 + 1, 1)
+    after = datetime.date(year + (month or 12) // 12, (month or 12) % 12 + 1, 1)  # (next 1st)
     return [(start, start if day else after - datetime.timedelta(days=1))]
 
 
