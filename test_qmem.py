@@ -3966,6 +3966,16 @@ class FindRelevanceTests(QmemTestCase):
 
     TARGETS = {"exact": 1.0, "en_forms": 0.9, "it_forms": 0.85, "typos": 0.9, "questions": 0.9}
 
+    def stored(self, texts):
+        """A Store holding these texts as full records, and their ids in the same order."""
+        ids = ["%08x-0000-4000-8000-%012x" % (n, n) for n in range(1, len(texts) + 1)]
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        with store.transaction():
+            for rid, text in zip(ids, texts):
+                store.records.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+        return store, ids
+
     def test_recall_at_5_and_honest_levels(self):
         store = qmem.Store(self.db)
         self.addCleanup(store.close)
@@ -3997,12 +4007,7 @@ class FindRelevanceTests(QmemTestCase):
         among 600 look-alike sentences of the same words): find's recall@5 against a plain
         FTS5 query of the question's words OR-ed, porter stemmer, ranked by bm25."""
         texts = RELEVANCE_RECORDS + look_alikes(600)
-        ids = ["%08x-0000-4000-8000-%012x" % (n, n) for n in range(1, len(texts) + 1)]
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        with store.transaction():
-            for rid, text in zip(ids, texts):
-                store.records.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+        store, ids = self.stored(texts)
         plain = sqlite3.connect(":memory:")
         self.addCleanup(plain.close)
         plain.execute("CREATE VIRTUAL TABLE b USING fts5(text, tokenize='porter unicode61')")
@@ -4025,12 +4030,7 @@ class FindRelevanceTests(QmemTestCase):
         few hundred records (names-100k.py, not in the suite, plants them among 100k)."""
         planted = [text for target, alike, _ in NAMES + WORD_FORMS for text in (target, alike)]
         texts = planted + RELEVANCE_RECORDS + look_alikes(100)
-        ids = ["%08x-0000-4000-8000-%012x" % (n, n) for n in range(1, len(texts) + 1)]
-        store = qmem.Store(self.db)
-        self.addCleanup(store.close)
-        with store.transaction():
-            for rid, text in zip(ids, texts):
-                store.records.upsert(qmem.normalize_record(record(rid, text)), qmem.VIEW_FULL)
+        store, ids = self.stored(texts)
         cases = [(query, n) for n, (_, _, queries) in enumerate(NAMES) for query in queries]
         cases += [(query, len(NAMES) + n) for n, (_, _, query) in enumerate(WORD_FORMS)]
         misses = []
