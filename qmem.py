@@ -4343,7 +4343,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     if use_fts and len(found) >= limit and any(m != "any" for _, m in found.values()):
         for row in _name_rows(store, levels, [r for r, _ in found.values()], where, params, limit):
             found.setdefault(row[0], (row, "fuzzy"))  # (its real level: _ranked)
-    weights = _rarity(store, levels[-1][1]) if use_fts and (match == "any" or dates) else None
+    weights = _rarity(store, levels[-1][1], use_fts) if match == "any" or dates else None
     before = _written_before(store, found, where, params) if weights else {}
     ranked = _corrections_first(_ranked(list(found.values()), levels, weights, dates,
                                         before))[:limit]
@@ -4500,13 +4500,25 @@ NEIGHBOUR_SHARE = 0.2  # of the weights of the words the record written just bef
 MAX_NEIGHBOURED = 300  # records found whose neighbours are looked at (the first found)
 
 
-def _rarity(store, level):
+def _rarity(store, level, use_fts=True):
     """Each word's weight (of its alternatives), as BM25 weighs a term n of N records
-    hold: log(1 + (N - n + 0.5) / (n + 0.5)) (a punctuated token: as if none held it)."""
+    hold: log(1 + (N - n + 0.5) / (n + 0.5)) (a punctuated token: as if none held it).
+    Without FTS5, n counts the records holding any alternative, as _like_rows matches."""
     total = store._one("SELECT max(rid) FROM records") or 1
-    held = [min(total, sum(store.records.holding(t, p) for t, p in alternatives if not
-                           _is_phrase(t) and (p or store.records.near.get(("held", t), True))))
-            for alternatives in level]
+    if use_fts:
+        held = [min(total, sum(store.records.holding(t, p) for t, p in alternatives if not
+                               _is_phrase(t) and (p or store.records.near.get(("held", t), True))))
+                for alternatives in level]
+    else:  # (each word's terms anywhere, as _like_rows asks them; each counted once)
+        column = "r.folded" if store.records.folded else "qmem_fold(r.text)"
+        terms = [tuple(_substrings_apart(t for t, _ in alternatives)) for alternatives in level]
+        asked = sorted({t for t in terms if t and ("like held", t) not in store.records.near})
+        if asked:
+            words = [_like_any(column, t) for t in asked]
+            counts = store.conn.execute("SELECT %s FROM records r" % ", ".join(
+                "total(%s)" % c for c, _ in words), [p for _, ps in words for p in ps]).fetchone()
+            store.records.near.update((("like held", t), n) for t, n in zip(asked, counts))
+        held = [store.records.near.get(("like held", t), 0) for t in terms]
     return [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in held]
 
 

@@ -3603,6 +3603,14 @@ class FindWithoutFts5Tests(QmemTestCase):
         patcher.start()
         self.addCleanup(patcher.stop)
 
+    def test_the_rare_word_of_a_question_outweighs_its_common_ones(self):
+        # Part 17: the words weigh as on the FTS5 path (the LIKE path counted one each)
+        FindRelevanceTests.test_the_rare_word_of_a_question_outweighs_its_common_ones(self)
+
+    def test_what_follows_the_record_a_question_names_in_its_session(self):
+        # Part 17: as on the FTS5 path (the LIKE path did not look at neighbours)
+        FindRelevanceTests.test_what_follows_the_record_a_question_names_in_its_session(self)
+
     def test_every_script_is_found_as_typed_and_without_its_optional_marks(self):
         # Part 17: the same folding as the FTS5 path's (ß: ss, ı: i, ł: l were not folded)
         with contextlib.redirect_stderr(io.StringIO()):  # (the no-FTS5 notice: tested below)
