@@ -214,12 +214,13 @@ class GatewayError(QmemError):
 
 UUID_RE = re.compile(
     r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_ISO_FAST = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z")
+_ISO_FAST = re.compile(r"\A\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{3})?Z\Z", re.ASCII)
 
 
 def iso_from_epoch(t):
-    """Epoch seconds -> ISO-8601 UTC with milliseconds ('...T10:15:00.000Z')."""
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + ".%03dZ" % (int(t * 1000) % 1000)
+    """Epoch seconds -> ISO-8601 UTC with milliseconds ('...T10:15:00.000Z'), the year in
+    four digits (strftime's %Y gives '999' for 999 on some systems: it would sort wrong)."""
+    return "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ" % (time.gmtime(t)[:6] + (int(t * 1000) % 1000,))
 
 
 def iso_now():
@@ -245,7 +246,7 @@ def iso_norm(value):
 def parse_iso(value):
     """ISO-8601 date or date-time -> epoch seconds, or None. A time without an offset is UTC."""
     m = re.match(r"\A(\d{4})-(\d\d)-(\d\d)(?:[T ](\d\d):(\d\d)(?::(\d\d)(?:\.(\d{1,9}))?)?"
-                 r"\s*(Z|z|[+-]\d\d:?\d\d)?)?\Z", value.strip())
+                 r"\s*(Z|z|[+-](?:[01]\d|2[0-3]):?[0-5]\d)?)?\Z", value.strip(), re.ASCII)
     if not m:
         return None
     *fields, frac, tz = m.groups()  # year, month, day, hour, minute, second (None: 0)
@@ -5001,7 +5002,7 @@ def dated_filters(filters):
         if value is not None:  # (no date is longer than 40 characters: shown cut)
             when = given_time(_fit(value, 40), name)
             day = re.match(r"\s*\d{4}-\d\d-\d\d\s*\Z", value) and name == "until"
-            bounds[name] = (time.strftime("%Y-%m-%dT23:59:59.999Z", time.gmtime(when)) if day
+            bounds[name] = (iso_from_epoch(when)[:11] + "23:59:59.999Z" if day
                             else iso_norm(value))
     if len(bounds) == 2 and bounds["since"] > bounds["until"]:
         raise UsageError("since %r is after until %r: no record is in between"

@@ -3449,8 +3449,13 @@ class FindTests(QmemTestCase):
         self.assertEqual(self.find_ids("deploy", "--until", "2026-03-02T12:00"), [UUIDS[0]])
         self.assertEqual(sorted(self.find_ids("deploy", "--since", "2026-03-03T01:00+02:00")),
                          UUIDS[1:3])  # 23:00 UTC the day before
+        # Review: a year before 1000 compared as '999-…', after every date of ours
+        self.assertEqual(len(self.find_ids("deploy", "--since", "0999-01-01")), 3)
+        self.assertEqual(self.find_ids("deploy", "--until", "0999-12-31"), [])
         for dates, said in ((("--since", "last week"), "since 'last week' is not a date (use "
                              "YYYY-MM-DD or an ISO-8601 time)"),
+                            (("--since", "2026-03-03T00:00+99:99"), "since '2026-03-03T00:00"
+                             "+99:99' is not a date"),
                             (("--since", "2026-03-03", "--until", "2026-03-01"),
                              "since '2026-03-03' is after until '2026-03-01'")):
             err = self.expect_fail(2, "find", "deploy", *dates)
