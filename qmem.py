@@ -1199,7 +1199,9 @@ class Breaker:
             return dict(_BREAKER_IN_MEMORY[self.path])
         try:
             st = None if fresh else os.stat(self.path)
-        except OSError:  # (no file: _read_breaker_file says so)
+        except FileNotFoundError:  # a closed breaker, the usual case: no second look
+            return {}
+        except OSError:  # (_read_breaker_file says why)
             st = None
         signature = st and (st.st_mtime_ns, st.st_size, st.st_ino, st.st_ctime_ns)
         if signature and self._cache[0] == signature:
@@ -1903,8 +1905,11 @@ def tls_context(ca_file):
         raise GatewayError(TLS, "caFile %s cannot be used (%s)" % (ca_file, _reason(e)),
                            hint="caFile must be a PEM file of the CA", fix=Fix("ca_file"))
     if hasattr(ctx, "sslsocket_class"):  # 3.7+: TLS reads obey the deadline too
-        mixin = _net_classes()["DeadlineMixin"]
-        ctx.sslsocket_class = type("DeadlineSSLSocket", (mixin, ssl.SSLSocket), {})
+        net = _net_classes()
+        if "DeadlineSSLSocket" not in net:  # (made once, as the other socket classes)
+            net["DeadlineSSLSocket"] = type("DeadlineSSLSocket",
+                                            (net["DeadlineMixin"], ssl.SSLSocket), {})
+        ctx.sslsocket_class = net["DeadlineSSLSocket"]
     return ctx
 
 
