@@ -822,6 +822,13 @@ def not_private(st):
     return None
 
 
+def source_words(source, path):
+    """Where a config value came from ('file', 'env VAR', 'flag', 'default'), in words."""
+    if source.startswith("env "):
+        return "environment " + source[4:]
+    return {"file": "config file %s" % path, "flag": "option"}.get(source, "the defaults")
+
+
 def load_config(environ=None, overrides=None):
     """Build the effective config: defaults < config file < environment < flags."""
     environ = os.environ if environ is None else environ
@@ -829,17 +836,17 @@ def load_config(environ=None, overrides=None):
     path = environ.get("QMEM_CONFIG") or os.path.join(home, ".config", "pi-qmem", "config.json")
     raw = _read_config_file(path)
     values, sources = dict(DEFAULTS), dict.fromkeys(DEFAULTS, "default")
-    given = [(key, raw.get(key), "file", "config file %s" % path) for key in DEFAULTS]
-    given += [(key, environ.get(var) or None, "env " + var, "environment %s" % var)
-              for key, var in ENV_KEYS.items()]
-    given += [(key, value, "flag", "option") for key, value in (overrides or {}).items()]
-    for key, value, source, origin in given:  # in their order of precedence
+    given = [(key, raw.get(key), "file") for key in DEFAULTS]
+    given += [(key, environ.get(var) or None, "env " + var) for key, var in ENV_KEYS.items()]
+    given += [(key, value, "flag") for key, value in (overrides or {}).items()]
+    for key, value, source in given:  # in their order of precedence
         if value is None:
             continue
         if source == "file" and key == "bundleKey" and not isinstance(value, str):
             values[key] = "(a %s)" % type(value).__name__  # ignored, warned: _check_config
         else:
-            values[key] = _check_type(key, value, origin, typed=source == "file")
+            values[key] = _check_type(key, value, source_words(source, path),
+                                      typed=source == "file")
         sources[key] = source
     if values["localDbPath"]:
         values["localDbPath"] = os.path.expanduser(values["localDbPath"])
@@ -934,10 +941,8 @@ def _check_config(values, sources, path):
     a header (a CRLF key file), open times the wrong way round. Named by where they came
     from; the key itself is never shown."""
     def origin(*keys):  # where the first of these keys that is not a default came from
-        source = next((sources[k] for k in keys if sources[k] != "default"), "default")
-        if source.startswith("env "):
-            return "environment " + source[4:]
-        return {"file": "config file %s" % path, "flag": "option"}.get(source, "the defaults")
+        return source_words(next((sources[k] for k in keys if sources[k] != "default"),
+                                 "default"), path)
     if values["url"]:
         try:
             values["url"] = check_url(values["url"])
