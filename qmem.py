@@ -4634,6 +4634,9 @@ def _found_at(store, found, level, where, params, dates, use_fts):
             found.setdefault(row[0], (row, "any"))
 
 
+_NOT_EXPIRED = "(r.expires_at IS NULL OR r.expires_at > ?)"  # (its parameter: now)
+
+
 def _visibility(f):
     """The WHERE terms (and their parameters) of Filters f."""
     where, params = [], []
@@ -4646,7 +4649,7 @@ def _visibility(f):
     if f.queued:
         where.append("r.pending = %d AND r.origin != %d" % (LOCAL_WAITING, ORIGIN_UNVERIFIED))
     if not f.include_expired:
-        where.append("(r.expires_at IS NULL OR r.expires_at > ?)")
+        where.append(_NOT_EXPIRED)
         params.append(iso_now())
     for column, value in (("project_id", f.project), ("kind", f.kind), ("scope", f.scope)):
         if value is not None:
@@ -4734,8 +4737,10 @@ def _like_scores(store, found, where, params):
     if not found:
         return []
     total = len(found)
-    if where:
-        key = ("shown", tuple(where), tuple(params))
+    if where:  # (kept by filters, not by the instant: now, the expiry's parameter, is left out)
+        now_at = (sum(w.count("?") for w in where[:where.index(_NOT_EXPIRED)])
+                  if _NOT_EXPIRED in where else len(params))
+        key = ("shown", tuple(where), tuple(params[:now_at] + params[now_at + 1:]))
         if key not in store.records.near:
             store.records.near[key] = store._one("SELECT count(*) FROM records r WHERE %s"
                                                  % " AND ".join(where), params)
