@@ -2863,7 +2863,9 @@ class Records:
     def __init__(self, store):
         self.store, self.conn = store, store.conn
         self.fts = self.fts_words = self.folded = self.fts_table = self.pairs = None  # read_index
-        self.near = {}  # near_spellings() of each word, until the index changes
+        # What searches learnt of this index, kept until it changes: near_spellings() of
+        # each word, which terms it holds, how many records hold a term, counts of records
+        self.learnt = {}
         self._terms = None  # (no FTS5) folded_words_among(), when they cannot be kept
         self.defer_index = False  # bulk load: the FTS index is rebuilt at the end
         self.known = None         # bulk load: hashes of every id in the table
@@ -3181,8 +3183,8 @@ class Records:
         another connection: for a long-lived process, such as the MCP server, which refuses
         the database once a newer qmem.py has brought it to a schema it does not know."""
         mark = (self.store._one("PRAGMA data_version"), self.conn.total_changes)
-        if mark != getattr(self, "_mark", None) or len(self.near) > 20000:  # (bounded)
-            self.near, self._terms, self._mark = {}, None, mark
+        if mark != getattr(self, "_mark", None) or len(self.learnt) > 20000:  # (bounded)
+            self.learnt, self._terms, self._mark = {}, None, mark
             version = self.store._one("PRAGMA user_version")
             if version > SCHEMA_VERSION:
                 raise StoreError("%s was brought to schema %d by a newer qmem.py since this one "
@@ -3235,14 +3237,14 @@ class Records:
     def holding(self, term, prefix):
         """How many texts hold term (as a prefix: any word it starts, each counted), as the
         index's b-tree counts them (terms_among's way); kept with the near spellings."""
-        if ("holding", term, prefix) not in self.near:
+        if ("holding", term, prefix) not in self.learnt:
             self.conn.execute("CREATE VIRTUAL TABLE IF NOT EXISTS temp.{0}_columns USING "
                               "fts5vocab(main, {0}, col)".format(self.fts_table))
             last = term + "\U0010ffff" if prefix else term
-            self.near[("holding", term, prefix)] = self.store._one(
+            self.learnt[("holding", term, prefix)] = self.store._one(
                 "SELECT sum(doc) FROM temp.%s_columns WHERE term BETWEEN ? AND ? AND col IN "
                 "('text', 'words')" % self.fts_table, (term, last)) or 0
-        return self.near[("holding", term, prefix)]
+        return self.learnt[("holding", term, prefix)]
 
 
 class Outbox:
@@ -4249,13 +4251,19 @@ def _near_variants(word, n, near):
     return found[:MAX_NEAR_SPELLINGS]
 
 
+def searched_columns(store):
+    """The FTS columns a query's words are matched in: the text, and its identifiers' words
+    where the index has them."""
+    return "{text words}" if store.records.fts_words else "text"
+
+
 def fts_expression(level, every, store):
     """A MATCH expression that can only ever mean 'these words in the text': every term
     is a quoted string (so AND, NEAR, '-', ':' and column filters are plain words) under
     our own filter on the text column (and its identifiers' words, where the store's
     index has them), a prefix where asked; a word's forms joined by OR, the words by AND
     (every word) or OR (any word). Project and kind are filters, not words."""
-    columns = "{text words}" if store.records.fts_words else "text"
+    columns = searched_columns(store)
 
     def term(text, prefix):  # a run of CJK characters: also a phrase of its pairs
         quoted = '%s : "%s"%s' % (columns, text.replace('"', '""'), "*" if prefix else "")
@@ -4273,7 +4281,7 @@ def near_spellings(store, word, fts):
     false): the strings one edit away that are words of its folded texts (folded_words),
     for a word no text holds in any form. Kept for the next query of this Store (until
     the index changes)."""
-    if word not in store.records.near:
+    if word not in store.records.learnt:
         forms = [(word, True)] + word_forms(word)
         if fts:
             sql = "SELECT 1 FROM {0} WHERE {0} MATCH ? LIMIT 1".format(store.records.fts_table)
@@ -4283,8 +4291,9 @@ def near_spellings(store, word, fts):
             sql = "SELECT 1 FROM records WHERE %s LIMIT 1" % where
             among = store.records.folded_words_among
         known = store.conn.execute(sql, params).fetchone()
-        store.records.near[word] = [] if known else among(one_edit_away(word))[:MAX_NEAR_SPELLINGS]
-    return store.records.near[word]
+        near = [] if known else among(one_edit_away(word))[:MAX_NEAR_SPELLINGS]
+        store.records.learnt[word] = near
+    return store.records.learnt[word]
 
 
 MAX_NEAR_SPELLINGS = 8
@@ -4370,12 +4379,12 @@ def _held_only(store, level, every):
     when a word every record must match has none left. What the index holds is asked
     once per term, and kept with the near spellings (until the index changes)."""
     asked = [t for alternatives in level for t, prefix in alternatives
-             if not prefix and not _is_phrase(t) and ("held", t) not in store.records.near]
+             if not prefix and not _is_phrase(t) and ("held", t) not in store.records.learnt]
     if asked:
         found = set(store.records.terms_among(asked))
-        store.records.near.update((("held", t), t in found) for t in asked)
+        store.records.learnt.update((("held", t), t in found) for t in asked)
     level = [[(t, p) for t, p in alternatives
-              if p or _is_phrase(t) or store.records.near[("held", t)]]
+              if p or _is_phrase(t) or store.records.learnt[("held", t)]]
              for alternatives in level]
     if every:
         return level if all(level) else []
@@ -4387,6 +4396,11 @@ def _held_only(store, level, every):
 # spelling; one part of a punctuated token, anywhere. A record's level is its words' worst.
 _WORD_CLASS = {"all": 4, "stemmed": 3, "fuzzy": 1, "any": 0.5}  # the levels, best first
 _STEM_CLASS = 2
+
+
+def _joined(text):
+    """A record's words as ranking matches them: ' folded parts and identifiers' words '."""
+    return " %s %s " % (" ".join(_PARTS.findall(_fold(text))), identifier_words(text))
 
 
 def _ranked(found, levels, weights=None, dates=(), before=None):
@@ -4404,7 +4418,7 @@ def _ranked(found, levels, weights=None, dates=(), before=None):
              for terms in classes] if sum(len(_PARTS.findall(w)) for w in words) > 1 else []
     scored, seen = [], {}
     for n, (row, match) in enumerate(found):
-        joined = " %s %s " % (" ".join(_PARTS.findall(_fold(row[1]))), identifier_words(row[1]))
+        joined = _joined(row[1])
         best = [_best_match(joined, w, terms) for w, terms in zip(words, classes)]
         floor = _WORD_CLASS[match] if match != "any" else 0  # every word matched at least so
         worst = max(floor, min(c for c, _ in best))
@@ -4517,19 +4531,20 @@ def _rarity(store, level, use_fts=True):
     Without FTS5, n counts the records holding any alternative, as _like_rows matches."""
     total = store._one("SELECT max(rid) FROM records") or 1
     if use_fts:
+        learnt = store.records.learnt
         held = [min(total, sum(store.records.holding(t, p) for t, p in alternatives if not
-                               _is_phrase(t) and (p or store.records.near.get(("held", t), True))))
+                               _is_phrase(t) and (p or learnt.get(("held", t), True))))
                 for alternatives in level]
     else:  # (each word's terms anywhere, as _like_rows asks them; each counted once)
         column = "r.folded" if store.records.folded else "qmem_fold(r.text)"
         terms = [tuple(_substrings_apart(t for t, _ in alternatives)) for alternatives in level]
-        asked = sorted({t for t in terms if t and ("like held", t) not in store.records.near})
+        asked = sorted({t for t in terms if t and ("like held", t) not in store.records.learnt})
         if asked:
             words = [_like_any(column, t) for t in asked]
             counts = store.conn.execute("SELECT %s FROM records r" % ", ".join(
                 "total(%s)" % c for c, _ in words), [p for _, ps in words for p in ps]).fetchone()
-            store.records.near.update((("like held", t), n) for t, n in zip(asked, counts))
-        held = [store.records.near.get(("like held", t), 0) for t in terms]
+            store.records.learnt.update((("like held", t), n) for t, n in zip(asked, counts))
+        held = [store.records.learnt.get(("like held", t), 0) for t in terms]
     return [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in held]
 
 
@@ -4553,8 +4568,7 @@ def _written_before(store, found, where, params):
     for rid, _, after in pairs:
         if after in shown and after not in found:
             found[after], before[after] = (shown[after], "any"), found[rid][0][1]
-    return {rid: " %s %s " % (" ".join(_PARTS.findall(_fold(text))), identifier_words(text))
-            for rid, text in before.items()}
+    return {rid: _joined(text) for rid, text in before.items()}
 
 
 _MONTHS = {name: n % 12 + 1 for n, name in enumerate(
@@ -4688,7 +4702,7 @@ def _name_rows(store, levels, rows, where, params, limit):
     if (not 1 <= len(terms) <= MAX_NAME_WORDS or whole < 2 or not all(terms) or sum(
             _name_score(row[1], names, seen) >= whole for row in rows) >= 3):
         return []
-    columns = "{text words}" if store.records.fts_words else "text"
+    columns = searched_columns(store)
     groups = [" ".join('"%s"%s' % (t.replace('"', '""'), "*" if p else "") for t, p in combo)
               for combo in itertools.islice(itertools.product(*terms), 8)]
     # (newest first, not by BM25: its weights would count the records of each word)
@@ -4741,10 +4755,10 @@ def _like_scores(store, found, where, params):
         now_at = (sum(w.count("?") for w in where[:where.index(_NOT_EXPIRED)])
                   if _NOT_EXPIRED in where else len(params))
         key = ("shown", tuple(where), tuple(params[:now_at] + params[now_at + 1:]))
-        if key not in store.records.near:
-            store.records.near[key] = store._one("SELECT count(*) FROM records r WHERE %s"
+        if key not in store.records.learnt:
+            store.records.learnt[key] = store._one("SELECT count(*) FROM records r WHERE %s"
                                                  % " AND ".join(where), params)
-        total = max(store.records.near[key], total)
+        total = max(store.records.learnt[key], total)
     average = sum(row[1] or 0 for row in found) / len(found) or 1
     idf = [math.log(1 + (total - df + 0.5) / (df + 0.5))
            for df in (sum(row[n] for row in found) for n in range(2, len(found[0])))]
