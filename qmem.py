@@ -4317,6 +4317,7 @@ def _substrings_apart(terms):
 
 _RESULT_COLUMNS = ("r.id, r.text, r.kind, r.project_id, r.scope, r.agent_id, r.created_at, "
                    "r.expires_at, r.superseded_by, r.deleted_at, r.private, r.pending, r.origin")
+_RESULT_NAMES = [column[2:] for column in _RESULT_COLUMNS.split(", ")]  # (without 'r.')
 
 
 def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
@@ -4344,11 +4345,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
         if not level or key in asked:
             continue
         want = len(found) + (limit if every else max(2 * limit, 20))
-        if use_fts:
-            cur = store.conn.execute(*_fts_query(store, level, every, where, params, want))
-            rows = cur.fetchall()
-        else:
-            cur, rows = _like_rows(store, level, every, where, params, want)
+        rows = _level_rows(store, use_fts, level, every, where, params, want)
         asked.add(key)
         terms += [alternative for alternatives in level for alternative in alternatives]
         for row in rows:
@@ -4367,7 +4364,7 @@ def find_local(store, query, filters=Filters(), limit=10, highlight=("", "")):
     before = _written_before(store, found, where, params) if weights else {}
     ranked = _corrections_first(_ranked(list(found.values()), levels, weights, dates,
                                         before))[:limit]
-    results = _results(store, cur, [row for row, _ in ranked], set(terms), highlight)
+    results = _results(store, [row for row, _ in ranked], set(terms), highlight)
     for rec, (_, match) in zip(results, ranked):
         rec["match"] = match
     return {"match": results[0]["match"], "results": results}
@@ -4634,6 +4631,14 @@ def _span(year, month=None, day=None):
     return [(start, start if day else after - datetime.timedelta(days=1))]
 
 
+def _level_rows(store, use_fts, level, every, where, params, limit):
+    """The rows (_RESULT_COLUMNS, then the rid) of the `limit` best records that match a
+    level, through the FTS index or, without one, the LIKE scan."""
+    if use_fts:
+        return store.conn.execute(*_fts_query(store, level, every, where, params, limit)).fetchall()
+    return _like_rows(store, level, every, where, params, limit)
+
+
 def _found_at(store, found, level, where, params, dates, use_fts):
     """Add to found ('any') the MAX_DATED best records stored at the dates with a word."""
     level = [alternatives for alternatives in level if alternatives]
@@ -4641,10 +4646,7 @@ def _found_at(store, found, level, where, params, dates, use_fts):
         where = where + ["(%s)" % " OR ".join(
             ["substr(r.created_at, 1, 10) BETWEEN ? AND ?"] * len(dates))]
         params = params + [day for span in dates for day in span]
-        rows = (store.conn.execute(*_fts_query(store, level, False, where, params, MAX_DATED))
-                .fetchall() if use_fts else _like_rows(store, level, False, where, params,
-                                                        MAX_DATED)[1])
-        for row in rows:
+        for row in _level_rows(store, use_fts, level, False, where, params, MAX_DATED):
             found.setdefault(row[0], (row, "any"))
 
 
@@ -4722,7 +4724,7 @@ MAX_LIKE_SCORED = 5000  # records a LIKE level scores, the newest: a common word
 def _like_rows(store, level, every, where, params, limit):
     """The same search for a SQLite without FTS5: accent-folded LIKE (a term anywhere in
     the text, so every term acts as a prefix) on the folded text kept at write time
-    (while a bulk import builds an FTS index, folded here). Returns (cursor, rows) of the
+    (while a bulk import builds an FTS index, folded here). Returns the rows of the
     `limit` best, ranked as BM25 would with one occurrence of each word: the more of the
     query's rarer words a record holds, and the shorter it is, the higher (_like_scores)."""
     column = "r.folded" if store.records.folded else "qmem_fold(r.text)"
@@ -4734,13 +4736,13 @@ def _like_rows(store, level, every, where, params, limit):
                          " AND ".join(where))
     found = store.conn.execute(sql, holds + holds + params + [MAX_LIKE_SCORED]).fetchall()
     best = _like_scores(store, found, where if not every else None, params)[:limit]
-    rows = {}  # (an older SQLite binds 999 values at most; none: IN () finds nothing)
-    for at in range(0, len(best) or 1, 900):
+    rows = {}  # (an older SQLite binds 999 values at most)
+    for at in range(0, len(best), 900):
         chunk = best[at:at + 900]
-        cur = store.conn.execute("SELECT %s, r.rid FROM records r WHERE r.rid IN (%s)"
-                                 % (_RESULT_COLUMNS, _placeholders(chunk)), chunk)
-        rows.update((row[-1], row) for row in cur)
-    return cur, [rows[rid] for rid in best if rid in rows]
+        rows.update((row[-1], row) for row in store.conn.execute(
+            "SELECT %s, r.rid FROM records r WHERE r.rid IN (%s)"
+            % (_RESULT_COLUMNS, _placeholders(chunk)), chunk))
+    return [rows[rid] for rid in best if rid in rows]
 
 
 def _like_scores(store, found, where, params):
@@ -4770,10 +4772,10 @@ def _like_scores(store, found, where, params):
     return [-rid for _, rid in sorted(scored)]
 
 
-def _results(store, cur, rows, terms, highlight):
+def _results(store, rows, terms, highlight):
     """Rows of a find query as result documents, ranked, with a snippet (_snippet, of the
     terms asked), and the reason for each write of this machine that the gateway refused."""
-    names = [d[0] for d in cur.description[:-1]]  # (then the rid)
+    names = _RESULT_NAMES  # (then the rid)
     results = []
     for n, row in enumerate(rows, 1):
         rec = dict(zip(names, row))
