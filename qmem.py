@@ -9438,6 +9438,11 @@ def _get_note(doc, record):
     return note + "."
 
 
+def _agent_hint(problem):
+    """An error document's hint and fixes, as an agent is told them (MCP_FIXES)."""
+    return worded_hint(problem["hint"], problem["fixes"], mcp_words)
+
+
 def _written(doc, where, corrects=None):
     """A write's result: stored, queued, duplicate or failed, and what that means."""
     state, rid, project = doc["state"], doc["id"], doc["project_id"]
@@ -9455,8 +9460,7 @@ def _written(doc, where, corrects=None):
         note = ("%s; if this %s changes what that one says, correct it with qmem_correct and "
                 "that id" % (said, what))
     elif status == "failed":  # refused, or a correction not applied: its error says what next
-        note = "%s; %s" % (said, worded_hint(doc["error"]["hint"], doc["error"]["fixes"],
-                                             mcp_words))
+        note = "%s; %s" % (said, _agent_hint(doc["error"]))
     else:
         when = (DELIVER_BY[True] if doc.get("by_bundles") else
                 "once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
@@ -9469,8 +9473,9 @@ def _written(doc, where, corrects=None):
                 note += "; " + write_said(doc, what)
         if doc.get("error"):
             problem = doc["error"]
-            note += "; it will not be delivered until this is fixed: %s" % str(QmemError(
-                problem["message"], worded_hint(problem["hint"], problem["fixes"], mcp_words)))
+            hint = _agent_hint(problem)
+            note += "; it will not be delivered until this is fixed: %s" % (
+                "%s: %s" % (problem["message"], hint) if hint else problem["message"])
     if corrects and doc.get("kind_from") == "default":
         note += ("; the corrected memory's kind could not be looked up, so this one is a fact "
                  "(pass kind to say otherwise)")
