@@ -2949,20 +2949,31 @@ class Records:
         return rec
 
     def neighbours(self, record_id, before=1, after=1):
-        """The records written just before and just after this one in its pi session, as
-        get() gives them, in the session's order (itself left out): at most `before` and
-        `after` of them; [] for a record of no session (from the gateway or a bundle)."""
-        if self.store.version < SESSIONS_FROM:  # (an older database, read as it is)
-            return []
-        at = self.conn.execute("SELECT session, session_pos FROM records WHERE id=?",
-                               (record_id,)).fetchone()
-        if not at or at[0] is None:
-            return []
-        sql = ("SELECT id FROM records WHERE session=? AND session_pos %s ? "
-               "ORDER BY session_pos %s LIMIT ?")
-        ids = [i for (i,) in self.conn.execute(sql % ("<", "DESC"), at + (before,))][::-1]
-        ids += [i for (i,) in self.conn.execute(sql % (">", "ASC"), at + (after,))]
-        return [self.get(i) for i in ids]
+        """(how, earlier, later): the records written just before and just after this one,
+        as get() gives them, each list in order, at most `before` and `after` of them,
+        neither private nor deleted: in its pi session (how 'session'), else in its project
+        by creation time, the id breaking ties (how 'project'); (None, [], []) for an id not
+        known here."""
+        session = "session, session_pos" if self.store.version >= SESSIONS_FROM else "NULL, NULL"
+        at = self.conn.execute("SELECT %s, project_id, created_at FROM records WHERE id=?"
+                               % session, (record_id,)).fetchone()
+        if at is None:
+            return None, [], []
+        how = "project" if at[0] is None else "session"
+        sql = ("SELECT id FROM records WHERE private = 0 AND deleted_at IS NULL AND %s "
+               "ORDER BY %s LIMIT ?")
+        found = [how]
+        for op, desc, n in (("<", " DESC", before), (">", "", after)):
+            if how == "session":
+                where, params = "session = ? AND session_pos %s ?" % op, [at[0], at[1]]
+                order = "session_pos" + desc
+            else:
+                where = "project_id IS ? AND (created_at {0} ? OR created_at = ? AND id {0} ?)"
+                where, params = where.format(op), [at[2], at[3], at[3], record_id]
+                order = "created_at{0}, id{0}".format(desc)
+            ids = [i for (i,) in self.conn.execute(sql % (where, order), params + [n])]
+            found.append([self.get(i) for i in (ids[::-1] if desc else ids)])
+        return tuple(found)
 
     def is_empty(self):
         """True when the index holds no record at all."""
@@ -7035,6 +7046,29 @@ class ReadOps:
                 raise _unavailable(rid, e, fb["reason"])
             return dict(fb, record=_record_out(local))
 
+    @utf8_arguments
+    def around(self, record_id, before=3, after=3):
+        """The records written just before and after one (Records.neighbours), from the
+        local index only, the record itself among them, marked `this`."""
+        ops, rid = self.ops, (record_id or "").strip()
+        before = _check_int(before, "the number of records before", 0, MAX_AROUND)
+        after = _check_int(after, "the number of records after", 0, MAX_AROUND)
+        if not rid:
+            raise UsageError("no memory id given", fix=Fix("ids"))
+        _check_id(rid)
+        how = None
+        if ops.has_index():
+            rid = ops.store().outbox.current_id(rid)  # (a write delivered since)
+            how, earlier, later = ops.store().records.neighbours(rid, before, after)
+        if how is None:
+            raise QmemError("no memory %s is known here (around reads this machine's index "
+                            "only)" % rid, kind="not_found", fix=Fix("ids"))
+        record = ops.store().records.get(rid)
+        return {"source": "local_sqlite", "degraded": False, "id": rid, "by": how,
+                "project_id": record["project_id"], "before": len(earlier),
+                "after": len(later), "records": [dict(_record_out(r), this=r is record)
+                                                 for r in earlier + [record] + later]}
+
     def _get_remote(self, rid, local, require_remote):
         """get() of a record the gateway may know; `local` is this machine's copy, or None."""
         from urllib.parse import quote
@@ -7849,6 +7883,7 @@ def _unavailable(rid, err, reason):
                      fix=([Fix("url")] if configure else []) + [Fix("find_meanwhile")])
 
 
+MAX_AROUND = 50  # records shown before, and after, the one `around` is asked about
 SHORT_ID = 8  # the fewest characters of an id a narrow terminal shows, and a person types
 _UUID_SHAPE = "00000000-0000-0000-0000-000000000000"
 
@@ -8282,6 +8317,27 @@ def show_get(doc, out):
     out.write("\n%s\n" % (rec.get("text") or "(text not known locally)"), indent=0)
 
 
+def around_said(doc, rid):
+    """What `around` found, as the command line and the MCP tool say it."""
+    where = ("in the pi session that wrote it" if doc["by"] == "session" else
+             "in its project, by creation time (no pi session known here wrote it)")
+    return "%d written before %s and %d after, %s; private and deleted ones left out" % (
+        doc["before"], rid, doc["after"], where)
+
+
+def show_around(doc, out):
+    out.write("local_sqlite · %s\n" % around_said(doc, out.short(doc["id"])))
+    rows = []
+    for r in doc["records"]:
+        flags = [f for f, on in (("PENDING", r["pending"]), ("FAILED", r["failed"]),
+                                 ("superseded", r["superseded_by"]), ("private", r["private"]))
+                 if on]
+        rows.append((">" if r["this"] else " ", out.short(r["id"]), r["kind"] or "-",
+                     _one_line(r["project_id"] or "-"), (r["created_at"] or "-")[:10],
+                     "[%s]" % ", ".join(flags) if flags else "", _one_line(r["text"] or "")))
+    out.listing(rows, caps=(1, 36, 10, 20, 10, 40))
+
+
 def _counts(counts):
     """'fact 3, decision 1': counts by name, in their order; '-' for none."""
     return ", ".join("%s %d" % kv for kv in counts.items()) or "-"
@@ -8662,7 +8718,7 @@ RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "s
              "correct": show_write,
              "queue": show_queue, "flush": show_flush,
              "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load,
-             "doctor": show_doctor, "install": show_install,
+             "doctor": show_doctor, "install": show_install, "around": show_around,
              "rules": lambda doc, out: out.write(doc["markdown"])}
 
 
@@ -8908,6 +8964,17 @@ MCP_TOOLS = (
             "(labelled).",
             {"id": _prop("a memory id (from qmem_search or qmem_find)"),
              "project_id": _prop("not needed: a memory's own project is reported")},
+            ["id"], read_only=True, idempotent=True),
+    McpTool("qmem_around", "Memories written around one",
+            "The memories written just before and after one memory (by id), to see what "
+            "happened around a decision: in the pi session that wrote it, else in its project "
+            "by creation time. From this machine's local index only; the memory itself is "
+            "marked this: true.",
+            {"id": _prop("a memory id (from qmem_search or qmem_find)"),
+             "before": _prop("at most this many written before it (default 3)", "integer",
+                             minimum=0, maximum=MAX_AROUND),
+             "after": _prop("at most this many written after it (default 3)", "integer",
+                            minimum=0, maximum=MAX_AROUND)},
             ["id"], read_only=True, idempotent=True),
     McpTool("qmem_store", "Store a memory",
             "Store one durable memory for every agent: a fact, a decision with its reason, a "
@@ -9257,6 +9324,15 @@ class McpServer:
         out = _read_result(doc, "found", id=record["id"], project_id=record.get("project_id"),
                            project_from="the memory", note=_get_note(doc, record))
         out["record"] = record
+        return out
+
+    def tool_around(self, ops, a):
+        doc = ops.read.around(a["id"], a.get("before", 3), a.get("after", 3))
+        out = _read_result(doc, "found", id=doc["id"], project_id=doc["project_id"],
+                           project_from="the memory",
+                           note="From the local index on this machine: %s." % around_said(
+                               doc, doc["id"]))
+        out["records"] = [dict(_memory_out(r), this=r["this"]) for r in doc["records"]]
         return out
 
     def tool_meta(self, ops, a):
@@ -9903,6 +9979,13 @@ COMMANDS = (
     ("get", lambda ops, a: ops.read.get(ops.full_ids([a.id], "get")[0], a.require_remote),
      "One record in full, from the gateway (refreshing the local copy) or the local index.",
      [arg("id", help="the memory id"), REMOTE]),
+    ("around", lambda ops, a: ops.read.around(ops.full_ids([a.id], "around")[0], a.before,
+                                              a.after),
+     "The records written just before and after ID: in its pi session, else in its project "
+     "by creation time (local index only).",
+     [arg("id", help="the memory id"),
+      arg("--before", metavar="N", default=3, help="at most N records before it (default 3)"),
+      arg("--after", metavar="N", default=3, help="at most N records after it (default 3)")]),
     ("meta", lambda ops, a: ops.read.meta(require_remote=a.require_remote),
      "What the memory holds: scope x kind counts, projects, agents, superseded, deleted.",
      [REMOTE]),
@@ -9964,7 +10047,7 @@ COMMANDS = (
            "index, inside SQLite")]),
     ("mcp", run_mcp,
      "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
-     "qmem_store, qmem_correct, qmem_meta.", [],
+     "qmem_around, qmem_store, qmem_correct, qmem_meta.", [],
      {"epilog": "Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
       "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__)}),
     ("rules", lambda ops, a: ops.setup.rules(),

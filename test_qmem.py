@@ -3224,7 +3224,15 @@ class ImportTests(QmemTestCase):
     def neighbours(self, record_id, **around):
         store = qmem.Store(self.db)
         try:
-            return [r["id"] for r in store.records.neighbours(record_id, **around)]
+            how, earlier, later = store.records.neighbours(record_id, **around)
+            return [r["id"] for r in earlier + later]
+        finally:
+            store.close()
+
+    def neighbours_by(self, record_id):
+        store = qmem.Store(self.db)
+        try:
+            return store.records.neighbours(record_id)[0]
         finally:
             store.close()
 
@@ -3251,7 +3259,7 @@ class ImportTests(QmemTestCase):
                          [UUIDS[0], UUIDS[1], UUIDS[4]])
         self.assertEqual(self.neighbours(UUIDS[0], before=0, after=1), [UUIDS[1]])
         self.assertEqual(self.neighbours(UUIDS[3]), [])  # alone in its session
-        self.assertEqual(self.neighbours(UUIDS[5]), [])
+        self.assertEqual(self.neighbours(UUIDS[5]), [UUIDS[4]])  # of no session: in its project
 
     def test_a_database_imported_before_reads_its_session_files_again_once(self):
         a = Session(self.sessions, "a.jsonl")
@@ -3272,10 +3280,11 @@ class ImportTests(QmemTestCase):
         self.assertEqual((said["status"], said["detail"]), (
             "warn", "1 session file imported by an older qmem.py: their records do not know "
             "their pi session yet"))
-        self.assertEqual(self.neighbours(UUIDS[1]), [])
+        self.assertEqual(self.neighbours_by(UUIDS[1]), "project")  # (no session known yet)
         stats = self.ok_json("import")["stats"]
         self.assertEqual((stats["files_read"], stats["records_new"], stats["records_updated"]),
                          (1, 0, 3))
+        self.assertEqual(self.neighbours_by(UUIDS[1]), "session")
         self.assertEqual(self.neighbours(UUIDS[1]), [UUIDS[0], UUIDS[2]])
         self.assertEqual(self.ok_json("status")["sessions"]["to_read_again"], 0)
         self.assertEqual(self.ok_json("import")["stats"]["files_read"], 0)  # once
@@ -6766,6 +6775,65 @@ class OperationsReadTests(GatewayTestCase):
         err = self.expect_fail(1, "get", UUIDS[160], "--require-remote")
         self.assertIn("this machine knows it (from pi's sessions", err)
 
+    def test_around_shows_the_records_written_before_and_after_one_in_its_session(self):
+        # Part 18: "what happened around this decision?" had no answer.
+        a = Session(self.sessions, "a.jsonl")
+        for n in range(7):
+            a.store(record(UUIDS[n], "turn %d" % n, private=n == 4))
+        a.write()
+        b = Session(self.sessions, "other.jsonl")  # (a session of its own: another name length)
+        b.store(record(UUIDS[9], "another session"))
+        b.write()
+        self.ok("import")
+        before = len(self.gw.requests)
+        doc = self.ok_json("around", UUIDS[3][:8], "--before", "2", "--after", "2")
+        self.assertEqual([(r["id"], r["this"]) for r in doc["records"]],
+                         [(UUIDS[1], False), (UUIDS[2], False), (UUIDS[3], True),
+                          (UUIDS[5], False), (UUIDS[6], False)])  # the private one left out
+        self.assertEqual((doc["by"], doc["before"], doc["after"], doc["source"]),
+                         ("session", 2, 2, "local_sqlite"))
+        out = self.ok("around", UUIDS[3])  # (3 and 3)
+        self.assertIn("local_sqlite · 3 written before %s and 2 after, in the pi session that "
+                      "wrote it; private and deleted ones left out" % UUIDS[3], out)
+        self.assertRegex(out, r"\n>  %s  fact +infra  2026-11-30 +turn 3\n" % UUIDS[3])
+        self.assertNotIn("another session", out)
+        self.assertEqual(len(self.gw.requests), before)  # local only
+
+    def test_around_a_record_of_no_session_is_in_its_project_by_creation_time(self):
+        at = "2026-11-%02dT10:00:00Z"
+        self.put_records([(UUIDS[n], "note %d" % n) for n in (1, 2, 3)], created_at=at % 1)
+        self.put_record(UUIDS[4], "note 4", created_at=at % 2)
+        self.put_record(UUIDS[5], "note 5", created_at=at % 3, deleted_at=at % 4)
+        self.put_record(UUIDS[6], "note 6", created_at=at % 5, project="other")
+        self.put_record(UUIDS[7], "note 7", created_at=at % 6, superseded_by=UUIDS[8])
+        doc = self.ok_json("around", UUIDS[2], "--after", "50")
+        self.assertEqual(doc["by"], "project")
+        # the same time: the id breaks the tie; deleted and other projects' records left out
+        self.assertEqual([r["id"] for r in doc["records"]],
+                         [UUIDS[1], UUIDS[2], UUIDS[3], UUIDS[4], UUIDS[7]])
+        self.assertEqual(doc["records"][-1]["superseded_by"], UUIDS[8])
+        self.assertIn("[superseded]", self.ok("around", UUIDS[4]))
+        self.assertIn("in its project, by creation time (no pi session known here wrote it)",
+                      self.ok("around", UUIDS[4]))
+
+    def test_around_an_unknown_id_or_a_bad_bound_is_one_clear_line(self):
+        err = self.expect_fail(1, "around", UUIDS[40])  # no index yet
+        self.assertEqual(err, "qmem: no memory %s is known here (around reads this machine's "
+                         "index only): see `qmem.py find`\n" % UUIDS[40])
+        self.put_record(UUIDS[41], "known")
+        self.assertIn("no memory %s is known here" % UUIDS[40],
+                      self.expect_fail(1, "around", UUIDS[40]))
+        self.assertEqual(json.loads(self.run_cli("around", UUIDS[40], "--json")[1])["error"][
+            "kind"], "not_found")
+        for bad in ("-1", "51", "many", "99999999999999999999"):
+            err = self.expect_fail(2, "around", UUIDS[41], "--before", bad)
+            self.assertEqual(err.count("\n"), 1)
+            self.assertIn("the number of records before must be", err)
+        self.assertIn("is not a memory id", self.expect_fail(2, "around", "abc"))
+        self.assertIn("no memory known here starts with 0000002b",
+                      self.expect_fail(2, "around", UUIDS[42][:8]))  # (short ids as for get)
+        self.assertEqual(self.gw.requests, [])
+
     def test_get_of_what_is_no_id_is_refused_here_and_asks_no_gateway(self):
         # Part 13: `get abc` asked the gateway; `correct abc` and qmem_get refused it.
         before = len(self.gw.requests)
@@ -7745,7 +7813,7 @@ class McpProtocolTests(McpTestCase):
             reply = server.request("initialize", {"protocolVersion": asked, "capabilities": {}})
             self.assertEqual(reply["result"]["protocolVersion"], "2025-11-25")
         self.assertEqual(server.request("ping")["result"], {})
-        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
+        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 7)
         self.assertEqual(server.close(), 0)
         self.assertEqual(server.stderr(), "")
         # nothing opened before a tool call
@@ -7841,8 +7909,8 @@ class McpProtocolTests(McpTestCase):
         self.assertEqual(offline.request("tools/list", {"cursor": "x"})["error"]["code"], -32602)
         self.assertEqual(offline.close(), 0)
         self.assertEqual([t["name"] for t in tools],
-                         ["qmem_search", "qmem_find", "qmem_get", "qmem_store",
-                                                      "qmem_correct", "qmem_meta"])
+                         ["qmem_search", "qmem_find", "qmem_get", "qmem_around", "qmem_store",
+                          "qmem_correct", "qmem_meta"])
         for tool in tools:
             self.assertRegex(tool["name"], r"\A[A-Za-z0-9_.-]{1,128}\Z")
             self.assertLessEqual(len(tool["description"].encode("utf-8")), 2048)
@@ -7897,7 +7965,7 @@ class McpProtocolTests(McpTestCase):
             f.write("{broken")
         server = self.server(QMEM_CONFIG=config)
         self.assertEqual(server.initialize()["protocolVersion"], "2025-11-25")
-        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 6)
+        self.assertEqual(len(server.request("tools/list")["result"]["tools"]), 7)
         result = server.call("qmem_find", query="x")
         self.assertIs(result["isError"], True)
         self.assertIn(config, result["structuredContent"]["note"])
@@ -7934,6 +8002,32 @@ class McpToolTests(McpTestCase):
                          ("local_sqlite", True, "gateway: not found (404)", "appunto locale"))
         self.assertIn("the gateway does not know it", got["note"])
         self.assertEqual(server.close(), 0)
+
+    def test_around_gives_the_records_written_around_one_worded_as_the_command_line(self):
+        # Part 18: qmem_around.
+        self.put_records([(UUIDS[n], "passo %d" % n) for n in range(5)])
+        server = self.server()
+        got = server.call("qmem_around", id=UUIDS[2], before="1", after=1)
+        doc = got["structuredContent"]
+        self.assertIs(got["isError"], False)
+        self.assertEqual([(r["id"], r["this"]) for r in doc["records"]],
+                         [(UUIDS[1], False), (UUIDS[2], True), (UUIDS[3], False)])
+        self.assertEqual((doc["status"], doc["source"], doc["id"], doc["project_id"]),
+                         ("found", "local_sqlite", UUIDS[2], "infra"))
+        said = ("1 written before %s and 1 after, in its project, by creation time (no pi "
+                "session known here wrote it); private and deleted ones left out" % UUIDS[2])
+        self.assertEqual(doc["note"], "From the local index on this machine: %s." % said)
+        self.assertIn("local_sqlite · " + said, self.ok("around", UUIDS[2], "--before", "1",
+                                                          "--after", "1"))
+        unknown = server.call("qmem_around", id=UUIDS[9])
+        huge = server.call("qmem_around", id=UUIDS[2], after=51)
+        self.assertEqual(server.close(), 0)
+        self.assertIs(unknown["isError"], True)
+        self.assertTrue(unknown["structuredContent"]["note"].startswith(
+            "no memory %s is known here (around reads this machine's index only). Next: ids "
+            "come from qmem_search or qmem_find results" % UUIDS[9]), unknown)
+        self.assertIn("after must be between 0 and 50", huge["structuredContent"]["note"])
+        self.assertEqual(self.gw.requests, [])
 
     def test_find_takes_since_and_until_and_says_a_bad_date_as_the_command_line(self):
         # Part 17: qmem_find had no date filter.
