@@ -3091,6 +3091,20 @@ class Records:
             rec["private"] = bool(rec["private"])
             yield rec
 
+    def live(self, projects, since, private, now):
+        """The live records a bundle of these projects could carry, changed since `since`,
+        and this machine's writes still queued (neither superseded, deleted, expired at
+        `now` nor refused), private ones only when asked for: as dicts, streamed, by
+        project, kind, the newest first, the id breaking ties."""
+        where, params = _bundle_filter(projects, since)
+        cur = self.conn.execute(
+            "SELECT id, %s, pending FROM records WHERE pending != ? AND superseded_by IS NULL "
+            "AND deleted_at IS NULL AND (expires_at IS NULL OR expires_at > ?) AND %s%s "
+            "ORDER BY project_id, kind, created_at DESC, id" % (
+                ", ".join(FIELDS), where, "" if private else " AND private = 0"),
+            [LOCAL_FAILED, now] + params)
+        return _dicts(cur)
+
     def adopt(self, local_id, data, referenced=True, sent=None):
         """A record written here got its gateway id: the local row takes it (and the
         gateway's view of every field), and local references follow it. Only local
@@ -5687,6 +5701,65 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
     return counts
 
 
+def _longest_run(text, char="`"):
+    return max([len(run) for run in re.findall(re.escape(char) + "+", text)] or [0])
+
+
+def md_code(value):
+    """An untrusted value as one Markdown code span: on one line, its control characters
+    escaped, between more backticks than any run of them inside (nothing in it is markup)."""
+    text = visible(str(value)).replace("\t", "\\t").replace("\n", "\\n")
+    ticks = "`" * (_longest_run(text) + 1)
+    pad = " " if text[:1] in "` " or text[-1:] in "` " else ""  # (one space each side goes)
+    return ticks + pad + text + pad + ticks
+
+
+def md_block(text):
+    """An untrusted text as a fenced code block, its control characters escaped, fenced by
+    more backticks than any run of them inside (three at least): nothing in it closes it."""
+    fence = "`" * max(3, _longest_run(text) + 1)
+    return "%s\n%s\n%s\n" % (fence, visible(text), fence)
+
+
+def write_markdown(store, out, projects=None, since=None, private=False, short=str):
+    """Write the live records (Records.live) to the binary stream out as Markdown a person
+    reads and diffs: a section per project, one per kind in it, each record under a heading
+    of its short id, date and machine, its text in a fenced block. No value of a record can
+    break the structure (md_code, md_block); the same database gives the same bytes.
+    Returns the counts."""
+    shown = "; ".join(filter(None, (
+        projects and "project " + ", ".join(map(md_code, projects)),
+        since and "changed since " + md_code(since),
+        "private ones %s" % ("included" if private else "left out"))))
+    out.write(("# qmem memory\n\nThe live records of this machine's index (%s), by project and "
+               "kind, the newest first; each text as it was stored.\n" % shown).encode("utf-8"))
+    count, project, kind = 0, (), ()  # (no record's project or kind is a tuple)
+    with store.snapshot():
+        for rec in store.records.live(projects, since, private, iso_now()):
+            lines = []
+            if rec["project_id"] != project:
+                project, kind = rec["project_id"], ()
+                lines.append("\n## Project %s\n" % (md_code(project) if project is not None
+                                                     else "(none)"))
+            if rec["kind"] != kind:
+                kind = rec["kind"]
+                lines.append("\n### %s\n" % (kind if kind in KINDS else md_code(kind or "")))
+            lines.append("\n#### %s\n" % " · ".join(md_code(v or "-") for v in (
+                short(rec["id"]), (rec["created_at"] or "")[:10], rec["source"])))
+            notes = [note for note, on in (
+                ("supersedes %s" % md_code(short(rec["supersedes_id"] or ""))
+                 + (" (%s)" % md_code(_fit(rec["supersede_reason"], 300))
+                    if rec["supersede_reason"] else ""), rec["supersedes_id"]),
+                ("queued here, not yet shared", rec["pending"]), ("private", rec["private"]))
+                     if on]
+            if notes:
+                lines.append("\n" + "".join("- %s\n" % note for note in notes))
+            lines.append("\n" + md_block(rec["text"] or "(text not known here)"))
+            out.write("".join(lines).encode("utf-8"))
+            count += 1
+    return {"records": count}
+
+
 def check_bundle(stream, name, key, copy):
     """Read a bundle whole from a binary stream and return (its header, SIGNED or
     UNVERIFIED, why); BundleError for a file that is not one, is cut short, has a byte
@@ -7542,36 +7615,51 @@ class CarryOps:
     # -- bundles: the knowledge in and the writes out, as one file
     @utf8_arguments
     def export(self, path, projects=None, since=None, records_only=False, outbox_only=False,
-               stream=None):
+               stream=None, markdown=False, private=False):
         """Write a bundle to path (through a temporary file and a rename: an interrupted
-        export leaves no half bundle), or to the binary stream when path is '-'."""
+        export leaves no half bundle), or to the binary stream when path is '-'; with
+        markdown, the live records as Markdown (write_markdown), private ones if asked."""
         ops = self.ops
         if records_only and outbox_only:
             raise UsageError("records only and outbox only exclude each other")
+        if markdown and (records_only or outbox_only):
+            raise UsageError("records only and outbox only choose what a bundle holds: a "
+                             "Markdown export holds the live records, never the outbox")
+        if private and not markdown:
+            raise UsageError("private records are asked for in a Markdown export only (a "
+                             "bundle carries them already)")
         if since is not None:
             since = iso_from_epoch(given_time(since, "the date to export since"))
         if not ops.has_index():
             raise StoreError("no local index yet at %s: nothing to export" % ops.config.db_path,
                              fix=Fix("index"))
-        options = dict(projects=list(projects or ()) or None, since=since, records=not outbox_only,
+        projects = list(projects or ()) or None
+        options = dict(projects=projects, since=since, records=not outbox_only,
                        outbox=not records_only, key=ops.config["bundleKey"])
+        what, write = ("the bundle", lambda f: write_bundle(ops.store(), f, **options))
+        if markdown:
+            what, write = ("the Markdown", lambda f: write_markdown(
+                ops.store(), f, projects, since, private, ops.short_id))
         if path == "-":
             if stream is None:
-                raise UsageError("there is no standard output to write the bundle to")
+                raise UsageError("there is no standard output to write %s to" % what)
             try:
-                counts = write_bundle(ops.store(), stream, **options)
+                counts = write(stream)
                 stream.flush()
             except OSError as e:  # a closed pipe, a full disk: the bundle did not arrive
-                raise QmemError("cannot write the bundle to stdout: %s" % (e.strerror or e),
+                raise QmemError("cannot write %s to stdout: %s" % (what, e.strerror or e),
                                 kind="io",
                                 hint="nothing was changed here; export to a file instead")
         else:
-            counts = self._export_file(path, options)
+            counts = self._export_file(path, write)
+        if markdown:
+            return {"source": "local_sqlite", "file": path, "counts": counts,
+                    "format": "markdown", "private": private}
         return {"source": "local_sqlite", "file": path, "counts": counts, "format": BUNDLE_FORMAT,
                 "format_version": BUNDLE_VERSION, "signed": bool(options["key"]),
                 "key_id": bundle_key_id(options["key"]) if options["key"] else None}
 
-    def _export_file(self, path, options):
+    def _export_file(self, path, write):
         if os.path.islink(path):  # in a shared folder it could point at any file of yours
             raise UsageError("%s is a symbolic link: refusing to write through it" % path,
                              hint="name the file itself, or - for standard output")
@@ -7579,7 +7667,7 @@ class CarryOps:
             raise UsageError("%s is not a regular file: refusing to replace it" % path,
                              hint="name a regular file, or - for standard output")
         try:
-            return atomic_write(path, lambda f: write_bundle(self.ops.store(), f, **options))
+            return atomic_write(path, write)
         except OSError as e:
             raise QmemError("cannot write %s: %s" % (path, e.strerror or e), kind="io")
 
@@ -8569,6 +8657,12 @@ def show_pull(doc, out):
 
 
 def show_export(doc, out):
+    if doc["format"] == "markdown":
+        out.write("export: %s written to %s as Markdown, private ones %s\n" % (
+            plural(doc["counts"]["records"], "live record"),
+            "stdout" if doc["file"] == "-" else doc["file"],
+            "included" if doc["private"] else "left out (--private adds them)"))
+        return
     out.write("export: %s and %s written to %s (%s format %d)\n" % (
         plural(doc["counts"]["records"], "record"), plural(doc["counts"]["outbox"], "outbox row"),
         "stdout" if doc["file"] == "-" else doc["file"], doc["format"], doc["format_version"]))
@@ -9888,7 +9982,7 @@ def cli_export(ops, a):
     try:
         return ops.carry.export(a.file, projects=a.project, since=a.since,
                                 records_only=a.records_only, outbox_only=a.outbox_only,
-                                stream=stream)
+                                stream=stream, markdown=a.markdown, private=a.private)
     except QmemError as e:
         if stream is not None and e.kind == "io":  # the reader went away
             stdout_gone()
@@ -10033,7 +10127,9 @@ COMMANDS = (
       arg("--project", action="append", metavar="P", help="only this project (repeatable)"),
       arg("--since", metavar="DATE", help="only what changed since this date"),
       flag("--records-only", "the records, not the outbox"),
-      flag("--outbox-only", "the outbox (the writes made here), not the records")]),
+      flag("--outbox-only", "the outbox (the writes made here), not the records"),
+      flag("--markdown", "write the live records as Markdown to read, not a bundle"),
+      flag("--private", "with --markdown: private records too")]),
     ("load", lambda ops, a: ops.carry.load(a.file, a.dry_run,
                                            sys.stdin.buffer if a.file == "-" else None),
      "Merge a bundle written by `export` on another host (checked whole first).",

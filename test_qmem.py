@@ -5780,6 +5780,127 @@ class BundleTests(BundleTestCase):
         self.ok("export", os.path.join(shared, "real.bundle"))
 
 
+def markdown_outline(text):
+    """A Markdown document as CommonMark reads its fenced code blocks: the lines outside
+    them, and the text of each (a fence of ` or ~ closes on a line of its character alone,
+    as long at least)."""
+    outside, blocks, fence = [], [], None
+    for line in text.split("\n"):
+        opening = re.match(r" {0,3}(`{3,}|~{3,})", line)
+        if fence is None and opening:
+            fence = opening.group(1)
+            blocks.append([])
+        elif fence is None:
+            outside.append(line)
+        elif re.fullmatch(r" {0,3}%s{%d,}[ \t]*" % (re.escape(fence[0]), len(fence)), line):
+            fence = None
+        else:
+            blocks[-1].append(line)
+    return outside, ["\n".join(b) for b in blocks]
+
+
+class MarkdownExportTests(BundleTestCase):
+    """Part 18: export --markdown, the live records as a person reads and diffs them."""
+
+    def put(self, n, text, day, **extra):
+        at = "2026-11-%02dT10:00:00Z" % day
+        self.put_record(UUIDS[n], text, created_at=at, updated_at=at, **extra)
+
+    def markdown(self, *options):
+        """export --markdown - in this process: (stdout's bytes, stderr)."""
+        out, err = io.BytesIO(), io.StringIO()
+        stdout = io.TextIOWrapper(out, encoding="utf-8")
+        with mock.patch.object(sys, "stdout", stdout), contextlib.redirect_stderr(err):
+            self.assertEqual(qmem.main(["export", "--markdown", "-"] + list(options)), 0,
+                             err.getvalue())
+        stdout.detach()
+        return out.getvalue(), err.getvalue()
+
+    def test_live_records_by_project_and_kind_the_newest_first_the_same_each_time(self):
+        self.put(0, "old fact", 1)
+        self.put(1, "new fact", 5)
+        self.put(2, "fact of the same time", 5)
+        self.put(3, "a decision", 2, kind="decision")
+        self.put(4, "corrected", 3, superseded_by=UUIDS[5])
+        self.put(5, "the correction", 6, supersedes_id=UUIDS[4], supersede_reason="was wrong")
+        self.put(6, "gone", 4, deleted_at="2026-11-07T00:00:00Z")
+        self.put(7, "hidden", 4, private=True)
+        self.put(8, "expired", 4, expires_at="2026-11-08T00:00:00Z")
+        self.put(9, "alpha note", 1, project="alpha", source="laptop (Linux)")
+        self.ok("store", "queued note", "--project", "zeta", "--queue-only")
+        path = os.path.join(self.home, "memory.md")
+        out = self.ok("export", "--markdown", path)
+        self.assertEqual(out, "export: 7 live records written to %s as Markdown, private ones "
+                         "left out (--private adds them)\n" % path)
+        self.assertEqual(stat.S_IMODE(os.stat(path).st_mode), 0o600)
+        text = read_bytes(path).decode()
+
+        def entry(n, day, text, source="pi-coding-agent"):
+            return "#### `%s` · `2026-11-%02d` · `%s`\n\n```\n%s\n```\n" % (
+                UUIDS[n][:8], day, source, text)
+        self.assertEqual(text.split("## Project `zeta`")[0], "\n".join([
+            "# qmem memory\n\nThe live records of this machine's index (private ones left out), "
+            "by project and kind, the newest first; each text as it was stored.\n",
+            "## Project `alpha`\n", "### fact\n",
+            entry(9, 1, "alpha note", "laptop (Linux)"), "## Project `infra`\n",
+            "### decision\n", entry(3, 2, "a decision"), "### fact\n",
+            entry(5, 6, "the correction").replace("\n\n", "\n\n- supersedes `%s` (`was wrong`)"
+                                                 "\n\n" % UUIDS[4][:8], 1),
+            entry(1, 5, "new fact"), entry(2, 5, "fact of the same time"),
+            entry(0, 1, "old fact"), ""]))
+        self.assertRegex(text.split("## Project `zeta`")[1],
+                         r"\A\n\n### fact\n\n#### `\w{8}` · `%s` · `[^`]+`\n\n- queued here, "
+                         r"not yet shared\n\n```\nqueued note\n```\n\Z" % TODAY)
+        self.assertEqual(self.markdown()[0].decode(), text)  # the same bytes, on stdout
+        self.assertIn("- private\n\n```\nhidden\n```", self.markdown("--private")[0].decode())
+        alpha, err = self.markdown("--project", "alpha", "--since", "2026-11-01")
+        self.assertEqual(err, "export: 1 live record written to stdout as Markdown, private "
+                              "ones left out (--private adds them)\n")
+        self.assertIn(b"(project `alpha`; changed since `2026-11-01T00:00:00.000Z`; private "
+                      b"ones left out)", alpha)
+        self.assertEqual(self.markdown("--since", "2026-11-06")[0].count(b"#### "), 2)
+
+    def test_a_markdown_export_refuses_bundle_options_and_writes_as_a_bundle_does(self):
+        self.put(0, "una memoria", 1)
+        for flag in ("--records-only", "--outbox-only"):
+            err = self.expect_fail(2, "export", "--markdown", "out.md", flag)
+            self.assertEqual(err.count("\n"), 1)
+            self.assertIn("a Markdown export holds the live records, never the outbox", err)
+        self.assertIn("private records are asked for in a Markdown export only",
+                      self.expect_fail(2, "export", "out.bundle", "--private"))
+        target = os.path.join(self.home, "notes.txt")
+        write_text(target, "mine\n")
+        link = os.path.join(self.home, "memory.md")
+        os.symlink(target, link)
+        self.assertIn("is a symbolic link: refusing to write through it",
+                      self.expect_fail(2, "export", "--markdown", link))
+        self.assertEqual(read_bytes(target), b"mine\n")
+        self.assertFalse(os.path.exists(os.path.join(self.home, "out.md")))
+
+    def test_no_stored_text_nor_field_breaks_the_documents_structure(self):
+        hostile = ("# heading\n---\n```\n````\n~~~~\n<script>alert(1)</script>\n"
+                   "\x1b[2J\x1b]0;title\x07 end\r\nline \u202eevil")
+        self.put(0, hostile, 1, project="we\nird`p ``x", kind="\x1b[31mkind",
+                 source="host\n## injected", supersede_reason="why\n# not a heading ```",
+                 supersedes_id=UUIDS[1])
+        self.put(1, "` leading and trailing `", 1, project="`", agent_id="<b>", private=True)
+        text = self.markdown("--private")[0].decode()
+        for bad in ("\x1b", "\x07", "\r", "\u202e"):
+            self.assertNotIn(bad, text)
+        outside, blocks = markdown_outline(text)
+        self.assertEqual(blocks, [
+            "` leading and trailing `", "# heading\n---\n```\n````\n~~~~\n<script>alert(1)</script>\n"
+            "\\x1b[2J\\x1b]0;title\\x07 end\\x0d\nline \\u202eevil"])
+        self.assertEqual([line for line in outside if line.startswith(("#", "-", "<"))], [
+            "# qmem memory",
+            "## Project `` ` ``", "### fact", "#### `%s` · `2026-11-01` · `pi-coding-agent`"
+            % UUIDS[1][:8], "- private",
+            "## Project ```we\\nird`p ``x```", "### `\\x1b[31mkind`",
+            "#### `%s` · `2026-11-01` · `host\\n## injected`" % UUIDS[0][:8],
+            "- supersedes `%s` (```` why\\n# not a heading ``` ````)" % UUIDS[1][:8]])
+        self.assertIn("\n`````\n# heading\n", text)  # a fence longer than any run inside
+
+
 class BundleTrustTests(BundleTestCase):
     """Part 11: a bundle proves where it came from, or it changes nothing that is here
     and sends nothing with this user's key until the user says so."""
