@@ -5889,7 +5889,8 @@ class MarkdownExportTests(BundleTestCase):
             self.assertNotIn(bad, text)
         outside, blocks = markdown_outline(text)
         self.assertEqual(blocks, [
-            "` leading and trailing `", "# heading\n---\n```\n````\n~~~~\n<script>alert(1)</script>\n"
+            "` leading and trailing `",
+            "# heading\n---\n```\n````\n~~~~\n<script>alert(1)</script>\n"
             "\\x1b[2J\\x1b]0;title\\x07 end\\x0d\nline \\u202eevil"])
         self.assertEqual([line for line in outside if line.startswith(("#", "-", "<"))], [
             "# qmem memory",
