@@ -5743,15 +5743,18 @@ def write_markdown(store, out, projects=None, since=None, private=False, short=s
                                                      else "(none)"))
             if rec["kind"] != kind:
                 kind = rec["kind"]
-                lines.append("\n### %s\n" % (kind if kind in KINDS else md_code(kind or "")))
+                lines.append("\n### %s\n" % (kind if kind in KINDS else md_code(kind) if kind
+                                              else "(no kind)"))
             lines.append("\n#### %s\n" % " · ".join(md_code(v or "-") for v in (
                 short(rec["id"]), (rec["created_at"] or "")[:10], rec["source"])))
-            notes = [note for note, on in (
-                ("supersedes %s" % md_code(short(rec["supersedes_id"] or ""))
-                 + (" (%s)" % md_code(_fit(rec["supersede_reason"], 300))
-                    if rec["supersede_reason"] else ""), rec["supersedes_id"]),
-                ("queued here, not yet shared", rec["pending"]), ("private", rec["private"]))
-                     if on]
+            notes, reason = [], rec["supersede_reason"]
+            if rec["supersedes_id"]:
+                notes.append("supersedes %s%s" % (md_code(short(rec["supersedes_id"])), " (%s)"
+                                                  % md_code(_fit(reason, 300)) if reason else ""))
+            if rec["pending"]:
+                notes.append("queued here, not yet shared")
+            if rec["private"]:
+                notes.append("private")
             if notes:
                 lines.append("\n" + "".join("- %s\n" % note for note in notes))
             lines.append("\n" + md_block(rec["text"] or "(text not known here)"))
@@ -9156,6 +9159,12 @@ def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
     return out
 
 
+def _text_share(n):
+    """How much of each text a list of n memories gives: many long memories must not flood
+    a model's context, so each is cut to its share of RESULTS_TEXT_BUDGET."""
+    return max(200, min(RESULT_TEXT_CHARS, RESULTS_TEXT_BUDGET // max(1, n)))
+
+
 class McpServer:
     """The protocol over one connection: handle(message) -> reply (or None). Its
     Operations is made at the first tool call, so a broken configuration or database
@@ -9396,9 +9405,7 @@ class McpServer:
         hits = [r for r in doc["results"] if isinstance(r.get("id"), str)]
         if len(hits) < len(doc["results"]):
             warn("%d of the results had no id: left out" % (len(doc["results"]) - len(hits)))
-        # Many long memories must not flood a model's context: each is cut to its share.
-        cut = max(200, min(RESULT_TEXT_CHARS, RESULTS_TEXT_BUDGET // max(1, len(hits))))
-        results = [_memory_out(r, cut=cut) for r in hits]
+        results = [_memory_out(r, cut=_text_share(len(hits))) for r in hits]
         out = _read_result(doc, "found" if results else "empty", project_id=project,
                            project_from=where, note=_found_note(doc, results, project, where))
         if doc["source"] == "local_sqlite":
@@ -9426,7 +9433,8 @@ class McpServer:
                            project_from="the memory",
                            note="From the local index on this machine: %s." % around_said(
                                doc, doc["id"]))
-        out["records"] = [dict(_memory_out(r), this=r["this"]) for r in doc["records"]]
+        cut = _text_share(len(doc["records"]))
+        out["records"] = [dict(_memory_out(r, cut=cut), this=r["this"]) for r in doc["records"]]
         return out
 
     def tool_meta(self, ops, a):

@@ -8141,6 +8141,13 @@ class McpToolTests(McpTestCase):
         self.assertEqual(doc["note"], "From the local index on this machine: %s." % said)
         self.assertIn("local_sqlite · " + said, self.ok("around", UUIDS[2], "--before", "1",
                                                           "--after", "1"))
+        # many long memories share the budget of a list of results, as qmem_find's do
+        self.put_records([(UUIDS[100 + n], "%d " % n + "lungo " * 200) for n in range(90)],
+                         project="long")
+        many = server.call("qmem_around", id=UUIDS[145], before=50, after=50)
+        texts = [r["text"] for r in many["structuredContent"]["records"]]
+        self.assertEqual((len(texts), {len(t) for t in texts}),
+                         (90, {qmem.RESULTS_TEXT_BUDGET // 90 + 1}))
         unknown = server.call("qmem_around", id=UUIDS[9])
         huge = server.call("qmem_around", id=UUIDS[2], after=51)
         self.assertEqual(server.close(), 0)
