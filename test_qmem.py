@@ -7557,6 +7557,18 @@ class OperationsBriefTests(GatewayTestCase):
         self.assertTrue(doc["records"] and doc["left_out"] >= 50)
         self.assertEqual(doc["records"][0]["text"], "decision 59: " + "words " * 80)
 
+    def test_a_busy_database_is_not_waited_for_to_keep_the_mark(self):
+        self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
+        other = sqlite3.connect(self.db, isolation_level=None)
+        self.addCleanup(other.close)
+        other.execute("BEGIN IMMEDIATE")
+        started = time.monotonic()
+        self.assertIn("the first brief of this project", self.brief())
+        self.assertLess(time.monotonic() - started, 2.0)  # (the busy timeout is 10 s)
+        other.execute("COMMIT")
+        self.assertIn("the first brief of this project", self.brief())  # (no mark was kept)
+        self.assertIn("(nothing)", self.brief())
+
     def test_a_read_only_database_says_no_changes(self):
         self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
         os.chmod(self.db, 0o400)
