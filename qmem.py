@@ -4439,9 +4439,11 @@ def _ranked(found, levels, weights=None, dates=(), before=None):
     names = [[("".join(_PARTS.findall(t)), p) for c, t, p in terms if p or c != _STEM_CLASS]
              for terms in classes] if sum(len(_PARTS.findall(w)) for w in words) > 1 else []
     scored, seen = [], {}
+    word_parts = [" ".join(_PARTS.findall(w)) for w in words]  # as _best_match takes them
+    term_parts = [[(c, " ".join(_PARTS.findall(t)), p) for c, t, p in terms] for terms in classes]
     for n, (row, match) in enumerate(found):
         joined = _joined(row[1])
-        best = [_best_match(joined, w, terms) for w, terms in zip(words, classes)]
+        best = [_best_match(joined, w, terms) for w, terms in zip(word_parts, term_parts)]
         floor = _WORD_CLASS[match] if match != "any" else 0  # every word matched at least so
         worst = max(floor, min(c for c, _ in best))
         level = next(m for m in _WORD_CLASS if _WORD_CLASS[m] <= worst or m == "any")
@@ -4450,8 +4452,9 @@ def _ranked(found, levels, weights=None, dates=(), before=None):
         dated = any(start <= (row[6] or "")[:10] <= end for start, end in dates)
         if weights:  # the weights of the words it holds, then as without: how well
             held = sum(w for (c, _), w in zip(best, weights) if c or floor) + DATE_WEIGHT * dated
-            held += NEIGHBOUR_SHARE * sum(w for w, word, terms in zip(weights, words, classes)
-                                          if _best_match(before.get(row[0], " "), word, terms)[0])
+            earlier = [_best_match(before.get(row[0], " "), word, terms)[0]
+                       for word, terms in zip(word_parts, term_parts)]
+            held += NEIGHBOUR_SHARE * sum(w for w, c in zip(weights, earlier) if c)
             how = sum(w * (c + 0.49 * share) for (c, share), w in zip(best, weights))
             scored.append(((-held, name, -how, n), (row, level)))
         else:
@@ -4488,10 +4491,9 @@ def _term_classes(levels):
 
 def _best_match(joined, word, terms):
     """(class, share) of a query word's best term in a record's parts (' a b c '): share
-    is how much of the word the matched token shares from its start (0 to 1)."""
-    word = " ".join(_PARTS.findall(word))
-    for klass, term, prefix in terms:
-        parts = " ".join(_PARTS.findall(term))
+    is how much of the word the matched token shares from its start (0 to 1). The word and
+    its terms come as their parts joined by spaces (terms: [(class, parts, prefix)])."""
+    for klass, parts, prefix in terms:
         at = joined.find(" %s%s" % (parts, "" if prefix else " "))
         if at >= 0:
             token = joined[at + 1:joined.index(" ", at + 1 + len(parts))]
