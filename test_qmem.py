@@ -9032,7 +9032,10 @@ class McpProcessTests(McpTestCase):
         result = server.call("qmem_store", text=text, project_id="infra")
         found = server.call("qmem_find", query="héllo", project_id="infra")
         brief = server.call("qmem_brief", project_id="infra")["structuredContent"]["brief"]
+        around = server.call("qmem_around", id=result["structuredContent"]["id"])
         self.assertEqual(server.close(), 0)
+        self.assertEqual([(r["text"], r["this"]) for r in around["structuredContent"]["records"]],
+                         [(text, True)])
         self.assertIn("in shared memory yet:\n  %s fact: %s [not yet shared]" % (
             result["structuredContent"]["id"], text.replace("\u2028", "\\u2028")), brief)
         self.assertEqual(found["structuredContent"]["results"][0]["text"], text)
