@@ -1686,7 +1686,8 @@ class Gateway:
                 self.answered = True
                 if not (clean and self.tries == 1):  # a clean state has nothing to close
                     self.breaker.success()
-                if resp.status in (401, 403):
+                # (a 403 to a DELETE is the key's right to delete that record: an answer)
+                if resp.status == 401 or (resp.status == 403 and method != "DELETE"):
                     self.key_rejected = True
                     raise GatewayError(AUTH,
                                        "API key rejected by the gateway (HTTP %d)" % resp.status,
@@ -1959,7 +1960,7 @@ def _reason(e):
 # job it is, which calls the other by name (outbox.settle_write -> records.adopt).
 
 HAS_UPSERT = tuple(int(n) for n in sqlite3.sqlite_version.split(".")[:2]) >= (3, 24)
-SCHEMA_VERSION = 8  # what each schema brought: the docstrings of MIGRATIONS
+SCHEMA_VERSION = 9  # what each schema brought: the docstrings of MIGRATIONS
 # An agent started before qmem.py was upgraded runs the older one, which refuses a database of
 # a newer schema (an MCP server that had it open fails to use it from the next migration on).
 RESTART_AGENTS = "restart the agents (their MCP servers) started before qmem.py was upgraded"
@@ -1999,6 +2000,11 @@ OUTBOX_MOVES = {
 NOT_APPLIED = "not_applied"
 NOT_APPLIED_STATUS = 409
 UNSETTLED = WAITING + (FAILED,)  # not in shared memory: waiting here, or refused
+# A forget: an outbox row of its own (op 'forget', target: the id of the memory it forgets,
+# the reason kept in its payload: a DELETE has no body). What it forgets is hidden here
+# while it waits, derived from the row (never a local deleted_at): a refused forget shows
+# it again, and no view of the still-live record brings it back meanwhile.
+FORGET = "forget"
 
 
 def state_is(*states):
@@ -2014,6 +2020,11 @@ READY = "(%s AND next_attempt_at<=:now OR %s AND lease_until<:now)" % (state_is(
 # (last_status 0), nor corrections not applied (the gateway would refuse the same text again).
 _RESENDABLE = "%s AND coalesce(last_status, -1) NOT IN (0, %d)" % (state_is(FAILED),
                                                                    NOT_APPLIED_STATUS)
+# The ids of the records being forgotten: each waiting forget's target, as the record is
+# known now (a write of this host since delivered: its gateway id).
+FORGETTING = ("SELECT coalesce(t.gateway_id, t.duplicate_of, f.target) FROM outbox f "
+              "LEFT JOIN outbox t ON t.id = f.target WHERE f.op = '%s' AND f.target IS NOT NULL "
+              "AND f.%s" % (FORGET, state_is(*WAITING)))
 
 
 def was_not_applied(state, last_status):
@@ -2306,9 +2317,17 @@ def _m008_sessions(conn):
     conn.execute("UPDATE files SET size=-1, offset=0 WHERE status='ok'")
 
 
+def _m009_forgets(conn):
+    """Schema 9 changes what the outbox may hold, not its tables: a forget (op 'forget', a
+    DELETE of its target), which a qmem.py of schema 8 would send as a POST of a memory,
+    so it must refuse the database. The forgets' lookups by target get an index."""
+    conn.execute("CREATE INDEX IF NOT EXISTS outbox_forgets ON outbox(target) "
+                 "WHERE op = '%s'" % FORGET)
+
+
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
 MIGRATIONS = [_m001_initial, _m002_claims, _m003_held, _m004_words, _m005_kept_words,
-              _m006_not_applied, _m007_folding, _m008_sessions]
+              _m006_not_applied, _m007_folding, _m008_sessions, _m009_forgets]
 # A read-only database is read as it is, without its migrations, from schema 3 on (before,
 # records do not say where each came from: find and export need to). What MIGRATIONS[n]
 # brings, that one of schema n goes without:
@@ -2318,7 +2337,8 @@ SCHEMA_GAINS = {3: "identifiers found by their parts (ThreadPool: thread pool)",
                 4: "identifiers' parts kept with each record (a faster rebuild of the index)",
                 5: "corrections answered 409 duplicate no longer hide what they corrected",
                 6: "words found as typed in every script (ёлка: елка, νύχτα, सर्वर, 金曜日)",
-                7: "records know their pi session (once the next import reads its files again)"}
+                7: "records know their pi session (once the next import reads its files again)",
+                8: "memories forgotten (a soft delete), delivered exactly once like every write"}
 
 
 def schema_gains(version):
@@ -2621,7 +2641,8 @@ def _placeholders(values):
 
 
 def _bundle_filter(projects, since):
-    where, params = ["origin < %d" % ORIGIN_UNVERIFIED], []  # what came unverified stays here
+    # what came unverified stays here, and what is being forgotten is not carried on
+    where, params = ["origin < %d AND id NOT IN (%s)" % (ORIGIN_UNVERIFIED, FORGETTING)], []
     if projects:
         where.append("project_id IN (%s)" % _placeholders(projects))
         params += projects
@@ -3195,6 +3216,16 @@ class Records:
                               "superseded_by IS NULL",
                               (local_id, self.store.outbox.current_id(target)))
 
+    def tombstone(self, data):
+        """Inside a transaction: the gateway's tombstone of a record this host forgot (its
+        answer to the DELETE, data['id'] the id deleted), kept under the merge rule, and
+        deleted here whatever that rule says of the clocks (it is the gateway's last word)."""
+        rec = normalize_record(data)
+        rec["deleted_at"] = rec["deleted_at"] or iso_now()  # (an answer without it: now)
+        self.from_gateway(rec, VIEW_FULL if rec["text"] else VIEW_HIT, iso_now())
+        self.conn.execute("UPDATE records SET deleted_at=? WHERE id=? AND deleted_at IS NULL",
+                          (rec["deleted_at"], rec["id"]))
+
     def mark_failed(self, local_id):
         """Inside a transaction: the gateway refused this write. Its record stays, marked
         refused, and a correction no longer hides what it meant to correct."""
@@ -3295,9 +3326,10 @@ class Outbox:
                                              (local_id,))), None)
 
     def write_of(self, local_id):
-        """(op, payload, state) of an outbox row, or None."""
-        return self.conn.execute("SELECT op, payload, state FROM outbox WHERE id=?",
-                                 (local_id,)).fetchone()
+        """(op, payload, state, whether it was ever claimed to be sent) of an outbox row, or
+        None."""
+        return self.conn.execute("SELECT op, payload, state, first_sent_at IS NOT NULL "
+                                 "FROM outbox WHERE id=?", (local_id,)).fetchone()
 
     def refuse_loaded(self, local_id, row, reason):
         """Inside a transaction: a paired host's write refused here (it fails the checks of
@@ -3341,9 +3373,21 @@ class Outbox:
         transaction); what a dropped correction hid is shown again."""
         with self.store.transaction():
             for local_id in local_ids:
-                self.conn.execute("DELETE FROM outbox WHERE id=? AND " + state_is(*states),
-                                  (local_id,))
-                self.store.records.drop_local(local_id, None)
+                self.discard(local_id, states)
+
+    def discard(self, local_id, states):
+        """Inside a transaction: drop()'s work for one row."""
+        self.conn.execute("DELETE FROM outbox WHERE id=? AND " + state_is(*states), (local_id,))
+        self.store.records.drop_local(local_id, None)
+
+    def forgetting(self, record_id=None):
+        """The ids of the records being forgotten here (a set); with record_id, the local id
+        of the forget that waits for it, or None."""
+        if record_id is None:
+            return {i for (i,) in self.conn.execute(FORGETTING)}
+        return self.store._one("SELECT f.id FROM outbox f LEFT JOIN outbox t ON t.id = f.target "
+                               "WHERE f.op = ? AND f.%s AND ? IN (f.target, t.gateway_id, "
+                               "t.duplicate_of)" % state_is(*WAITING), (FORGET, record_id))
 
     def resendable(self):
         """How many refused rows `flush --retry-failed` would send again."""
@@ -3365,10 +3409,10 @@ class Outbox:
             where, params = "WHERE id IN (%s)" % _placeholders(ids), ids
         items = []
         for (rid, op, st, attempts, created, error, gateway_id, dup, payload, next_at, lease_until,
-             status) in self.conn.execute("SELECT id, op, state, attempts, created_at, last_error, "
-                                          "gateway_id, duplicate_of, payload, next_attempt_at, "
-                                          "lease_until, last_status FROM outbox %s ORDER BY rid"
-                                          % where, params):
+             status, target) in self.conn.execute(
+                "SELECT id, op, state, attempts, created_at, last_error, gateway_id, duplicate_of, "
+                "payload, next_attempt_at, lease_until, last_status, target FROM outbox %s "
+                "ORDER BY rid" % where, params):
             try:
                 body = json.loads(payload)
             except (ValueError, RecursionError):  # a row of another qmem.py: shown, not read
@@ -3380,6 +3424,7 @@ class Outbox:
                           "gateway_id": gateway_id, "duplicate_of": dup,
                           "project_id": body.get("project_id"),
                           "text": body.get("text"), "lease_until": lease_until,
+                          "forgets": target if op == FORGET else None,
                           "unverified": st == HELD,
                           "not_applied": was_not_applied(st, status),
                           "refused_here": st == FAILED and status == 0,  # (see refuse_loaded)
@@ -3410,9 +3455,9 @@ class Outbox:
         again, and a correction hides its target again."""
         with self.store.transaction():
             failed = self.conn.execute(
-                "SELECT id, target FROM outbox WHERE " + _RESENDABLE).fetchall()
-            for local_id, target in failed:
-                self.store.records.mark_waiting(local_id, target)
+                "SELECT id, target, op FROM outbox WHERE " + _RESENDABLE).fetchall()
+            for local_id, target, op in failed:  # (a forget hides its target by waiting)
+                self.store.records.mark_waiting(local_id, target if op != FORGET else None)
             self.move("unfail", _RESENDABLE)
 
     def in_bundle(self, projects, since):
@@ -4132,8 +4177,10 @@ def hidden_matches(store, query, filters, limit=1000):
                                   include_expired=True)
     found = find_local(store, query, everything, limit)["results"]
     now, counts = iso_now(), dict.fromkeys(HIDDEN_FLAGS, 0)
+    forgetting = store.outbox.forgetting()
     for r in found:
-        for why, hidden in (("deleted", r["deleted_at"]), ("superseded", r["superseded_by"]),
+        for why, hidden in (("deleted", r["deleted_at"] or r["id"] in forgetting),
+                            ("superseded", r["superseded_by"]),
                             ("private", r["private"]),
                             ("expired", r["expires_at"] and r["expires_at"] <= now)):
             if hidden:
@@ -4685,8 +4732,9 @@ def _visibility(f):
     where, params = [], []
     if not f.include_superseded:
         where.append("r.superseded_by IS NULL")
-    if f.deleted is not None:
-        where.append("r.deleted_at IS NOT NULL" if f.deleted else "r.deleted_at IS NULL")
+    if f.deleted is not None:  # (being forgotten here: as good as deleted)
+        where.append(("(r.deleted_at IS NOT NULL OR r.id IN (%s))" if f.deleted
+                      else "r.deleted_at IS NULL AND r.id NOT IN (%s)") % FORGETTING)
     if not f.private:
         where.append("r.private = 0")
     if f.queued:
@@ -4864,7 +4912,8 @@ def _snippet(text, terms, highlight):
 
 # The record counts of `status`, in local_status()'s order; the times under "lag" as meta
 # keeps them (after newest_entry_imported_at, which meta keeps as newest_entry_at).
-_RECORD_COUNTS = ("total", "superseded", "deleted", "private", "partial_only", "pending", "failed")
+_RECORD_COUNTS = ("total", "superseded", "deleted", "private", "partial_only", "pending", "failed",
+                  "forgetting")
 _LAST_TIMES = ("last_import_at", "last_pull_at", "last_flush_at", "last_load_at", "last_load_from")
 
 
@@ -4876,8 +4925,8 @@ def local_status(store):
         return {k if k is not None else "(none)": v for k, v in q(sql)}
 
     r = q("""SELECT count(*), sum(superseded_by IS NOT NULL), sum(deleted_at IS NOT NULL),
-                    sum(private != 0), sum(view = 0), sum(pending = 1), sum(pending = 2)
-             FROM records""").fetchone()
+                    sum(private != 0), sum(view = 0), sum(pending = 1), sum(pending = 2),
+                    sum(id IN (%s)) FROM records""" % FORGETTING).fetchone()
     records = dict(zip(_RECORD_COUNTS, (n or 0 for n in r)),  # (a sum of no rows is NULL)
                    by_kind=counts("SELECT kind, count(*) FROM records GROUP BY kind "
                                   "ORDER BY 2 DESC"),
@@ -4984,7 +5033,7 @@ def empty_meta():
 def local_meta(store):
     """The discovery overview of GET /v1/meta, computed from the local index."""
     q = store.conn.execute
-    live = "deleted_at IS NULL"
+    live = "deleted_at IS NULL AND id NOT IN (%s)" % FORGETTING
     scopes = {}
     for scope, kind, n in q("SELECT coalesce(scope, '(none)'), coalesce(kind, '(none)'), count(*) "
                             "FROM records WHERE %s GROUP BY 1, 2 ORDER BY 1, 2" % live):
@@ -5225,13 +5274,17 @@ def check_outbox_room(store, size, max_mb, held=False):
 
 def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last_error=None):
     """Inside a transaction: an outbox row and the local record of its write (marked
-    waiting, or refused for a failed row); a correction hides its target at once."""
+    waiting, or refused for a failed row); a correction hides its target at once. A forget
+    has no record: while it waits, what it forgets is hidden (FORGETTING)."""
     payload = json.loads(payload_text)  # (valid UTF-8: a loaded write was checked)
-    target = payload.get("supersedes_id") if isinstance(payload.get("supersedes_id"), str) else None
+    target = payload.get("id" if op == FORGET else "supersedes_id")
+    target = target if isinstance(target, str) else None
     store.conn.execute("INSERT INTO outbox(id, op, payload, target, created_at, state, last_error, "
                        "done_at) VALUES(?, ?, ?, ?, ?, ?, ?, ?)",
                        (local_id, op, payload_text, target, created_at, state, last_error,
                         created_at if state == FAILED else None))
+    if op == FORGET:
+        return
     when = iso_from_epoch(created_at)
     store.records.upsert(normalize_record(dict(payload, id=local_id, created_at=when,
                                                updated_at=when)), VIEW_FULL, when)
@@ -5239,6 +5292,51 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
         store.conn.execute("UPDATE records SET pending=? WHERE id=?", (LOCAL_FAILED, local_id))
     else:  # a held correction hides nothing yet (nothing vouches for it)
         store.records.mark_waiting(local_id, target if state == PENDING else None)
+
+
+def enqueue_forget(store, record_id, reason=None, claim=None):
+    """Forget the memory record_id here, in one transaction: (what was done, the local id
+    of the forget or of the write dropped, the claim's token or None). 'already': deleted
+    already; 'repeated': a forget of it waits already; 'dropped': a write of this host
+    never handed to a flusher (nor sent), removed instead; 'queued': a forget queued, to
+    be sent after the write it forgets when that one waits still (its gateway id)."""
+    with store.transaction():
+        write = store.outbox.write_of(record_id)
+        if write and write[0] == FORGET:
+            raise UsageError("%s is a forget, not a memory" % record_id)
+        current = store.outbox.current_id(record_id)
+        rec = store.records.get(current) or {}
+        if rec.get("deleted_at"):
+            return "already", None, None
+        waiting = store.outbox.forgetting(current)
+        if waiting:
+            return "repeated", waiting, None
+        if write and write[2] == FAILED:
+            raise UsageError("%s was refused by the gateway and never stored: there is nothing "
+                             "to forget" % record_id, fix=Fix("retry_or_drop", local_id=record_id))
+        if write and write[2] in (PENDING, HELD) and not write[3]:
+            corrections = store.outbox.corrections_of([record_id])
+            if corrections:
+                raise UsageError("%s is corrected by %s, which waits to be sent too: forget that "
+                                 "one first" % (record_id, next(iter(corrections))))
+            store.outbox.discard(record_id, (PENDING, HELD))
+            return "dropped", record_id, None
+        payload = {"id": record_id}
+        for key, value in (("project_id", rec.get("project_id")), ("reason", reason)):
+            if value:
+                payload[key] = value
+        local_id = new_local_id()
+        add_write(store, local_id, FORGET, json.dumps(payload, ensure_ascii=False,
+                                                      sort_keys=True), time.time())
+        token = claim(local_id) if claim is not None else None
+    return "queued", local_id, token
+
+
+# Why the gateway refused a forget, by its answer's status (gateway-api.md): final, never
+# retried in a loop; what it forgets is shown again.
+FORGET_REFUSED = {403: "this API key may not delete that memory (HTTP 403)",
+                  404: "the gateway does not know that memory (HTTP 404)",
+                  405: "this gateway cannot delete (before 2.12.0)"}
 
 
 RELEASE, RETRY = "release", "retry"  # beside the final states: give back untouched / retry later
@@ -5397,14 +5495,14 @@ class Flusher:
         return stats
 
     def _resolve_target(self, target):
-        """A correction's supersedes_id, as the gateway knows it: ('ok', id) or
-        ('hold', why) or ('fail', why)."""
+        """A correction's supersedes_id (or what a forget forgets), as the gateway knows it:
+        ('ok', id) or ('hold', why) or ('fail', why)."""
         if not target:
             return "ok", None
         if target in self.delivered:  # sent in this run, not committed yet
             return "ok", self.delivered[target]
         if target in self.refused:
-            return "fail", "the record it corrects (%s) was refused by the gateway" % target
+            return "fail", "the record it names (%s) was refused by the gateway" % target
         row = self.store.conn.execute(
             "SELECT state, gateway_id, duplicate_of FROM outbox WHERE id=?", (target,)).fetchone()
         if row is None:
@@ -5415,8 +5513,8 @@ class Flusher:
         if state == DUPLICATE and duplicate_of:
             return "ok", duplicate_of
         if state in (FAILED, DUPLICATE):
-            return "fail", "the record it corrects (%s) was refused by the gateway" % target
-        return "hold", "waits for the record it corrects (%s) to be delivered" % target
+            return "fail", "the record it names (%s) was refused by the gateway" % target
+        return "hold", "waits for the record it names (%s) to be delivered" % target
 
     def _send(self, row, stats):
         """Send one claimed row; its Outcome (stats only learn why a flush stopped)."""
@@ -5427,13 +5525,17 @@ class Flusher:
         if verdict == "fail":
             self.refused.add(local_id)
             return Outcome(FAILED, row, error=value)
-        if target:
+        if target and op != FORGET:
             payload = json.dumps(dict(json.loads(payload), supersedes_id=value),
                                  ensure_ascii=False, sort_keys=True)
         try:
-            # The frozen payload itself: the same bytes on every attempt, from every process.
-            resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"),
-                                     idempotency_key=local_id)
+            if op == FORGET:  # no body: the reason stays here
+                from urllib.parse import quote
+                resp = self.gateway.call("DELETE", "/v1/memories/" + quote(value, safe=""),
+                                         idempotency_key=local_id)
+            else:  # the frozen payload itself: the same bytes on every attempt, from every process
+                resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"),
+                                         idempotency_key=local_id)
         except GatewayError as e:
             outcome = self._failed_call(row, e, stats)
         else:
@@ -5462,6 +5564,12 @@ class Flusher:
         the reason (the same Idempotency-Key makes a later retry safe)."""
         local_id = row[1]
         data = resp.data if isinstance(resp.data, dict) else {}
+        if row[2] == FORGET and resp.status in FORGET_REFUSED:
+            self.refused.add(local_id)
+            return Outcome(FAILED, row, status=resp.status, error=FORGET_REFUSED[resp.status])
+        if row[2] == FORGET and resp.status == 200:  # the tombstone (again, for a replay)
+            self.delivered[local_id] = target
+            return Outcome(SYNCED, row, status=200, record=dict(data, id=target))
         if resp.status in (200, 201):
             gid = data.get("id")
             if not (isinstance(gid, str) and UUID_RE.fullmatch(gid.strip())):
@@ -5525,7 +5633,9 @@ class Flusher:
         took = self.store.outbox.move(o.action, other=o.record["id"] if o.action == SYNCED
                                       else o.duplicate_of, **fence)
         if took:
-            if o.action == SYNCED:
+            if o.action == SYNCED and o.row[2] == FORGET:
+                self.store.records.tombstone(o.record)
+            elif o.action == SYNCED:
                 # corrections are the only local references: to this row, or from it
                 self.store.records.adopt(local_id, o.record, sent=o.sent,
                                          referenced=local_id in targets or bool(o.row[4]))
@@ -6189,9 +6299,11 @@ def rebuilt_write(row):
     if isinstance(created, bool) or not isinstance(created, (int, float)):
         raise ValueError("not a write of qmem.py (no time it was made)")
     if not (isinstance(body, dict) and 0 < created < 1e11 and row.get("op")
-            in ("store", "correct")):
+            in ("store", "correct", FORGET)):
         raise ValueError("not a write of qmem.py")
     get = lambda f: body.get(f) if isinstance(body.get(f), str) else None  # noqa: E731
+    if row["op"] == FORGET:
+        return _rebuilt_forget(get)
     supersedes = get("supersedes_id")
     if (row["op"] == "correct") != bool(supersedes):
         raise ValueError("a correction names what it corrects, a store does not")
@@ -6213,6 +6325,20 @@ def rebuilt_write(row):
     for field in ("agent_id", "source"):  # never this machine's defaults for another's write
         if not get(field):
             del payload[field]
+    return json.dumps(payload, ensure_ascii=False, sort_keys=True)
+
+
+def _rebuilt_forget(get):
+    """rebuilt_write() of a forget: the id it forgets, its project and its reason."""
+    if not UUID_RE.fullmatch(get("id") or ""):
+        raise ValueError("a forget names the memory it forgets")
+    payload = {"id": get("id")}
+    for field, bound in (("project_id", MAX_PROJECT), ("reason", MAX_FIELD)):
+        wrong = field_wrong(field.replace("_id", ""), get(field), bound)
+        if wrong:
+            raise ValueError(wrong)
+        if get(field):
+            payload[field] = get(field)
     return json.dumps(payload, ensure_ascii=False, sort_keys=True)
 
 
@@ -6278,10 +6404,12 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
             return
         add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)
         store.records.set_origin([local_id], ORIGIN_UNVERIFIED)
-        stats.held.append({"local_id": local_id, "project_id": body["project_id"],
-                           "kind": body["kind"], "agent_id": body.get("agent_id") or "?",
-                           "source": body.get("source") or "?", "text": body["text"][:120],
-                           "text_chars": len(body["text"])})
+        text = body.get("text") or "forget %s" % body.get("id")  # (a forget has no text)
+        stats.held.append({"local_id": local_id, "project_id": body.get("project_id") or "?",
+                           "kind": body.get("kind") or row["op"],
+                           "agent_id": body.get("agent_id") or "?",
+                           "source": body.get("source") or "?", "text": text[:120],
+                           "text_chars": len(text)})
         return
     # Only a refusal's reason is the write's own; "breaker open, retry in 104 s" was the
     # other host's state.
@@ -6309,7 +6437,10 @@ def _settle_loaded(store, row, state, stats):
     if not (other and other != row["id"] and store.records.get(other) is not None):
         stats.skipped += 1
         return
-    store.outbox.settle_write(row["id"], state, other)
+    if row["op"] == FORGET:  # (the bundle's records carry the tombstone)
+        store.outbox.move(state, "id=:row", row=row["id"], now=time.time(), other=other)
+    else:
+        store.outbox.settle_write(row["id"], state, other)
     stats.outbox_settled += 1
 
 
@@ -7123,6 +7254,8 @@ class ReadOps:
         doc = {"source": "local_sqlite", "degraded": False, "query": query,
                "query_cut": query_was_cut(query)}
         doc.update(self._find_local(query, filters, limit, highlight))
+        for r in doc["results"] if filters.deleted else ():  # not deleted yet: being forgotten
+            r["forgetting"] = not r["deleted_at"]
         doc["hidden"] = {}
         shows = filters._replace(since=None, until=None)  # (what it hides, whenever made)
         if not doc["results"] and doc["index_exists"] and shows[3:] == Filters()[3:]:
@@ -7222,8 +7355,10 @@ class ReadOps:
             doc["by_bundles"] = doc["index_exists"] and by_bundles(self.ops.config["url"],
                                                                    self.ops.store())
             return doc
+        forgetting = self._forgetting()
         results = [_hit(r) for r in results
-                   if isinstance(r, dict) and (private or r.get("private") is not True)][:top_k]
+                   if isinstance(r, dict) and (private or r.get("private") is not True)
+                   and r.get("id") not in forgetting][:top_k]
         self._remember(results, VIEW_HIT)
         results += self._queued_matches(query, filters, {r.get("id") for r in results})
         return self.ops.after_online(dict(_ANSWERED, query=query, results=results))
@@ -7243,9 +7378,11 @@ class ReadOps:
         except (StoreError, sqlite3.Error) as e:  # the gateway can still answer
             err = store_error(e, ops.config.db_path)
             warn("the local index cannot be read (%s): asking the gateway only" % err.message)
-        if local is not None and (local["pending"] or local["failed"]):
-            # Written here and still queued (or refused): the gateway does not know this id.
-            record = _record_out(local)
+        forgetting = local is not None and ops.store().outbox.forgetting(rid)
+        if local is not None and (local["pending"] or local["failed"] or forgetting):
+            # Written here and still queued (or refused), or being forgotten: the gateway does
+            # not know this id, or its answer would show it as live still.
+            record = dict(_record_out(local), forgetting=bool(forgetting))
             if local["failed"]:
                 record["failed_reason"] = ops.store().outbox.failures([rid]).get(rid)
             return {"source": "outbox", "degraded": False, "record": record,
@@ -7322,6 +7459,14 @@ class ReadOps:
         # 'any': a word in common is no match
         return [{k: r[k] for k in keep} for r in found.get("results", ())
                 if r["id"] not in seen and r["match"] != "any"]
+
+    def _forgetting(self):
+        """The ids being forgotten here, which a search must not show (none when the index
+        cannot say: it could not show them either)."""
+        try:
+            return self.ops.store().outbox.forgetting() if self.ops.has_index() else set()
+        except (StoreError, sqlite3.Error):
+            return set()
 
     def _remember(self, records, view):
         """Keep what the gateway said in the local index: an index that cannot take it
@@ -7521,6 +7666,62 @@ class WriteOps:
             # The gateway is there and will not take it as configured: still queued, but an error.
             doc.update(error_document(error))
         return ops.after_online(doc) if state == SYNCED else doc
+
+    @utf8_arguments
+    def forget(self, record_id, reason=None):
+        """Forget a memory: a soft delete at the gateway, through the outbox like every
+        write (sent now when the gateway answers, else queued), hidden here at once. The
+        reason stays on this machine (a DELETE has no body)."""
+        ops, rid = self.ops, _check_id((record_id or "").strip())
+        wrong = field_wrong("reason", reason, MAX_FIELD)
+        if wrong:
+            raise UsageError(wrong, hint="nothing was done")
+        gateway = error = None
+        try:
+            gateway = ops.gateway()
+        except GatewayError as e:  # not configured: queued
+            error = e
+        store = ops.store()
+        claim = Flusher(store, gateway, clock=ops.clock).claim_new if gateway else None
+        what, local_id, token = enqueue_forget(store, rid, reason and reason.strip(), claim)
+        if what == "queued" and gateway is not None:
+            try:
+                error = self._send_now(store, gateway, local_id, token)
+            except KeyboardInterrupt:
+                raise Interrupted("interrupted: the forget is queued here as %s" % local_id,
+                                  fix=Fix("flush"))
+        row = store.outbox.row(local_id) if what in ("queued", "repeated") else None
+        if what == "queued" and row["state"] in WAITING and not ops.config["offlineQueue"]:
+            store.outbox.forget(local_id)
+            raise QmemError("not forgotten (offlineQueue is off, nothing kept): %s"
+                            % (error or row["last_error"]), kind="not_stored")
+        return self._forget_doc(store, rid, what, local_id, row, error)
+
+    def _forget_doc(self, store, rid, what, local_id, row, error):
+        """What became of a forget, as the document of forget."""
+        ops = self.ops
+        state = {SYNCED: "forgotten", FAILED: FAILED}.get(row and row["state"], "queued")
+        state = what if what in ("already", "dropped") else state
+        rec = store.records.get(store.outbox.current_id(rid)) or {}
+        doc = {"op": FORGET, "id": rid, "local_id": local_id, "state": state,
+               "source": "outbox" if state in ("queued", "dropped") else "gateway",
+               "queued": state == "queued", "degraded": state == "queued",
+               "already_queued": what == "repeated", "deleted_at": rec.get("deleted_at"),
+               "last_error": row and row["last_error"], "reason": None}
+        if state == "queued":
+            doc["by_bundles"] = by_bundles(ops.config["url"], store)
+            doc["reason"] = ops.failure_reason(error)["reason"] if isinstance(
+                error, GatewayError) else str(error or row["last_error"] or "retry later")
+        elif state == FAILED:
+            doc.update(error_document(QmemError("not forgotten: %s; %s is shown again"
+                                                 % (row["last_error"], rid), kind="rejected")))
+        elif state == "forgotten" and (doc["deleted_at"] or "") < iso_from_epoch(
+                store._one("SELECT created_at FROM outbox WHERE id=?", (local_id,)) - 600):
+            doc["state"] = "already"  # the tombstone is older than this forget
+        if error is not None and state == "queued" and error.kind in CONFIG_KINDS - {
+                NOT_CONFIGURED}:
+            doc.update(error_document(error))  # queued, but the key (say) must be fixed first
+        return ops.after_online(doc) if state == "forgotten" else doc
 
     # -- the outbox
     def queue(self, state=None):
@@ -8452,7 +8653,9 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
                  in (("PENDING", r["pending"]), ("FAILED: %(failed_reason)s" % r, r["failed"]),
                                  ("UNVERIFIED", r.get("unverified")),
                                  ("superseded", r["superseded_by"]),
-                                 ("deleted", r["deleted_at"]), ("private", r["private"]),
+                                 ("deleted", r["deleted_at"]),
+                                 ("being forgotten", r.get("forgetting")),
+                                 ("private", r["private"]),
                                  (_LOOSER.get(r.get("match")), r.get("match") != doc["match"]))
                  if on]
         rows.append((out.short(r["id"]), r["kind"] or "-", _one_line(r["project_id"] or "-"),
@@ -8528,6 +8731,9 @@ def show_get(doc, out):
                   "  fix and `qmem.py flush --retry-failed`, or discard it with `qmem.py queue "
                   "--drop %s`\n" % (
                       rec.get("failed_reason") or "no reason given", rec["id"]))
+    elif doc["source"] == "outbox" and rec.get("forgetting"):
+        out.write("being forgotten: hidden here, and deleted in the shared memory once the forget "
+                  "queued here is delivered (run %s)\n" % DELIVER_BY[bool(doc.get("by_bundles"))])
     elif doc["source"] == "outbox":
         out.write("queued here, not yet in shared memory (run %s)\n"
                   % DELIVER_BY[bool(doc.get("by_bundles"))])
@@ -8688,6 +8894,28 @@ def write_said(doc, what=None):
                           else "which the gateway did not say"))
 
 
+# What became of a forget, by its document's state: the command line prints it, the MCP
+# server's note says it, in the same words.
+FORGET_SAID = {
+    "forgotten": "forgotten: {id} is deleted in the shared memory (a tombstone since "
+                 "{deleted_at})",
+    "already": "already forgotten: {id} was deleted in the shared memory at {deleted_at}",
+    "dropped": "forgotten: {id} was written here and never sent, so it is dropped from the "
+               "outbox and never reaches the shared memory",
+    "queued": "hidden here, not forgotten in the shared memory yet: the forget is queued on this "
+              "machine as {local_id} ({reason})",
+    FAILED: "not forgotten: {last_error}; {id} is shown again",
+}
+
+
+def show_forget(doc, out):
+    out.write(FORGET_SAID[doc["state"]].format(**doc) + "\n")
+    if doc["state"] == "queued":
+        out.write("  %sother agents still find it until it is delivered (%s)\n" % (
+            "the very same forget was already waiting here; " if doc["already_queued"] else "",
+            DELIVER_BY[bool(doc.get("by_bundles"))]))
+
+
 def show_write(doc, out):
     state = doc["state"]
     out.write(("correction " if doc["op"] == "correct" and state == SYNCED else "")
@@ -8729,6 +8957,7 @@ def show_queue(doc, out):
     rows = [(out.short(it["local_id"]), it["state"],
              ("1 try" if it["attempts"] == 1 else "%(attempts)d tries" % it),
              duration(it["age_s"]) + " old", out.short(it["gateway_id"] or "-"),
+             "forget " + out.short(it["forgets"]) if it["forgets"] else
              _one_line(it["text"], SNIPPET_CHARS if out.width else 60)) for it in items]
     for it, line in zip(items, _listing(rows, out.width, caps=(36, 9, 9, 12, 36))):
         out.write(line + "\n")
@@ -8887,9 +9116,9 @@ def show_status(doc, out):
         show_kept_aside(doc, out)
     else:
         rec, cov, lag = doc["records"], doc["coverage"], doc["lag"]
-        out.write("records: %(total)d  (superseded %(superseded)d, deleted %(deleted)d, private "
-                  "%(private)d; written here: %(pending)d waiting to be shared, %(failed)d "
-                  "refused by the gateway)\n" % rec)
+        out.write("records: %(total)d  (superseded %(superseded)d, deleted %(deleted)d, being "
+                  "forgotten %(forgetting)d, private %(private)d; written here: %(pending)d "
+                  "waiting to be shared, %(failed)d refused by the gateway)\n" % rec)
         out.write("  by kind: %s\n" % _counts(rec["by_kind"]))
         out.write("  by project: %s\n" % _counts(rec["by_project"]))
         share = cov["complete_share"]
@@ -9033,7 +9262,7 @@ def show_install(doc, out):
 RENDERERS = {"find": show_find, "status": show_status, "import": show_import, "search": show_search,
              "get": show_get, "meta": show_meta,
              "breaker": show_breaker, "config": show_config, "store": show_write,
-             "correct": show_write,
+             "correct": show_write, "forget": show_forget,
              "queue": show_queue, "flush": show_flush,
              "enrich": show_enrich, "pull": show_pull, "export": show_export, "load": show_load,
              "doctor": show_doctor, "install": show_install, "around": show_around,
@@ -9341,7 +9570,18 @@ MCP_TOOLS = (
                                 "integer", minimum=1000, maximum=10 ** 6)},
             [], read_only=True, idempotent=False),
 )
-MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS}
+# Listed and served only by a server the user started with --allow-forget: an agent that
+# deletes by mistake loses knowledge for everyone.
+FORGET_TOOL = McpTool(
+    "qmem_forget", "Forget a memory",
+    "Forget (delete) a memory that must not be kept at all, e.g. a secret or a text that should "
+    "never have been shared: every agent loses it. A memory that is only wrong or outdated is "
+    "corrected with qmem_correct instead. Queued here like qmem_store when the gateway cannot "
+    "take it now; hidden from this machine's searches at once.",
+    {"id": _prop("the id of the memory to forget"),
+     "reason": _prop("why it is forgotten (kept on this machine only)")},
+    ["id"], read_only=False, idempotent=True)
+MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS + (FORGET_TOOL,)}
 
 
 def mcp_instructions():
@@ -9408,8 +9648,9 @@ class McpServer:
     Operations is made at the first tool call, so a broken configuration or database
     costs tool results that say so, never the handshake or the tool list."""
 
-    def __init__(self, load, environ=None, cwd=None, clock=time.time):
+    def __init__(self, load, environ=None, cwd=None, clock=time.time, allow_forget=False):
         self.load, self.clock = load, clock  # load() -> Config, or ConfigError
+        self.tools = MCP_TOOLS + ((FORGET_TOOL,) if allow_forget else ())
         self.environ = os.environ if environ is None else environ
         self.cwd = cwd
         self.ops = self.config_stamp = None
@@ -9496,13 +9737,16 @@ class McpServer:
         if params.get("cursor") is not None:
             raise RpcError(RPC_PARAMS,
                            "Invalid params: unknown cursor (the tool list has one page)")
-        return {"tools": [t.listing() for t in MCP_TOOLS]}
+        return {"tools": [t.listing() for t in self.tools]}
 
     def tools_call(self, params):
         name, arguments = params.get("name"), params.get("arguments")
         if not isinstance(name, str):
             raise RpcError(RPC_PARAMS, "Invalid params: tools/call needs the name of a tool")
         tool = MCP_TOOL_NAMES.get(name)
+        if tool is not None and tool not in self.tools:
+            raise RpcError(RPC_PARAMS, "%s is not allowed on this server: agents may forget only "
+                           "where the user starts it as `qmem.py mcp --allow-forget`" % name)
         if tool is None:
             raise RpcError(RPC_PARAMS, "Unknown tool: %s (the tools are %s)" % (
                 _fit(name, 100), ", ".join(MCP_TOOL_NAMES)))
@@ -9721,6 +9965,23 @@ class McpServer:
                             brief=brief_text(doc))
 
 
+    def tool_forget(self, ops, a):
+        doc = ops.write.forget(a["id"], a.get("reason"))
+        said = FORGET_SAID[doc["state"]].format(**doc)
+        note = said[:1].upper() + said[1:]
+        if doc["state"] == "queued":
+            note += ("; other agents still find it until it is delivered (%s)" % (
+                DELIVER_BY[True] if doc.get("by_bundles") else
+                "after a later call that reaches the gateway, or `qmem.py flush`"))
+        out = {"status": {"dropped": "forgotten", "already": "forgotten"}.get(doc["state"],
+                                                                               doc["state"]),
+               "source": doc["source"], "degraded": doc["degraded"], "id": doc["id"],
+               "note": note + "."}
+        if doc.get("error"):
+            out["error"] = doc["error"]["kind"]
+        return out
+
+
 def _read_result(doc, status, **fields):
     """A read tool's result: its status, where the answer came from, the fields given (in
     their order), and the reason of a fallback."""
@@ -9841,7 +10102,10 @@ def _wider(project, where):
 
 def _get_note(doc, record):
     rid = record["id"]
-    if doc["source"] == "outbox":
+    if doc["source"] == "outbox" and record.get("forgetting"):
+        note = ("Memory %s is being forgotten: the forget queued on this machine deletes it "
+                "for every agent once it is delivered; do not rely on it" % rid)
+    elif doc["source"] == "outbox":
         note = ("Memory %s was written on this machine and the gateway refused it (%s)"
                 % (rid, record["refused"])
                 if record.get("refused") else
@@ -10062,7 +10326,8 @@ def run_mcp(args):
         cwd = os.getcwd()
     except OSError:  # a folder deleted under the client
         cwd = None
-    server = McpServer(lambda: load_config(overrides={"localDbPath": args.db}), cwd=cwd)
+    server = McpServer(lambda: load_config(overrides={"localDbPath": args.db}), cwd=cwd,
+                       allow_forget=args.allow_forget)
     return serve_mcp(server, *mcp_wire())
 
 
@@ -10351,6 +10616,11 @@ COMMANDS = (
       arg("--project", help="default: the corrected memory's project"),
       *write_options("the corrected memory's kind, else fact",
                      "why the old memory is corrected")]),
+    ("forget", lambda ops, a: ops.write.forget(ops.full_ids([a.id], "forget")[0], a.reason),
+     "Forget a memory: a soft delete in the shared memory, through the outbox like every write "
+     "(hidden here at once; queued while the gateway is away).",
+     [arg("id", help="the memory to forget"),
+      arg("--reason", help="why (kept on this machine only: the gateway takes none)")]),
     ("queue", cli_queue,
      "The outbox: writes made here, and whether they reached the shared memory (--drop "
      "discards failed or duplicate ones).",
@@ -10398,7 +10668,9 @@ COMMANDS = (
            "index, inside SQLite")]),
     ("mcp", run_mcp,
      "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
-     "qmem_around, qmem_store, qmem_correct, qmem_meta, qmem_brief.", [],
+     "qmem_around, qmem_store, qmem_correct, qmem_meta, qmem_brief (and qmem_forget with "
+     "--allow-forget).",
+     [flag("--allow-forget", "let agents forget (delete) memories: adds the tool qmem_forget")],
      {"epilog": "Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
       "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__)}),
     ("rules", lambda ops, a: ops.setup.rules(),
