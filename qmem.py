@@ -9401,6 +9401,7 @@ class McpTool:
         self.name, self.title, self.description = name, title, description
         self.properties, self.required = properties, required
         self.read_only, self.idempotent = read_only, idempotent
+        self.destructive = name == "qmem_forget"  # (it deletes: a client may ask the user first)
         self.aliases = {a: p for a, p in MCP_ALIASES.items() if p in properties}
         self.method = "tool_" + name[len("qmem_"):]
 
@@ -9409,7 +9410,7 @@ class McpTool:
                 "inputSchema": {"type": "object", "properties": self.properties,
                                 "required": self.required},
                 "annotations": {"title": self.title, "readOnlyHint": self.read_only,
-                                "destructiveHint": False,
+                                "destructiveHint": self.destructive,
                                 "idempotentHint": self.idempotent, "openWorldHint": False}}
 
     def arguments(self, given):

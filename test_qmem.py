@@ -344,6 +344,8 @@ class FakeGateway:
         self.requests, self.script, self.connections = [], [], 0
         self.duplicate_texts = {}     # text -> id answered 409 duplicate
         self.export_404 = False
+        self.delete_status = None     # 403, 404 or 405: how every DELETE is answered
+        self.deletions = []           # the ids each DELETE that applied tombstoned
         self.send_date = False        # a Date header on every answer (the doctor's clock check)
         self.stopping = threading.Event()
         self.released = threading.Event()  # set: a "silent" connection closes, unanswered
@@ -495,9 +497,18 @@ class FakeGateway:
 
     def delete(self, rid):
         with self.lock:
-            self.clock += 1
+            self._tombstone(rid)
+
+    def _tombstone(self, rid):
+        """A soft delete (once: a record deleted already keeps its deleted_at), at this
+        instant (updated_at in the fake's own order, after every record made)."""
+        if not self.records[rid]["deleted_at"]:
+            self.clock = getattr(self, "clock", 0) + 1
             now = "%sT01:%02d:%02d.000Z" % (TODAY, self.clock // 60 % 60, self.clock % 60)
-            self.records[rid].update(deleted_at=now, updated_at=now)
+            self.records[rid].update(deleted_at=time.strftime("%Y-%m-%dT%H:%M:%S.000Z",
+                                                              time.gmtime()), updated_at=now)
+            self.deletions.append(rid)
+        return self.records[rid]
 
     def posts(self, path="/v1/memories"):
         return [r for r in self.requests if r[0] == "POST" and r[1] == path]
@@ -549,6 +560,11 @@ class FakeGateway:
         if method == "GET" and path.startswith("/v1/memories/"):
             rec = self.records.get(unquote(path[len("/v1/memories/"):]))
             return (200, rec, None) if rec else (404, {"detail": "Not Found"}, None)
+        if method == "DELETE" and path.startswith("/v1/memories/"):
+            rid = unquote(path[len("/v1/memories/"):])
+            if self.delete_status or rid not in self.records:
+                return self.delete_status or 404, {"detail": "Not Found"}, None
+            return 200, self._tombstone(rid), None
         if method == "GET" and path == "/v1/meta":
             scopes = {}
             for r in self.records.values():
@@ -3633,6 +3649,18 @@ class FindWithoutFts5Tests(QmemTestCase):
         self.addCleanup(store.close)
         self.assertEqual(scripts_missed(store), [])
 
+    def test_a_memory_being_forgotten_is_hidden_and_shown_by_deleted(self):
+        # Part 19: as on the FTS5 path (ForgetTests), through the one set of filters
+        with contextlib.redirect_stderr(io.StringIO()):  # (the no-FTS5 notice: tested below)
+            self.put_records([(UUIDS[0], "caching layer notes"), (UUIDS[1], "caching rules")])
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        self.assertEqual(qmem.enqueue_forget(store, UUIDS[0])[0], "queued")
+        self.assertEqual(self.find_ids("caching"), [UUIDS[1]])
+        self.assertEqual(self.find_ids("caching", "--deleted"), [UUIDS[0]])
+        self.assertEqual(self.ok_json("find", "layer")["hidden"], {
+            "deleted": 1, "superseded": 0, "private": 0, "expired": 0})
+
     def test_like_search_with_accents_and_a_one_time_notice(self):
         s = Session(self.sessions, "it.jsonl")
         s.store(record(UUIDS[0], "Perché la città usa 100% del disco_dati"))
@@ -5239,6 +5267,115 @@ class FlushConcurrencyTests(GatewayTestCase):
         self.assert_each_sent_once_and_synced(ids)
 
 
+class ForgetTests(GatewayTestCase):
+    """Part 19: forget, a soft delete through the outbox, delivered exactly once like every
+    write; what waits to be forgotten is hidden here, and shown again if it is refused."""
+
+    def pulled(self, text, **extra):
+        rec = self.gw.add(text, **extra)
+        self.ok("pull")
+        return rec["id"]
+
+    def deletes(self):
+        return [r for r in self.gw.requests if r[0] == "DELETE"]
+
+    def test_a_reply_lost_after_the_delete_then_flush_leaves_one_tombstone(self):
+        rid = self.pulled("the staging password is in the wiki")
+        self.gw.script = ["drop_after_store"]  # the gateway deletes it, the reply is lost
+        doc = self.ok_json("forget", rid, "--reason", "leaked")
+        self.assertEqual((doc["state"], doc["queued"], doc["degraded"]), ("queued", True, True))
+        self.assertEqual(self.gw.deletions, [rid])
+        self.assertEqual(self.find_ids("staging"), [])  # hidden here at once
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertEqual(self.gw.deletions, [rid])  # one tombstone
+        self.assertEqual([(r[1], r[2]["idempotency-key"], r[3]) for r in self.deletes()],
+                         [("/v1/memories/" + rid, doc["local_id"], None)] * 2)  # no reason sent
+        self.assertEqual(self.outbox()[doc["local_id"]]["state"], "synced")
+        self.assertEqual(self.ok_json("flush")["pending"], 0)
+        self.assertEqual(len(self.deletes()), 2)  # no loop
+        self.assertEqual(self.local_record(rid)["deleted_at"],
+                         self.gw.records[rid]["deleted_at"])
+        self.assertEqual(self.find_ids("staging", "--deleted"), [rid])
+
+    def test_offline_it_is_hidden_queued_counted_and_delivered_by_flush(self):
+        rid = self.pulled("obsolete runbook for node-3")
+        self.offline()
+        out = self.ok("forget", rid[:8])
+        self.assertIn("hidden here, not forgotten in the shared memory yet", out)
+        self.assertEqual(self.find_ids("runbook"), [])
+        self.assertIn("[being forgotten]", self.ok("find", "runbook", "--deleted"))
+        self.assertIn("being forgotten 1", self.ok("status"))
+        self.assertIn("forget " + rid[:8], self.ok("queue"))
+        again = self.ok_json("forget", rid)  # asked twice: one forget
+        self.assertEqual((again["state"], again["already_queued"]), ("queued", True))
+        self.go_online()
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertEqual((len(self.deletes()), self.gw.deletions), (1, [rid]))
+        self.assertIn("being forgotten 0", self.ok("status"))
+
+    def test_a_refused_forget_fails_once_and_shows_the_memory_again(self):
+        for status, word, words in ((405, "alfa", "this gateway cannot delete (before 2.12.0)"),
+                                    (403, "beta", "this API key may not delete that memory")):
+            rid = self.pulled("memoria " + word)
+            self.gw.delete_status = status
+            code, out, err = self.run_cli("forget", rid)
+            self.assertEqual(code, 1, out + err)
+            self.assertIn("not forgotten: " + words, out)
+            self.assertNotIn("API key rejected", err)
+            self.assertEqual(self.find_ids(word), [rid])  # shown again
+            self.ok("flush")  # never retried in a loop
+        self.assertEqual(len(self.deletes()), 2)
+        self.assertEqual(self.breaker_state()["state"], "closed")
+        self.gw.delete_status = None
+        err = self.expect_fail(1, "forget", UUIDS[5])  # known nowhere
+        self.assertIn("the gateway does not know that memory (HTTP 404)", err)
+
+    def test_superseded_and_already_deleted_memories(self):
+        old = self.gw.add("the key is AKIA-something")
+        self.gw.add("the key was rotated", supersedes_id=old["id"])
+        self.ok("pull")
+        self.assertEqual(self.ok_json("forget", old["id"])["state"], "forgotten")
+        self.assertTrue(self.gw.records[old["id"]]["deleted_at"])
+        self.assertTrue(self.gw.records[old["id"]]["superseded_by"])  # kept
+        out = self.ok("forget", old["id"])  # known deleted here: nothing sent
+        self.assertIn("already forgotten: %s was deleted" % old["id"], out)
+        rid = self.pulled("deleted long ago")
+        self.gw.records[rid]["deleted_at"] = "2026-01-02T00:00:00.000Z"  # not pulled since
+        self.assertEqual(self.ok_json("forget", rid)["state"], "already")
+        self.assertEqual(len(self.deletes()), 2)
+
+    def test_a_write_never_tried_is_dropped_and_one_tried_is_delivered_first(self):
+        never = self.ok_json("store", "mai inviata", "--project", "p", "--queue-only")
+        doc = self.ok_json("forget", never["local_id"])
+        self.assertEqual((doc["state"], doc["source"]), ("dropped", "outbox"))
+        self.assertEqual((self.outbox(), self.find_ids("inviata"), self.gw.requests),
+                         ({}, [], []))
+        self.offline()
+        tried = self.ok_json("store", "provata una volta", "--project", "p")["local_id"]
+        self.assertEqual(self.ok_json("forget", tried)["state"], "queued")
+        self.go_online()
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.ok_json("flush")["synced"], 2)
+        gid = self.outbox()[tried]["gateway_id"]
+        self.assertEqual([r[0] for r in self.gw.requests], ["POST", "DELETE"])
+        self.assertEqual(self.gw.deletions, [gid])
+        self.assertEqual(self.find_ids("provata", "--deleted"), [gid])
+
+    def test_a_pull_search_or_get_while_it_waits_does_not_show_it_again(self):
+        rid = self.pulled("the blue deploy notes")
+        self.gw.script = [(409, {"detail": "in progress"})]  # tried again in a few seconds
+        self.assertEqual(self.ok_json("forget", rid)["state"], "queued")
+        self.ok("pull", "--full")
+        self.assertEqual(self.find_ids("deploy"), [])
+        self.assertEqual(self.ok_json("search", "deploy")["results"], [])
+        self.assertIn("being forgotten", self.ok("get", rid))
+        self.assertEqual(self.ok_json("status")["records"]["forgetting"], 1)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertEqual(self.gw.deletions, [rid])
+
+
 class PullTests(GatewayTestCase):
     """pull and enrich: the gateway's records into the local index."""
 
@@ -5473,6 +5610,37 @@ class BundleTests(BundleTestCase):
                           "not_applied": 0})
         self.assertIn("3 delivered by the other host, not needed here", self.ok("load", in_bundle))
         self.assertEqual(self.ok_json("queue")["items"], [])
+
+    def test_a_forget_made_air_gapped_is_delivered_by_the_connected_host_once(self):
+        # Part 19: forgets travel as corrections do, and settle back the same way
+        rid = self.gw.add("memoria da dimenticare")["id"]
+        self.host("connected", True)
+        self.ok("pull")
+        first = os.path.join(self.home, "first.bundle")
+        self.ok("export", first)
+        self.host("airgapped", False)
+        self.ok("load", first)
+        mine = self.ok_json("store", "memoria scritta qui", "--project", "p")["local_id"]
+        self.assertEqual(self.ok_json("forget", mine)["state"], "dropped")  # never sent
+        doc = self.ok_json("forget", rid, "--reason", "wrong project")
+        self.assertEqual((doc["state"], doc["by_bundles"]), ("queued", True))
+        out_bundle = os.path.join(self.home, "out.bundle")
+        self.assertEqual(self.ok_json("export", out_bundle)["counts"], {"records": 0,
+                                                                        "outbox": 1})
+        self.host("connected", True)
+        self.assertEqual(self.ok_json("load", out_bundle)["outbox"]["added"], 1)
+        self.assertEqual(self.find_ids("dimenticare"), [])  # hidden here too, while it waits
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertEqual(self.ok_json("load", out_bundle)["outbox"]["unchanged"], 1)
+        self.assertEqual(self.ok_json("flush")["pending"], 0)
+        self.assertEqual(self.gw.deletions, [rid])
+        self.assertEqual([r[0] for r in self.gw.requests].count("DELETE"), 1)
+        in_bundle = os.path.join(self.home, "in.bundle")
+        self.ok("export", in_bundle)
+        self.host("airgapped", False)
+        self.assertEqual(self.ok_json("load", in_bundle)["outbox"]["settled"], 1)
+        self.assertEqual(self.ok_json("queue")["counts"]["synced"], 1)
+        self.assertIn("[deleted]", self.ok("find", "dimenticare", "--deleted"))
 
     def test_loading_twice_changes_nothing(self):
         for n in range(3):
@@ -5905,6 +6073,19 @@ class MarkdownExportTests(BundleTestCase):
 class BundleTrustTests(BundleTestCase):
     """Part 11: a bundle proves where it came from, or it changes nothing that is here
     and sends nothing with this user's key until the user says so."""
+
+    def test_an_unsigned_bundles_forget_is_held_and_hides_nothing_until_released(self):
+        # Part 19: a forget nobody vouched for is held like any other write
+        self.host("here", True)
+        self.put(UUIDS[3], "memoria da tenere")
+        row = {"type": "outbox", "id": UUIDS[20], "op": "forget", "state": "pending",
+               "created_at": time.time(), "payload": json.dumps({"id": UUIDS[3]})}
+        self.assertIn("held %s" % UUIDS[20][:8], self.ok("load", self.crafted([row], key=None)))
+        self.assertEqual(self.find_ids("tenere"), [UUIDS[3]])
+        self.ok("flush")
+        self.assertEqual(self.gw.requests, [])
+        self.ok("queue", "--release", UUIDS[20], "--yes")
+        self.assertEqual(self.find_ids("tenere"), [])
 
     def put(self, rid, text):
         store = qmem.Store(os.environ["QMEM_SQLITE"])
@@ -7814,12 +7995,12 @@ class McpProcess(McpClient):
     """`qmem.py mcp` as a subprocess over pipes. Every line it writes to stdout is kept
     and must be one JSON-RPC message; stderr is kept apart."""
 
-    def __init__(self, test, env=None, cwd=None):
+    def __init__(self, test, env=None, cwd=None, options=()):
         import queue
         import threading
         self.test = test
-        self.proc = subprocess.Popen(qmem_command() + ["mcp"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(qmem_command() + ["mcp"] + list(options),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, env=env or dict(os.environ),
                                      cwd=cwd or test.home)
         test.addCleanup(self.kill)
@@ -7882,11 +8063,11 @@ class McpInProcess(McpClient):
     environment is the one it was made with, as a process's is; its stderr is what this
     process wrote to stderr while it was open (a background flush's words too)."""
 
-    def __init__(self, test, env=None, cwd=None):
+    def __init__(self, test, env=None, cwd=None, allow_forget=False):
         self.test = test
         environ = dict(os.environ if env is None else env)
         self.server = qmem.McpServer(lambda: qmem.load_config(environ=environ), environ=environ,
-                                     cwd=cwd or test.home)
+                                     cwd=cwd or test.home, allow_forget=allow_forget)
         self.lines, self.replies, self.unread = [], [], b""
         self.sink = test.captured_stderr()
         self.err_from, self.err_to = len(self.sink.getvalue()), None
@@ -7967,13 +8148,15 @@ class McpTestCase(GatewayTestCase):
                 del environ[name]
         return environ
 
-    def server(self, **env):
+    def server(self, allow_forget=False, **env):
         """An MCP server in this process, with os.environ changed by env (None: unset)."""
-        return McpInProcess(self, self.environment(env), cwd=self.workdir)
+        return McpInProcess(self, self.environment(env), cwd=self.workdir,
+                            allow_forget=allow_forget)
 
-    def process(self, **env):
-        """A `qmem.py mcp` process, with os.environ changed by env (None: unset)."""
-        return McpProcess(self, self.environment(env), cwd=self.workdir)
+    def process(self, options=(), **env):
+        """A `qmem.py mcp` process (with these options), with os.environ changed by env (None:
+        unset)."""
+        return McpProcess(self, self.environment(env), cwd=self.workdir, options=options)
 
     def captured_stderr(self):
         """From the first in-process server on, this process's stderr: what a server would
@@ -8155,6 +8338,30 @@ class McpProtocolTests(McpTestCase):
             self.assertIn(text, markdown)
             self.assertIn(text.replace("`", ""), instructions)
         self.assertEqual(self.ok_json("rules")["markdown"], markdown)
+
+    def test_agents_forget_only_where_the_user_allows_it(self):
+        # Part 19: without --allow-forget the tool is not listed, and a call is refused
+        rid = self.gw.add("the vault token is in notes.txt")["id"]
+        plain = self.server()
+        self.assertNotIn("qmem_forget", [t["name"] for t in
+                                         plain.request("tools/list")["result"]["tools"]])
+        refused = plain.request("tools/call", {"name": "qmem_forget", "arguments": {"id": rid}})
+        self.assertIn("mcp --allow-forget", refused["error"]["message"])
+        self.assertEqual(plain.close(), 0)
+        allowed = self.server(allow_forget=True)
+        tool = allowed.request("tools/list")["result"]["tools"][-1]
+        self.assertEqual((tool["name"], tool["annotations"]["destructiveHint"]),
+                         ("qmem_forget", True))
+        result = allowed.call("qmem_forget", id=rid, reason="a secret")["structuredContent"]
+        self.assertEqual(result["status"], "forgotten")
+        self.assertIn("deleted in the shared memory", result["note"])
+        self.assertEqual(self.gw.deletions, [rid])
+        self.gw.delete_status = 405
+        other = self.gw.add("another one")["id"]
+        failed = allowed.call("qmem_forget", id=other)
+        self.assertTrue(failed["isError"])
+        self.assertIn("cannot delete (before 2.12.0)", failed["structuredContent"]["note"])
+        self.assertEqual(allowed.close(), 0)
 
     def test_unknown_tool_and_malformed_calls_are_32602(self):
         server = self.server()
@@ -9478,7 +9685,8 @@ class SoakTests(McpTestCase):
     and flushes share one database, outbox and breaker, against a gateway that fails on
     a fixed schedule (resets, cut bodies, replies lost after storing, 503s, stalls,
     slow answers), with a server and a flush SIGKILLed mid-call. Every write its
-    writer was told is stored or queued reaches the gateway exactly once."""
+    writer was told is stored or queued reaches the gateway exactly once; so does every
+    forget (part 19), and a write dropped by its forget before it was sent, never."""
 
     SEED = 20261202
 
@@ -9501,6 +9709,8 @@ class SoakTests(McpTestCase):
                 return real_app(*request)
         gw.app = app
         self.told, self.untold, self.outputs, self.errors = [], [], [], []
+        # texts whose forget was told queued or done, told dropped, or not told
+        self.forgotten, self.dropped, self.unforgotten = [], [], []
 
     def schedule(self, n):
         import random
@@ -9522,6 +9732,24 @@ class SoakTests(McpTestCase):
             extra = ("--queue-only",) if n % 2 or queue_only else ()
             proc = self.cli("store", text, "--project", "soak", "--json", *extra)
             (self.told if proc.returncode == 0 else self.untold).append(text)
+
+    def forgetter(self, count):
+        """Writes forgotten at once: by their local id while they wait (dropped if never
+        sent), else by their gateway id."""
+        for n in range(count):
+            text = "soak forgotten %d" % n
+            proc = self.cli("store", text, "--project", "soak", "--json",
+                            *(("--queue-only",) if n % 2 else ()))
+            if proc.returncode != 0:
+                self.untold.append(text)
+                continue
+            proc = self.cli("forget", json.loads(proc.stdout)["id"], "--json")
+            state = json.loads(proc.stdout).get("state") if proc.returncode == 0 else None
+            told = {"dropped": self.dropped, "queued": self.forgotten,
+                    "forgotten": self.forgotten}.get(state, self.unforgotten)
+            told.append(text)
+            if state != "dropped":
+                self.told.append(text)
 
     def cron(self):
         for _ in range(4):
@@ -9563,7 +9791,8 @@ class SoakTests(McpTestCase):
         self.gw.script = self.schedule(90)
         # Everyone at once, through the faults.
         agents = [lambda s=s, i=i: self.agent(s, "agent%d" % i, 8) for i, s in enumerate(servers)]
-        self.in_threads(lambda: self.cli_writer("cli", 8), self.cron, *agents)
+        self.in_threads(lambda: self.cli_writer("cli", 8), self.cron, lambda: self.forgetter(4),
+                        *agents)
         self.assertEqual(self.errors, [])
         # A server killed mid-call: its write was queued before any network.
         self.ok("breaker", "--reset")  # so that the call goes out, and is cut there
@@ -9631,11 +9860,15 @@ class SoakTests(McpTestCase):
         bad = {t: stored[t] for t in self.told if stored[t] != 1}
         rows = [r for r in conn.execute("SELECT payload, state, attempts, last_status, "
                                         "last_error FROM outbox")
-                if json.loads(r[0])["text"] in bad]
+                if json.loads(r[0]).get("text") in bad]
         self.assertEqual(bad, {}, "told: not exactly once; their rows: %r; beside the database: %s"
                          % (rows, os.listdir(os.path.dirname(self.db))))
         self.assertEqual([t for t in self.untold if stored[t] > 1], [], "untold: delivered twice")
         self.assertEqual(set(stored) - set(self.told) - set(self.untold), set())
+        self.assertGreaterEqual(len(self.forgotten + self.dropped), 2)
+        deleted = {r["text"] for r in self.gw.records.values() if r["deleted_at"]}
+        self.assertEqual(deleted & set(self.told) - set(self.unforgotten), set(self.forgotten))
+        self.assertEqual([t for t in self.dropped if stored[t]], [])
         self.assertEqual(conn.execute("PRAGMA integrity_check").fetchall(), [("ok",)])
         left = conn.execute("SELECT state, count(*) FROM outbox WHERE state != 'synced' "
                             "GROUP BY state").fetchall()
