@@ -5332,6 +5332,18 @@ class ForgetTests(GatewayTestCase):
         err = self.expect_fail(1, "forget", UUIDS[5])  # known nowhere
         self.assertIn("the gateway does not know that memory (HTTP 404)", err)
 
+    def test_a_failing_gateway_leaves_it_queued_with_a_backoff_until_flush(self):
+        rid = self.pulled("cache warmup notes")
+        self.gw.script = [(503, {"detail": "busy"})] * 3  # every try of the call
+        with mock.patch("qmem.time.sleep"):
+            doc = self.ok_json("forget", rid)
+        self.assertEqual(doc["state"], "queued")
+        self.assertIn("HTTP 503", doc["reason"])
+        self.assertTrue(self.outbox()[doc["local_id"]]["next_attempt_at"])  # a backoff
+        self.assertEqual(self.find_ids("warmup"), [])
+        self.assertEqual(self.ok_json("flush")["synced"], 1)  # a person's flush: now
+        self.assertEqual(self.gw.deletions, [rid])
+
     def test_superseded_and_already_deleted_memories(self):
         old = self.gw.add("the key is AKIA-something")
         self.gw.add("the key was rotated", supersedes_id=old["id"])
