@@ -2320,9 +2320,8 @@ def _m008_sessions(conn):
 def _m009_forgets(conn):
     """Schema 9 changes what the outbox may hold, not its tables: a forget (op 'forget', a
     DELETE of its target), which a qmem.py of schema 8 would send as a POST of a memory,
-    so it must refuse the database. The forgets' lookups by target get an index."""
-    conn.execute("CREATE INDEX IF NOT EXISTS outbox_forgets ON outbox(target) "
-                 "WHERE op = '%s'" % FORGET)
+    so it must refuse the database. (Forgets are looked up among the waiting rows, by
+    outbox_ready: no index of their own.)"""
 
 
 # Forward migrations: MIGRATIONS[n] takes a DB at user_version n to n + 1.
@@ -3320,10 +3319,11 @@ class Outbox:
                                  % (to, sets, state_is(*froms), where), bound).rowcount
 
     def row(self, local_id):
-        """One outbox row's outcome (state, ids, last error and status, next try), or None."""
+        """One outbox row's outcome (state, ids, last error and status, next try, when it was
+        made), or None."""
         return next(_dicts(self.conn.execute("SELECT state, gateway_id, duplicate_of, last_error, "
-                                             "last_status, next_attempt_at FROM outbox WHERE id=?",
-                                             (local_id,))), None)
+                                             "last_status, next_attempt_at, created_at FROM outbox "
+                                             "WHERE id=?", (local_id,))), None)
 
     def write_of(self, local_id):
         """(op, payload, state, whether it was ever claimed to be sent) of an outbox row, or
@@ -3386,8 +3386,8 @@ class Outbox:
         if record_id is None:
             return {i for (i,) in self.conn.execute(FORGETTING)}
         return self.store._one("SELECT f.id FROM outbox f LEFT JOIN outbox t ON t.id = f.target "
-                               "WHERE f.op = ? AND f.%s AND ? IN (f.target, t.gateway_id, "
-                               "t.duplicate_of)" % state_is(*WAITING), (FORGET, record_id))
+                               "WHERE f.op = '%s' AND f.%s AND ? IN (f.target, t.gateway_id, "
+                               "t.duplicate_of)" % (FORGET, state_is(*WAITING)), (record_id,))
 
     def resendable(self):
         """How many refused rows `flush --retry-failed` would send again."""
@@ -5567,7 +5567,7 @@ class Flusher:
         if row[2] == FORGET and resp.status in FORGET_REFUSED:
             self.refused.add(local_id)
             return Outcome(FAILED, row, status=resp.status, error=FORGET_REFUSED[resp.status])
-        if row[2] == FORGET and resp.status == 200:  # the tombstone (again, for a replay)
+        if row[2] == FORGET and 200 <= resp.status < 300:  # the tombstone (again: a replay)
             self.delivered[local_id] = target
             return Outcome(SYNCED, row, status=200, record=dict(data, id=target))
         if resp.status in (200, 201):
@@ -7716,7 +7716,7 @@ class WriteOps:
             doc.update(error_document(QmemError("not forgotten: %s; %s is shown again"
                                                  % (row["last_error"], rid), kind="rejected")))
         elif state == "forgotten" and (doc["deleted_at"] or "") < iso_from_epoch(
-                store._one("SELECT created_at FROM outbox WHERE id=?", (local_id,)) - 600):
+                row["created_at"] - 600):
             doc["state"] = "already"  # the tombstone is older than this forget
         if error is not None and state == "queued" and error.kind in CONFIG_KINDS - {
                 NOT_CONFIGURED}:
@@ -9750,7 +9750,7 @@ class McpServer:
                            "where the user starts it as `qmem.py mcp --allow-forget`" % name)
         if tool is None:
             raise RpcError(RPC_PARAMS, "Unknown tool: %s (the tools are %s)" % (
-                _fit(name, 100), ", ".join(MCP_TOOL_NAMES)))
+                _fit(name, 100), ", ".join(t.name for t in self.tools)))
         if arguments is not None and not isinstance(arguments, dict):
             raise RpcError(RPC_PARAMS, "Invalid params: the arguments of %s are an object" % name)
         return self.run_tool(tool, arguments or {})
