@@ -5321,7 +5321,7 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
                                  "one first" % (record_id, next(iter(corrections))))
             store.outbox.discard(record_id, (PENDING, HELD))
             return "dropped", record_id, None
-        payload = {"id": record_id}
+        payload = {"id": current}  # (a local id of a write still waiting, else the gateway's)
         for key, value in (("project_id", rec.get("project_id")), ("reason", reason)):
             if value:
                 payload[key] = value
