@@ -9939,7 +9939,7 @@ class SourceTests(unittest.TestCase):
                      for t in node.targets if isinstance(t, ast.Name)}
         words = re.compile(r"--[a-z]|qmem\.py (import|find|status|search|get|store|correct|queue|"
                            r"flush|enrich|pull|export|load|doctor|mcp|rules|install|breaker|"
-                           r"config)\b")
+                           r"config|forget)\b")
         found = []
         for call in ast.walk(tree):
             name = getattr(getattr(call, "func", None), "id", None)
