@@ -9797,7 +9797,7 @@ class SoakTests(McpTestCase):
 
     def test_agents_writers_and_flushes_on_one_database_deliver_each_write_once(self):
         import signal
-        servers = [self.process() for _ in range(3)]
+        servers = [self.process() for _ in range(2)] + [self.process(["--allow-forget"])]
         for s in servers:
             s.initialize()
         self.gw.script = self.schedule(90)
@@ -9839,6 +9839,11 @@ class SoakTests(McpTestCase):
         self.assertTrue(os.path.exists(self.db + "-wal"), "the WAL was deleted under live servers")
         for n, s in enumerate(servers[1:]):
             self.agent(s, "last%d" % n, 1)
+        stored = servers[2].call("qmem_store", text="soak mcp forgotten", project_id="soak")
+        self.told.append("soak mcp forgotten")
+        forgot = servers[2].call("qmem_forget", id=stored["structuredContent"]["id"])
+        self.assertIn(forgot["structuredContent"]["status"], ("forgotten", "queued"))
+        self.forgotten.append("soak mcp forgotten")
         servers[1].proc.kill()  # told "stored" or "queued": on disk without a clean close
         servers[1].proc.wait()
         self.outputs.append(servers[2].stderr())
