@@ -5313,7 +5313,7 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
             return "repeated", waiting, None
         if write and write[2] == FAILED:
             raise UsageError("%s was refused by the gateway and never stored: there is nothing "
-                             "to forget" % record_id, fix=Fix("retry_or_drop", local_id=record_id))
+                             "to forget" % record_id, fix=Fix("drop", local_id=record_id))
         if write and write[2] in (PENDING, HELD) and not write[3]:
             corrections = store.outbox.corrections_of([record_id])
             if corrections:
@@ -8431,6 +8431,7 @@ CLI_FIXES = {
                   "bundle-key` sets one",
     "ca_file": "`qmem.py config set caFile PATH` sets it",
     "correct": "to change what it says: `qmem.py correct {id} \"…\"`",
+    "drop": "discard it with `qmem.py queue --drop {local_id} --yes`",
     "drop_both": "drop both: `qmem.py queue --drop {target} {correction} --yes --force`",
     "enrich": "`qmem.py enrich` again goes on with the rest",
     "enrich_all": "refresh known records one by one with `qmem.py enrich --all`",

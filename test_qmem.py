@@ -5374,6 +5374,9 @@ class ForgetTests(GatewayTestCase):
         self.assertEqual([r[0] for r in self.gw.requests], ["POST", "DELETE"])
         self.assertEqual(self.gw.deletions, [gid])
         self.assertEqual(self.find_ids("provata", "--deleted"), [gid])
+        refused = self.refused_store("rifiutata")
+        self.assertIn("never stored: there is nothing to forget: discard it with `qmem.py queue "
+                      "--drop %s --yes`" % refused, self.expect_fail(2, "forget", refused))
 
     def test_a_pull_search_or_get_while_it_waits_does_not_show_it_again(self):
         rid = self.pulled("the blue deploy notes")
