@@ -2971,17 +2971,17 @@ class Records:
     def neighbours(self, record_id, before=1, after=1):
         """(how, earlier, later): the records written just before and just after this one,
         as get() gives them, each list in order, at most `before` and `after` of them,
-        neither private nor deleted: in its pi session (how 'session'), else in its project
-        by creation time, the id breaking ties (how 'project'); (None, [], []) for an id not
-        known here."""
+        neither private nor deleted (nor being forgotten): in its pi session (how
+        'session'), else in its project by creation time, the id breaking ties (how
+        'project'); (None, [], []) for an id not known here."""
         session = "session, session_pos" if self.store.version >= SESSIONS_FROM else "NULL, NULL"
         at = self.conn.execute("SELECT %s, project_id, created_at FROM records WHERE id=?"
                                % session, (record_id,)).fetchone()
         if at is None:
             return None, [], []
         how = "project" if at[0] is None else "session"
-        sql = ("SELECT id FROM records WHERE private = 0 AND deleted_at IS NULL AND %s "
-               "ORDER BY %s LIMIT ?")
+        sql = ("SELECT id FROM records WHERE private = 0 AND deleted_at IS NULL AND id NOT IN "
+               "(%s) AND %%s ORDER BY %%s LIMIT ?" % FORGETTING)
         found = [how]
         for op, desc, n in (("<", " DESC", before), (">", "", after)):
             if how == "session":

@@ -5380,6 +5380,7 @@ class ForgetTests(GatewayTestCase):
 
     def test_a_pull_search_or_get_while_it_waits_does_not_show_it_again(self):
         rid = self.pulled("the blue deploy notes")
+        other = self.pulled("the green rollout notes")
         self.gw.script = [(409, {"detail": "in progress"})]  # tried again in a few seconds
         self.assertEqual(self.ok_json("forget", rid)["state"], "queued")
         self.ok("pull", "--full")
@@ -5387,6 +5388,9 @@ class ForgetTests(GatewayTestCase):
         self.assertEqual(self.ok_json("search", "deploy")["results"], [])
         self.assertIn("being forgotten", self.ok("get", rid))
         self.assertEqual(self.ok_json("status")["records"]["forgetting"], 1)
+        self.assertEqual([r["id"] for r in self.ok_json("around", other)["records"]], [other])
+        self.ok("export", "--markdown", os.path.join(self.home, "memory.md"))
+        self.assertNotIn(b"blue deploy", read_bytes(os.path.join(self.home, "memory.md")))
         self.assertEqual(self.ok_json("flush")["synced"], 1)
         self.assertEqual(self.gw.deletions, [rid])
 
