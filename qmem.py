@@ -2020,11 +2020,12 @@ READY = "(%s AND next_attempt_at<=:now OR %s AND lease_until<:now)" % (state_is(
 # (last_status 0), nor corrections not applied (the gateway would refuse the same text again).
 _RESENDABLE = "%s AND coalesce(last_status, -1) NOT IN (0, %d)" % (state_is(FAILED),
                                                                    NOT_APPLIED_STATUS)
-# The ids of the records being forgotten: each waiting forget's target, as the record is
-# known now (a write of this host since delivered: its gateway id).
-FORGETTING = ("SELECT coalesce(t.gateway_id, t.duplicate_of, f.target) FROM outbox f "
-              "LEFT JOIN outbox t ON t.id = f.target WHERE f.op = '%s' AND f.target IS NOT NULL "
-              "AND f.%s" % (FORGET, state_is(*WAITING)))
+# The ids of the records that the forgets of a condition (f.%s: state_is(...) and more)
+# name, as each record is known now (a write of this host since delivered: its gateway id).
+FORGET_TARGETS = ("SELECT coalesce(t.gateway_id, t.duplicate_of, f.target) FROM outbox f "
+                  "LEFT JOIN outbox t ON t.id = f.target WHERE f.op = '%s' AND f.target IS NOT "
+                  "NULL AND f.%%s" % FORGET)
+FORGETTING = FORGET_TARGETS % state_is(*WAITING)  # the records being forgotten
 
 
 def was_not_applied(state, last_status):
@@ -5067,8 +5068,9 @@ def brief_records(store, project, kinds, most=BRIEF_MOST):
 def brief_writes(store, project, most=BRIEF_MOST):
     """((waiting, refused), rows): how many of this machine's writes are not in shared memory
     (waiting or refused), and the newest `most` of them, of `project` or of every one."""
-    sql = ("SELECT %s FROM outbox o LEFT JOIN records r ON r.id = o.id WHERE o."
-           + state_is(*UNSETTLED) + (" AND r.project_id = ?" if project else "") + " %s")
+    sql = ("SELECT %s FROM outbox o LEFT JOIN records r ON r.id = o.id WHERE o.op != '"
+           + FORGET + "' AND o." + state_is(*UNSETTLED)  # (forgets: changes, _forgotten_since)
+           + (" AND r.project_id = ?" if project else "") + " %s")
     params = [project] if project else []
     counts = dict(store.conn.execute(sql % ("o.state = 'failed', count(*)", "GROUP BY 1"), params))
     rows = store.conn.execute(sql % (
@@ -5104,7 +5106,22 @@ def _corrected_since(store, project, mark, most):
         [mark["rid"]] + ([project] if project else []) + [most]))]
 
 
-BRIEF_CHANGES = (_corrected_since,)
+def _forgotten_since(store, project, mark, most):
+    """The memories forgotten since the mark: by this host (its forgets made since, waiting
+    or delivered), or learnt deleted elsewhere (records known at the mark whose tombstone
+    came since), once each: not one a forget of this host deleted (said when it was made)."""
+    return [dict(c, queued=bool(c["queued"])) for c in _dicts(store.conn.execute(
+        "SELECT 'forgotten' AS change, id, coalesce(deleted_at, ?) AS at, text AS old_text, "
+        "NULL AS text, id IN (%s) AS queued FROM records WHERE private = 0%s AND (id IN (%s) OR "
+        "deleted_at IS NOT NULL AND rid <= ? AND seen_at > ? AND id NOT IN (%s)) ORDER BY rid "
+        "DESC LIMIT ?" % (FORGETTING, " AND project_id = ?" if project else "",
+                          FORGET_TARGETS % (state_is(PENDING, SENDING, SYNCED) + " AND f.rid > ?"),
+                          FORGET_TARGETS % state_is(SYNCED)),
+        [iso_now()] + ([project] if project else [])
+        + [mark["outbox"], mark["rid"], mark["at"], most]))]
+
+
+BRIEF_CHANGES = (_corrected_since, _forgotten_since)
 
 
 def set_brief_mark(store, key, mark):

@@ -7725,6 +7725,30 @@ class OperationsBriefTests(GatewayTestCase):
         self.assertEqual([r["id"] for r in other["records"]], [UUIDS[2]])  # (the old one is not)
         self.assertEqual((other["waiting"], other["refused"]), (1, 0))
 
+    def test_what_was_forgotten_is_said_once_to_each_client(self):
+        # Part 19: a memory deleted elsewhere (its tombstone pulled), and one forgotten here
+        kept = self.gw.add("deploys go out on fridays", kind="decision")["id"]
+        gone = self.gw.add("the staging password is hunter2", kind="decision")["id"]
+        self.ok("pull")
+        for client in ("claude-code", "codex"):
+            self.brief("--client", client)
+        self.gw.delete(gone)
+        self.ok("pull")
+        self.assertIn("forgotten %s: the staging password is hunter2\n" % gone,
+                      self.brief("--client", "claude-code"))
+        self.assertIn("(nothing)", self.brief("--client", "claude-code"))
+        self.offline()
+        self.ok("forget", kept)
+        out = self.brief("--client", "claude-code")
+        self.assertIn("forgotten %s: deploys go out on fridays [not yet shared]" % kept, out)
+        self.assertEqual(out.count(kept), 1)  # not among the decisions, nor the writes here
+        self.go_online()
+        self.ok("breaker", "--reset")
+        self.ok("flush")
+        self.assertIn("(nothing)", self.brief("--client", "claude-code"))  # delivered since
+        codex = self.ok_json("brief", "--project", "infra", "--client", "codex")
+        self.assertEqual(sorted(c["id"] for c in codex["changed"]), sorted([kept, gone]))
+
     def test_recalled_text_stays_inside_the_fence_whatever_it_holds(self):
         self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
         earlier = [line for line in self.brief().split("\n") if line.startswith("<<< ")]
