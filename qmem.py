@@ -4167,8 +4167,9 @@ Filters = collections.namedtuple("Filters", "project kind scope include_supersed
                                  "private include_expired queued since until")
 Filters.__new__.__defaults__ = (None, None, None, False, False, False, False, False, None, None)
 # Why a matching record is not shown by default, and the flag that shows it.
-HIDDEN_FLAGS = {"deleted": "--deleted", "superseded": "--include-superseded",
-                "private": "--private", "expired": "--include-expired"}
+HIDDEN_FLAGS = {"deleted": "--deleted", "being_forgotten": "--deleted",
+                "superseded": "--include-superseded", "private": "--private",
+                "expired": "--include-expired"}
 
 
 def hidden_matches(store, query, filters, limit=1000):
@@ -4180,7 +4181,8 @@ def hidden_matches(store, query, filters, limit=1000):
     now, counts = iso_now(), dict.fromkeys(HIDDEN_FLAGS, 0)
     forgetting = store.outbox.forgetting()
     for r in found:
-        for why, hidden in (("deleted", r["deleted_at"] or r["id"] in forgetting),
+        for why, hidden in (("deleted", r["deleted_at"]),
+                            ("being_forgotten", r["id"] in forgetting),
                             ("superseded", r["superseded_by"]),
                             ("private", r["private"]),
                             ("expired", r["expires_at"] and r["expires_at"] <= now)):
@@ -8684,7 +8686,7 @@ def show_find(doc, out, header="local_sqlite · lexical (not semantic)"):
     if not results and any(hidden.values()):
         out.write("%s hidden by default: %s\n"
                   % (plural(sum(hidden.values()), "matching record"), ", ".join(
-            "%d %s (%s)" % (n, what, HIDDEN_FLAGS[what]) for what,
+            "%d %s (%s)" % (n, what.replace("_", " "), HIDDEN_FLAGS[what]) for what,
             n in sorted(hidden.items()) if n)))
 
 
@@ -10106,7 +10108,8 @@ def _found_note(doc, results, project, where):
                      % REFRESH_BY[bool(doc.get("by_bundles"))])
     hidden = sum((doc.get("hidden") or {}).values())
     if hidden:
-        head += "; %s hidden (corrected, deleted, private or expired)" % _memories(hidden)
+        head += ("; %s hidden (corrected, deleted, being forgotten, private or expired)"
+                 % _memories(hidden))
     if doc.get("query_cut"):
         head += "; " + QUERY_CUT
     return head + ("" if n or not indexed else _wider(project, where)) + "."

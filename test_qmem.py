@@ -3659,7 +3659,9 @@ class FindWithoutFts5Tests(QmemTestCase):
         self.assertEqual(self.find_ids("caching"), [UUIDS[1]])
         self.assertEqual(self.find_ids("caching", "--deleted"), [UUIDS[0]])
         self.assertEqual(self.ok_json("find", "layer")["hidden"], {
-            "deleted": 1, "superseded": 0, "private": 0, "expired": 0})
+            "deleted": 0, "being_forgotten": 1, "superseded": 0, "private": 0, "expired": 0})
+        self.assertIn("1 matching record hidden by default: 1 being forgotten (--deleted)",
+                      self.ok("find", "layer"))
 
     def test_like_search_with_accents_and_a_one_time_notice(self):
         s = Session(self.sessions, "it.jsonl")
