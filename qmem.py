@@ -3437,13 +3437,13 @@ class Outbox:
         """The claim token of an outbox row (None when no flusher holds it)."""
         return self.store._one("SELECT claim_token FROM outbox WHERE id=?", (local_id,))
 
-    def corrections_of(self, local_ids):
-        """{correction's local id: the id it corrects} for unsettled corrections of these
+    def dependents_of(self, local_ids):
+        """{local id: (op, the id it names)} of the unsettled corrections and forgets of these
         writes, beyond the writes themselves."""
         marks = _placeholders(local_ids)
-        return dict(self.conn.execute(
-            "SELECT id, target FROM outbox WHERE target IN (%s) AND id NOT IN (%s) AND %s"
-            % (marks, marks, state_is(*UNSETTLED)), local_ids * 2))
+        return {i: (op, target) for i, op, target in self.conn.execute(
+            "SELECT id, op, target FROM outbox WHERE target IN (%s) AND id NOT IN (%s) AND %s"
+            % (marks, marks, state_is(*UNSETTLED)), local_ids * 2)}
 
     def make_due(self, now):
         """Every waiting write may be sent now (an explicit flush does not wait out a
@@ -5334,7 +5334,7 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
             raise UsageError("%s was refused by the gateway and never stored: there is nothing "
                              "to forget" % record_id, fix=Fix("drop", local_id=record_id))
         if write and write[2] in (PENDING, HELD) and not write[3]:
-            corrections = store.outbox.corrections_of([record_id])
+            corrections = store.outbox.dependents_of([record_id])
             if corrections:
                 raise UsageError("%s is corrected by %s, which waits to be sent too: forget that "
                                  "one first" % (record_id, next(iter(corrections))))
@@ -7774,11 +7774,11 @@ class WriteOps:
             if r["state"] in WAITING and not force:
                 raise UsageError("%s is still waiting to be sent" % r["local_id"],
                                  fix=Fix("force"))
-        dependents = store.outbox.corrections_of([r["local_id"] for r in rows])
+        dependents = store.outbox.dependents_of([r["local_id"] for r in rows])
         if dependents:
-            correction, target = next(iter(dependents.items()))
-            raise UsageError("%s is a correction of %s and would point at nothing"
-                             % (correction, target),
+            correction, (op, target) = next(iter(dependents.items()))
+            raise UsageError("%s is a %s of %s and would point at nothing"
+                             % (correction, "forget" if op == FORGET else "correction", target),
                              fix=Fix("drop_both", target=target, correction=correction))
         if not dry_run:
             store.outbox.drop([r["local_id"] for r in rows])

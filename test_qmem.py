@@ -5369,6 +5369,8 @@ class ForgetTests(GatewayTestCase):
         self.offline()
         tried = self.ok_json("store", "provata una volta", "--project", "p")["local_id"]
         self.assertEqual(self.ok_json("forget", tried)["state"], "queued")
+        self.assertIn("is a forget of %s and would point at nothing" % tried,
+                      self.expect_fail(2, "queue", "--drop", tried, "--yes", "--force"))
         self.go_online()
         self.ok("breaker", "--reset")
         self.assertEqual(self.ok_json("flush")["synced"], 2)
