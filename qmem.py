@@ -7432,10 +7432,12 @@ class ReadOps:
             raise QmemError("no memory %s is known here (around reads this machine's index "
                             "only)" % rid, kind="not_found", fix=Fix("ids"))
         record = ops.store().records.get(rid)
+        forgetting = bool(ops.store().outbox.forgetting(rid))  # (the others are left out)
         return {"source": "local_sqlite", "degraded": False, "id": rid, "by": how,
                 "project_id": record["project_id"], "before": len(earlier),
-                "after": len(later), "records": [dict(_record_out(r), this=r is record)
-                                                 for r in earlier + [record] + later]}
+                "after": len(later), "records": [
+                    dict(_record_out(r), this=r is record, forgetting=r is record and forgetting)
+                    for r in earlier + [record] + later]}
 
     def _get_remote(self, rid, local, require_remote):
         """get() of a record the gateway may know; `local` is this machine's copy, or None."""
@@ -8786,8 +8788,8 @@ def show_around(doc, out):
     rows = []
     for r in doc["records"]:
         flags = [f for f, on in (("PENDING", r["pending"]), ("FAILED", r["failed"]),
-                                 ("superseded", r["superseded_by"]), ("private", r["private"]))
-                 if on]
+                                 ("superseded", r["superseded_by"]), ("private", r["private"]),
+                                 ("being forgotten", r["forgetting"])) if on]
         rows.append((">" if r["this"] else " ", out.short(r["id"]), r["kind"] or "-",
                      _one_line(r["project_id"] or "-"), (r["created_at"] or "-")[:10],
                      "[%s]" % ", ".join(flags) if flags else "", _one_line(r["text"] or "")))

@@ -5393,6 +5393,7 @@ class ForgetTests(GatewayTestCase):
         self.assertIn("being forgotten", self.ok("get", rid))
         self.assertEqual(self.ok_json("status")["records"]["forgetting"], 1)
         self.assertEqual([r["id"] for r in self.ok_json("around", other)["records"]], [other])
+        self.assertIn("[being forgotten]", self.ok("around", rid))  # asked for: shown, marked
         self.ok("export", "--markdown", os.path.join(self.home, "memory.md"))
         self.assertNotIn(b"blue deploy", read_bytes(os.path.join(self.home, "memory.md")))
         self.assertEqual(self.ok_json("flush")["synced"], 1)
