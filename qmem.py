@@ -9940,6 +9940,9 @@ class McpServer:
                                doc, doc["id"]))
         cut = _text_share(len(doc["records"]))
         out["records"] = [dict(_memory_out(r, cut=cut), this=r["this"]) for r in doc["records"]]
+        for shown, r in zip(out["records"], doc["records"]):
+            if r["forgetting"]:
+                shown["forgetting"] = True  # (hidden here, not yet deleted in shared memory)
         return out
 
     def tool_meta(self, ops, a):

@@ -8489,6 +8489,12 @@ class McpToolTests(McpTestCase):
                          (90, {qmem.RESULTS_TEXT_BUDGET // 90 + 1}))
         unknown = server.call("qmem_around", id=UUIDS[9])
         huge = server.call("qmem_around", id=UUIDS[2], after=51)
+        store = qmem.Store(self.db)
+        self.assertEqual(qmem.enqueue_forget(store, UUIDS[3])[0], "queued")
+        store.close()
+        forgotten = server.call("qmem_around", id=UUIDS[3], before=1, after=0)
+        self.assertEqual([r.get("forgetting") for r in forgotten["structuredContent"]["records"]],
+                         [None, True])  # (a neighbour being forgotten is left out)
         self.assertEqual(server.close(), 0)
         self.assertIs(unknown["isError"], True)
         self.assertTrue(unknown["structuredContent"]["note"].startswith(
