@@ -9201,16 +9201,18 @@ def _brief_sections(doc):
     """[(title, lines)] of a brief's recalled text, in its order, each line escaped (a stored
     line break too, so that no stored text makes a line of its own)."""
     text = lambda value, n=BRIEF_TEXT_CHARS: visible(_one_line(value or "", n))  # noqa: E731
-    changed = ["%s %s%s: %s%s%s" % (c["change"], c["id"], " (was %s)" % c["old_id"] if c.get(
-        "old_id") else "", text(c["old_text"], 200), "" if c["text"] is None else " -> " + text(
-            c["text"], 200), " [not yet shared]" if c.get("queued") else "")
+    changed = ["%s %s%s: %s%s%s" % (
+        c["change"], text(c["id"], 100), " (was %s)" % text(c["old_id"], 100) if c.get(
+            "old_id") else "", text(c["old_text"], 200), "" if c["text"] is None else " -> "
+        + text(c["text"], 200), " [not yet shared]" if c.get("queued") else "")
                for c in doc["changed"] or ()] or [
         "(nothing)" if doc["changed_since"] else "(the first brief of this project for %s "
         "here: changes are said from the next one)" % visible(doc["client"])]
-    writes = ["%s %s: %s [%s]" % (w["id"], w["kind"], text(w["text"]), "REFUSED: " + text(
-        w["refused"], 200) if w["refused"] else "not yet shared") for w in doc["writes"]]
-    records = [["%s %s %s%s: %s" % (r["id"], (r["created_at"] or "-")[:10], r["kind"], "" if
-                                    doc["project_id"] else " " + text(r["project_id"], 40),
+    writes = ["%s %s: %s [%s]" % (text(w["id"], 100), text(w["kind"], 20), text(w["text"]),
+                                  "REFUSED: " + text(w["refused"], 200) if w["refused"] else
+                                  "not yet shared") for w in doc["writes"]]
+    records = [["%s %s %s%s: %s" % (text(r["id"], 100), (r["created_at"] or "-")[:10], r["kind"],
+                                    "" if doc["project_id"] else " " + text(r["project_id"], 40),
                                     text(r["text"])) for r in doc["records"] if r["kind"] in kinds]
                for kinds in BRIEF_GROUPS]
     since = doc["changed_since"] and " (%s UTC)" % doc["changed_since"][:16].replace("T", " ")
