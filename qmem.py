@@ -9246,10 +9246,12 @@ def brief_text(doc):
     return "\n".join(head + fence[:1] + body + fence[1:] + (tail if left else [])) + "\n"
 
 
-def brief_json(doc):
-    """The brief's document within its bound, as emit_json writes it: in order, the changes,
-    the writes, the records, until the bound; what it left out counted in left_out."""
-    size = lambda d: len(json.dumps(d, ensure_ascii=False, sort_keys=True)) + 1  # noqa: E731
+def brief_json(doc, encoding=None):
+    """The brief's document within its bound, as emit_json writes it to a stdout of this
+    `encoding` (one that is no UTF gets \\u escapes): in order, the changes, the writes, the
+    records, until the bound; what it left out counted in left_out."""
+    escaped = not (encoding or "utf-8").lower().startswith("utf")
+    size = lambda d: len(json.dumps(d, ensure_ascii=escaped, sort_keys=True)) + 1  # noqa: E731
     keys = ("changed", "writes", "records")
     out = dict(doc, **{k: [] for k in keys if doc[k] is not None})
     room = doc["max_chars"] - size(out) - 20  # (left_out's digits)
@@ -9299,7 +9301,8 @@ def render(command, doc, json_mode, out=None, bold=False, width=None, short=None
     renderer, through TerminalText (escaped)."""
     out, doc = out or sys.stdout, cli_document(doc)
     if json_mode:
-        emit_json(brief_json(doc) if command == "brief" else doc, out)
+        emit_json(brief_json(doc, getattr(out, "encoding", None)) if command == "brief" else doc,
+                  out)
     else:
         shown = TerminalText(out, bold, width, short)
         RENDERERS[command](doc, shown)

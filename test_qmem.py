@@ -7798,6 +7798,17 @@ class OperationsBriefTests(GatewayTestCase):
         self.assertTrue(doc["records"] and doc["left_out"] >= 50)
         self.assertEqual(doc["records"][0]["text"], "decision 59: " + "words " * 80)
 
+    def test_the_json_bound_holds_on_an_ascii_stdout(self):
+        self.put_records([(UUIDS[10 + n], "决定 %d: %s" % (n, "数据库 " * 80))
+                          for n in range(30)], kind="decision")
+        raw = io.BytesIO()
+        out = io.TextIOWrapper(raw, encoding="ascii")  # (PYTHONIOENCODING=ascii, LC_ALL=C)
+        with contextlib.redirect_stdout(out):
+            self.assertEqual(qmem.main(["brief", "--project", "infra", "--json"]), 0)
+        out.flush()
+        self.assertLessEqual(len(raw.getvalue()), 8000)
+        self.assertTrue(json.loads(raw.getvalue().decode("ascii"))["records"])
+
     def test_a_busy_database_is_not_waited_for_to_keep_the_mark(self):
         self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
         other = sqlite3.connect(self.db, isolation_level=None)
