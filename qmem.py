@@ -9249,14 +9249,14 @@ def brief_text(doc):
 def brief_json(doc, encoding=None):
     """The brief's document within its bound, as emit_json writes it to a stdout of this
     `encoding` (one that is no UTF gets \\u escapes): in order, the changes, the writes, the
-    records, until the bound; what it left out counted in left_out."""
+    records, each that fits the bound; what it left out counted in left_out."""
     escaped = not (encoding or "utf-8").lower().startswith("utf")
     size = lambda d: len(json.dumps(d, ensure_ascii=escaped, sort_keys=True)) + 1  # noqa: E731
     keys = ("changed", "writes", "records")
     out = dict(doc, **{k: [] for k in keys if doc[k] is not None})
     room = doc["max_chars"] - size(out) - 20  # (left_out's digits)
     for entry, k in ((e, k) for k in keys for e in doc[k] or ()):
-        if size(entry) + 1 > room or out["left_out"] > doc["left_out"]:  # (and ", ")
+        if size(entry) + 1 > room:  # (and ", "; a long text must not leave all after it out)
             out["left_out"] += 1
         else:
             out[k].append(entry)

@@ -7809,6 +7809,13 @@ class OperationsBriefTests(GatewayTestCase):
         self.assertLessEqual(len(raw.getvalue()), 8000)
         self.assertTrue(json.loads(raw.getvalue().decode("ascii"))["records"])
 
+    def test_one_long_text_does_not_leave_the_rest_of_the_json_brief_out(self):
+        self.put_records([(UUIDS[10 + n], "decision %d" % n) for n in range(5)], kind="decision")
+        self.put_record(UUIDS[1], "a pasted design " * 1000, kind="decision",
+                        created_at="2026-12-01T00:00:00Z")  # (the newest)
+        doc = self.ok_json("brief", "--project", "infra")
+        self.assertEqual((len(doc["records"]), doc["left_out"]), (5, 1))
+
     def test_a_busy_database_is_not_waited_for_to_keep_the_mark(self):
         self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
         other = sqlite3.connect(self.db, isolation_level=None)
