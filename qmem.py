@@ -9322,7 +9322,8 @@ def render_error(err, json_mode, out=None, command=None):
         if json_mode:
             doc = dict(empty_brief(None, None), **error_document(err))
             doc["error"]["message"], doc["exit_code"] = _fit(err.message, 300), EXIT_OK
-            emit_json(cli_document(doc), out)
+            with contextlib.suppress(OSError):  # (a full or closed stdout: stderr said why)
+                emit_json(cli_document(doc), out)
         return EXIT_OK
     unsaved = getattr(err, "unsaved_text", None)
     if unsaved is not None:

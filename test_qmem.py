@@ -9684,6 +9684,16 @@ class CliTests(GatewayTestCase):
                 else:
                     self.assertEqual(out, "")
 
+    def test_a_brief_to_a_full_stdout_still_exits_0_with_one_line(self):
+        class Full(io.StringIO):
+            def write(self, text):
+                raise OSError(28, "No space left on device")
+        self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
+        for argv in ((), ("--json",), ("--bogus", "--json")):
+            err = io.StringIO()
+            with contextlib.redirect_stdout(Full()), contextlib.redirect_stderr(err):
+                self.assertEqual(qmem.main(["brief"] + list(argv)), 0, err.getvalue())
+            self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
 
 
 class WritePathTests(BundleTestCase, McpTestCase):
