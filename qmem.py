@@ -10352,15 +10352,19 @@ def _searched(a):
                                  in zip(Filters._fields, Filters())))}
 
 
+def current_folder():
+    """The current folder, or None where it was deleted (under an agent's client or hook)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return None
+
+
 def run_mcp(args):
     """`qmem.py mcp`: serve until the input ends. Nothing is read or opened before the
     first message: the configuration and the database at the first tool call."""
-    try:
-        cwd = os.getcwd()
-    except OSError:  # a folder deleted under the client
-        cwd = None
-    server = McpServer(lambda: load_config(overrides={"localDbPath": args.db}), cwd=cwd,
-                       allow_forget=args.allow_forget)
+    server = McpServer(lambda: load_config(overrides={"localDbPath": args.db}),
+                       cwd=current_folder(), allow_forget=args.allow_forget)
     return serve_mcp(server, *mcp_wire())
 
 
@@ -10710,7 +10714,7 @@ COMMANDS = (
      "Print the rules for agents as Markdown, for AGENTS.md, CLAUDE.md or GEMINI.md (the MCP "
      "server's instructions).", []),
     ("brief", lambda ops, a: ops.read.brief(
-        resolve_project(a.project, os.environ, os.getcwd())[0], a.client, a.max_chars),
+        resolve_project(a.project, os.environ, current_folder())[0], a.client, a.max_chars),
      "What an agent should know as a session starts, from the local index; for session-start "
      "hooks, it never fails (exit 0; a failure: an empty brief and one line on stderr).",
      [arg("--project", help="default: QMEM_PROJECT, CLAUDE_PROJECT_DIR's or the git root's name"),

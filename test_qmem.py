@@ -9695,6 +9695,14 @@ class CliTests(GatewayTestCase):
                 self.assertEqual(qmem.main(["brief"] + list(argv)), 0, err.getvalue())
             self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
 
+    def test_a_brief_in_a_deleted_folder_is_still_the_one_asked_for(self):
+        self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
+        gone = FileNotFoundError(2, "No such file or directory")  # (a hook run in it)
+        with mock.patch("os.getcwd", side_effect=gone):
+            self.assertIn("the cache TTL is 5 minutes", self.ok("brief", "--project", "infra"))
+            self.assertIn("every project", self.ok("brief"))
+
+
 
 class WritePathTests(BundleTestCase, McpTestCase):
     """Part 15: whatever the gateway answers a write, on every write path (store, correct,
