@@ -10844,6 +10844,9 @@ def run_command(argv):
         err = unexpected_error(e, ops)
         if debug and err.kind == "internal" and command != "brief":
             raise
+        if debug and err.kind == "internal":  # (a brief never fails: its traceback, then 0)
+            import traceback
+            traceback.print_exc()
         return render_error(err, json_mode, doc_out, command)
     finally:
         if ops is not None:

@@ -9684,6 +9684,15 @@ class CliTests(GatewayTestCase):
                 else:
                     self.assertEqual(out, "")
 
+    def test_a_brief_under_debug_shows_the_traceback_its_hint_promises_and_exits_0(self):
+        self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
+        with mock.patch.object(qmem.ReadOps, "brief", side_effect=ValueError("a bug")):
+            self.assertIn("--debug for the traceback", self.run_cli("brief")[2])
+            code, out, err = self.run_cli("--debug", "brief")
+        self.assertEqual((code, out), (0, ""))
+        self.assertIn("Traceback", err)
+        self.assertIn("ValueError: a bug", err)
+
     def test_a_brief_to_a_full_stdout_still_exits_0_with_one_line(self):
         class Full(io.StringIO):
             def write(self, text):
