@@ -8395,11 +8395,13 @@ def _refused(resp, what):
 # (CLI_FIXES), named as the user ran this tool (as_run).
 
 def emit_json(doc, out=None):
+    """Write one document, flushed (a full disk under stdout fails here, not at exit)."""
     out = out or sys.stdout
     try:
         out.write(json.dumps(doc, ensure_ascii=False, sort_keys=True) + "\n")
     except UnicodeEncodeError:  # an ASCII stdout: the same document, escaped
         out.write(json.dumps(doc, sort_keys=True) + "\n")
+    out.flush()
 
 
 # The command that runs this tool here, as a person types it: `qmem` through the
@@ -9322,8 +9324,7 @@ def render_error(err, json_mode, out=None, command=None):
         if json_mode:
             doc = dict(empty_brief(None, None), **error_document(err))
             doc["error"]["message"], doc["exit_code"] = _fit(err.message, 300), EXIT_OK
-            with contextlib.suppress(OSError):  # (a full or closed stdout: stderr said why)
-                emit_json(cli_document(doc), out)
+            _emit_error(cli_document(doc), out)
         return EXIT_OK
     unsaved = getattr(err, "unsaved_text", None)
     if unsaved is not None:
@@ -9333,8 +9334,14 @@ def render_error(err, json_mode, out=None, command=None):
         doc = cli_document(error_document(err))
         if unsaved is not None:
             doc["unsaved_text"] = unsaved
-        emit_json(doc, out)
+        _emit_error(doc, out)
     return err.exit_code
+
+
+def _emit_error(doc, out):
+    """An error's document, unless stdout cannot take it (full, closed): stderr said why."""
+    with contextlib.suppress(OSError):
+        emit_json(doc, out)
 
 
 # === MCP server ==============================================================
@@ -10809,6 +10816,19 @@ def main(argv=None):
         return EXIT_OK
 
 
+@contextlib.contextmanager
+def written_out():
+    """Output written and flushed, or one error if stdout cannot take it (a full disk: what
+    the command did stands); a reader gone away is main's to handle."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise QmemError("could not write the output (%s)" % (e.strerror or e), kind="output")
+
+
 def run_command(argv):
     """Parse argv, run its command and render what it returns, or the error it ends with;
     return the exit code."""
@@ -10816,7 +10836,8 @@ def run_command(argv):
     ops = doc_out = None  # doc_out: where documents go when stdout carries data (export -)
     try:
         if "--version" in argv and json_mode:
-            emit_json({"name": "qmem.py", "version": __version__})
+            with written_out():
+                emit_json({"name": "qmem.py", "version": __version__})
             return EXIT_OK
         if command is None and not {"-h", "--help", "--version"} & set(argv):
             raise UsageError("a command is needed: %s" % ", ".join(c[0] for c in COMMANDS),
@@ -10831,8 +10852,9 @@ def run_command(argv):
         stuck = ops.writes_stuck() if "writes_stuck" not in doc else None
         if stuck:
             warn(stuck)
-        render(args.command, doc, json_mode, out=doc_out, bold=_color_ok(),
-               width=_terminal_width(), short=ops.short_id)
+        with written_out():
+            render(args.command, doc, json_mode, out=doc_out, bold=_color_ok(),
+                   width=_terminal_width(), short=ops.short_id)
         return doc.get("exit_code", EXIT_OK)
     except QmemError as e:
         if debug and command != "brief":

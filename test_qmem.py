@@ -9693,16 +9693,22 @@ class CliTests(GatewayTestCase):
         self.assertIn("Traceback", err)
         self.assertIn("ValueError: a bug", err)
 
-    def test_a_brief_to_a_full_stdout_still_exits_0_with_one_line(self):
+    def test_a_full_stdout_is_one_line_and_exit_1_and_a_brief_still_exits_0(self):
         class Full(io.StringIO):
             def write(self, text):
                 raise OSError(28, "No space left on device")
         self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
-        for argv in ((), ("--json",), ("--bogus", "--json")):
+        for code, argv in ((0, ("brief",)), (0, ("brief", "--json")),
+                           (0, ("brief", "--bogus", "--json")), (1, ("find", "cache")),
+                           (1, ("find", "cache", "--json")), (1, ("status",)),
+                           (1, ("--version", "--json")), (2, ("find", "--bogus", "--json"))):
             err = io.StringIO()
             with contextlib.redirect_stdout(Full()), contextlib.redirect_stderr(err):
-                self.assertEqual(qmem.main(["brief"] + list(argv)), 0, err.getvalue())
+                self.assertEqual(qmem.main(list(argv)), code, (argv, err.getvalue()))
             self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
+            if "--bogus" not in argv:
+                self.assertEqual(err.getvalue(), "qmem: could not write the output (No space "
+                                 "left on device)\n")
 
     def test_a_brief_in_a_deleted_folder_is_still_the_one_asked_for(self):
         self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
