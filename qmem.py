@@ -7141,13 +7141,14 @@ class Operations:
         self.config, self._store, self._gateway = config, None, None
 
     # -- short ids: what a narrow terminal shows, and what a person types back
-    def full_ids(self, values, where, tables=("records", "outbox")):
+    def full_ids(self, values, where, tables=("records", "outbox"), local_only=False):
         """The ids a person typed, each short one (the start of an id, SHORT_ID characters
         at least) made whole from the ids known here. An unknown or ambiguous start is
-        refused, with the candidates: never sent to the gateway, never guessed."""
-        return [self._full_id(v.strip(), where, tables) for v in values]
+        refused, with the candidates: never sent to the gateway, never guessed. For a
+        command that reads this machine only (local_only), an unknown one is not found."""
+        return [self._full_id(v.strip(), where, tables, local_only) for v in values]
 
-    def _full_id(self, value, where, tables):
+    def _full_id(self, value, where, tables, local_only):
         if len(value) >= 36 or not UUID_RE.fullmatch(value + _UUID_SHAPE[len(value):]):
             return value  # a whole id, or no id at all: the operation says which
         if len(value) < SHORT_ID:
@@ -7161,6 +7162,9 @@ class Operations:
             return found[0]
         if not found and tables == ("outbox",):
             raise UsageError("no write in the outbox starts with %s" % value, fix=Fix("queue"))
+        if not found and local_only:
+            raise QmemError("no memory known here starts with %s" % value, kind="not_found",
+                            fix=Fix("ids"))
         if not found:
             raise UsageError("no memory known here starts with %s" % value,
                              hint="a short id is looked up here only, the whole id asks the "
@@ -8791,7 +8795,8 @@ def show_around(doc, out):
     for r in doc["records"]:
         flags = [f for f, on in (("PENDING", r["pending"]), ("FAILED", r["failed"]),
                                  ("superseded", r["superseded_by"]), ("private", r["private"]),
-                                 ("being forgotten", r["forgetting"])) if on]
+                                 ("deleted", r["deleted_at"]), ("being forgotten", r["forgetting"]))
+                 if on]
         rows.append((">" if r["this"] else " ", out.short(r["id"]), r["kind"] or "-",
                      _one_line(r["project_id"] or "-"), (r["created_at"] or "-")[:10],
                      "[%s]" % ", ".join(flags) if flags else "", _one_line(r["text"] or "")))
@@ -10637,8 +10642,8 @@ COMMANDS = (
     ("get", lambda ops, a: ops.read.get(ops.full_ids([a.id], "get")[0], a.require_remote),
      "One record in full, from the gateway (refreshing the local copy) or the local index.",
      [arg("id", help="the memory id"), REMOTE]),
-    ("around", lambda ops, a: ops.read.around(ops.full_ids([a.id], "around")[0], a.before,
-                                              a.after),
+    ("around", lambda ops, a: ops.read.around(
+        ops.full_ids([a.id], "around", local_only=True)[0], a.before, a.after),
      "The records written just before and after ID: in its pi session, else in its project "
      "by creation time (local index only).",
      [arg("id", help="the memory id"),

@@ -7142,6 +7142,7 @@ class OperationsReadTests(GatewayTestCase):
         self.assertIn("[superseded]", self.ok("around", UUIDS[4]))
         self.assertIn("in its project, by creation time (no pi session known here wrote it)",
                       self.ok("around", UUIDS[4]))
+        self.assertIn("[deleted]", self.ok("around", UUIDS[5]))  # asked for: shown, marked
 
     def test_around_an_unknown_id_or_a_bad_bound_is_one_clear_line(self):
         err = self.expect_fail(1, "around", UUIDS[40])  # no index yet
@@ -7157,8 +7158,9 @@ class OperationsReadTests(GatewayTestCase):
             self.assertEqual(err.count("\n"), 1)
             self.assertIn("the number of records before must be", err)
         self.assertIn("is not a memory id", self.expect_fail(2, "around", "abc"))
-        self.assertIn("no memory known here starts with 0000002b",
-                      self.expect_fail(2, "around", UUIDS[42][:8]))  # (short ids as for get)
+        err = self.expect_fail(1, "around", UUIDS[42][:8])  # unknown here: not found too
+        self.assertIn("no memory known here starts with 0000002b", err)
+        self.assertNotIn("gateway", err)  # (around never asks it)
         self.assertEqual(self.gw.requests, [])
 
     def test_get_of_what_is_no_id_is_refused_here_and_asks_no_gateway(self):
