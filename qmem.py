@@ -5078,8 +5078,8 @@ def brief_writes(store, project, most=BRIEF_MOST):
     rows = store.conn.execute(sql % (
         "o.id, r.kind, r.project_id, r.text, CASE WHEN o.state = 'failed' THEN "
         "coalesce(o.last_error, 'refused by the gateway') END AS refused",
-        "ORDER BY o.rid DESC LIMIT ?"), params + [most])
-    return (counts.get(0, 0), counts.get(1, 0)), list(_dicts(rows))
+        "AND coalesce(r.private, 0) = 0 ORDER BY o.rid DESC LIMIT ?"), params + [most])
+    return (counts.get(0, 0), counts.get(1, 0)), list(_dicts(rows))  # (private ones: counted)
 
 
 def brief_mark_now(store):
@@ -5101,8 +5101,9 @@ def _corrected_since(store, project, mark, most):
     """The corrections that came here after the mark (new records: rids past its rid)."""
     return [dict(c, queued=bool(c["queued"])) for c in _dicts(store.conn.execute(
         "SELECT 'corrected' AS change, n.id, n.created_at AS at, n.supersedes_id AS old_id, "
-        "o.text AS old_text, n.text, n.supersede_reason AS reason, n.pending = 1 AS queued FROM "
-        "records n LEFT JOIN records o ON o.id = n.supersedes_id WHERE n.rid > ? AND n.private = 0 "
+        "CASE WHEN o.private = 0 THEN o.text END AS old_text, n.text, "  # (private: not said)
+        "n.supersede_reason AS reason, n.pending = 1 AS queued FROM records n "
+        "LEFT JOIN records o ON o.id = n.supersedes_id WHERE n.rid > ? AND n.private = 0 "
         "AND n.supersedes_id IS NOT NULL AND n.pending != 2%s ORDER BY n.rid DESC LIMIT ?"
         % (" AND n.project_id = ?" if project else ""),
         [mark["rid"]] + ([project] if project else []) + [most]))]
@@ -7324,7 +7325,7 @@ class ReadOps:
         with store.snapshot():
             mark, now = _brief_mark(store.meta(key)), brief_mark_now(store)
             if not store.read_only:  # (a read-only database keeps no mark: no changes said)
-                doc["changed"] = changes_since(store, project, mark, 20) if mark else []
+                doc["changed"] = changes_since(store, project, mark) if mark else []
                 doc["changed_since"] = mark and mark.get("at")
             doc["records"] = [r for kinds in BRIEF_GROUPS
                               for r in brief_records(store, project, kinds)]

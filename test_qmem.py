@@ -7732,6 +7732,20 @@ class OperationsBriefTests(GatewayTestCase):
         self.assertEqual([r["id"] for r in other["records"]], [UUIDS[2]])  # (the old one is not)
         self.assertEqual((other["waiting"], other["refused"]), (1, 0))
 
+    def test_private_texts_stay_out_and_every_change_is_said_within_the_bound(self):
+        self.put_record(UUIDS[1], "the private plan is A", kind="decision", private=True)
+        self.put_records([(UUIDS[10 + n], "rule %d is old" % n) for n in range(25)],
+                         kind="fact")
+        self.brief()
+        self.ok("store", "my private note", "--project", "infra", "--private", "--queue-only")
+        self.ok("correct", UUIDS[1], "the plan is B", "--queue-only")
+        for n in range(25):
+            self.ok("correct", UUIDS[10 + n], "rule %d is new" % n, "--queue-only")
+        doc = self.ok_json("brief", "--project", "infra", "--max-chars", "100000")
+        self.assertEqual(len(doc["changed"]), 26)  # every one since the last brief
+        self.assertNotIn("private", json.dumps(doc))  # neither the write nor the old text
+        self.assertEqual(doc["waiting"], 27)  # (counted all the same)
+
     def test_what_was_forgotten_is_said_once_to_each_client(self):
         # Part 19: a memory deleted elsewhere (its tombstone pulled), and one forgotten here
         kept = self.gw.add("deploys go out on fridays", kind="decision")["id"]
