@@ -9674,9 +9674,6 @@ class CliTests(GatewayTestCase):
         self.addCleanup(os.chmod, odd, 0o700)
         self.assertIn("`chmod u+w '%s'`" % odd, qmem.unwritable(odd)[1])
 
-
-# === Across the layers =======================================================
-
     def test_a_brief_never_fails_it_is_empty_with_one_line_on_stderr(self):
         # Issue 37: run from agents' session-start hooks, it must never block one.
         def damaged():
@@ -9733,6 +9730,8 @@ class CliTests(GatewayTestCase):
             self.assertIn("the cache TTL is 5 minutes", self.ok("brief", "--project", "infra"))
             self.assertIn("every project", self.ok("brief"))
 
+
+# === Across the layers =======================================================
 
 
 class WritePathTests(BundleTestCase, McpTestCase):
