@@ -1985,6 +1985,8 @@ OUTBOX_MOVES = {
     "retry": ((SENDING,), PENDING, _UNCLAIM + "next_attempt_at=:now + :delay, "
               "attempts=attempts+:tries, last_status=:status, last_error=:error"),
     "due": ((PENDING,), PENDING, "next_attempt_at=:now"),  # no backoff waited out
+    # carried by a bundle (out, or in from a paired host): it may be delivered elsewhere
+    "handed": ((PENDING,), PENDING, "first_sent_at=coalesce(first_sent_at, :now)"),
     "unhold": ((HELD,), PENDING, "next_attempt_at=0"),  # the user vouches for it
     "unfail": ((FAILED,), PENDING, "next_attempt_at=0"),  # flush --retry-failed
     "synced": ((PENDING, SENDING, FAILED), SYNCED,
@@ -3327,8 +3329,8 @@ class Outbox:
                                              "WHERE id=?", (local_id,))), None)
 
     def write_of(self, local_id):
-        """(op, payload, state, whether it was ever claimed to be sent) of an outbox row, or
-        None."""
+        """(op, payload, state, whether it was ever claimed to be sent or carried by a
+        bundle) of an outbox row, or None."""
         return self.conn.execute("SELECT op, payload, state, first_sent_at IS NOT NULL "
                                  "FROM outbox WHERE id=?", (local_id,)).fetchone()
 
@@ -5318,7 +5320,7 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
     """Forget the memory record_id here, in one transaction: (what was done, the local id
     of the forget or of the write dropped, the claim's token or None). 'already': deleted
     already; 'repeated': a forget of it waits already; 'dropped': a write of this host
-    never handed to a flusher (nor sent), removed instead; 'queued': a forget queued, to
+    never handed to a flusher nor to a bundle, removed instead; 'queued': a forget queued, to
     be sent after the write it forgets when that one waits still (its gateway id)."""
     with store.transaction():
         write = store.outbox.write_of(record_id)
@@ -5893,12 +5895,24 @@ def write_bundle(store, out, projects=None, since=None, records=True, outbox=Tru
             for row in rows:
                 writer.put(dict(row, type="outbox"))
         writer.finish()
+        _handed_over(store, [row["id"] for row in rows])
     except BaseException:
         # closed once, here: a GzipFile left to the collector would try to write again
         with contextlib.suppress(OSError):
             writer.zipped.close()
         raise
     return counts
+
+
+def _handed_over(store, local_ids):
+    """The waiting writes a bundle carries may be delivered by the host that loads it: a
+    forget no longer drops them (enqueue_forget). A database this process may not write
+    keeps them as they were (nothing of the bundle depends on it)."""
+    if local_ids and not store.read_only:
+        with contextlib.suppress(StoreError):
+            with store.transaction():
+                for local_id in local_ids:
+                    store.outbox.move("handed", "id=:row", row=local_id, now=time.time())
 
 
 def _longest_run(text, char="`"):
@@ -6437,6 +6451,7 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
     add_write(store, local_id, row["op"], payload, float(row["created_at"]),
               FAILED if row["state"] == FAILED else PENDING,
               text_of(row["last_error"])[:500] if refused else None)
+    store.outbox.move("handed", "id=:row", row=local_id, now=time.time())  # (not of this host)
     stats.outbox_added += 1
 
 

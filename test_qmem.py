@@ -5666,6 +5666,27 @@ class BundleTests(BundleTestCase):
         self.assertEqual(self.ok_json("queue")["counts"]["synced"], 1)
         self.assertIn("[deleted]", self.ok("find", "dimenticare", "--deleted"))
 
+    def test_a_write_that_left_in_a_bundle_is_forgotten_not_dropped(self):
+        # Part 19: a write exported, or loaded from a paired host, may be delivered by the
+        # other host: dropping it here would not keep it out of shared memory
+        self.host("a", False)
+        local = self.ok_json("store", "memoria da non condividere", "--project", "p")["local_id"]
+        first = os.path.join(self.home, "first.bundle")
+        self.ok("export", first)
+        self.host("b", False)
+        self.ok("load", first)
+        self.assertEqual(self.ok_json("forget", local)["state"], "queued")  # on b: not b's own
+        self.host("a", False)
+        self.assertEqual(self.ok_json("forget", local)["state"], "queued")  # exported already
+        again = os.path.join(self.home, "again.bundle")
+        self.ok("export", again)
+        self.host("b", True)
+        self.ok("load", again)
+        self.ok("flush")
+        gid = [r for r in self.gw.records.values() if r["text"].startswith("memoria da non")]
+        self.assertEqual(self.gw.deletions, [gid[0]["id"]])
+        self.assertEqual(self.find_ids("condividere"), [])
+
     def test_loading_twice_changes_nothing(self):
         for n in range(3):
             self.gw.add("memoria %d" % n)
