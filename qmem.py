@@ -5589,6 +5589,12 @@ class Flusher:
         if row[2] == FORGET and resp.status in FORGET_REFUSED:
             self.refused.add(local_id)
             return Outcome(FAILED, row, status=resp.status, error=FORGET_REFUSED[resp.status])
+        answered = data.get("id")
+        if row[2] == FORGET and 200 <= resp.status < 300 and answered not in (None, target):
+            self.refused.add(local_id)  # (a proxy's cached page, a gateway gone wrong)
+            return Outcome(FAILED, row, status=resp.status,
+                           error="the gateway answered HTTP %d with another memory (%s), not "
+                           "this one deleted" % (resp.status, _shown(answered, resp.scrub)))
         if row[2] == FORGET and 200 <= resp.status < 300:  # the tombstone (again: a replay)
             self.delivered[local_id] = target
             return Outcome(SYNCED, row, status=200, record=dict(data, id=target))

@@ -5346,6 +5346,17 @@ class ForgetTests(GatewayTestCase):
         self.assertEqual(self.ok_json("flush")["synced"], 1)  # a person's flush: now
         self.assertEqual(self.gw.deletions, [rid])
 
+    def test_a_delete_answered_with_another_memory_is_not_said_done(self):
+        rid = self.pulled("memoria alfa")
+        other = self.pulled("memoria beta")
+        self.gw.script = [(200, dict(self.gw.records[other], deleted_at=None))]
+        code, out, err = self.run_cli("forget", rid)
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("not forgotten: the gateway answered HTTP 200 with another memory "
+                      "(\"%s\")" % other, out)
+        self.assertEqual(sorted(self.find_ids("memoria")), sorted([rid, other]))  # shown again
+        self.assertIsNone(self.local_record(rid)["deleted_at"])
+
     def test_superseded_and_already_deleted_memories(self):
         old = self.gw.add("the key is AKIA-something")
         self.gw.add("the key was rotated", supersedes_id=old["id"])
