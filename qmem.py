@@ -5114,9 +5114,10 @@ def _corrected_since(store, project, mark, most):
 def _forgotten_since(store, project, mark, most):
     """The memories forgotten since the mark: by this host (its forgets made since, waiting
     or delivered), or learnt deleted elsewhere (records known at the mark whose tombstone
-    came since), once each: not one a forget of this host deleted (said when it was made)."""
+    came since), once each: not one a forget of this host deleted (said when it was made).
+    Never its text: a memory is forgotten most often because its text must not be read."""
     return [dict(c, queued=bool(c["queued"])) for c in _dicts(store.conn.execute(
-        "SELECT 'forgotten' AS change, id, coalesce(deleted_at, ?) AS at, text AS old_text, "
+        "SELECT 'forgotten' AS change, id, coalesce(deleted_at, ?) AS at, NULL AS old_text, "
         "NULL AS text, id IN (%s) AS queued FROM records WHERE private = 0%s AND (id IN (%s) OR "
         "deleted_at IS NOT NULL AND rid <= ? AND seen_at > ? AND id NOT IN (%s)) ORDER BY rid "
         "DESC LIMIT ?" % (FORGETTING, " AND project_id = ?" if project else "",
@@ -9232,7 +9233,8 @@ def _brief_sections(doc):
     text = lambda value, n=BRIEF_TEXT_CHARS: visible(_one_line(value or "", n))  # noqa: E731
     changed = ["%s %s%s: %s%s%s" % (
         c["change"], text(c["id"], 100), " (was %s)" % text(c["old_id"], 100) if c.get(
-            "old_id") else "", text(c["old_text"], 200), "" if c["text"] is None else " -> "
+            "old_id") else "", text(c["old_text"], 200) if c["old_text"] is not None else
+        "(its text is not repeated)", "" if c["text"] is None else " -> "
         + text(c["text"], 200), " [not yet shared]" if c.get("queued") else "")
                for c in doc["changed"] or ()] or [
         "(nothing)" if doc["changed_since"] else "(the first brief of this project for %s "
