@@ -7762,7 +7762,8 @@ class WriteOps:
                 error, GatewayError) else str(error or row["last_error"] or "retry later")
         elif state == FAILED:
             doc.update(error_document(QmemError("not forgotten: %s; %s is shown again"
-                                                 % (row["last_error"], rid), kind="rejected")))
+                                                 % (row["last_error"], rid), kind="rejected",
+                                                 fix=Fix("drop_forget", local_id=local_id))))
         elif state == "forgotten" and (doc["deleted_at"] or "") < iso_from_epoch(
                 row["created_at"] - 600):
             doc["state"] = "already"  # the tombstone is older than this forget
@@ -8483,6 +8484,8 @@ CLI_FIXES = {
     "correct": "to change what it says: `qmem.py correct {id} \"…\"`",
     "drop": "discard it with `qmem.py queue --drop {local_id} --yes`",
     "drop_both": "drop both: `qmem.py queue --drop {target} {correction} --yes --force`",
+    "drop_forget": "the refused forget stays in the outbox until `qmem.py queue --drop {local_id} "
+                   "--yes` discards it (`flush --retry-failed` sends it again)",
     "enrich": "`qmem.py enrich` again goes on with the rest",
     "enrich_all": "refresh known records one by one with `qmem.py enrich --all`",
     "failed_writes": "`qmem.py queue --state failed` shows why; fix and `flush --retry-failed` (a "

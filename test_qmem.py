@@ -5326,6 +5326,9 @@ class ForgetTests(GatewayTestCase):
             self.assertEqual(code, 1, out + err)
             self.assertIn("not forgotten: " + words, out)
             self.assertNotIn("API key rejected", err)
+            local_id = json.loads(self.run_cli("queue", "--json")[1])["items"][-1]["local_id"]
+            self.assertIn("the refused forget stays in the outbox until `qmem.py queue --drop "
+                          "%s --yes` discards it" % local_id, err)  # (it would say so forever)
             self.assertEqual(self.find_ids(word), [rid])  # shown again
             self.ok("flush")  # never retried in a loop
         self.assertEqual(len(self.deletes()), 2)
