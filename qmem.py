@@ -9647,7 +9647,7 @@ FORGET_TOOL = McpTool(
     "corrected with qmem_correct instead. Queued here like qmem_store when the gateway cannot "
     "take it now; hidden from this machine's searches at once.",
     {"id": _prop("the id of the memory to forget"),
-     "reason": _prop("why it is forgotten (kept on this machine only)")},
+     "reason": _prop("why it is forgotten (never sent to the gateway)")},
     ["id"], read_only=False, idempotent=True)
 MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS + (FORGET_TOOL,)}
 
@@ -10696,7 +10696,8 @@ COMMANDS = (
      "Forget a memory: a soft delete in the shared memory, through the outbox like every write "
      "(hidden here at once; queued while the gateway is away).",
      [arg("id", help="the memory to forget"),
-      arg("--reason", help="why (kept on this machine only: the gateway takes none)")]),
+      arg("--reason", help="why (never sent to the gateway: it takes none; a bundle carries "
+          "it to the host that delivers the forget)")]),
     ("queue", cli_queue,
      "The outbox: writes made here, and whether they reached the shared memory (--drop "
      "discards failed or duplicate ones).",
