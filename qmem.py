@@ -6445,7 +6445,11 @@ def _add_loaded_write(store, row, stats, max_mb, trust):
             return
         add_write(store, local_id, row["op"], payload, float(row["created_at"]), HELD)
         store.records.set_origin([local_id], ORIGIN_UNVERIFIED)
-        text = body.get("text") or "forget %s" % body.get("id")  # (a forget has no text)
+        if row["op"] == FORGET:  # what it forgets as known here, not as the bundle says
+            known = store.records.get(store.outbox.current_id(body["id"])) or {}
+            body = dict(body, project_id=known.get("project_id"), text="forget %s: %s" % (
+                body["id"], known.get("text") or "a memory not known here"))
+        text = body["text"]
         stats.held.append({"local_id": local_id, "project_id": body.get("project_id") or "?",
                            "kind": body.get("kind") or row["op"],
                            "agent_id": body.get("agent_id") or "?",

@@ -6139,7 +6139,12 @@ class BundleTrustTests(BundleTestCase):
         self.put(UUIDS[3], "memoria da tenere")
         row = {"type": "outbox", "id": UUIDS[20], "op": "forget", "state": "pending",
                "created_at": time.time(), "payload": json.dumps({"id": UUIDS[3]})}
-        self.assertIn("held %s" % UUIDS[20][:8], self.ok("load", self.crafted([row], key=None)))
+        row["payload"] = json.dumps({"id": UUIDS[3], "project_id": "harmless"})
+        said = self.ok("load", self.crafted([row], key=None))
+        self.assertIn("held %s" % UUIDS[20][:8], said)
+        # what the user is asked to release: the memory it forgets as known here
+        self.assertIn("infra  forget  by ? from ?:  forget %s: memoria da tenere" % UUIDS[3], said)
+        self.assertNotIn("harmless", said)
         self.assertEqual(self.find_ids("tenere"), [UUIDS[3]])
         self.ok("flush")
         self.assertEqual(self.gw.requests, [])
