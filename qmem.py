@@ -6396,6 +6396,10 @@ def _load_outbox_row(store, row, stats, max_mb, trust):
     if here is not None and here[2] == HELD and trust == SIGNED:
         store.outbox.drop_held(local_id)  # an unverified row must not pre-plant a real id
         here = None
+    if (here is not None and here[0] != row.get("op") and here[2] == FAILED and trust == SIGNED
+            and store.outbox.row(local_id)["last_status"] == 0):
+        store.outbox.discard(local_id, (FAILED,))  # refused when loaded by an older qmem.py
+        here = None  # that did not know this write (a forget, kept as a store): read anew
     delivered = state in (SYNCED, DUPLICATE)
     if here is None and not delivered:
         _add_loaded_write(store, row, stats, max_mb, trust)

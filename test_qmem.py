@@ -5680,6 +5680,27 @@ class BundleTests(BundleTestCase):
         self.assertEqual(self.ok_json("queue")["counts"]["synced"], 1)
         self.assertIn("[deleted]", self.ok("find", "dimenticare", "--deleted"))
 
+    def test_a_forget_an_older_qmem_refused_is_read_anew_once_it_is_upgraded(self):
+        # Part 19: a qmem.py of schema 8 kept a paired host's forget as a store refused
+        # when loaded (last_status 0, never sent); upgraded, it delivers the next bundle's
+        rid = self.gw.add("memoria da dimenticare poi")["id"]
+        self.host("airgapped", False)
+        local_id = self.ok_json("forget", rid)["local_id"]
+        bundle = os.path.join(self.home, "out.bundle")
+        self.ok("export", bundle)
+        self.host("connected", True)
+        self.ok("pull")
+        conn = sqlite3.connect(os.environ["QMEM_SQLITE"])
+        with conn:
+            conn.execute("INSERT INTO outbox(id, op, payload, created_at, state, last_status, "
+                         "last_error, done_at) VALUES(?, 'store', ?, 1, 'failed', 0, 'refused "
+                         "when loaded here: not a write of qmem.py', 1)",
+                         (local_id, json.dumps({"id": rid})))
+        conn.close()
+        self.assertEqual(self.ok_json("load", bundle)["outbox"]["added"], 1)
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertEqual(self.gw.deletions, [rid])
+
     def test_a_write_that_left_in_a_bundle_is_forgotten_not_dropped(self):
         # Part 19: a write exported, or loaded from a paired host, may be delivered by the
         # other host: dropping it here would not keep it out of shared memory
