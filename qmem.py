@@ -5337,6 +5337,9 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
         if write and write[2] == FAILED:
             raise UsageError("%s was refused by the gateway and never stored: there is nothing "
                              "to forget" % record_id, fix=Fix("drop", local_id=record_id))
+        if write and write[2] == DUPLICATE:
+            raise UsageError("%s was never stored: %s" % (record_id, FORGOT_NOTHING % current),
+                             fix=Fix("forget_original", id=current))
         if write and write[2] in (PENDING, HELD) and not write[3]:
             corrections = store.outbox.dependents_of([record_id])
             if corrections:
@@ -5353,6 +5356,11 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
                                                       sort_keys=True), time.time())
         token = claim(local_id) if claim is not None else None
     return "queued", local_id, token
+
+
+# A forget of a write the gateway did not store: the memory that holds its text is another's.
+FORGOT_NOTHING = ("nothing to forget: the write it names was not stored, and the near-identical "
+                  "memory that holds its text, %s, stays")
 
 
 # Why the gateway refused a forget, by its answer's status (gateway-api.md): final, never
@@ -5450,6 +5458,7 @@ class Flusher:
         self.lease_s, self.batch = lease_s or max(LEASE_S, 2 * self.call_s), batch
         self.delivered = {}  # local id -> gateway id, for rows of this run
         self.refused = set()  # local ids the gateway refused in this run
+        self.duplicates = set()  # local ids the gateway did not store in this run (409)
 
     def claim_new(self, local_id):
         """Inside the transaction that queues a write: claim it for its writer at once, so
@@ -5517,13 +5526,16 @@ class Flusher:
                 self.store.set_meta("last_flush_at", iso_now())
         return stats
 
-    def _resolve_target(self, target):
+    def _resolve_target(self, target, op):
         """A correction's supersedes_id (or what a forget forgets), as the gateway knows it:
-        ('ok', id) or ('hold', why) or ('fail', why)."""
+        ('ok', id) or ('hold', why) or ('fail', why); ('nothing', id) for a forget of a write
+        the gateway did not store, whose text the near-identical memory `id` holds: that one
+        is not this forget's to delete (a correction supersedes it)."""
         if not target:
             return "ok", None
         if target in self.delivered:  # sent in this run, not committed yet
-            return "ok", self.delivered[target]
+            return ("nothing" if op == FORGET and target in self.duplicates else "ok",
+                    self.delivered[target])
         if target in self.refused:
             return "fail", "the record it names (%s) was refused by the gateway" % target
         row = self.store.conn.execute(
@@ -5534,7 +5546,7 @@ class Flusher:
         if state == SYNCED:
             return "ok", gateway_id
         if state == DUPLICATE and duplicate_of:
-            return "ok", duplicate_of
+            return "nothing" if op == FORGET else "ok", duplicate_of
         if state in (FAILED, DUPLICATE):
             return "fail", "the record it names (%s) was refused by the gateway" % target
         return "hold", "waits for the record it names (%s) to be delivered" % target
@@ -5542,7 +5554,9 @@ class Flusher:
     def _send(self, row, stats):
         """Send one claimed row; its Outcome (stats only learn why a flush stopped)."""
         rid, local_id, op, payload, target = row
-        verdict, value = self._resolve_target(target)
+        verdict, value = self._resolve_target(target, op)
+        if verdict == "nothing":
+            return Outcome(DUPLICATE, row, duplicate_of=value, error=FORGOT_NOTHING % value)
         if verdict == "hold":
             return Outcome(RETRY, row, error=value, delay=2, held=True)
         if verdict == "fail":
@@ -5619,6 +5633,7 @@ class Flusher:
                 return Outcome(NOT_APPLIED, row, status=409, duplicate_of=original,
                                error=not_applied_reason(original, target))
             self.delivered[local_id] = original
+            self.duplicates.add(local_id)
             return Outcome(DUPLICATE, row, status=409, duplicate_of=original,
                            error="near-identical memory exists (similarity %s)"
                            % _shown(data.get("similarity"), resp.scrub))
@@ -8504,6 +8519,7 @@ CLI_FIXES = {
     "flush_after_probe": "`qmem.py flush` again once it has answered",
     "flush_later": "`qmem.py flush` again later",
     "force": "add --force to discard it anyway",
+    "forget_original": "if that one is meant, `qmem.py forget {id}` forgets it",
     "held": "`qmem.py queue --state held` lists them",
     "ids": "see `qmem.py find`",
     "index": "run `qmem.py import` or `qmem.py pull` first",
@@ -10083,6 +10099,7 @@ MCP_FIXES = {
     "correct": "to change what it says, call qmem_correct with id {id}",
     "find_meanwhile": "qmem_find searches this machine's index meanwhile",
     "flush": "it is delivered after a later call that reaches the gateway",
+    "forget_original": "if that one is meant, call qmem_forget with its id, {id}",
     "ids": "ids come from qmem_search or qmem_find results",
     "own_db": "the server takes one as `qmem.py mcp --db PATH`, or QMEM_SQLITE in its "
               "environment",

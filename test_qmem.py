@@ -5396,6 +5396,24 @@ class ForgetTests(GatewayTestCase):
         self.assertIn("never stored: there is nothing to forget: discard it with `qmem.py queue "
                       "--drop %s --yes`" % refused, self.expect_fail(2, "forget", refused))
 
+    def test_a_write_not_stored_as_a_duplicate_leaves_the_original_alone(self):
+        original = self.pulled("la porta è 9090")  # another agent's memory
+        self.gw.duplicate_texts["la porta è 9090"] = original
+        self.offline()
+        tried = self.ok_json("store", "la porta è 9090", "--project", "p")["local_id"]
+        self.assertEqual(self.ok_json("forget", tried)["state"], "queued")
+        self.go_online()
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.ok_json("flush")["duplicate"], 2)  # the write, then the forget
+        self.assertEqual(self.gw.deletions, [])  # never the original, which no one named
+        self.assertIn("nothing to forget: the write it names was not stored, and the "
+                      "near-identical memory that holds its text, %s, stays" % original,
+                      self.ok("queue", "--state", "duplicate"))
+        self.assertEqual(self.find_ids("porta"), [original])
+        err = self.expect_fail(2, "forget", tried)  # named again, once settled
+        self.assertIn("%s was never stored: nothing to forget" % tried, err)
+        self.assertIn("if that one is meant, `qmem.py forget %s` forgets it" % original, err)
+
     def test_a_pull_search_or_get_while_it_waits_does_not_show_it_again(self):
         rid = self.pulled("the blue deploy notes")
         other = self.pulled("the green rollout notes")
