@@ -1301,6 +1301,12 @@ class Breaker:
         state = self.read()
         return state["state"] == "open" and self.refuses(state, self.clock())
 
+    def refusal(self):
+        """The GatewayError('breaker_open') a call from this process would fail with now,
+        or None; it changes nothing (a half-open probe is taken by admit(), not here)."""
+        state, now = self.read(), self.clock()
+        return self._refusal(state, now) if self.refuses(state, now) else None
+
     def _refusal(self, state, now):
         ms = self.retry_in(state, now)
         why = ("another process%s is probing it" % prober(state["probe_token"])
@@ -5460,9 +5466,19 @@ class Flusher:
         self.refused = set()  # local ids the gateway refused in this run
         self.duplicates = set()  # local ids the gateway did not store in this run (409)
 
+    def _refused(self):
+        """The breaker's refusal of a call now, or None. A claim marks its rows as perhaps
+        sent (first_sent_at: a forget then waits for them instead of dropping them), so none
+        is made for a call that cannot go out."""
+        gateway = self.gateway
+        return None if gateway is None or gateway.bypass_breaker else gateway.breaker.refusal()
+
     def claim_new(self, local_id):
         """Inside the transaction that queues a write: claim it for its writer at once, so
-        that no other flusher takes it before its writer sends it. Returns the token."""
+        that no other flusher takes it before its writer sends it. Returns the token, or
+        None when the breaker refuses a call now (its writer then only tries it)."""
+        if self._refused() is not None:
+            return None
         token = claim_token()
         self.store.outbox.move("claim", "id=:row AND " + state_is(PENDING), row=local_id,
                                token=token, now=self.clock(), lease=self.lease_s)
@@ -5499,6 +5515,10 @@ class Flusher:
         give_up = None if budget_s is None else time.monotonic() + budget_s
         while stats.stopped is None:
             claimed_at = self.clock()
+            refused = self._refused() if claimed is None else None
+            if refused is not None and self.store.outbox.ready(claimed_at):
+                stats.stopped, stats.stop_error = str(refused), refused  # (none claimed)
+                break
             token, rows = self.claim(only) if claimed is None else (claimed, self._claimed(claimed))
             if not rows:
                 break

@@ -5396,6 +5396,17 @@ class ForgetTests(GatewayTestCase):
         self.assertIn("never stored: there is nothing to forget: discard it with `qmem.py queue "
                       "--drop %s --yes`" % refused, self.expect_fail(2, "forget", refused))
 
+    def test_a_write_made_while_the_breaker_is_open_was_never_sent_and_is_dropped(self):
+        self.offline()
+        self.ok("store", "tentata", "--project", "p")  # tried: the breaker opens
+        kept = self.ok_json("store", "la chiave è abc123", "--project", "p")
+        self.assertIn("breaker open", kept["reason"])
+        self.assertEqual(self.ok_json("forget", kept["local_id"])["state"], "dropped")
+        self.go_online()
+        self.ok("breaker", "--reset")
+        self.assertEqual(self.ok_json("flush")["synced"], 1)
+        self.assertEqual([r[3]["text"] for r in self.gw.requests if r[0] == "POST"], ["tentata"])
+
     def test_a_write_not_stored_as_a_duplicate_leaves_the_original_alone(self):
         original = self.pulled("la porta è 9090")  # another agent's memory
         self.gw.duplicate_texts["la porta è 9090"] = original
