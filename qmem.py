@@ -5586,7 +5586,7 @@ class Flusher:
             payload = json.dumps(dict(json.loads(payload), supersedes_id=value),
                                  ensure_ascii=False, sort_keys=True)
         try:
-            if op == FORGET:  # no body: the reason stays here
+            if op == FORGET:  # no body: the reason is never sent
                 from urllib.parse import quote
                 resp = self.gateway.call("DELETE", "/v1/memories/" + quote(value, safe=""),
                                          idempotency_key=local_id)
@@ -7762,7 +7762,7 @@ class WriteOps:
     def forget(self, record_id, reason=None):
         """Forget a memory: a soft delete at the gateway, through the outbox like every
         write (sent now when the gateway answers, else queued), hidden here at once. The
-        reason stays on this machine (a DELETE has no body)."""
+        reason is never sent to the gateway (a DELETE has no body)."""
         ops, rid = self.ops, _check_id((record_id or "").strip())
         wrong = field_wrong("reason", reason, MAX_FIELD)
         if wrong:
