@@ -10079,7 +10079,6 @@ class McpServer:
         return _read_result(doc, "found", project_id=project, project_from=where, note=note,
                             brief=brief_text(doc))
 
-
     def tool_forget(self, ops, a):
         doc = ops.write.forget(a["id"], a.get("reason"))
         said = FORGET_SAID[doc["state"]].format(**doc)
