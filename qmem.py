@@ -5140,7 +5140,7 @@ def set_brief_mark(store, key, mark):
     """Keep a brief's mark, without waiting (a busy database keeps the one it had)."""
     store.conn.execute("PRAGMA busy_timeout=0")
     with contextlib.suppress(sqlite3.Error):
-        store.conn.execute("INSERT OR REPLACE INTO meta VALUES(?, ?)", (key, json.dumps(mark)))
+        store.set_meta(key, json.dumps(mark))  # (one statement: a transaction of its own)
     store.conn.execute("PRAGMA busy_timeout=%d" % (BUSY_TIMEOUT_S * 1000))
 
 
