@@ -3373,7 +3373,7 @@ class Outbox:
         self.delete_held(local_id)
         self.store.records.drop_local(local_id, None)
 
-    def forget(self, local_id):
+    def withdraw(self, local_id):
         """Remove a write that is still waiting, and its local record (one transaction)."""
         self.drop([local_id], WAITING)
 
@@ -7695,7 +7695,7 @@ class WriteOps:
                                   fix=Fix("flush"))
         row = store.outbox.row(local_id)
         if row["state"] in WAITING and not queue_only and not ops.config["offlineQueue"]:
-            store.outbox.forget(local_id)
+            store.outbox.withdraw(local_id)
             not_kept = "not stored (offlineQueue is off, nothing kept): %s"
             if isinstance(error, GatewayError):
                 raise GatewayError(error.kind, not_kept % error.message, hint=error.hint,
@@ -7783,7 +7783,7 @@ class WriteOps:
                                   fix=Fix("flush"))
         row = store.outbox.row(local_id) if what in ("queued", "repeated") else None
         if what == "queued" and row["state"] in WAITING and not ops.config["offlineQueue"]:
-            store.outbox.forget(local_id)
+            store.outbox.withdraw(local_id)
             raise QmemError("not forgotten (offlineQueue is off, nothing kept): %s"
                             % (error or row["last_error"]), kind="not_stored")
         return self._forget_doc(store, rid, what, local_id, row, error)
