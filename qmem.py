@@ -9508,11 +9508,11 @@ _FILTER_KIND = _prop("only this kind", enum=list(KINDS))
 class McpTool:
     """One tool: its listing, the arguments it takes, and the server method that runs it."""
 
-    def __init__(self, name, title, description, properties, required, read_only, idempotent):
+    def __init__(self, name, title, description, properties, required, read_only, idempotent,
+                 destructive=False):  # (destructive: it deletes, a client may ask the user first)
         self.name, self.title, self.description = name, title, description
         self.properties, self.required = properties, required
-        self.read_only, self.idempotent = read_only, idempotent
-        self.destructive = name == "qmem_forget"  # (it deletes: a client may ask the user first)
+        self.read_only, self.idempotent, self.destructive = read_only, idempotent, destructive
         self.aliases = {a: p for a, p in MCP_ALIASES.items() if p in properties}
         self.method = "tool_" + name[len("qmem_"):]
 
@@ -9692,7 +9692,7 @@ FORGET_TOOL = McpTool(
     "take it now; hidden from this machine's searches at once.",
     {"id": _prop("the id of the memory to forget"),
      "reason": _prop("why it is forgotten (never sent to the gateway)")},
-    ["id"], read_only=False, idempotent=True)
+    ["id"], read_only=False, idempotent=True, destructive=True)
 MCP_TOOL_NAMES = {t.name: t for t in MCP_TOOLS + (FORGET_TOOL,)}
 
 
