@@ -10084,9 +10084,8 @@ class McpServer:
         said = FORGET_SAID[doc["state"]].format(**doc)
         note = said[:1].upper() + said[1:]
         if doc["state"] == "queued":
-            note += ("; other agents still find it until it is delivered (%s)" % (
-                DELIVER_BY[True] if doc.get("by_bundles") else
-                "after a later call that reaches the gateway, or `qmem.py flush`"))
+            note += ("; other agents still find it until it is delivered (%s)"
+                     % _delivered_when(doc))
         out = {"status": {"dropped": "forgotten", "already": "forgotten"}.get(doc["state"],
                                                                                doc["state"]),
                "source": doc["source"], "degraded": doc["degraded"], "id": doc["id"],
@@ -10248,6 +10247,14 @@ def _agent_hint(problem):
     return worded_hint(problem["hint"], problem["fixes"], mcp_words)
 
 
+def _delivered_when(doc):
+    """When a queued write (a forget too) reaches the shared memory, as an agent is told it."""
+    return (DELIVER_BY[True] if doc.get("by_bundles") else
+            "once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
+            if doc.get("not_configured") else
+            "after a later call that reaches the gateway, or `qmem.py flush`")
+
+
 def _written(doc, where, corrects=None):
     """A write's result: stored, queued, duplicate or failed, and what that means."""
     state, rid, project = doc["state"], doc["id"], doc["project_id"]
@@ -10267,12 +10274,8 @@ def _written(doc, where, corrects=None):
     elif status == "failed":  # refused, or a correction not applied: its error says what next
         note = "%s; %s" % (said, _agent_hint(doc["error"]))
     else:
-        when = (DELIVER_BY[True] if doc.get("by_bundles") else
-                "once a gateway is configured (`qmem.py config url`) and `qmem.py flush` runs"
-                if doc.get("not_configured") else
-                "after a later call that reaches the gateway, or `qmem.py flush`")
         note = ("%s, project %s; qmem_find finds it here now, other agents once it is delivered "
-                "(%s), so do not store it again" % (said, project, when))
+                "(%s), so do not store it again" % (said, project, _delivered_when(doc)))
         for what, key in QUEUED_NOTES:
             if doc.get(key):
                 note += "; " + write_said(doc, what)
