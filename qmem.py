@@ -5323,6 +5323,16 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
         store.records.mark_waiting(local_id, target if state == PENDING else None)
 
 
+# A forget of a write the gateway did not store: the memory that holds its text is another's.
+FORGOT_NOTHING = ("nothing to forget: the write it names was not stored, and the near-identical "
+                  "memory that holds its text, %s, stays")
+# Why the gateway refused a forget, by its answer's status (gateway-api.md): final, never
+# retried in a loop; what it forgets is shown again.
+FORGET_REFUSED = {403: "this API key may not delete that memory (HTTP 403)",
+                  404: "the gateway does not know that memory (HTTP 404)",
+                  405: "this gateway cannot delete (before 2.12.0)"}
+
+
 def enqueue_forget(store, record_id, reason=None, claim=None):
     """Forget the memory record_id here, in one transaction: (what was done, the local id
     of the forget or of the write dropped, the claim's token or None). 'already': deleted
@@ -5362,18 +5372,6 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
                                                       sort_keys=True), time.time())
         token = claim(local_id) if claim is not None else None
     return "queued", local_id, token
-
-
-# A forget of a write the gateway did not store: the memory that holds its text is another's.
-FORGOT_NOTHING = ("nothing to forget: the write it names was not stored, and the near-identical "
-                  "memory that holds its text, %s, stays")
-
-
-# Why the gateway refused a forget, by its answer's status (gateway-api.md): final, never
-# retried in a loop; what it forgets is shown again.
-FORGET_REFUSED = {403: "this API key may not delete that memory (HTTP 403)",
-                  404: "the gateway does not know that memory (HTTP 404)",
-                  405: "this gateway cannot delete (before 2.12.0)"}
 
 
 RELEASE, RETRY = "release", "retry"  # beside the final states: give back untouched / retry later
