@@ -7801,6 +7801,8 @@ class WriteOps:
             doc["by_bundles"] = by_bundles(ops.config["url"], store)
             doc["reason"] = ops.failure_reason(error)["reason"] if isinstance(
                 error, GatewayError) else str(error or row["last_error"] or "retry later")
+            if error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+                doc.update(error_document(error))  # queued, but the key (say) must be fixed
         elif state == FAILED:
             doc.update(error_document(QmemError("not forgotten: %s; %s is shown again"
                                                  % (row["last_error"], rid), kind="rejected",
@@ -7808,9 +7810,6 @@ class WriteOps:
         elif state == "forgotten" and (doc["deleted_at"] or "") < iso_from_epoch(
                 row["created_at"] - 600):
             doc["state"] = "already"  # the tombstone is older than this forget
-        if error is not None and state == "queued" and error.kind in CONFIG_KINDS - {
-                NOT_CONFIGURED}:
-            doc.update(error_document(error))  # queued, but the key (say) must be fixed first
         return ops.after_online(doc) if state == "forgotten" else doc
 
     # -- the outbox
