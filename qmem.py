@@ -2030,7 +2030,7 @@ _RESENDABLE = "%s AND coalesce(last_status, -1) NOT IN (0, %d)" % (state_is(FAIL
                                                                    NOT_APPLIED_STATUS)
 # The ids of the records that the forgets of a condition (f.%s: state_is(...) and more)
 # name, as each record is known now (a write of this host since delivered: its gateway id).
-FORGET_TARGETS = ("SELECT coalesce(t.gateway_id, t.duplicate_of, f.target) FROM outbox f "
+FORGET_TARGETS = ("SELECT coalesce(t.gateway_id, f.target) FROM outbox f "
                   "LEFT JOIN outbox t ON t.id = f.target WHERE f.op = '%s' AND f.target IS NOT "
                   "NULL AND f.%%s" % FORGET)
 FORGETTING = FORGET_TARGETS % state_is(*WAITING)  # the records being forgotten
@@ -3395,8 +3395,8 @@ class Outbox:
         if record_id is None:
             return {i for (i,) in self.conn.execute(FORGETTING)}
         return self.store._one("SELECT f.id FROM outbox f LEFT JOIN outbox t ON t.id = f.target "
-                               "WHERE f.op = '%s' AND f.%s AND ? IN (f.target, t.gateway_id, "
-                               "t.duplicate_of)" % (FORGET, state_is(*WAITING)), (record_id,))
+                               "WHERE f.op = '%s' AND f.%s AND ? IN (f.target, t.gateway_id)"
+                               % (FORGET, state_is(*WAITING)), (record_id,))
 
     def resendable(self):
         """How many refused rows `flush --retry-failed` would send again."""
@@ -5344,18 +5344,18 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
         if write and write[0] == FORGET:
             raise UsageError("%s is a forget, not a memory" % record_id)
         current = store.outbox.current_id(record_id)
-        rec = store.records.get(current) or {}
-        if rec.get("deleted_at"):
-            return "already", None, None
-        waiting = store.outbox.forgetting(current)
-        if waiting:
-            return "repeated", waiting, None
         if write and write[2] == FAILED:
             raise UsageError("%s was refused by the gateway and never stored: there is nothing "
                              "to forget" % record_id, fix=Fix("drop", local_id=record_id))
         if write and write[2] == DUPLICATE:
             raise UsageError("%s was never stored: %s" % (record_id, FORGOT_NOTHING % current),
                              fix=Fix("forget_original", id=current))
+        rec = store.records.get(current) or {}
+        if rec.get("deleted_at"):
+            return "already", None, None
+        waiting = store.outbox.forgetting(current)
+        if waiting:
+            return "repeated", waiting, None
         if write and write[2] in (PENDING, HELD) and not write[3]:
             corrections = store.outbox.dependents_of([record_id])
             if corrections:
@@ -7789,7 +7789,8 @@ class WriteOps:
     def _forget_doc(self, store, rid, what, local_id, row, error):
         """What became of a forget, as the document of forget."""
         ops = self.ops
-        state = {SYNCED: "forgotten", FAILED: FAILED}.get(row and row["state"], "queued")
+        state = {SYNCED: "forgotten", FAILED: FAILED, DUPLICATE: "nothing"}.get(
+            row and row["state"], "queued")
         state = what if what in ("already", "dropped") else state
         rec = store.records.get(store.outbox.current_id(rid)) or {}
         doc = {"op": FORGET, "id": rid, "local_id": local_id, "state": state,
@@ -9001,6 +9002,7 @@ FORGET_SAID = {
     "queued": "hidden here, not forgotten in the shared memory yet: the forget is queued on this "
               "machine as {local_id} ({reason})",
     FAILED: "not forgotten: {last_error}; {id} is shown again",
+    "nothing": "not forgotten: {last_error}",
 }
 
 
@@ -9066,7 +9068,8 @@ def show_queue(doc, out):
             out.write("    the next attempt is after %s\n"
                       % when_utc(parse_iso(it["next_attempt_at"])))
     shown = set(it["state"] for it in items)
-    if DUPLICATE in shown:
+    # (a forget settled as a duplicate says in its last error that there was nothing to forget)
+    if any(it["state"] == DUPLICATE and it["op"] != FORGET for it in items):
         out.write("duplicates were not stored: a near-identical memory exists; `qmem.py correct "
                   "ID` changes it\n")
     if any(it["state"] == FAILED and not (it["not_applied"] or it["refused_here"])
@@ -10083,8 +10086,8 @@ class McpServer:
         if doc["state"] == "queued":
             note += ("; other agents still find it until it is delivered (%s)"
                      % _delivered_when(doc))
-        out = {"status": {"dropped": "forgotten", "already": "forgotten"}.get(doc["state"],
-                                                                               doc["state"]),
+        out = {"status": {"dropped": "forgotten", "already": "forgotten",
+                          "nothing": "duplicate"}.get(doc["state"], doc["state"]),
                "source": doc["source"], "degraded": doc["degraded"], "id": doc["id"],
                "note": note + "."}
         if doc.get("error"):

@@ -5425,6 +5425,39 @@ class ForgetTests(GatewayTestCase):
         self.assertIn("%s was never stored: nothing to forget" % tried, err)
         self.assertIn("if that one is meant, `qmem.py forget %s` forgets it" % original, err)
 
+    def test_a_forget_that_finds_its_write_a_duplicate_says_it_forgot_nothing(self):
+        original = self.pulled("la porta è 9090")
+        self.gw.duplicate_texts["la porta è 9090"] = original
+        self.offline()
+        tried = self.ok_json("store", "la porta è 9090", "--project", "p")["local_id"]
+        self.go_online()
+        self.ok("breaker", "--reset")
+        said = self.ok("forget", tried)  # the write goes first: 409, then its forget
+        self.assertTrue(said.startswith("not forgotten: nothing to forget: the write it names "
+                                        "was not stored"), said)
+        self.assertNotIn("queued", said)
+        self.assertEqual(self.gw.deletions, [])
+
+    def test_a_forget_waiting_on_a_write_found_a_duplicate_hides_nothing_else(self):
+        original = self.pulled("la porta è 9090")  # another agent's memory
+        self.gw.duplicate_texts["la porta è 9090"] = original
+        self.offline()
+        tried = self.ok_json("store", "la porta è 9090", "--project", "p")["local_id"]
+        self.ok("breaker", "--reset")
+        self.ok("forget", tried)
+        self.go_online()
+        store = qmem.Store(self.db)
+        self.addCleanup(store.close)
+        qmem.Flusher(store, self.client()).run(only=tried)  # the write alone, not its forget
+        self.assertEqual(self.find_ids("porta"), [original])  # no longer hidden by that forget
+        self.assertEqual(self.ok_json("forget", original)["state"], "forgotten")  # not "repeated"
+        self.assertEqual(self.gw.deletions, [original])  # the one named: forgotten
+        self.assertEqual(self.ok_json("flush")["duplicate"], 1)  # the first: nothing to forget
+        self.ok("queue", "--drop", tried, "--yes")
+        listed = self.ok("queue", "--state", "duplicate")
+        self.assertIn("last error: nothing to forget", listed)
+        self.assertNotIn("`qmem.py correct ID` changes it", listed)  # (a write's hint)
+
     def test_a_pull_search_or_get_while_it_waits_does_not_show_it_again(self):
         rid = self.pulled("the blue deploy notes")
         other = self.pulled("the green rollout notes")
