@@ -5086,7 +5086,8 @@ def brief_writes(store, project, most=BRIEF_MOST):
     rows = store.conn.execute(sql % (
         "o.id, r.kind, r.project_id, r.text, CASE WHEN o.state = 'failed' THEN "
         "coalesce(o.last_error, 'refused by the gateway') END AS refused",
-        "AND coalesce(r.private, 0) = 0 ORDER BY o.rid DESC LIMIT ?"), params + [most])
+        "AND coalesce(r.private, 0) = 0 AND o.id NOT IN (%s) ORDER BY o.rid DESC LIMIT ?"
+        % FORGETTING), params + [most])
     return (counts.get(0, 0), counts.get(1, 0)), list(_dicts(rows))  # (private ones: counted)
 
 

@@ -7869,6 +7869,14 @@ class OperationsBriefTests(GatewayTestCase):
         self.assertNotIn("private", json.dumps(doc))  # neither the write nor the old text
         self.assertEqual(doc["waiting"], 27)  # (counted all the same)
 
+    def test_a_write_being_forgotten_is_not_recalled(self):
+        self.offline()
+        tried = self.ok_json("store", "the root password is hunter2", "--project", "infra",
+                             "--kind", "decision")["local_id"]
+        self.ok("breaker", "--reset")
+        self.ok("forget", tried)  # queued: the write goes first, then its forget
+        self.assertNotIn("hunter2", self.brief())
+
     def test_what_was_forgotten_is_said_once_to_each_client(self):
         # Part 19: a memory deleted elsewhere (its tombstone pulled), and one forgotten here
         kept = self.gw.add("deploys go out on fridays", kind="decision")["id"]
