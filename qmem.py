@@ -7446,9 +7446,10 @@ class ReadOps:
         forgetting = self._forgetting()
         results = [_hit(r) for r in results
                    if isinstance(r, dict) and (private or r.get("private") is not True)
-                   and r.get("id") not in forgetting][:top_k]
+                   and not (isinstance(r.get("id"), str) and r["id"] in forgetting)][:top_k]
         self._remember(results, VIEW_HIT)
-        results += self._queued_matches(query, filters, {r.get("id") for r in results})
+        results += self._queued_matches(query, filters, {r.get("id") for r in results
+                                                         if isinstance(r.get("id"), str)})
         return self.ops.after_online(dict(_ANSWERED, query=query, results=results))
 
     @utf8_arguments

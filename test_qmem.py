@@ -7407,7 +7407,7 @@ class OperationsReadTests(GatewayTestCase):
         doc = json.loads(out)
         self.assertEqual([("score" in r, r["text"][:7]) for r in doc["results"]],
                          [(False, "dal gat"), (False, "gateway")])
-        self.gw.script = [(200, {"results": [huge]})]
+        self.gw.script = [(200, {"results": [huge, dict(huge, id=["a", "list"])]})]
         self.assertIn("gateway numbers", self.ok("search", "gateway"))  # a person's listing too
         self.assertEqual(doc["results"][0]["text"], "dal gateway \ufffd")
         self.assertIn("dal gateway", self.ok("find", "gateway"))
