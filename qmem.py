@@ -5098,12 +5098,14 @@ def brief_mark_now(store):
             "outbox": store._one("SELECT coalesce(max(rid), 0) FROM outbox"), "at": iso_now()}
 
 
-def changes_since(store, project, mark, most=BRIEF_MOST):
-    """What changed in `project` (or every one) since a brief's mark, newest first: each kind
-    of change is a function of BRIEF_CHANGES, whose entries say {'change', 'id', 'at',
-    'old_text', 'text'} (text None: a change that leaves none) and more where they have it."""
-    found = [c for kind in BRIEF_CHANGES for c in kind(store, project, mark, most)]
-    return sorted(found, key=lambda c: c["at"] or "", reverse=True)[:most]
+def changes_since(store, project, mark, most):
+    """(changes, more): what changed in `project` (or every one) since a brief's mark, the
+    newest `most`, and how many more there are at least. Each kind of change is a function
+    of BRIEF_CHANGES, whose entries say {'change', 'id', 'at', 'old_text', 'text'} (text
+    None: a change that leaves none) and more where they have it."""
+    found = [c for kind in BRIEF_CHANGES for c in kind(store, project, mark, most + 1)]
+    found.sort(key=lambda c: c["at"] or "", reverse=True)
+    return found[:most], max(0, len(found) - most)
 
 
 def _corrected_since(store, project, mark, most):
@@ -7389,7 +7391,9 @@ class ReadOps:
         with store.snapshot():
             mark, now = _brief_mark(store.meta(key)), brief_mark_now(store)
             if not store.read_only:  # (a read-only database keeps no mark: no changes said)
-                doc["changed"] = changes_since(store, project, mark) if mark else []
+                # (a change's line holds 50 characters at least: more never fit the bound)
+                doc["changed"], doc["left_out"] = changes_since(
+                    store, project, mark, doc["max_chars"] // 50) if mark else ([], 0)
                 doc["changed_since"] = mark and mark.get("at")
             doc["records"] = [r for kinds in BRIEF_GROUPS
                               for r in brief_records(store, project, kinds)]

@@ -7866,6 +7866,18 @@ class OperationsBriefTests(GatewayTestCase):
             self.ok("correct", UUIDS[10 + n], "rule %d is new" % n, "--queue-only")
         doc = self.ok_json("brief", "--project", "infra", "--max-chars", "100000")
         self.assertEqual(len(doc["changed"]), 26)  # every one since the last brief
+        self.brief("--client", "codex")
+        store = qmem.Store(self.db)  # 150 more at once, as a pull brings them
+        with store.transaction():
+            for n in range(150):
+                store.records.upsert(qmem.normalize_record(record(
+                    "%08x-0000-4000-8000-000000000000" % (1000 + n), "rule %d again" % n,
+                    supersedes_id=UUIDS[n])), qmem.VIEW_FULL)
+        store.close()
+        said = self.ok_json("brief", "--project", "infra", "--max-chars", "1000000")
+        self.assertEqual(len(said["changed"]), 150)
+        cut = self.ok_json("brief", "--project", "infra", "--client", "codex")
+        self.assertGreaterEqual(len(cut["changed"]) + cut["left_out"], 150)  # counted, at least
         self.assertNotIn("private", json.dumps(doc))  # neither the write nor the old text
         self.assertEqual(doc["waiting"], 27)  # (counted all the same)
 
