@@ -5060,7 +5060,7 @@ def local_meta(store):
 
 # -- the session brief: what an agent should know as a session starts (Operations.brief)
 BRIEF_GROUPS = (("decision", "preference"), ("fact",))  # the records of a brief, in its order
-BRIEF_MOST = 100  # records of a group, writes, changes read for a brief: more never fit its bound
+BRIEF_MOST = 100  # records of a group read for a brief (each is a line of 400 characters at most)
 
 
 def brief_records(store, project, kinds, most=BRIEF_MOST):
