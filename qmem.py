@@ -1993,7 +1993,9 @@ OUTBOX_MOVES = {
     "due": ((PENDING,), PENDING, "next_attempt_at=:now"),  # no backoff waited out
     # carried by a bundle (out, or in from a paired host): it may be delivered elsewhere
     "handed": ((PENDING,), PENDING, "first_sent_at=coalesce(first_sent_at, :now)"),
-    "unhold": ((HELD,), PENDING, "next_attempt_at=0"),  # the user vouches for it
+    # the user vouches for it; it came in a bundle: the host that wrote it may deliver it too
+    "unhold": ((HELD,), PENDING, "next_attempt_at=0, first_sent_at=coalesce(first_sent_at, "
+               ":now)"),
     "unfail": ((FAILED,), PENDING, "next_attempt_at=0"),  # flush --retry-failed
     "synced": ((PENDING, SENDING, FAILED), SYNCED,
                _SETTLE + "gateway_id=:other, last_error=NULL"),
@@ -3359,7 +3361,7 @@ class Outbox:
         """Held writes -> pending (queue --release): the user vouches for them now."""
         with self.store.transaction():
             for local_id in local_ids:
-                self.move("unhold", "id=:row", row=local_id)
+                self.move("unhold", "id=:row", row=local_id, now=time.time())
             self.store.records.set_origin(local_ids, ORIGIN_HERE)
             self.store.records.link_supersessions()  # a released correction hides what it corrects
 
@@ -5365,7 +5367,7 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
                 raise UsageError("%s is corrected by %s, which waits to be sent too: forget that "
                                  "one first" % (record_id, next(iter(corrections))))
             store.outbox.discard(record_id, (PENDING, HELD))
-            return "dropped", record_id, None
+            return "dropped" if write[2] == PENDING else "dropped_held", record_id, None
         payload = {"id": current}  # (a local id of a write still waiting, else the gateway's)
         for key, value in (("project_id", rec.get("project_id")), ("reason", reason)):
             if value:
@@ -7797,10 +7799,10 @@ class WriteOps:
         ops = self.ops
         state = {SYNCED: "forgotten", FAILED: FAILED, DUPLICATE: "nothing"}.get(
             row and row["state"], "queued")
-        state = what if what in ("already", "dropped") else state
+        state = what if what in ("already", "dropped", "dropped_held") else state
         rec = store.records.get(store.outbox.current_id(rid)) or {}
         doc = {"op": FORGET, "id": rid, "local_id": local_id, "state": state,
-               "source": "outbox" if state in ("queued", "dropped") else "gateway",
+               "source": "outbox" if state in ("queued", "dropped", "dropped_held") else "gateway",
                "queued": state == "queued", "degraded": state == "queued",
                "already_queued": what == "repeated", "deleted_at": rec.get("deleted_at"),
                "last_error": row and row["last_error"], "reason": None}
@@ -9005,6 +9007,9 @@ FORGET_SAID = {
     "already": "already forgotten: {id} was deleted in the shared memory at {deleted_at}",
     "dropped": "forgotten: {id} was written here and never sent, so it is dropped from the "
                "outbox and never reaches the shared memory",
+    "dropped_held": "dropped here: {id} came in an unverified bundle and was never sent from "
+                    "here; the host that wrote it may still deliver it (forget it there, or here "
+                    "once it is in shared memory)",
     "queued": "hidden here, not forgotten in the shared memory yet: the forget is queued on this "
               "machine as {local_id} ({reason})",
     FAILED: "not forgotten: {last_error}; {id} is shown again",
@@ -10092,8 +10097,9 @@ class McpServer:
         if doc["state"] == "queued":
             note += ("; other agents still find it until it is delivered (%s)"
                      % _delivered_when(doc))
-        out = {"status": {"dropped": "forgotten", "already": "forgotten",
-                          "nothing": "duplicate"}.get(doc["state"], doc["state"]),
+        out = {"status": {"dropped": "forgotten", "dropped_held": "forgotten",
+                          "already": "forgotten", "nothing": "duplicate"}.get(doc["state"],
+                                                                              doc["state"]),
                "source": doc["source"], "degraded": doc["degraded"], "id": doc["id"],
                "note": note + "."}
         if doc.get("error"):

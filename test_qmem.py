@@ -6234,6 +6234,21 @@ class BundleTrustTests(BundleTestCase):
         self.ok("queue", "--release", UUIDS[20], "--yes")
         self.assertEqual(self.find_ids("tenere"), [])
 
+    def test_a_held_write_is_dropped_here_and_a_released_one_is_forgotten_after_it(self):
+        # Part 19: neither was written here; the host that wrote them may deliver them
+        self.host("here", True)
+        rows = [{"type": "outbox", "id": UUIDS[n], "op": "store", "state": "pending",
+                 "created_at": time.time(), "payload": json.dumps(
+                     {"text": "scritta altrove %d" % n, "kind": "fact", "project_id": "p"})}
+                for n in (21, 22)]
+        self.ok("load", self.crafted(rows, key=None))
+        self.assertIn("dropped here: %s came in an unverified bundle and was never sent from "
+                      "here; the host that wrote it may still deliver it" % UUIDS[21],
+                      self.ok("forget", UUIDS[21]))
+        self.ok("queue", "--release", UUIDS[22], "--yes")
+        self.offline()
+        self.assertEqual(self.ok_json("forget", UUIDS[22])["state"], "queued")
+
     def put(self, rid, text):
         store = qmem.Store(os.environ["QMEM_SQLITE"])
         try:
