@@ -10097,6 +10097,8 @@ class McpServer:
         if doc["state"] == "queued":
             note += ("; other agents still find it until it is delivered (%s)"
                      % _delivered_when(doc))
+        if doc.get("error") and _agent_hint(doc["error"]):  # (what sets it right)
+            note += "; " + _agent_hint(doc["error"])
         out = {"status": {"dropped": "forgotten", "dropped_held": "forgotten",
                           "already": "forgotten", "nothing": "duplicate"}.get(doc["state"],
                                                                               doc["state"]),

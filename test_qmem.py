@@ -8614,6 +8614,8 @@ class McpProtocolTests(McpTestCase):
         failed = allowed.call("qmem_forget", id=other)
         self.assertTrue(failed["isError"])
         self.assertIn("cannot delete (before 2.12.0)", failed["structuredContent"]["note"])
+        self.assertIn("the refused forget stays in the outbox until `qmem.py queue --drop",
+                      failed["structuredContent"]["note"])  # (what clears it, for the user)
         self.assertEqual(allowed.close(), 0)
 
     def test_unknown_tool_and_malformed_calls_are_32602(self):
