@@ -7259,7 +7259,8 @@ class OperationsReadTests(GatewayTestCase):
                          ("session", 2, 2, "local_sqlite"))
         out = self.ok("around", UUIDS[3])  # (3 and 3)
         self.assertIn("local_sqlite · 3 written before %s and 2 after, in the pi session that "
-                      "wrote it; private and deleted ones left out" % UUIDS[3], out)
+                      "wrote it; private and deleted ones left out, and those being forgotten"
+                      % UUIDS[3], out)
         self.assertRegex(out, r"\n>  %s  fact +infra  2026-11-30 +turn 3\n" % UUIDS[3])
         self.assertNotIn("another session", out)
         self.assertEqual(len(self.gw.requests), before)  # local only
@@ -8683,7 +8684,8 @@ class McpToolTests(McpTestCase):
         self.assertEqual((doc["status"], doc["source"], doc["id"], doc["project_id"]),
                          ("found", "local_sqlite", UUIDS[2], "infra"))
         said = ("1 written before %s and 1 after, in its project, by creation time (no pi "
-                "session known here wrote it); private and deleted ones left out" % UUIDS[2])
+                "session known here wrote it); private and deleted ones left out, and those being "
+                "forgotten" % UUIDS[2])
         self.assertEqual(doc["note"], "From the local index on this machine: %s." % said)
         self.assertIn("local_sqlite · " + said, self.ok("around", UUIDS[2], "--before", "1",
                                                           "--after", "1"))
