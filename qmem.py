@@ -5330,6 +5330,10 @@ def add_write(store, local_id, op, payload_text, created_at, state=PENDING, last
         store.records.mark_waiting(local_id, target if state == PENDING else None)
 
 
+# How far the gateway's clock may be behind this machine's: a tombstone older than a forget
+# by more than this was there before it ('already forgotten'), else this forget made it.
+CLOCKS_APART_S = 600
+
 # A forget of a write the gateway did not store: the memory that holds its text is another's.
 FORGOT_NOTHING = ("nothing to forget: the write it names was not stored, and the near-identical "
                   "memory that holds its text, %s, stays")
@@ -7348,8 +7352,9 @@ class ReadOps:
         doc = {"source": "local_sqlite", "degraded": False, "query": query,
                "query_cut": query_was_cut(query)}
         doc.update(self._find_local(query, filters, limit, highlight))
-        for r in doc["results"] if filters.deleted else ():  # not deleted yet: being forgotten
-            r["forgetting"] = not r["deleted_at"]
+        if filters.deleted:
+            for r in doc["results"]:
+                r["forgetting"] = not r["deleted_at"]  # (not deleted yet: being forgotten)
         doc["hidden"] = {}
         shows = filters._replace(since=None, until=None)  # (what it hides, whenever made)
         if not doc["results"] and doc["index_exists"] and shows[3:] == Filters()[3:]:
@@ -7819,7 +7824,7 @@ class WriteOps:
                                                  % (row["last_error"], rid), kind="rejected",
                                                  fix=Fix("drop_forget", local_id=local_id))))
         elif state == "forgotten" and (doc["deleted_at"] or "") < iso_from_epoch(
-                row["created_at"] - 600):
+                row["created_at"] - CLOCKS_APART_S):
             doc["state"] = "already"  # the tombstone is older than this forget
         return ops.after_online(doc) if state == "forgotten" else doc
 
