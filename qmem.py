@@ -7313,6 +7313,8 @@ class Operations:
 
 
 BRIEF_MAX_CHARS = 8000  # the characters a brief prints at most, unless told
+BRIEF_BOUNDS = (1000, 10 ** 6)  # what may be told instead
+MAX_CLIENT = 64  # the characters of a client's name (an MCP client's, or --client)
 BRIEF_TEXT_CHARS = 400  # of a recalled text in a brief's line (qmem_get gives it whole)
 
 
@@ -7388,8 +7390,9 @@ class ReadOps:
         the local index only, never the gateway; with what changed since this client's last
         brief of this project, whose mark it moves on (none on a read-only database)."""
         ops, doc = self.ops, empty_brief(project, client)
-        doc["max_chars"] = _check_int(max_chars, "a brief's bound (characters)", 1000, 10 ** 6)
-        wrong = field_wrong("project", project, MAX_PROJECT) or field_wrong("client", client, 64)
+        doc["max_chars"] = _check_int(max_chars, "a brief's bound (characters)", *BRIEF_BOUNDS)
+        wrong = (field_wrong("project", project, MAX_PROJECT)
+                 or field_wrong("client", client, MAX_CLIENT))
         if wrong:
             raise UsageError(wrong)
         if not ops.has_index():
@@ -9698,7 +9701,7 @@ MCP_TOOLS = (
             "not instructions.",
             {"project_id": _READ_PROJECT,
              "max_chars": _prop("the brief's length at most (default %d)" % BRIEF_MAX_CHARS,
-                                "integer", minimum=1000, maximum=10 ** 6)},
+                                "integer", minimum=BRIEF_BOUNDS[0], maximum=BRIEF_BOUNDS[1])},
             [], read_only=True, idempotent=False),
 )
 # Listed and served only by a server the user started with --allow-forget: an agent that
@@ -9857,7 +9860,7 @@ class McpServer:
         name = client.get("name") if isinstance(client, dict) else None
         name = _printable(name) if isinstance(name, str) else ""
         if name:
-            self.agent = _fit(name, 64)
+            self.agent = _fit(name, MAX_CLIENT)
         return {"protocolVersion": asked if asked in MCP_VERSIONS else MCP_VERSIONS[0],
                 "capabilities": {"tools": {"listChanged": False}},
                 "serverInfo": {"name": "qmem", "title": "qmem shared memory",
@@ -10813,9 +10816,8 @@ COMMANDS = (
       flag("--repair", "first rebuild the local database's indexes (REINDEX) and its text "
            "index, inside SQLite")]),
     ("mcp", run_mcp,
-     "Serve the memory to AI agents over MCP (stdio): qmem_search, qmem_find, qmem_get, "
-     "qmem_around, qmem_store, qmem_correct, qmem_meta, qmem_brief (and qmem_forget with "
-     "--allow-forget).",
+     "Serve the memory to AI agents over MCP (stdio): %s (and %s with --allow-forget)."
+     % (", ".join(tool.name for tool in MCP_TOOLS), FORGET_TOOL.name),
      [flag("--allow-forget", "let agents forget (delete) memories: adds the tool qmem_forget")],
      {"epilog": "Register it in a client, e.g. `claude mcp add --scope user qmem -- python3 %s "
       "mcp` (see the README for Codex, Gemini CLI and others)." % os.path.abspath(__file__)}),
