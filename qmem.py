@@ -7820,6 +7820,8 @@ class WriteOps:
             doc["by_bundles"] = by_bundles(ops.config["url"], store)
             doc["reason"] = ops.failure_reason(error)["reason"] if isinstance(
                 error, GatewayError) else str(error or row["last_error"] or "retry later")
+            doc["not_configured"] = isinstance(error, GatewayError) and (
+                error.kind == NOT_CONFIGURED)
             if error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
                 doc.update(error_document(error))  # queued, but the key (say) must be fixed
         elif state == FAILED:
@@ -9027,12 +9029,17 @@ FORGET_SAID = {
 }
 
 
+def forget_waits_said(doc, when):
+    """What a queued forget means until it is delivered (`when`: how, in the front end's
+    words), as the command line and the MCP tool say it."""
+    return "%sother agents still find it until it is delivered (%s)" % (
+        "the very same forget was already waiting here; " if doc["already_queued"] else "", when)
+
+
 def show_forget(doc, out):
     out.write(FORGET_SAID[doc["state"]].format(**doc) + "\n")
     if doc["state"] == "queued":
-        out.write("  %sother agents still find it until it is delivered (%s)\n" % (
-            "the very same forget was already waiting here; " if doc["already_queued"] else "",
-            DELIVER_BY[bool(doc.get("by_bundles"))]))
+        out.write("  %s\n" % forget_waits_said(doc, DELIVER_BY[bool(doc.get("by_bundles"))]))
 
 
 def show_write(doc, out):
@@ -10106,8 +10113,7 @@ class McpServer:
         said = FORGET_SAID[doc["state"]].format(**doc)
         note = said[:1].upper() + said[1:]
         if doc["state"] == "queued":
-            note += ("; other agents still find it until it is delivered (%s)"
-                     % _delivered_when(doc))
+            note += "; " + forget_waits_said(doc, _delivered_when(doc))
         if doc.get("error") and _agent_hint(doc["error"]):  # (what sets it right)
             note += "; " + _agent_hint(doc["error"])
         out = {"status": {"dropped": "forgotten", "dropped_held": "forgotten",

@@ -8672,6 +8672,17 @@ class McpToolTests(McpTestCase):
         self.assertIn("the gateway does not know it", got["note"])
         self.assertEqual(server.close(), 0)
 
+    def test_a_queued_forget_tells_agents_what_it_tells_the_command_line(self):
+        self.unconfigured()
+        self.put_record(UUIDS[1], "da dimenticare")
+        server = self.server(allow_forget=True)
+        first = server.call("qmem_forget", id=UUIDS[1])["structuredContent"]
+        again = server.call("qmem_forget", id=UUIDS[1])["structuredContent"]
+        self.assertEqual(server.close(), 0)
+        self.assertIn("delivered (once a gateway is configured", first["note"])
+        self.assertIn("; the very same forget was already waiting here; other agents still find "
+                      "it until it is delivered", again["note"])
+
     def test_around_gives_the_records_written_around_one_worded_as_the_command_line(self):
         # Part 18: qmem_around.
         self.put_records([(UUIDS[n], "passo %d" % n) for n in range(5)])
