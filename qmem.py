@@ -7825,9 +7825,10 @@ class WriteOps:
             if error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
                 doc.update(error_document(error))  # queued, but the key (say) must be fixed
         elif state == FAILED:
-            doc.update(error_document(QmemError("not forgotten: %s; %s is shown again"
-                                                 % (row["last_error"], rid), kind="rejected",
-                                                 fix=Fix("drop_forget", local_id=local_id))))
+            shown = "; %s is shown again" % rid if rec else ""  # (known here: hidden meanwhile)
+            doc.update(error_document(QmemError("not forgotten: %s%s" % (row["last_error"], shown),
+                                                kind="rejected",
+                                                fix=Fix("drop_forget", local_id=local_id))))
         elif state == "forgotten" and (doc["deleted_at"] or "") < iso_from_epoch(
                 row["created_at"] - CLOCKS_APART_S):
             doc["state"] = "already"  # the tombstone is older than this forget
@@ -9024,7 +9025,7 @@ FORGET_SAID = {
                     "once it is in shared memory)",
     "queued": "hidden here, not forgotten in the shared memory yet: the forget is queued on this "
               "machine as {local_id} ({reason})",
-    FAILED: "not forgotten: {last_error}; {id} is shown again",
+    FAILED: "{error[message]}",  # (worded where it is decided: Operations.forget)
     "nothing": "not forgotten: {last_error}",
 }
 

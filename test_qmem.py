@@ -5319,12 +5319,13 @@ class ForgetTests(GatewayTestCase):
 
     def test_a_refused_forget_fails_once_and_shows_the_memory_again(self):
         for status, word, words in ((405, "alfa", "this gateway cannot delete (before 2.12.0)"),
-                                    (403, "beta", "this API key may not delete that memory")):
+                                    (403, "beta", "this API key may not delete that memory "
+                                     "(HTTP 403)")):
             rid = self.pulled("memoria " + word)
             self.gw.delete_status = status
             code, out, err = self.run_cli("forget", rid)
             self.assertEqual(code, 1, out + err)
-            self.assertIn("not forgotten: " + words, out)
+            self.assertIn("not forgotten: %s; %s is shown again" % (words, rid), out)
             self.assertNotIn("API key rejected", err)
             local_id = json.loads(self.run_cli("queue", "--json")[1])["items"][-1]["local_id"]
             self.assertIn("the refused forget stays in the outbox until `qmem.py queue --drop "
@@ -5335,7 +5336,7 @@ class ForgetTests(GatewayTestCase):
         self.assertEqual(self.breaker_state()["state"], "closed")
         self.gw.delete_status = None
         err = self.expect_fail(1, "forget", UUIDS[5])  # known nowhere
-        self.assertIn("the gateway does not know that memory (HTTP 404)", err)
+        self.assertIn("the gateway does not know that memory (HTTP 404):", err)  # not shown again
 
     def test_a_failing_gateway_leaves_it_queued_with_a_backoff_until_flush(self):
         rid = self.pulled("cache warmup notes")
