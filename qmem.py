@@ -5553,6 +5553,8 @@ class Flusher:
         if stats.synced or stats.duplicate or stats.failed:
             with self.store.transaction():
                 self.store.set_meta("last_flush_at", iso_now())
+                if self.gateway.answered:
+                    gateway_answered(self.store, self.gateway.url)
         return stats
 
     def _resolve_target(self, target, op):
@@ -5748,6 +5750,15 @@ class PullStats:
                 "unchanged": self.same}
 
 
+def gateway_answered(store, url):
+    """Inside a transaction: the gateway at `url` answered a pull or a flush here now (the
+    brief's 'last seen'), kept with its URL: a gateway configured since was never seen."""
+    store.set_meta(GATEWAY_SEEN, json.dumps({"url": url, "at": iso_now()}))
+
+
+GATEWAY_SEEN = "gateway_seen"
+
+
 def pull(store, gateway, stats, full=False, page_size=500, progress=None):
     """Incremental sync from GET /v1/memories:export, counted in stats (a PullStats). Each
     page's rows and the cursor that follows them commit together, so an interrupted pull
@@ -5774,7 +5785,7 @@ def pull(store, gateway, stats, full=False, page_size=500, progress=None):
         if not isinstance(items, list) or not (next_cursor is None or isinstance(next_cursor, str)):
             raise GatewayError(AMBIGUOUS, "the gateway's export answer has an unexpected shape",
                                detail="answer of the wrong shape")
-        _merge_page(store, items, next_cursor, since, stats)
+        _merge_page(store, items, next_cursor, since, stats, gateway.url)
         if progress:
             progress.update("%d pages, %d new, %d updated"
                             % (stats.pages, stats.new, stats.updated))
@@ -5787,10 +5798,12 @@ def pull(store, gateway, stats, full=False, page_size=500, progress=None):
                 hint="the pages so far are kept; this gateway's export is broken, tell its admin")
 
 
-def _merge_page(store, items, next_cursor, since, stats):
-    """One page of the export and the cursor after it, in one transaction."""
+def _merge_page(store, items, next_cursor, since, stats, url):
+    """One page of the export (of the gateway at url) and the cursor after it, in one
+    transaction."""
     newest = since
     with store.transaction():
+        gateway_answered(store, url)
         for rec in filter(None, map(normalize_record, items)):
             # (None: no such record here, or one not deleted)
             was_deleted = store._one("SELECT deleted_at FROM records WHERE id=?", (rec["id"],))
@@ -7419,9 +7432,10 @@ class ReadOps:
         breaker, now = self.ops.configured_breaker(), self.ops.clock()
         if breaker is None:
             return None
-        state, seen = breaker.read(), max(store.meta("last_pull_at") or "",
-                                          store.meta("last_flush_at") or "") or None
-        at = parse_iso(seen or "")
+        seen = _parsed(store.meta(GATEWAY_SEEN) or "null")
+        seen = seen.get("at") if isinstance(seen, dict) and seen.get(
+            "url") == self.ops.config["url"] and isinstance(seen.get("at"), str) else None
+        state, at = breaker.read(), parse_iso(seen or "")
         return {"url": mask_url(self.ops.config["url"]), "last_seen_at": seen,
                 "age_s": None if at is None else max(0, int(now - at)),
                 "breaker_open": breaker.refuses(state, now), "retry_in_s": ceil_s(

@@ -7898,6 +7898,19 @@ class OperationsBriefTests(GatewayTestCase):
         self.assertNotIn("private", json.dumps(doc))  # neither the write nor the old text
         self.assertEqual(doc["waiting"], 27)  # (counted all the same)
 
+    def test_the_gateway_is_last_seen_when_it_answered_here_and_only_that_one(self):
+        self.put_record(UUIDS[1], "the cache TTL is 5 minutes", kind="decision")
+        seen = lambda: self.ok_json("brief", "--project", "infra")["gateway"]  # noqa: E731
+        self.assertEqual(seen()["last_seen_at"], None)
+        self.ok("pull")
+        self.assertEqual(seen()["age_s"], 0)
+        self.assertIn(", last seen 0 s ago (its last answer to a pull or flush here)",
+                      self.brief())
+        self.offline()  # another gateway configured since: never seen from here
+        self.assertEqual((seen()["last_seen_at"], seen()["url"]),
+                         (None, os.environ["QMEM_URL"]))
+        self.assertIn(", never seen from here", self.brief())
+
     def test_a_write_being_forgotten_is_not_recalled(self):
         self.offline()
         tried = self.ok_json("store", "the root password is hunter2", "--project", "infra",
