@@ -3587,7 +3587,8 @@ _TIME_FIELDS = tuple(f for f in FIELDS if f.endswith("_at"))
 
 
 # Credentials agents see and might store: refused as a write unless a person asks
-# (--allow-secret), and masked on every path into the local index (normalize_record).
+# (--allow-secret), and masked on every path into the local index (_masked: Records.upsert
+# and merge_many).
 # Few and precise: hex ids, UUIDs and shas pass. Python's re spends ~30 µs a text on
 # these, so a gate of plain substring tests (~2 µs) comes first; and they are compiled
 # when a text first needs them (re keeps them), not by every command at its start.
@@ -3876,7 +3877,7 @@ class Importer:
         return self.stats
 
     def _files_to_read(self, roots):
-        """(path, stat, offset) of each session file that is new or changed, and where
+        """(path, stat, offset, session id) of each session file that is new or changed, and where
         to start reading it: a file that only grew is read on from its last complete line."""
         known = {row[0]: row[1:] for row in self.store.conn.execute(
             "SELECT path, size, mtime_ns, ino, offset, status, session_id FROM files")}
@@ -5062,7 +5063,7 @@ def local_meta(store):
             "deleted": store._one("SELECT count(*) FROM records WHERE deleted_at IS NOT NULL")}
 
 
-# -- the session brief: what an agent should know as a session starts (Operations.brief)
+# -- the session brief: what an agent should know as a session starts (ReadOps.brief)
 BRIEF_GROUPS = (("decision", "preference"), ("fact",))  # the records of a brief, in its order
 BRIEF_MOST = 100  # records of a group read for a brief (each is a line of 400 characters at most)
 
@@ -5348,8 +5349,10 @@ def enqueue_forget(store, record_id, reason=None, claim=None):
     """Forget the memory record_id here, in one transaction: (what was done, the local id
     of the forget or of the write dropped, the claim's token or None). 'already': deleted
     already; 'repeated': a forget of it waits already; 'dropped': a write of this host
-    never handed to a flusher nor to a bundle, removed instead; 'queued': a forget queued, to
-    be sent after the write it forgets when that one waits still (its gateway id)."""
+    never handed to a flusher nor to a bundle, removed instead; 'dropped_held': a write held
+    from an unverified bundle, removed here; 'queued': a forget queued, to be sent after the
+    write it forgets when that one waits still (its gateway id). A write refused, or not
+    stored as a duplicate, has nothing to forget: a UsageError."""
     with store.transaction():
         write = store.outbox.write_of(record_id)
         if write and write[0] == FORGET:
@@ -5428,6 +5431,8 @@ _FLUSH_ERRORS = {}  # database path -> the error, when its meta row could not be
 
 
 def note_flush_error(path, store, message):
+    """Keep the error of a flush that failed on this machine's side (in meta, else in this
+    process when the database cannot take it)."""
     value = json.dumps({"error": message, "at": iso_now()})
     try:
         with store.transaction():
@@ -5438,6 +5443,7 @@ def note_flush_error(path, store, message):
 
 
 def clear_flush_error(store):
+    """A flush ended without such an error: the writes are no longer stuck."""
     _FLUSH_ERRORS.pop(store.path, None)
     if store.meta(_FLUSH_ERROR) is not None:
         with store.transaction():
@@ -7351,9 +7357,9 @@ def _brief_mark(value):
 
 
 class ReadOps:
-    """Answers: the local index searched (find), the gateway asked, with the local index
-    answering (labelled) when it cannot (search, get, meta), and what this machine knows
-    (status)."""
+    """Answers: the local index searched (find, around), the gateway asked, with the local
+    index answering (labelled) when it cannot (search, get, meta), and what this machine
+    knows (status, brief)."""
 
     def __init__(self, ops):
         self.ops = ops
@@ -7631,7 +7637,7 @@ class ReadOps:
 
 
 class WriteOps:
-    """Writes (store, correct) and the outbox that keeps them until the gateway has them:
+    """Writes (store, correct, forget) and the outbox that keeps them until the gateway has them:
     queue, drop, release, flush, and the automatic delivery after an online command."""
 
     def __init__(self, ops):
@@ -9039,7 +9045,7 @@ FORGET_SAID = {
                     "once it is in shared memory)",
     "queued": "hidden here, not forgotten in the shared memory yet: the forget is queued on this "
               "machine as {local_id} ({reason})",
-    FAILED: "{error[message]}",  # (worded where it is decided: Operations.forget)
+    FAILED: "{error[message]}",  # (worded where it is decided: WriteOps._forget_doc)
     "nothing": "not forgotten: {last_error}",
 }
 
@@ -9764,7 +9770,7 @@ def _memories(n):
 def _memory_out(rec, whole=False, cut=RESULT_TEXT_CHARS):
     """A record (the gateway's answer, or a local row) as a result shows it: only the
     record's own fields, each of its type; the text cut to `cut` in a list of results.
-    (Its id is a string: _found keeps only such hits, and Operations.get's record has
+    (Its id is a string: _found keeps only such hits, and ReadOps.get's record has
     the id asked for, from the gateway, or from the index's TEXT column.)"""
     out = {"id": rec["id"]}
     for key in FIELDS:
@@ -10031,7 +10037,7 @@ class McpServer:
     def tool_search(self, ops, a):
         project, where = self._read_project(a.get("project_id"))
         doc = ops.read.search(a["query"], _tool_filters(project, a), top_k=a.get("top_k", 8),
-                         min_score=a.get("min_score"))
+                              min_score=a.get("min_score"))
         return self._found(doc, project, where)
 
     def tool_find(self, ops, a):
