@@ -2888,6 +2888,9 @@ class Store:
             sql + " ORDER BY id LIMIT ?", ends * len(tables) + (limit,))]
 
 
+_RECORD_COLUMNS = "id, %s, view, pending" % ", ".join(FIELDS)  # a record as get() reads it
+
+
 class Records:
     """The record index of a Store (store.records): records merged under the merge rule,
     their text index (FTS5; without it, accent-folded text and its words for a LIKE scan),
@@ -2974,12 +2977,15 @@ class Records:
 
     def get(self, record_id):
         """One record as a dict, or None."""
-        rec = next(_dicts(self.conn.execute("SELECT id, %s, view, pending FROM records WHERE id=?"
-                                            % ", ".join(FIELDS), (record_id,))), None)
-        if rec:
+        return next(self._got("id=?", [record_id]), None)
+
+    def _got(self, where, params):
+        """The records `where` selects, as get() gives them, in the order it says."""
+        for rec in _dicts(self.conn.execute("SELECT %s FROM records WHERE %s"
+                                            % (_RECORD_COLUMNS, where), params)):
             rec.update(private=bool(rec["private"]), pending=rec["pending"] == LOCAL_WAITING,
                        failed=rec["pending"] == LOCAL_FAILED)
-        return rec
+            yield rec
 
     def neighbours(self, record_id, before=1, after=1):
         """(how, earlier, later): the records written just before and just after this one,
@@ -2993,8 +2999,8 @@ class Records:
         if at is None:
             return None, [], []
         how = "project" if at[0] is None else "session"
-        sql = ("SELECT id FROM records WHERE private = 0 AND deleted_at IS NULL AND id NOT IN "
-               "(%s) AND %%s ORDER BY %%s LIMIT ?" % FORGETTING)
+        sql = ("private = 0 AND deleted_at IS NULL AND id NOT IN (%s) AND %%s ORDER BY %%s "
+               "LIMIT ?" % FORGETTING)
         found = [how]
         for op, desc, n in (("<", " DESC", before), (">", "", after)):
             if how == "session":
@@ -3004,8 +3010,8 @@ class Records:
                 where = "project_id IS ? AND (created_at {0} ? OR created_at = ? AND id {0} ?)"
                 where, params = where.format(op), [at[2], at[3], at[3], record_id]
                 order = "created_at{0}, id{0}".format(desc)
-            ids = [i for (i,) in self.conn.execute(sql % (where, order), params + [n])]
-            found.append([self.get(i) for i in (ids[::-1] if desc else ids)])
+            rows = list(self._got(sql % (where, order), params + [n]))
+            found.append(rows[::-1] if desc else rows)
         return tuple(found)
 
     def is_empty(self):
@@ -3117,9 +3123,8 @@ class Records:
         """The records a bundle carries (not this machine's own writes: their outbox rows
         carry them), as dicts, streamed."""
         where, params = _bundle_filter(projects, since)
-        cur = self.conn.execute("SELECT id, %s, view, pending FROM records WHERE pending=0 AND %s "
-                                "ORDER BY rid"
-                                % (", ".join(FIELDS), where), params)
+        cur = self.conn.execute("SELECT %s FROM records WHERE pending=0 AND %s ORDER BY rid"
+                                % (_RECORD_COLUMNS, where), params)
         for rec in _dicts(cur):
             rec["private"] = bool(rec["private"])
             yield rec
