@@ -186,6 +186,8 @@ TLS = "tls"                        # certificate not trusted
 PROTOCOL = "protocol"              # a redirect, or an answer of the wrong shape for the request
 # Retrying will not help: the configuration must change.
 CONFIG_KINDS = frozenset((AUTH, NOT_CONFIGURED, TLS, PROTOCOL))
+# A gateway configured, but wrongly: a write waits in the outbox until that is fixed.
+CONFIGURED_WRONG = CONFIG_KINDS - {NOT_CONFIGURED}
 # The gateway is away right now: writes wait, a flush stops.
 AWAY_KINDS = frozenset((UNREACHABLE, BREAKER_OPEN))
 
@@ -1099,11 +1101,12 @@ def _read_breaker_file(path):
 
 
 class _FileLock:
-    """An exclusive lock on a separate, never-replaced file (flock / msvcrt), held for
-    a read-modify-write of the breaker file. Gives up waiting after ~2 s."""
+    """An exclusive lock on a separate, never-replaced file beside the breaker file (its
+    path + '.lock'; flock / msvcrt), held for a read-modify-write of it. Gives up waiting
+    after ~2 s."""
 
-    def __init__(self, path):
-        self.path, self.fd = path, None
+    def __init__(self, breaker_path):
+        self.path, self.fd = breaker_path + ".lock", None
 
     def __enter__(self):
         try:
@@ -1330,7 +1333,7 @@ class Breaker:
             return False
         if self.refuses(state, now):
             raise self._refusal(state, now)
-        with _FileLock(self.path + ".lock"):
+        with _FileLock(self.path):
             state = self.read(fresh=True)
             if state["state"] == "closed":
                 return False
@@ -1350,7 +1353,7 @@ class Breaker:
         state, now = self.read(), self.clock()
         if not self.refuses(state, now):
             return None  # closed, our own probe, or the open period is over: admit() decides
-        with _FileLock(self.path + ".lock"):
+        with _FileLock(self.path):
             state = self.read(fresh=True)
             if state["state"] == "half_open" and self.refuses(state, now):
                 return state["probe_token"]
@@ -1372,7 +1375,7 @@ class Breaker:
         error), or an explicit flush sent nothing: give back the probe, if this process
         held it (an open period that probe_now cut short runs on)."""
         if self.probing:
-            with _FileLock(self.path + ".lock"):
+            with _FileLock(self.path):
                 state = self.read(fresh=True)
                 if state["probe_token"] == self.token:
                     state.update(state="open", probe_token=None,
@@ -1384,7 +1387,7 @@ class Breaker:
         """Record a failed call: 'unreachable' opens at once, 'ambiguous' after
         trip_after in a row; a failed probe reopens with a doubled open time."""
         now = self.clock()
-        with _FileLock(self.path + ".lock"):
+        with _FileLock(self.path):
             state = self.read(fresh=True)
             if self.refuses(state, now):
                 return  # already open: another process's failure must not double the time
@@ -1408,7 +1411,7 @@ class Breaker:
                      probe_token=None, probe_until=0.0)
 
     def reset(self):
-        with _FileLock(self.path + ".lock"):
+        with _FileLock(self.path):
             self._write(self.CLOSED)  # (a closed, clean state: _write removes the entry)
 
 
@@ -3564,8 +3567,8 @@ class Outbox:
         chain, current = [], local_id
         for _ in range(100):  # (bounded)
             current = self.store._one("SELECT t.id FROM outbox o JOIN outbox t ON "
-                                      "t.id = o.target WHERE o.id=? AND t.state IN (?, ?)",
-                                      (current,) + WAITING)
+                                      "t.id = o.target WHERE o.id=? AND t." + state_is(*WAITING),
+                                      (current,))
             if current is None:
                 break
             chain.insert(0, current)
@@ -3573,8 +3576,8 @@ class Outbox:
 
     def waiting_write(self, op, payload_text):
         """The local id of a write with exactly this payload still waiting to be sent, or None."""
-        return self.store._one("SELECT id FROM outbox WHERE op=? AND payload=? AND "
-                               "state IN (?, ?) LIMIT 1", (op, payload_text) + WAITING)
+        return self.store._one("SELECT id FROM outbox WHERE op=? AND payload=? AND %s LIMIT 1"
+                               % state_is(*WAITING), (op, payload_text))
 
     def failures(self, local_ids):
         """{local id: why the gateway refused it} for these writes."""
@@ -5113,21 +5116,22 @@ def changes_since(store, project, mark, most):
     newest `most`, and how many more there are at least. Each kind of change is a function
     of BRIEF_CHANGES, whose entries say {'change', 'id', 'at', 'old_text', 'text'} (text
     None: a change that leaves none) and more where they have it."""
-    found = [c for kind in BRIEF_CHANGES for c in kind(store, project, mark, most + 1)]
+    found = [dict(c, queued=bool(c["queued"]))
+             for kind in BRIEF_CHANGES for c in kind(store, project, mark, most + 1)]
     found.sort(key=lambda c: c["at"] or "", reverse=True)
     return found[:most], max(0, len(found) - most)
 
 
 def _corrected_since(store, project, mark, most):
     """The corrections that came here after the mark (new records: rids past its rid)."""
-    return [dict(c, queued=bool(c["queued"])) for c in _dicts(store.conn.execute(
+    return list(_dicts(store.conn.execute(
         "SELECT 'corrected' AS change, n.id, n.created_at AS at, n.supersedes_id AS old_id, "
         "CASE WHEN o.private = 0 THEN o.text END AS old_text, n.text, "  # (private: not said)
         "n.supersede_reason AS reason, n.pending = 1 AS queued FROM records n "
         "LEFT JOIN records o ON o.id = n.supersedes_id WHERE n.rid > ? AND n.private = 0 "
         "AND n.supersedes_id IS NOT NULL AND n.pending != 2%s ORDER BY n.rid DESC LIMIT ?"
         % (" AND n.project_id = ?" if project else ""),
-        [mark["rid"]] + ([project] if project else []) + [most]))]
+        [mark["rid"]] + ([project] if project else []) + [most])))
 
 
 def _forgotten_since(store, project, mark, most):
@@ -5135,7 +5139,7 @@ def _forgotten_since(store, project, mark, most):
     or delivered), or learnt deleted elsewhere (records known at the mark whose tombstone
     came since), once each: not one a forget of this host deleted (said when it was made).
     Never its text: a memory is forgotten most often because its text must not be read."""
-    return [dict(c, queued=bool(c["queued"])) for c in _dicts(store.conn.execute(
+    return list(_dicts(store.conn.execute(
         "SELECT 'forgotten' AS change, id, coalesce(deleted_at, ?) AS at, NULL AS old_text, "
         "NULL AS text, id IN (%s) AS queued FROM records WHERE private = 0%s AND (id IN (%s) OR "
         "deleted_at IS NOT NULL AND rid <= ? AND seen_at > ? AND id NOT IN (%s)) ORDER BY rid "
@@ -5143,7 +5147,7 @@ def _forgotten_since(store, project, mark, most):
                           FORGET_TARGETS % (state_is(PENDING, SENDING, SYNCED) + " AND f.rid > ?"),
                           FORGET_TARGETS % state_is(SYNCED)),
         [iso_now()] + ([project] if project else [])
-        + [mark["outbox"], mark["rid"], mark["at"], most]))]
+        + [mark["outbox"], mark["rid"], mark["at"], most])))
 
 
 BRIEF_CHANGES = (_corrected_since, _forgotten_since)
@@ -5990,8 +5994,9 @@ def _handed_over(store, local_ids):
                     store.outbox.move("handed", "id=:row", row=local_id, now=time.time())
 
 
-def _longest_run(text, char="`"):
-    return max([len(run) for run in re.findall(re.escape(char) + "+", text)] or [0])
+def _longest_run(text):
+    """The longest run of backticks in text (0 for none)."""
+    return max([len(run) for run in re.findall("`+", text)] or [0])
 
 
 def md_code(value):
@@ -7695,7 +7700,7 @@ class WriteOps:
         try:
             record = self.ops.read.get(target)["record"]
         except QmemError as e:
-            if e.kind == "not_found" or e.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+            if e.kind == "not_found" or e.kind in CONFIGURED_WRONG:
                 raise  # an unknown id; a key, certificate or address to fix first
             if not needed:
                 return {}
@@ -7794,7 +7799,7 @@ class WriteOps:
                 else "kept in the outbox as failed (%s)" % local_id,
                 fix=Fix("store_instead", local_id=local_id) if unknown
                 else Fix("retry_or_drop", local_id=local_id))))
-        elif error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+        elif error is not None and error.kind in CONFIGURED_WRONG:
             # The gateway is there and will not take it as configured: still queued, but an error.
             doc.update(error_document(error))
         return ops.after_online(doc) if state == SYNCED else doc
@@ -7847,7 +7852,7 @@ class WriteOps:
                 error, GatewayError) else str(error or row["last_error"] or "retry later")
             doc["not_configured"] = isinstance(error, GatewayError) and (
                 error.kind == NOT_CONFIGURED)
-            if error is not None and error.kind in CONFIG_KINDS - {NOT_CONFIGURED}:
+            if error is not None and error.kind in CONFIGURED_WRONG:
                 doc.update(error_document(error))  # queued, but the key (say) must be fixed
         elif state == FAILED:
             shown = "; %s is shown again" % rid if rec else ""  # (known here: hidden meanwhile)
