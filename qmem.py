@@ -2319,6 +2319,9 @@ _SESSION_INDEX = ("CREATE INDEX IF NOT EXISTS records_session ON records(session
                   "WHERE session IS NOT NULL")
 
 
+READ_AGAIN = "size < 0"  # SQL: a session file marked to be read again, whole (_m008_sessions)
+
+
 def _m008_sessions(conn):
     """Schema 8: a record a qmem_store or qmem_correct call of a pi session wrote keeps that
     session (records.session: its number in sessions, keyed by the header's id, else the
@@ -2330,7 +2333,7 @@ def _m008_sessions(conn):
         conn.execute("ALTER TABLE records ADD COLUMN session_pos INTEGER")
     conn.execute("CREATE TABLE IF NOT EXISTS sessions(id INTEGER PRIMARY KEY, key TEXT UNIQUE)")
     conn.execute(_SESSION_INDEX)
-    conn.execute("UPDATE files SET size=-1, offset=0 WHERE status='ok'")
+    conn.execute("UPDATE files SET size=-1, offset=0 WHERE status='ok'")  # (READ_AGAIN)
 
 
 def _m009_forgets(conn):
@@ -3876,8 +3879,8 @@ class Importer:
             store.records.finish_bulk()
             store.records.link_supersessions()
             store.set_meta("last_import_at", iso_now())
-            gone = [row for row in conn.execute("SELECT path FROM files WHERE size < 0")
-                    if not os.path.exists(row[0])]  # marked to read again (_m008_sessions)
+            gone = [row for row in conn.execute("SELECT path FROM files WHERE " + READ_AGAIN)
+                    if not os.path.exists(row[0])]
             conn.executemany("DELETE FROM files WHERE path=?", gone)
             newest = self.stats.newest_entry_at
             if newest and newest > (store.meta("newest_entry_at") or ""):
@@ -4976,7 +4979,8 @@ def local_status(store):
                 **{k: store.meta(k) for k in _LAST_TIMES}},
         "duplicates": {"groups": dups[0], "records": dups[1]},
         "sessions": {"files": sum(files.values()), "not_sessions": files.get("not_session", 0),
-                     "to_read_again": store._one("SELECT count(*) FROM files WHERE size < 0")},
+                     "to_read_again": store._one("SELECT count(*) FROM files WHERE "
+                                                 + READ_AGAIN)},
         "db": {"path": store.path, "bytes": size, "schema_version": store.version},
         "fts": {"available": store.records.fts, "tokenizer": store.meta("fts")},
         "machine": machine_identity(),
@@ -6780,11 +6784,12 @@ def _doctor_outbox(store, bundles):
 
 
 def _doctor_import_lag(store):
-    again = store._one("SELECT count(*) FROM files WHERE size < 0")  # (_m008_sessions)
+    again = store._one("SELECT count(*) FROM files WHERE " + READ_AGAIN)
     if again:
         return check("import", "warn", "%s imported by an older qmem.py: their records do not "
                      "know their pi session yet" % plural(again, "session file"),
-                     "run `qmem.py import`: it reads them again, once, whole")
+                     "run `qmem.py import` (with --sessions DIR for a folder imported by "
+                     "name): it reads them again, once, whole")
     last = parse_iso(store.meta("last_import_at") or "")
     newest = 0.0
     for path in session_files(session_dirs()):
@@ -9296,8 +9301,9 @@ def show_status(doc, out):
             out.write("last bundle loaded: %(last_load_at)s, from %(last_load_from)s\n" % lag)
         out.write("session files indexed: %(files)d\n" % doc["sessions"])
         if doc["sessions"].get("to_read_again"):
-            out.write("  %s to read again by the next import, for their records to know "
-                      "their session\n" % plural(doc["sessions"]["to_read_again"], "file"))
+            out.write("  %s to read again by the next import (`import --sessions DIR` for a "
+                      "folder imported by name), for their records to know their session\n"
+                      % plural(doc["sessions"]["to_read_again"], "file"))
         out.write("database: %s (%.1f MB, schema %d); search: %s\n" % (
             doc["db"]["path"], doc["db"]["bytes"] / 1e6, doc["db"]["schema_version"],
             doc["fts"]["tokenizer"] if doc["fts"]["available"]
