@@ -10151,8 +10151,9 @@ class McpServer:
         note = said[:1].upper() + said[1:]
         if doc["state"] == "queued":
             note += "; " + forget_waits_said(doc, _delivered_when(doc))
-        if doc.get("error") and _agent_hint(doc["error"]):  # (what sets it right)
-            note += "; " + _agent_hint(doc["error"])
+        hint = _agent_hint(doc["error"]) if doc.get("error") else None
+        if hint:  # (what sets it right)
+            note += "; " + hint
         out = {"status": {"dropped": "forgotten", "dropped_held": "forgotten",
                           "already": "forgotten", "nothing": "duplicate"}.get(doc["state"],
                                                                               doc["state"]),
