@@ -7781,11 +7781,9 @@ class WriteOps:
                "provenance": payload["source"],
                "already_queued": repeated, "private": payload["private"]}
         if state in WAITING:
-            doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
-            doc["by_bundles"] = by_bundles(ops.config["url"], ops.store())
-            doc["reason"] = "queued on request, not sent" if queue_only else (
-                ops.failure_reason(error)["reason"] if isinstance(error, GatewayError) else
-                str(error or row["last_error"] or "retry later"))
+            self._queued(doc, row, error)
+            if queue_only:
+                doc["reason"] = "queued on request, not sent"
             when = max(row["next_attempt_at"],
                        breaker_holds_until(ops.configured_breaker(), ops.clock()))
             if when > ops.clock() + 60:
@@ -7839,6 +7837,15 @@ class WriteOps:
                             % (error or row["last_error"]), kind="not_stored")
         return self._forget_doc(store, rid, what, local_id, row, error)
 
+    def _queued(self, doc, row, error):
+        """A queued write's document (a forget's too) says why it waits, whether for a gateway
+        to be configured, and whether bundles carry it (this host has no gateway URL)."""
+        ops = self.ops
+        doc["not_configured"] = isinstance(error, GatewayError) and error.kind == NOT_CONFIGURED
+        doc["by_bundles"] = by_bundles(ops.config["url"], ops.store())
+        doc["reason"] = (ops.failure_reason(error)["reason"] if isinstance(error, GatewayError)
+                         else str(error or row["last_error"] or "retry later"))
+
     def _forget_doc(self, store, rid, what, local_id, row, error):
         """What became of a forget, as the document of forget."""
         ops = self.ops
@@ -7852,11 +7859,7 @@ class WriteOps:
                "already_queued": what == "repeated", "deleted_at": rec.get("deleted_at"),
                "last_error": row and row["last_error"], "reason": None}
         if state == "queued":
-            doc["by_bundles"] = by_bundles(ops.config["url"], store)
-            doc["reason"] = ops.failure_reason(error)["reason"] if isinstance(
-                error, GatewayError) else str(error or row["last_error"] or "retry later")
-            doc["not_configured"] = isinstance(error, GatewayError) and (
-                error.kind == NOT_CONFIGURED)
+            self._queued(doc, row, error)
             if error is not None and error.kind in CONFIGURED_WRONG:
                 doc.update(error_document(error))  # queued, but the key (say) must be fixed
         elif state == FAILED:
