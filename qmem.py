@@ -4781,9 +4781,13 @@ def _visibility(f):
 
 
 def _fts_query(store, level, every, where, params, limit):
-    """The rows, each with its rid last."""
+    """The rows, each with its rid last, best first by BM25 (the text counting twice as
+    much as the other columns). Ordered by FTS5's own rank, FTS5 hands them over best
+    first, so only the records up to the limit are read; ORDER BY bm25() reads the record
+    of every match, then sorts (651 against 278 reads, 3.6 against 2.4 ms, for "circuit
+    breaker" among bench.py's 100k records, the first query of a process)."""
     sql = ("SELECT %s, r.rid FROM {0} JOIN records r ON r.rid = {0}.rowid WHERE {0} MATCH ? "
-           "AND %s ORDER BY bm25({0}, 1.0, 0.5, 0.5, 0.5, 0.5) LIMIT ?"
+           "AND rank MATCH 'bm25(1.0, 0.5, 0.5, 0.5, 0.5)' AND %s ORDER BY rank LIMIT ?"
            % (_RESULT_COLUMNS, " AND ".join(where))).format(store.records.fts_table)
     return sql, [fts_expression(level, every, store)] + params + [limit]
 
