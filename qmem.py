@@ -10919,10 +10919,12 @@ def build_parser():
         arg("--version", action="version", version="qmem.py " + __version__)])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    common = argparse.ArgumentParser(add_help=False)  # what every command takes
+    add_arguments(common, [JSON_OPTION])
     for name, func, about, arguments, *more in COMMANDS:
         subparser = sub.add_parser(name, help=about, description=about, allow_abbrev=False,
-                                   **(more[0] if more else {}))
-        add_arguments(subparser, [JSON_OPTION] + arguments)
+                                   parents=[common], **(more[0] if more else {}))
+        add_arguments(subparser, arguments)
         subparser.set_defaults(func=func)
     return parser
 
