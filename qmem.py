@@ -7749,14 +7749,23 @@ class WriteOps:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
                                   fix=Fix("flush"))
         row = store.outbox.row(local_id)
-        if row["state"] in WAITING and not queue_only and not ops.config["offlineQueue"]:
-            store.outbox.withdraw(local_id)
-            not_kept = "not stored (offlineQueue is off, nothing kept): %s"
-            if isinstance(error, GatewayError):
-                raise GatewayError(error.kind, not_kept % error.message, hint=error.hint,
-                                   fix=error.fixes)
-            raise QmemError(not_kept % row["last_error"], kind="not_stored")
+        if row["state"] in WAITING and not queue_only:
+            self._unless_kept(store, local_id, row, error, "not stored")
         return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
+
+    def _unless_kept(self, store, local_id, row, error, undone):
+        """A write (or forget) just queued that could not be sent now: with offlineQueue
+        off it is taken back out of the outbox, and the error that stopped it is raised,
+        worded for what was not done ('not stored'); the gateway's own error keeps its kind
+        (not configured: a configuration error, exit 2)."""
+        if self.ops.config["offlineQueue"]:
+            return
+        store.outbox.withdraw(local_id)
+        not_kept = undone + " (offlineQueue is off, nothing kept): %s"
+        if isinstance(error, GatewayError):
+            raise GatewayError(error.kind, not_kept % error.message, hint=error.hint,
+                               fix=error.fixes)
+        raise QmemError(not_kept % row["last_error"], kind="not_stored")
 
     def _send_now(self, store, gateway, local_id, token):
         """Send a write just queued, after the queued writes it corrects (oldest first:
@@ -7835,10 +7844,8 @@ class WriteOps:
                 raise Interrupted("interrupted: the forget is queued here as %s" % local_id,
                                   fix=Fix("flush"))
         row = store.outbox.row(local_id) if what in ("queued", "repeated") else None
-        if what == "queued" and row["state"] in WAITING and not ops.config["offlineQueue"]:
-            store.outbox.withdraw(local_id)
-            raise QmemError("not forgotten (offlineQueue is off, nothing kept): %s"
-                            % (error or row["last_error"]), kind="not_stored")
+        if what == "queued" and row["state"] in WAITING:
+            self._unless_kept(store, local_id, row, error, "not forgotten")
         return self._forget_doc(store, rid, what, local_id, row, error)
 
     def _queued(self, doc, row, error):

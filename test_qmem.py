@@ -5338,6 +5338,19 @@ class ForgetTests(GatewayTestCase):
         err = self.expect_fail(1, "forget", UUIDS[5])  # known nowhere
         self.assertIn("the gateway does not know that memory (HTTP 404):", err)  # not shown again
 
+    def test_with_the_offline_queue_off_a_forget_fails_as_a_store_does(self):
+        rid = self.pulled("memoria da dimenticare")
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        self.offline()  # no answer: exit 1, nothing kept
+        self.assertIn("not forgotten (offlineQueue is off, nothing kept)",
+                      self.expect_fail(1, "forget", rid))
+        self.unconfigured()  # no gateway: a configuration error, exit 2, as for store
+        self.assertIn("not forgotten (offlineQueue is off, nothing kept)",
+                      self.expect_fail(2, "forget", rid))
+        self.assertEqual(self.ok_json("queue")["items"], [])
+        self.assertEqual(self.find_ids("dimenticare"), [rid])  # not hidden: nothing was done
+
     def test_a_failing_gateway_leaves_it_queued_with_a_backoff_until_flush(self):
         rid = self.pulled("cache warmup notes")
         self.gw.script = [(503, {"detail": "busy"})] * 3  # every try of the call
