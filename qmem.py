@@ -7749,15 +7749,16 @@ class WriteOps:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
                                   fix=Fix("flush"))
         row = store.outbox.row(local_id)
-        if row["state"] in WAITING and not queue_only:
+        if row["state"] in WAITING and not queue_only and not repeated:  # (queued before: kept)
             self._unless_kept(store, local_id, row, error, "not stored")
         return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
 
     def _unless_kept(self, store, local_id, row, error, undone):
-        """A write (or forget) just queued that could not be sent now: with offlineQueue
-        off it is taken back out of the outbox, and the error that stopped it is raised,
-        worded for what was not done ('not stored'); the gateway's own error keeps its kind
-        (not configured: a configuration error, exit 2)."""
+        """A write (or forget) this command queued that could not be sent now (never one
+        queued before, which was accepted then): with offlineQueue off it is taken back out
+        of the outbox, and the error that stopped it is raised, worded for what was not
+        done ('not stored'); the gateway's own error keeps its kind (not configured: a
+        configuration error, exit 2)."""
         if self.ops.config["offlineQueue"]:
             return
         store.outbox.withdraw(local_id)

@@ -7683,6 +7683,19 @@ class OperationsWriteTests(GatewayTestCase):
         self.assertEqual(self.ok_json("queue")["items"], [])
         self.assertEqual(self.find_ids("resta"), [])
 
+    def test_offline_queue_off_never_takes_back_a_write_queued_before(self):
+        # The same write again, while the one queued before (--queue-only, a bundle, or while
+        # offlineQueue was on) still waits: that one was accepted, and stays queued.
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        first = self.ok_json("store", "resta in coda", "--project", "p", "--queue-only")
+        self.offline()
+        doc = self.ok_json("store", "resta in coda", "--project", "p")
+        self.assertEqual((doc["local_id"], doc["already_queued"], doc["queued"]),
+                         (first["local_id"], True, True))
+        self.assertEqual(list(self.outbox()), [first["local_id"]])
+        self.assertEqual(self.find_ids("coda"), [first["local_id"]])
+
     def test_no_gateway_is_exit_2_with_the_offline_queue_off_too(self):
         os.environ.pop("QMEM_URL")
         os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
