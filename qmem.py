@@ -195,14 +195,15 @@ AWAY_KINDS = frozenset((UNREACHABLE, BREAKER_OPEN))
 class GatewayError(QmemError):
     """The gateway gave no usable answer; `kind` (above) says why and decides what
     happens. `detail` is the short cause ('HTTP 503', 'connection refused') that a
-    fallback label shows; `in_a_row` the consecutive failures behind an open breaker."""
+    fallback label shows; `in_a_row` the consecutive failures behind an open breaker;
+    `sent`: no answer came on a connection made, so the gateway may have acted on it."""
 
     def __init__(self, kind, message, status=None, retry_in_ms=None, hint=None, detail=None,
-                 cause=None, in_a_row=None, fix=None):
+                 cause=None, in_a_row=None, fix=None, sent=False):
         QmemError.__init__(self, message, hint, kind, fix)
         self.status, self.retry_in_ms = status, retry_in_ms
         self.detail = detail or ("HTTP %d" % status if status else None)
-        self.cause, self.in_a_row = cause or kind, in_a_row
+        self.cause, self.in_a_row, self.sent = cause or kind, in_a_row, sent
 
     @property
     def exit_code(self):
@@ -1779,10 +1780,11 @@ class Gateway:
                     continue  # the kept-alive connection was closed by the server: reconnect once
                 if isinstance(e, net["socket"].timeout):
                     raise GatewayError(UNREACHABLE, "connected to %s, but no answer within %g s" % (
-                        self.url, self.connect_s), detail="no answer within %g s" % self.connect_s)
+                        self.url, self.connect_s), detail="no answer within %g s" % self.connect_s,
+                        sent=True)
                 raise GatewayError(UNREACHABLE, "connected to %s, but it closed the connection "
                                    "without answering (%s)" % (self.url, _reason(e)),
-                                   detail="closed the connection without answering")
+                                   detail="closed the connection without answering", sent=True)
 
     def _read_body(self, resp):
         """The whole body within the body budget, or GatewayError('ambiguous')."""
@@ -7655,6 +7657,10 @@ class ReadOps:
         return dict(reason, source="local_sqlite", degraded=True)
 
 
+# The error of a write kept queued although offlineQueue is off: the gateway may hold it.
+UNCONFIRMED = "unconfirmed"
+
+
 class WriteOps:
     """Writes (store, correct, forget) and the outbox that keeps them until the gateway has them:
     queue, drop, release, flush, and the automatic delivery after an online command."""
@@ -7748,21 +7754,32 @@ class WriteOps:
             except KeyboardInterrupt:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
                                   fix=Fix("flush"))
-        row = store.outbox.row(local_id)
+        row, unconfirmed = store.outbox.row(local_id), None
         if row["state"] in WAITING and not queue_only and not repeated:  # (queued before: kept)
-            self._unless_kept(store, local_id, row, error, "not stored")
-        return self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
+            unconfirmed = self._unless_kept(store, local_id, row, error, "stored")
+        doc = self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
+        return dict(doc, **error_document(unconfirmed)) if unconfirmed else doc
 
-    def _unless_kept(self, store, local_id, row, error, undone):
+    def _unless_kept(self, store, local_id, row, error, done):
         """A write (or forget) this command queued that could not be sent now (never one
         queued before, which was accepted then): with offlineQueue off it is taken back out
         of the outbox, and the error that stopped it is raised, worded for what was not
         done ('not stored'); the gateway's own error keeps its kind (not configured: a
-        configuration error, exit 2)."""
+        configuration error, exit 2). Unless the gateway may have acted on it: no answer
+        came on a connection made (error.sent), or an answer of no use that the flusher
+        tries again (error None, the answer in the row; a 429 says it was not acted on).
+        Taken back, it could be lost or stored twice: it stays queued, and the error
+        returned says so."""
         if self.ops.config["offlineQueue"]:
-            return
+            return None
+        if error.sent if error is not None else (row["last_error"]
+                                                 and row["last_status"] != 429):
+            return QmemError("not confirmed: the gateway may have %s it (%s); it stays queued "
+                             "here to be confirmed once, although offlineQueue is off" % (
+                                 done, row["last_error"] if error is None else error.detail),
+                             kind=UNCONFIRMED)
         store.outbox.withdraw(local_id)
-        not_kept = undone + " (offlineQueue is off, nothing kept): %s"
+        not_kept = "not %s (offlineQueue is off, nothing kept): %%s" % done
         if isinstance(error, GatewayError):
             raise GatewayError(error.kind, not_kept % error.message, hint=error.hint,
                                fix=error.fixes)
@@ -7845,9 +7862,11 @@ class WriteOps:
                 raise Interrupted("interrupted: the forget is queued here as %s" % local_id,
                                   fix=Fix("flush"))
         row = store.outbox.row(local_id) if what in ("queued", "repeated") else None
+        unconfirmed = None
         if what == "queued" and row["state"] in WAITING:
-            self._unless_kept(store, local_id, row, error, "not forgotten")
-        return self._forget_doc(store, rid, what, local_id, row, error)
+            unconfirmed = self._unless_kept(store, local_id, row, error, "forgotten")
+        doc = self._forget_doc(store, rid, what, local_id, row, error)
+        return dict(doc, **error_document(unconfirmed)) if unconfirmed else doc
 
     def _queued(self, doc, row, error):
         """A queued write's document (a forget's too) says why it waits, whether for a gateway
@@ -9107,7 +9126,7 @@ def show_write(doc, out):
         for what, key in QUEUED_NOTES:
             if doc.get(key):
                 out.write("  %s\n" % write_said(doc, what))
-        if doc.get("error"):
+        if doc.get("error") and doc["error"]["kind"] != UNCONFIRMED:  # (nothing to fix)
             out.write("  it waits in the outbox: %s, then `qmem.py flush`\n"
                       % (doc["error"]["hint"] or "fix this"))
 
@@ -10166,6 +10185,8 @@ class McpServer:
         note = said[:1].upper() + said[1:]
         if doc["state"] == "queued":
             note += "; " + forget_waits_said(doc, _delivered_when(doc))
+        if doc.get("error") and doc["error"]["kind"] == UNCONFIRMED:
+            note += "; " + doc["error"]["message"]
         hint = _agent_hint(doc["error"]) if doc.get("error") else None
         if hint:  # (what sets it right)
             note += "; " + hint
@@ -10363,8 +10384,10 @@ def _written(doc, where, corrects=None):
         for what, key in QUEUED_NOTES:
             if doc.get(key):
                 note += "; " + write_said(doc, what)
-        if doc.get("error"):
-            problem = doc["error"]
+        problem = doc.get("error")
+        if problem and problem["kind"] == UNCONFIRMED:  # (nothing to fix: a flush confirms it)
+            note += "; " + problem["message"]
+        elif problem:
             hint = _agent_hint(problem)
             note += "; it will not be delivered until this is fixed: %s" % (
                 "%s: %s" % (problem["message"], hint) if hint else problem["message"])

@@ -5351,6 +5351,20 @@ class ForgetTests(GatewayTestCase):
         self.assertEqual(self.ok_json("queue")["items"], [])
         self.assertEqual(self.find_ids("dimenticare"), [rid])  # not hidden: nothing was done
 
+    def test_with_the_offline_queue_off_a_forget_the_gateway_may_have_stays_queued(self):
+        rid = self.pulled("memoria forse dimenticata")
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        self.gw.script = ["drop_after_store"]  # the gateway deletes it, the reply is lost
+        code, out, err = self.run_cli("forget", rid)
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("not confirmed: the gateway may have forgotten it (", err)
+        self.assertEqual(self.find_ids("dimenticata"), [])  # hidden: being forgotten
+        self.ok("breaker", "--reset")
+        self.ok("flush")
+        self.assertEqual([r["state"] for r in self.ok_json("queue")["items"]], ["synced"])
+        self.assertEqual(len(self.deletes()), 2)  # the same DELETE again: one tombstone
+
     def test_a_failing_gateway_leaves_it_queued_with_a_backoff_until_flush(self):
         rid = self.pulled("cache warmup notes")
         self.gw.script = [(503, {"detail": "busy"})] * 3  # every try of the call
@@ -7696,6 +7710,30 @@ class OperationsWriteTests(GatewayTestCase):
         self.assertEqual(list(self.outbox()), [first["local_id"]])
         self.assertEqual(self.find_ids("coda"), [first["local_id"]])
 
+    def test_offline_queue_off_keeps_a_write_the_gateway_may_have(self):
+        # Sent, and no usable answer: taken back, it could be lost or stored twice.
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        for n, answer in enumerate(("drop_after_store", (500, {"detail": "boom"}))):
+            self.gw.script = [answer] * 3  # (every try of the call)
+            with mock.patch("qmem.time.sleep"):
+                code, out, err = self.run_cli("store", "forse salvata %d" % n, "--project", "p")
+            self.assertEqual(code, 1, out + err)
+            self.assertIn("not shared yet: queued on this machine", out)
+            self.assertIn("not confirmed: the gateway may have stored it (", err)
+            self.assertIn("other agents see it once it is delivered (`qmem.py flush`)", out)
+            self.ok("breaker", "--reset")
+        self.assertEqual(len(self.outbox()), 2)
+        self.ok("flush")  # delivered once: the lost reply is replayed, the 500 sent again
+        self.assertEqual(sorted(r["state"] for r in self.outbox().values()), ["synced"] * 2)
+        self.assertEqual(sorted(r["text"] for r in self.gw.records.values()),
+                         ["forse salvata 0", "forse salvata 1"])
+        self.gw.script = [(429, {"detail": "slow down"})] * 3  # an answer: not acted on
+        with mock.patch("qmem.time.sleep"):
+            self.assertIn("not stored (offlineQueue is off, nothing kept)",
+                          self.expect_fail(1, "store", "mai salvata", "--project", "p"))
+        self.assertEqual(len(self.outbox()), 2)
+
     def test_no_gateway_is_exit_2_with_the_offline_queue_off_too(self):
         os.environ.pop("QMEM_URL")
         os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
@@ -8795,6 +8833,25 @@ class McpToolTests(McpTestCase):
         self.assertTrue(found["results"][0]["text"].startswith(
             "[REFUSED by the gateway, never stored: text too vague] vague idea"),
             found["results"][0])
+        self.assertEqual(server.close(), 0)
+
+    def test_a_write_the_gateway_may_have_is_said_to_agents_as_to_the_command_line(self):
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        rid = self.gw.add("da dimenticare")["id"]
+        self.ok("pull")
+        server = self.server(allow_forget=True)
+        for call, done in ((("qmem_store", {"text": "forse salvata", "project_id": "p"}),
+                            "stored"), (("qmem_forget", {"id": rid}), "forgotten")):
+            self.gw.script = ["drop_after_store"]
+            result = server.call(call[0], **call[1])
+            got = result["structuredContent"]
+            self.assertIs(result["isError"], True)
+            self.assertEqual((got["status"], got["error"]), ("queued", "unconfirmed"))
+            self.assertIn("; not confirmed: the gateway may have %s it (closed the connection "
+                          "without answering); it stays queued here" % done, got["note"])
+            self.assertNotIn("until this is fixed", got["note"])
+            self.ok("breaker", "--reset")
         self.assertEqual(server.close(), 0)
 
     def test_a_damaged_database_is_said_as_the_command_line_says_it(self):
