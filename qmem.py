@@ -5499,6 +5499,8 @@ class Flusher:
         self.delivered = {}  # local id -> gateway id, for rows of this run
         self.refused = set()  # local ids the gateway refused in this run
         self.duplicates = set()  # local ids the gateway did not store in this run (409)
+        # local id -> why the gateway may have acted on its request, though no answer said so
+        self.unconfirmed = {}
 
     def _refused(self):
         """The breaker's refusal of a call now, or None. A claim marks its rows as perhaps
@@ -5621,6 +5623,7 @@ class Flusher:
         if target and op != FORGET:
             payload = json.dumps(dict(json.loads(payload), supersedes_id=value),
                                  ensure_ascii=False, sort_keys=True)
+        acted = None  # this row's own request went out, and the gateway may have acted on it
         try:
             if op == FORGET:  # no body: the reason is never sent
                 from urllib.parse import quote
@@ -5631,8 +5634,13 @@ class Flusher:
                                          idempotency_key=local_id)
         except GatewayError as e:
             outcome = self._failed_call(row, e, stats)
+            acted = e.detail if e.sent else str(e) if (e.kind == AMBIGUOUS
+                                                       and e.status != 429) else None
         else:
             outcome = self._judge(row, resp, value)
+            acted = outcome.error if outcome.action == RETRY else None  # (in flight, odd 2xx)
+        if acted:
+            self.unconfirmed[local_id] = acted
         return outcome._replace(tries=self.gateway.tries)
 
     def _failed_call(self, row, e, stats):
@@ -7748,36 +7756,35 @@ class WriteOps:
                                                      max_mb=ops.config["outboxMaxMB"])
         except StoreError as e:  # busy, full, unusable: the words must not be lost
             raise _kept_aside(e, payload, ops.config.db_path)
+        acted = None
         if gateway is not None:
             try:
-                error = self._send_now(store, gateway, local_id, token)
+                error, acted = self._send_now(store, gateway, local_id, token)
             except KeyboardInterrupt:
                 raise Interrupted("interrupted: the write is queued here as %s" % local_id,
                                   fix=Fix("flush"))
         row, unconfirmed = store.outbox.row(local_id), None
         if row["state"] in WAITING and not queue_only and not repeated:  # (queued before: kept)
-            unconfirmed = self._unless_kept(store, local_id, row, error, "stored")
+            unconfirmed = self._unless_kept(store, local_id, row, error, "stored", acted)
         doc = self._write_doc(write.op, payload, row, local_id, repeated, queue_only, error)
         return dict(doc, **error_document(unconfirmed)) if unconfirmed else doc
 
-    def _unless_kept(self, store, local_id, row, error, done):
+    def _unless_kept(self, store, local_id, row, error, done, acted):
         """A write (or forget) this command queued that could not be sent now (never one
         queued before, which was accepted then): with offlineQueue off it is taken back out
         of the outbox, and the error that stopped it is raised, worded for what was not
         done ('not stored'); the gateway's own error keeps its kind (not configured: a
-        configuration error, exit 2). Unless the gateway may have acted on it: no answer
-        came on a connection made (error.sent), or an answer of no use that the flusher
-        tries again (error None, the answer in the row; a 429 says it was not acted on).
-        Taken back, it could be lost or stored twice: it stays queued, and the error
-        returned says so."""
+        configuration error, exit 2). Unless the gateway may have acted on its own request
+        (`acted` says why, Flusher.unconfirmed: no answer came on a connection made, or an
+        answer of no use that is tried again; a 429 says it was not acted on; never a
+        request not sent, as a correction held for the write it corrects). Taken back, it
+        could be lost or stored twice: it stays queued, and the error returned says so."""
         if self.ops.config["offlineQueue"]:
             return None
-        if error.sent if error is not None else (row["last_error"]
-                                                 and row["last_status"] != 429):
+        if acted:
             return QmemError("not confirmed: the gateway may have %s it (%s); it stays queued "
                              "here to be confirmed once, although offlineQueue is off" % (
-                                 done, row["last_error"] if error is None else error.detail),
-                             kind=UNCONFIRMED)
+                                 done, acted), kind=UNCONFIRMED)
         store.outbox.withdraw(local_id)
         not_kept = "not %s (offlineQueue is off, nothing kept): %%s" % done
         if isinstance(error, GatewayError):
@@ -7787,15 +7794,16 @@ class WriteOps:
 
     def _send_now(self, store, gateway, local_id, token):
         """Send a write just queued, after the queued writes it corrects (oldest first:
-        it waits for them); the first error that stopped a send, or None."""
+        it waits for them); the first error that stopped a send, or None, and why the
+        gateway may have acted on this write's own request, or None."""
         error, clock = None, self.ops.clock
         for earlier in store.outbox.unsent_targets(local_id):
             error = Flusher(store, gateway, clock=clock).run(only=earlier).stop_error
             if error is not None:
                 break
-        stats = Flusher(store, gateway, clock=clock).run(only=None if token else local_id,
-                                                         claimed=token)
-        return error or stats.stop_error
+        flusher = Flusher(store, gateway, clock=clock)
+        stats = flusher.run(only=None if token else local_id, claimed=token)
+        return error or stats.stop_error, flusher.unconfirmed.get(local_id)
 
     def _write_doc(self, op, payload, row, local_id, repeated, queue_only, error):
         """What became of a write (its outbox row), as the document of store and correct."""
@@ -7855,16 +7863,17 @@ class WriteOps:
         store = ops.store()
         claim = Flusher(store, gateway, clock=ops.clock).claim_new if gateway else None
         what, local_id, token = enqueue_forget(store, rid, reason and reason.strip(), claim)
+        acted = None
         if what == "queued" and gateway is not None:
             try:
-                error = self._send_now(store, gateway, local_id, token)
+                error, acted = self._send_now(store, gateway, local_id, token)
             except KeyboardInterrupt:
                 raise Interrupted("interrupted: the forget is queued here as %s" % local_id,
                                   fix=Fix("flush"))
         row = store.outbox.row(local_id) if what in ("queued", "repeated") else None
         unconfirmed = None
         if what == "queued" and row["state"] in WAITING:
-            unconfirmed = self._unless_kept(store, local_id, row, error, "forgotten")
+            unconfirmed = self._unless_kept(store, local_id, row, error, "forgotten", acted)
         doc = self._forget_doc(store, rid, what, local_id, row, error)
         return dict(doc, **error_document(unconfirmed)) if unconfirmed else doc
 

@@ -5365,6 +5365,22 @@ class ForgetTests(GatewayTestCase):
         self.assertEqual([r["state"] for r in self.ok_json("queue")["items"]], ["synced"])
         self.assertEqual(len(self.deletes()), 2)  # the same DELETE again: one tombstone
 
+    def test_with_the_offline_queue_off_a_forget_never_sent_is_taken_back(self):
+        # Review 42b: the write it forgets (queued here, perhaps stored) could not be
+        # confirmed first, so the DELETE was never sent: 'the gateway may have forgotten it'
+        # was untrue.
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        self.gw.script = ["close"]
+        self.expect_fail(1, "store", "scritta qui", "--project", "p")
+        lid = list(self.ok_json("queue")["items"])[0]["local_id"]
+        self.ok("breaker", "--reset")
+        self.gw.script = ["close"]
+        err = self.expect_fail(1, "forget", lid)
+        self.assertIn("not forgotten (offlineQueue is off, nothing kept): ", err)
+        self.assertEqual([r["local_id"] for r in self.ok_json("queue")["items"]], [lid])
+        self.assertEqual(self.deletes(), [])
+
     def test_a_failing_gateway_leaves_it_queued_with_a_backoff_until_flush(self):
         rid = self.pulled("cache warmup notes")
         self.gw.script = [(503, {"detail": "busy"})] * 3  # every try of the call
@@ -7733,6 +7749,25 @@ class OperationsWriteTests(GatewayTestCase):
             self.assertIn("not stored (offlineQueue is off, nothing kept)",
                           self.expect_fail(1, "store", "mai salvata", "--project", "p"))
         self.assertEqual(len(self.outbox()), 2)
+
+    def test_offline_queue_off_takes_back_a_correction_never_sent(self):
+        # Review 42b: the send of the queued write it corrects was cut short (or answered
+        # 503): the correction itself was never sent, yet it was said 'the gateway may have
+        # stored it' and kept, although offlineQueue is off.
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        target = self.ok_json("store", "bersaglio in coda", "--project", "p",
+                              "--queue-only")["local_id"]
+        for answer in ("close", (503, {"detail": "busy"})):
+            self.gw.script = [answer] * 3
+            with mock.patch("qmem.time.sleep"):
+                err = self.expect_fail(1, "correct", target, "bersaglio corretto")
+            self.assertIn("not stored (offlineQueue is off, nothing kept): ", err)
+            self.assertNotIn("may have", err)
+            self.assertEqual(list(self.outbox()), [target])  # the write queued before stays
+            self.ok("breaker", "--reset")
+        self.ok("flush")
+        self.assertEqual([r["text"] for r in self.gw.records.values()], ["bersaglio in coda"])
 
     def test_no_gateway_is_exit_2_with_the_offline_queue_off_too(self):
         os.environ.pop("QMEM_URL")
