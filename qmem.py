@@ -1656,6 +1656,7 @@ class Gateway:
                          "one there, or unset it to use the config file's"
                          if config.sources["apiKey"].startswith("env") else None)
         self.tries = 0  # requests the last call sent
+        self.acted = None  # why the gateway may have acted on one of them, none answering so
         self.answered = False  # has any call of this command had an answer?
         self.key_rejected = False  # ... and was it a 401 or 403?
         warn_plain_http(self.url, self.key)
@@ -1678,7 +1679,7 @@ class Gateway:
     def call(self, method, path, body=None, idempotency_key=None, retries=None):
         """Send one request; return a Response for 2xx and for 4xx answers (404, 409, 422...)
         the caller interprets. Everything else raises GatewayError (see its kinds)."""
-        self.tries = 0
+        self.tries, self.acted = 0, None
         clean = self.bypass_breaker or self.breaker.admit()
         retries = self.retries if retries is None else retries
         while True:
@@ -1689,6 +1690,7 @@ class Gateway:
             except GatewayError as e:
                 if e.kind == UNREACHABLE:
                     self.breaker.failure(UNREACHABLE, str(e), e.detail)
+                    self.acted = self.acted or (e.detail if e.sent else None)
                     raise
                 if e.kind != AMBIGUOUS:
                     self.breaker.release()
@@ -1705,6 +1707,8 @@ class Gateway:
                                        "API key rejected by the gateway (HTTP %d)" % resp.status,
                                        resp.status, hint=self.key_hint, fix=Fix("apikey"))
                 return resp
+            if failure.status != 429:  # (a 429 says it was not acted on; a later try may be)
+                self.acted = self.acted or str(failure)
             # Every failed attempt counts, retries too (resilience4j's
             # Retry(CircuitBreaker(call))): a gateway that stalls every body costs
             # breakerTripAfter requests, not three times that.
@@ -5632,10 +5636,9 @@ class Flusher:
             else:  # the frozen payload itself: the same bytes on every attempt, from every process
                 resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"),
                                          idempotency_key=local_id)
-        except GatewayError as e:
-            outcome = self._failed_call(row, e, stats)
-            acted = e.detail if e.sent else str(e) if (e.kind == AMBIGUOUS
-                                                       and e.status != 429) else None
+        except GatewayError as e:  # (any try of the call: a retry's 429 or refusal after a
+            outcome = self._failed_call(row, e, stats)  # cut answer does not undo it)
+            acted = self.gateway.acted
         else:
             outcome = self._judge(row, resp, value)
             acted = outcome.error if outcome.action == RETRY else None  # (in flight, odd 2xx)

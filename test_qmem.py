@@ -7750,6 +7750,23 @@ class OperationsWriteTests(GatewayTestCase):
                           self.expect_fail(1, "store", "mai salvata", "--project", "p"))
         self.assertEqual(len(self.outbox()), 2)
 
+    def test_offline_queue_off_keeps_a_write_an_earlier_try_may_have_stored(self):
+        # Review 42b: the body of the first try cut (the gateway stored it), the retries
+        # answered 429: it was taken back, 'not stored', with the record at the gateway.
+        os.environ["QMEM_CONFIG"] = os.path.join(self.home, "c.json")
+        self.ok("config", "set", "offlineQueue", "false")
+        self.gw.script = ["cut_real", (429, {"detail": "slow down"}), (429, {"detail": "slow"})]
+        with mock.patch("qmem.time.sleep"):
+            code, out, err = self.run_cli("store", "salvata davvero", "--project", "p")
+        self.assertEqual(code, 1, out + err)
+        self.assertIn("not confirmed: the gateway may have stored it (answer from ", err)
+        self.assertEqual(self.find_ids("salvata"), list(self.outbox()))
+        self.ok("breaker", "--reset")
+        self.ok("flush")  # the lost answer replayed: one record
+        self.assertEqual([r["state"] for r in self.outbox().values()], ["synced"])
+        self.assertEqual([r["text"] for r in self.gw.records.values()], ["salvata davvero"])
+        self.assertEqual(len({r[2]["idempotency-key"] for r in self.gw.posts()}), 1)
+
     def test_offline_queue_off_takes_back_a_correction_never_sent(self):
         # Review 42b: the send of the queued write it corrects was cut short (or answered
         # 503): the correction itself was never sent, yet it was said 'the gateway may have
