@@ -11042,7 +11042,11 @@ def run_command(argv):
         if command is None and not {"-h", "--help", "--version"} & set(argv):
             raise UsageError("a command is needed: %s" % ", ".join(c[0] for c in COMMANDS),
                              hint="`qmem.py --help` says what each does")
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:  # (after the command: its own --help lists what it takes)
+            before = set(unknown) & set(argv[:argv.index(args.command)])
+            raise UsageError("unrecognized arguments: %s" % " ".join(unknown),
+                             hint="see `qmem.py %s--help`" % ("" if before else args.command + " "))
         if args.command == "mcp":
             return run_mcp(args)
         if args.command == "export" and args.file == "-":

@@ -9784,6 +9784,12 @@ class CliTests(GatewayTestCase):
         self.expect_fail(2, "find", "--limit")
         self.expect_fail(2, "find", "x", "--limit", "zero")
 
+    def test_an_unknown_option_names_the_help_that_lists_the_right_ones(self):
+        self.assertIn("unrecognized arguments: --jso: see `qmem.py find --help`",
+                      self.expect_fail(2, "find", "--jso", "x"))
+        self.assertIn("unrecognized arguments: --bogus: see `qmem.py --help`",
+                      self.expect_fail(2, "--bogus", "find", "x"))  # (before the command)
+
     def test_json_flag_before_or_after_the_subcommand(self):
         os.makedirs(self.sessions)
         self.assertIn("stats", json.loads(self.ok("--json", "import")))
@@ -9985,7 +9991,7 @@ class CliTests(GatewayTestCase):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True)
         self.assertEqual(p.returncode, 2)
         self.assertTrue(p.stderr.startswith("qmem: unrecognized arguments: --bogus"), p.stderr)
-        self.assertIn("see `python3 %s --help`" % QMEM, p.stderr)  # the command as it was run
+        self.assertIn("see `python3 %s queue --help`" % QMEM, p.stderr)  # as it was run
 
     def test_a_hint_names_a_path_as_a_shell_takes_it(self):
         # Part 15's hints named `python3 /a dir/qmem.py flush` and `chmod u+w /a dir`: pasted,
