@@ -5627,7 +5627,6 @@ class Flusher:
         if target and op != FORGET:
             payload = json.dumps(dict(json.loads(payload), supersedes_id=value),
                                  ensure_ascii=False, sort_keys=True)
-        acted = None  # this row's own request went out, and the gateway may have acted on it
         try:
             if op == FORGET:  # no body: the reason is never sent
                 from urllib.parse import quote
@@ -5636,8 +5635,10 @@ class Flusher:
             else:  # the frozen payload itself: the same bytes on every attempt, from every process
                 resp = self.gateway.call("POST", "/v1/memories", payload.encode("utf-8"),
                                          idempotency_key=local_id)
-        except GatewayError as e:  # (any try of the call: a retry's 429 or refusal after a
-            outcome = self._failed_call(row, e, stats)  # cut answer does not undo it)
+        except GatewayError as e:
+            outcome = self._failed_call(row, e, stats)
+            # this row's own request may have been acted on (by any try of the call: a
+            # retry's 429 or refusal after a cut answer does not undo it)
             acted = self.gateway.acted
         else:
             outcome = self._judge(row, resp, value)
@@ -10760,12 +10761,17 @@ def stdout_gone():
         pass
 
 
+def see_help(prog):
+    """The hint of a usage error: the --help of the parser (prog) that lists what it takes."""
+    return "see `%s --help`" % prog
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are QmemErrors: one line (and a JSON document under
     --json), exit 2, like every other error."""
 
     def error(self, message):
-        raise UsageError(message, hint="see `%s --help`" % self.prog)
+        raise UsageError(message, hint=see_help(self.prog))
 
 
 def arg(*names, **options):
@@ -11046,7 +11052,7 @@ def run_command(argv):
         if unknown:  # (after the command: its own --help lists what it takes)
             before = set(unknown) & set(argv[:argv.index(args.command)])
             raise UsageError("unrecognized arguments: %s" % " ".join(unknown),
-                             hint="see `qmem.py %s--help`" % ("" if before else args.command + " "))
+                             hint=see_help("qmem.py" if before else "qmem.py " + args.command))
         if args.command == "mcp":
             return run_mcp(args)
         if args.command == "export" and args.file == "-":
